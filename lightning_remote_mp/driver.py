@@ -1,0 +1,305 @@
+"""The driver's session with its workers: connect, place SpecSequentials, mirror optimizers,
+move weights back and forth, and close. No Lightning here: the strategy is a thin layer on top.
+
+>>> import torch
+>>> from lightning_remote_mp.launch import LocalWorkers
+>>> from lightning_remote_mp.spec import SpecSequential
+>>> workers = LocalWorkers(2, threads=1)
+>>> net = SpecSequential([("torch.nn.Linear", {"in_features": 4, "out_features": 4}, (1, 4))] * 2)
+>>> expected = net(torch.ones(1, 4))
+>>> session = DriverSession(workers.start())
+>>> session.place("net", net)
+>>> torch.allclose(net(torch.ones(1, 4)), expected)
+True
+>>> session.close(); workers.stop()
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from lightning_remote_mp import __version__, partition, protocol
+from lightning_remote_mp.errors import LrmpError, SpecError, WorkerLostError
+from lightning_remote_mp.optim import OptimizerMirror
+from lightning_remote_mp.spec import DEFAULT_ALLOWED_PREFIXES, SpecSequential, is_allowed
+from lightning_remote_mp.stub import RemoteSpec, RemoteStage
+from lightning_remote_mp.transport import (
+    DEFAULT_CONNECT_TIMEOUT,
+    DEFAULT_HEARTBEAT_TIMEOUT,
+    Connection,
+    Heartbeat,
+    broadcast,
+    normalize_address,
+)
+
+log = logging.getLogger(__name__)
+
+Balance = Sequence[int] | str | None
+
+
+def _placed_module_state(module: SpecSequential, stage: partition.Stage) -> dict[str, torch.Tensor]:
+    return {
+        f"{i}.{name}": t.detach()
+        for i in stage.layer_indices
+        for name, t in module.layers[i].state_dict(keep_vars=True).items()
+    }
+
+
+class _Placement:
+    def __init__(self, key: str, module: SpecSequential, remote: RemoteSpec) -> None:
+        self.key = key
+        self.module = module
+        self.remote = remote
+        self.hooks = [
+            module.register_state_dict_pre_hook(self._before_state_dict),
+            module.register_load_state_dict_post_hook(self._after_load_state_dict),
+        ]
+        self.pulling = False
+
+    def _before_state_dict(self, module: Any, prefix: str, keep_vars: bool) -> None:
+        self.pull()
+
+    def _after_load_state_dict(self, module: Any, incompatible: Any) -> None:
+        self.push()
+
+    def pull(self) -> None:
+        """Copy the workers' weights and buffers into the local module."""
+        conns = [rs.conn for rs in self.remote.stages]
+        for reply in broadcast(conns, protocol.GET_STATE):
+            with torch.no_grad():
+                for name, t in reply.get(self.key, {}).items():
+                    index, _, rest = name.partition(".")
+                    self.module.layers[int(index)].state_dict(keep_vars=True)[rest].copy_(t)
+
+    def push(self) -> None:
+        """Send the local module's weights and buffers to the workers."""
+        ids = [
+            (
+                rs.conn,
+                rs.conn.send(protocol.LOAD_STATE, {"state": {self.key: _placed_module_state(self.module, rs.stage)}}),
+            )
+            for rs in self.remote.stages
+        ]
+        for conn, i in ids:
+            conn.recv(i, what=protocol.LOAD_STATE)
+
+    def detach(self) -> None:
+        for h in self.hooks:
+            h.remove()
+        self.module._remote = None
+
+
+class DriverSession:
+    """One training session with a row of workers (one stage each).
+
+    Args:
+        hosts: worker addresses, one per stage, in pipeline order.
+        heartbeat_timeout: seconds of silence after which a worker is declared lost.
+        connect_timeout: seconds to wait for each worker's first answer.
+        liveness: optional per-host callables returning why a local worker process died (or None).
+    """
+
+    def __init__(
+        self,
+        hosts: Sequence[str],
+        *,
+        heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT,
+        connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+        liveness: Sequence[Callable[[], str | None]] | None = None,
+    ) -> None:
+        addresses = [normalize_address(h) for h in hosts]
+        if not addresses:
+            raise LrmpError("no worker addresses given")
+        if len(set(addresses)) != len(addresses):
+            raise LrmpError(f"worker addresses repeat: {addresses}; give each stage its own worker")
+        self.id = uuid.uuid4().hex
+        self.conns = [
+            Connection(a, stage=i, heartbeat_timeout=heartbeat_timeout, is_alive=liveness[i] if liveness else None)
+            for i, a in enumerate(addresses)
+        ]
+        for c in self.conns:
+            c.session = self.id
+        self.heartbeat: Heartbeat | None = None
+        self.placements: dict[str, _Placement] = {}
+        self.mirrors: list[OptimizerMirror] = []
+        try:
+            self.workers = self._hello(connect_timeout)
+            self.heartbeat = Heartbeat(addresses, self.id, interval=min(1.0, heartbeat_timeout / 4))
+            for c in self.conns:
+                c.heartbeat = self.heartbeat
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def addresses(self) -> list[str]:
+        return [c.address for c in self.conns]
+
+    def _hello(self, timeout: float) -> list[dict[str, Any]]:
+        driver = f"{socket.gethostname()} pid {os.getpid()}"
+        hello = {"driver": driver, "lrmp": __version__, "torch": torch.__version__}
+        ids = [c.send(protocol.HELLO, hello) for c in self.conns]
+        infos = [c.recv(i, timeout=timeout, what="connect") for c, i in zip(self.conns, ids)]
+        for c, info in zip(self.conns, infos):
+            if info.get("lrmp") != __version__ or info.get("torch") != torch.__version__:
+                log.warning(
+                    "%s runs lrmp %s / torch %s; this driver runs lrmp %s / torch %s",
+                    c.where(),
+                    info.get("lrmp"),
+                    info.get("torch"),
+                    __version__,
+                    torch.__version__,
+                )
+            log.info("%s: %s, %.1f GiB free", c.where(), info.get("device_name"), info.get("free_memory", 0) / 2**30)
+        return infos
+
+    # --- placing stages --------------------------------------------------------------
+    def plan(
+        self, module: SpecSequential, balance: Balance = None, what: str = "SpecSequential"
+    ) -> list[partition.Stage]:
+        n_layers, n_stages = len(module.layers), len(self.conns)
+        if n_layers < n_stages:
+            raise SpecError(f"{what} has {n_layers} layers but there are {n_stages} workers; each stage needs a layer")
+        if balance is None or balance == "memory":
+            costs = [partition.estimate_layer_bytes(e, m) for e, m in zip(module.entries, module.layers)]
+            capacities = [float(w.get("free_memory") or 1.0) for w in self.workers]
+            counts = partition.split_contiguous(costs, capacities)
+        elif balance == "parameters":
+            costs = [sum(p.numel() for p in m.parameters()) for m in module.layers]
+            counts = partition.split_contiguous(costs, [1.0] * n_stages)
+        elif isinstance(balance, str):
+            raise SpecError(
+                f"{what}: unknown balance {balance!r}; use a list of layer counts, 'memory' or 'parameters'"
+            )
+        else:
+            counts = partition.check_balance(balance, n_layers, n_stages, what)
+        return partition.plan_stages(counts, module.wiring)
+
+    def place(self, key: str, module: SpecSequential, balance: Balance = None) -> None:
+        """Ship ``module``'s layers to the workers and make its forward run there."""
+        if key in self.placements:
+            raise LrmpError(f"SpecSequential {key!r} is already placed")
+        what = f"SpecSequential {key!r}"
+        for i, entry in enumerate(module.entries):
+            if entry.path.startswith("__main__."):
+                raise SpecError(
+                    f"{what}, layer {i} ({entry.name}) is defined in __main__, which a worker cannot import; "
+                    "move it into a module next to your script and, on remote workers, allow it with --allow-module"
+                )
+        stages = self.plan(module, balance, what)
+        log.info("%s placed:\n%s", what, partition.describe(stages, module.entries, module.layers, self.addresses))
+        ids = []
+        for stage, conn in zip(stages, self.conns):
+            entries = [
+                [module.entries[i].path, dict(module.entries[i].kwargs), _shape_for_wire(module.entries[i].input_shape)]
+                for i in stage.layer_indices
+            ]
+            body = {
+                "key": key,
+                "stage": stage.index,
+                "start": stage.start,
+                "entries": entries,
+                "exports": list(stage.exports),
+                "state": _placed_module_state(module, stage),
+            }
+            try:
+                ids.append(conn.send(protocol.SETUP, body))
+            except protocol.ProtocolError as err:
+                raise SpecError(
+                    f"{what}, stage {stage.index}: a layer's kwargs cannot be sent to a worker: {err}"
+                ) from None
+        for conn, i in zip(self.conns, ids):
+            conn.recv(i, what="setup")
+        remote = RemoteSpec(key, [RemoteStage(key, s, c) for s, c in zip(stages, self.conns)])
+        module._remote = remote
+        self.placements[key] = _Placement(key, module, remote)
+        remote.set_mode(module.training)
+
+    def remote_parameters(self) -> dict[int, tuple[Connection, str]]:
+        """For every placed parameter (by ``id``): its worker's connection and its name there."""
+        out = {}
+        for key, pl in self.placements.items():
+            for rs in pl.remote.stages:
+                for i in rs.stage.layer_indices:
+                    for name, p in pl.module.layers[i].named_parameters():
+                        out[id(p)] = (rs.conn, f"{key}/{i}.{name}")
+        return out
+
+    def mirror_optimizer(self, index: int, optimizer: torch.optim.Optimizer) -> OptimizerMirror | None:
+        remote = self.remote_parameters()
+        if not any(id(p) in remote for g in optimizer.param_groups for p in g["params"]):
+            return None
+        mirror = OptimizerMirror(optimizer, index, remote)
+        self.mirrors.append(mirror)
+        return mirror
+
+    # --- ending --------------------------------------------------------------------------
+    def restore(self) -> None:
+        """Bring weights and optimizer state back into the local objects and stop delegating."""
+        failures = []
+        for mirror in self.mirrors:
+            try:
+                mirror.detach(restore_state=True)
+            except WorkerLostError as err:
+                mirror.detach(restore_state=False)
+                failures.append(str(err))
+        self.mirrors.clear()
+        for key, pl in list(self.placements.items()):
+            try:
+                pl.pull()
+            except WorkerLostError as err:
+                failures.append(f"{key}: {err}")
+            pl.detach()
+        self.placements.clear()
+        if failures:
+            log.warning(
+                "could not bring everything back from the workers; the local copies of those layers "
+                "keep the weights they had when they were last synced:\n  %s",
+                "\n  ".join(failures),
+            )
+
+    def close(self) -> None:
+        live = [c for c in self.conns if not c.closed and c.lost_reason is None]
+        ids = []
+        for c in live:
+            try:
+                ids.append((c, c.send(protocol.BYE)))
+            except Exception:
+                pass
+        for c, i in ids:
+            try:
+                c.recv(i, timeout=2.0, what="bye")
+            except Exception as err:  # the session is over either way
+                log.debug("%s: bye not acknowledged: %s", c.where(), err)
+        if self.heartbeat is not None:
+            self.heartbeat.close()
+        for c in self.conns:
+            c.close()
+
+
+def _shape_for_wire(shape: Any) -> Any:
+    return [list(s) for s in shape] if shape and isinstance(shape[0], tuple) else list(shape)
+
+
+def allow_modules_for(
+    modules: Mapping[str, SpecSequential], optimizers: Sequence[torch.optim.Optimizer] = ()
+) -> list[str]:
+    """Module prefixes local workers need beyond their defaults to build these layers and optimizers."""
+    prefixes = []
+    for module in modules.values():
+        for entry in module.entries:
+            mod = entry.path.rsplit(".", 1)[0]
+            if not is_allowed(entry.path, DEFAULT_ALLOWED_PREFIXES) and mod != "__main__":
+                prefixes.append(mod)
+    for opt in optimizers:
+        mod = type(opt).__module__
+        if not is_allowed(mod, ("torch.optim",)) and mod != "__main__":
+            prefixes.append(mod)
+    return list(dict.fromkeys(prefixes))

@@ -1,0 +1,59 @@
+"""Exceptions raised by lrmp, each carrying where the problem is (layer, stage, worker)."""
+
+from __future__ import annotations
+
+
+class LrmpError(RuntimeError):
+    """Base class of every error lrmp raises on purpose."""
+
+
+class SpecError(LrmpError, ValueError):
+    """A layer spec is malformed: a bad entry, an unknown class or a broken residual wiring."""
+
+
+class ProtocolError(LrmpError):
+    """A message could not be encoded or decoded (malformed, truncated, over a limit)."""
+
+
+class RefusedClassError(LrmpError):
+    """A worker was asked to build a class outside its allowlist."""
+
+
+class WorkerError(LrmpError):
+    """An exception raised on a worker, relayed to the driver.
+
+    Attributes:
+        address: the worker's address.
+        stage: the stage number the worker holds (``None`` before stages are assigned).
+        layer: global index of the layer that failed, when the failure is inside a layer.
+        remote_type: the exception's class name on the worker.
+        remote_message: the exception's message on the worker.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        address: str,
+        stage: int | None = None,
+        layer: int | None = None,
+        remote_type: str = "",
+        remote_message: str = "",
+        remote_traceback: str = "",
+    ) -> None:
+        super().__init__(message)
+        self.address = address
+        self.stage = stage
+        self.layer = layer
+        self.remote_type = remote_type
+        self.remote_message = remote_message
+        self.remote_traceback = remote_traceback
+
+
+class WorkerLostError(LrmpError):
+    """A worker died, stopped answering, or could not be reached in time."""
+
+    def __init__(self, message: str, *, address: str, stage: int | None = None) -> None:
+        super().__init__(message)
+        self.address = address
+        self.stage = stage

@@ -1,0 +1,142 @@
+"""Splitting a spec into stages: explicit balance, or automatic by estimated memory.
+
+A stage is a contiguous run of layers held by one worker. Residual variables that cross a stage
+boundary become the stage's ``imports`` (consumed here, produced earlier) and ``exports``
+(produced here, consumed later).
+
+>>> costs = [10, 0, 10, 0, 10, 0, 10, 0]
+>>> split_contiguous(costs, [1.0, 1.0])
+[4, 4]
+>>> split_contiguous([10] * 8, [3.0, 1.0])  # the first worker has three times the memory
+[6, 2]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+from torch import nn
+
+from lightning_remote_mp.errors import SpecError
+from lightning_remote_mp.spec import LayerEntry, Wiring
+
+#: Bytes kept per parameter while training: the weight, its gradient and two optimizer moments.
+TRAINING_BYTES_PER_PARAM_ELEMENT = 4 * 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """One stage of one SpecSequential: layers ``start:stop`` and the variables crossing its edges."""
+
+    index: int
+    start: int
+    stop: int
+    imports: tuple[str, ...]
+    exports: tuple[str, ...]
+
+    @property
+    def layer_indices(self) -> range:
+        return range(self.start, self.stop)
+
+
+def plan_stages(balance: Sequence[int], wiring: Wiring) -> list[Stage]:
+    """Turn layer counts per stage into :class:`Stage` objects with their imports and exports."""
+    bounds = [0]
+    for n in balance:
+        bounds.append(bounds[-1] + n)
+    stage_of = {}
+    for s in range(len(balance)):
+        for i in range(bounds[s], bounds[s + 1]):
+            stage_of[i] = s
+    stages = []
+    for s in range(len(balance)):
+        imports = sorted(
+            name
+            for name, users in wiring.consumed_at.items()
+            if stage_of[wiring.produced_at[name]] < s and any(stage_of[u] == s for u in users)
+        )
+        exports = sorted(
+            name
+            for name, at in wiring.produced_at.items()
+            if stage_of[at] == s and any(stage_of[u] > s for u in wiring.consumed_at.get(name, ()))
+        )
+        stages.append(Stage(s, bounds[s], bounds[s + 1], tuple(imports), tuple(exports)))
+    return stages
+
+
+def check_balance(balance: Sequence[int], num_layers: int, num_stages: int, what: str) -> list[int]:
+    balance = list(balance)
+    if len(balance) != num_stages:
+        raise SpecError(f"{what}: balance {balance} has {len(balance)} entries but there are {num_stages} workers")
+    if any(not isinstance(n, int) or n < 1 for n in balance):
+        raise SpecError(f"{what}: every stage needs at least one layer; balance {balance} is invalid")
+    if sum(balance) != num_layers:
+        raise SpecError(f"{what}: balance {balance} covers {sum(balance)} layers but the spec has {num_layers}")
+    return balance
+
+
+def estimate_layer_bytes(entry: LayerEntry, layer: nn.Module) -> int:
+    """Memory a layer needs while training: parameters with gradients and optimizer state, plus
+    the activations it keeps for backward, estimated from its example input shape(s)."""
+    params = sum(p.numel() for p in layer.parameters())
+    activations = sum(math.prod(shape) for shape in entry.input_shapes if shape)
+    return params * TRAINING_BYTES_PER_PARAM_ELEMENT + activations * 4
+
+
+def split_contiguous(costs: Sequence[float], capacities: Sequence[float]) -> list[int]:
+    """Cut ``costs`` into ``len(capacities)`` non-empty contiguous runs minimising the largest
+    ``run_cost / capacity``; ties prefer the most even layer counts."""
+    n, k = len(costs), len(capacities)
+    if n < k:
+        raise SpecError(f"cannot split {n} layers into {k} stages: every stage needs at least one layer")
+    if any(c <= 0 for c in capacities):
+        raise SpecError(f"worker capacities must be positive, got {list(capacities)}")
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + float(c))
+    inf = (math.inf, math.inf)
+    # best[s][i]: (worst load, layer-count spread) placing the first i layers on the first s stages.
+    best = [[inf] * (n + 1) for _ in range(k + 1)]
+    cut = [[0] * (n + 1) for _ in range(k + 1)]
+    best[0][0] = (0.0, 0)
+    ideal = n / k
+    for s in range(1, k + 1):
+        for i in range(s, n - (k - s) + 1):
+            for j in range(s - 1, i):
+                prev = best[s - 1][j]
+                if prev == inf:
+                    continue
+                load = (prefix[i] - prefix[j]) / capacities[s - 1]
+                cand = (max(prev[0], load), max(prev[1], abs((i - j) - ideal)))
+                if cand < best[s][i]:
+                    best[s][i] = cand
+                    cut[s][i] = j
+    counts = []
+    i = n
+    for s in range(k, 0, -1):
+        j = cut[s][i]
+        counts.append(i - j)
+        i = j
+    return counts[::-1]
+
+
+def describe(
+    stages: Sequence[Stage], entries: Sequence[LayerEntry], layers: Sequence[nn.Module], hosts: Sequence[str]
+) -> str:
+    """A human-readable table of which layers went where, for the log."""
+    lines = []
+    for stage, host in zip(stages, hosts):
+        idx = stage.layer_indices
+        params = sum(p.numel() for i in idx for p in layers[i].parameters())
+        names = ", ".join(entries[i].name for i in idx)
+        io = ""
+        if stage.imports:
+            io += f" imports {list(stage.imports)}"
+        if stage.exports:
+            io += f" exports {list(stage.exports)}"
+        lines.append(
+            f"stage {stage.index} @ {host}: layers {stage.start}-{stage.stop - 1} ({names}), {params:,} parameters{io}"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,278 @@
+"""The wire format: a msgpack header frame followed by one raw frame per tensor. No pickle.
+
+A message is a list of ZeroMQ frames::
+
+    [header, tensor_0, tensor_1, ...]
+
+The header is the msgpack array ``[version, kind, id, session, metas, body]``. ``body`` is any
+tree of msgpack values; tensors inside it are replaced by an extension value that points at
+their entry in ``metas`` (``[dtype name, shape]``) and at their raw frame. Tuples and
+``torch.dtype`` values also travel as extension values, so kwargs such as ``kernel_size=(3, 3)``
+or ``dtype=torch.bfloat16`` arrive as they were sent. Decoding builds only tensors, tuples,
+dtypes and plain msgpack values: nothing that arrives can name a class or run code.
+
+>>> frames = encode("forward", 7, "s1", {"x": torch.ones(2, 3), "shape": (2, 3)})
+>>> msg = decode(frames)
+>>> msg.kind, msg.id, msg.body["shape"], msg.body["x"].shape
+('forward', 7, (2, 3), torch.Size([2, 3]))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import msgpack
+import torch
+
+from lightning_remote_mp.errors import ProtocolError
+
+PROTOCOL_VERSION = 1
+
+# Message kinds, driver -> worker. Replies are OK or ERROR and echo the request id.
+HELLO = "hello"
+SETUP = "setup"
+FORWARD = "forward"
+BACKWARD = "backward"
+RELEASE = "release"
+OPTIM_CREATE = "optim_create"
+OPTIM_STEP = "optim_step"
+ZERO_GRAD = "zero_grad"
+SET_MODE = "set_mode"
+GET_STATE = "get_state"
+LOAD_STATE = "load_state"
+GET_OPTIM_STATE = "get_optim_state"
+LOAD_OPTIM_STATE = "load_optim_state"
+BYE = "bye"
+PING = "ping"
+OK = "ok"
+ERROR = "error"
+
+REQUEST_KINDS = frozenset(
+    {
+        HELLO,
+        SETUP,
+        FORWARD,
+        BACKWARD,
+        RELEASE,
+        OPTIM_CREATE,
+        OPTIM_STEP,
+        ZERO_GRAD,
+        SET_MODE,
+        GET_STATE,
+        LOAD_STATE,
+        GET_OPTIM_STATE,
+        LOAD_OPTIM_STATE,
+        BYE,
+        PING,
+    }
+)
+
+_EXT_TENSOR = 1
+_EXT_TUPLE = 2
+_EXT_DTYPE = 3
+
+DTYPES: dict[str, torch.dtype] = {
+    str(d).removeprefix("torch."): d
+    for d in (
+        torch.float64,
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.complex64,
+        torch.complex128,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+    )
+}
+_DTYPE_NAMES = {d: n for n, d in DTYPES.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """Bounds a decoder enforces before it allocates anything."""
+
+    max_frames: int = 4096
+    max_header_bytes: int = 64 * 1024 * 1024
+    max_tensor_dims: int = 32
+    max_message_bytes: int = 16 * 1024**3
+
+
+DEFAULT_LIMITS = Limits()
+
+
+@dataclasses.dataclass
+class Message:
+    kind: str
+    id: int
+    session: str
+    body: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class _TensorRef:
+    index: int
+
+
+def _tensor_frame(t: torch.Tensor) -> tuple[list[Any], memoryview]:
+    if t.layout != torch.strided:
+        raise ProtocolError(f"cannot send a {t.layout} tensor; only dense (strided) tensors travel")
+    if t.dtype not in _DTYPE_NAMES:
+        raise ProtocolError(f"cannot send a tensor of dtype {t.dtype}; supported: {sorted(DTYPES)}")
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.resolve_conj().resolve_neg().contiguous()
+    meta = [_DTYPE_NAMES[t.dtype], list(t.shape)]
+    # Viewing as bytes keeps the frame zero-copy for every dtype, bfloat16 included.
+    data = t.reshape(-1).view(torch.uint8).numpy()
+    return meta, memoryview(data)
+
+
+def encode(kind: str, req_id: int, session: str, body: Any = None) -> list[Any]:
+    """Encode a message into ZeroMQ frames; tensors become zero-copy frames."""
+    metas: list[list[Any]] = []
+    frames: list[Any] = []
+
+    def default(obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            meta, data = _tensor_frame(obj)
+            metas.append(meta)
+            frames.append(data)
+            return msgpack.ExtType(_EXT_TENSOR, (len(metas) - 1).to_bytes(4, "little"))
+        if isinstance(obj, tuple):
+            return msgpack.ExtType(_EXT_TUPLE, _pack(list(obj)))
+        if isinstance(obj, torch.dtype):
+            if obj not in _DTYPE_NAMES:
+                raise ProtocolError(f"cannot send dtype {obj}")
+            return msgpack.ExtType(_EXT_DTYPE, _DTYPE_NAMES[obj].encode())
+        if isinstance(obj, bool):
+            return bool(obj)
+        if isinstance(obj, int):
+            return int(obj)
+        if isinstance(obj, float):
+            return float(obj)
+        if isinstance(obj, str):
+            return str(obj)
+        if isinstance(obj, dict):
+            return dict(obj)
+        if isinstance(obj, list):
+            return list(obj)
+        raise ProtocolError(
+            f"cannot send a value of type {type(obj).__qualname__} ({obj!r:.80}); only numbers, strings, "
+            "bools, None, lists, tuples, dicts, torch dtypes and tensors travel"
+        )
+
+    def _pack(obj: Any) -> bytes:
+        return msgpack.packb(obj, default=default, strict_types=True, use_bin_type=True)
+
+    try:
+        packed_body = _pack(body)
+        header = msgpack.packb(
+            [PROTOCOL_VERSION, kind, req_id, session, metas, msgpack.ExtType(0, packed_body)],
+            use_bin_type=True,
+        )
+    except (TypeError, ValueError, OverflowError) as err:
+        raise ProtocolError(f"cannot encode {kind!r} message: {err}") from err
+    return [header, *frames]
+
+
+def _check_meta(meta: Any, frame_len: int, limits: Limits, index: int) -> tuple[torch.dtype, list[int]]:
+    if not (isinstance(meta, list) and len(meta) == 2):
+        raise ProtocolError(f"tensor {index}: malformed description {meta!r:.80}")
+    name, shape = meta
+    dtype = DTYPES.get(name) if isinstance(name, str) else None
+    if dtype is None:
+        raise ProtocolError(f"tensor {index}: unknown dtype {name!r:.40}")
+    if not (isinstance(shape, list) and len(shape) <= limits.max_tensor_dims):
+        raise ProtocolError(f"tensor {index}: shape must be a list of at most {limits.max_tensor_dims} sizes")
+    if not all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s < 2**62 for s in shape):
+        raise ProtocolError(f"tensor {index}: invalid shape {shape!r:.80}")
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    expected = math.prod(shape) * itemsize
+    if expected != frame_len:
+        raise ProtocolError(f"tensor {index}: {name}{shape} needs {expected} bytes but its frame has {frame_len}")
+    return dtype, shape
+
+
+def _frame_buffer(frame: Any) -> memoryview:
+    if isinstance(frame, (bytes, bytearray, memoryview)):
+        return memoryview(frame)
+    return frame.buffer  # zmq.Frame: zero-copy view of the received message
+
+
+def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Message:
+    """Decode frames into a :class:`Message`; raises :class:`ProtocolError` on anything malformed."""
+    if not frames:
+        raise ProtocolError("empty message")
+    if len(frames) - 1 > limits.max_frames:
+        raise ProtocolError(f"message has {len(frames) - 1} tensor frames; the limit is {limits.max_frames}")
+    header_buf = _frame_buffer(frames[0])
+    if len(header_buf) > limits.max_header_bytes:
+        raise ProtocolError(f"header of {len(header_buf)} bytes exceeds the limit of {limits.max_header_bytes}")
+    buffers = [_frame_buffer(f) for f in frames[1:]]
+    total = sum(len(b) for b in buffers)
+    if total > limits.max_message_bytes:
+        raise ProtocolError(f"message of {total} bytes exceeds the limit of {limits.max_message_bytes}")
+
+    try:
+        header = msgpack.unpackb(header_buf, raw=False, strict_map_key=False, use_list=True)
+    except Exception as err:  # msgpack raises several unrelated types on bad input
+        raise ProtocolError(f"undecodable header: {err}") from None
+    if not (isinstance(header, list) and len(header) == 6):
+        raise ProtocolError("header is not a 6-element array")
+    version, kind, req_id, session, metas, packed = header
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {version!r:.20} received; this side speaks {PROTOCOL_VERSION}")
+    if not isinstance(kind, str) or not isinstance(req_id, int) or not isinstance(session, str):
+        raise ProtocolError("header fields kind/id/session have the wrong types")
+    if not isinstance(metas, list) or len(metas) != len(buffers):
+        raise ProtocolError(
+            f"header describes {len(metas) if isinstance(metas, list) else '?'} tensors "
+            f"but {len(buffers)} tensor frames arrived"
+        )
+    if not (isinstance(packed, msgpack.ExtType) and packed.code == 0):
+        raise ProtocolError("header body is missing")
+
+    tensors: list[torch.Tensor] = []
+    for i, (meta, buf) in enumerate(zip(metas, buffers)):
+        dtype, shape = _check_meta(meta, len(buf), limits, i)
+        if len(buf) == 0:
+            tensors.append(torch.empty(shape, dtype=dtype))
+        else:
+            tensors.append(torch.frombuffer(buf, dtype=torch.uint8).view(dtype).reshape(shape))
+
+    def ext_hook(code: int, data: bytes) -> Any:
+        if code == _EXT_TENSOR:
+            index = int.from_bytes(data, "little")
+            if index >= len(tensors):
+                raise ProtocolError(f"reference to tensor {index}, but only {len(tensors)} arrived")
+            return tensors[index]
+        if code == _EXT_TUPLE:
+            inner = _unpack(data)
+            if not isinstance(inner, list):
+                raise ProtocolError("malformed tuple")
+            return tuple(inner)
+        if code == _EXT_DTYPE:
+            dtype = DTYPES.get(data.decode("utf-8", "replace"))
+            if dtype is None:
+                raise ProtocolError(f"unknown dtype {data[:40]!r}")
+            return dtype
+        raise ProtocolError(f"unknown extension type {code}")
+
+    def _unpack(data: bytes) -> Any:
+        return msgpack.unpackb(data, raw=False, strict_map_key=False, use_list=True, ext_hook=ext_hook)
+
+    try:
+        body = _unpack(packed.data)
+    except ProtocolError:
+        raise
+    except Exception as err:
+        raise ProtocolError(f"undecodable body: {err}") from None
+    return Message(kind=kind, id=req_id, session=session, body=body)

@@ -1,0 +1,199 @@
+"""RemoteModelParallelStrategy: Lightning's hooks, and nothing else.
+
+>>> import lightning as L
+>>> strategy = RemoteModelParallelStrategy(hosts=["10.0.0.5:5555", "tcp://10.0.0.6:5555"])
+>>> strategy.hosts
+['tcp://10.0.0.5:5555', 'tcp://10.0.0.6:5555']
+>>> trainer = L.Trainer(strategy="remote_mp", logger=False, enable_progress_bar=False)  # registered name
+>>> type(trainer.strategy).__name__
+'RemoteModelParallelStrategy'
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.strategies import SingleDeviceStrategy, StrategyRegistry
+from lightning.pytorch.trainer.states import TrainerFn
+
+from lightning_remote_mp.driver import DriverSession, allow_modules_for
+from lightning_remote_mp.errors import LrmpError
+from lightning_remote_mp.launch import LocalWorkers
+from lightning_remote_mp.spec import SpecSequential
+from lightning_remote_mp.transport import DEFAULT_CONNECT_TIMEOUT, DEFAULT_HEARTBEAT_TIMEOUT, normalize_address
+
+log = logging.getLogger(__name__)
+
+
+def find_spec_modules(module: torch.nn.Module) -> dict[str, SpecSequential]:
+    """Every outermost SpecSequential in ``module``, by its qualified name."""
+    found: dict[str, SpecSequential] = {}
+    for name, m in module.named_modules():
+        if isinstance(m, SpecSequential) and not any(name.startswith(k + ".") for k in found):
+            found[name or "<root>"] = m
+    return found
+
+
+class RemoteModelParallelStrategy(SingleDeviceStrategy):
+    """Train the LightningModule's SpecSequential layers on remote ``lrmp-worker`` processes.
+
+    Args:
+        hosts: worker addresses (``"tcp://host:port"`` or ``"host:port"``), one stage per worker, in
+            order. ``None`` starts ``num_workers`` local workers on loopback and stops them at teardown.
+        balance: layers per stage (e.g. ``[5, 4]``); ``"memory"`` (the default) splits by estimated
+            training memory in proportion to each worker's free device memory; ``"parameters"`` evens out
+            parameter counts. With several SpecSequentials, a dict from their names to one of these.
+        num_workers: how many local workers to start when ``hosts`` is ``None``.
+        worker_devices: devices of the local workers (default: CUDA round-robin if available, else CPU).
+        worker_threads: torch threads per local worker (default: cores shared among workers).
+        heartbeat_timeout: seconds of silence after which a worker is declared lost (the run fails
+            with an error naming it).
+        connect_timeout: seconds to wait for each worker's first answer.
+        device: the driver's device for layers outside any SpecSequential (default: follows the accelerator).
+    """
+
+    strategy_name = "remote_mp"
+
+    def __init__(
+        self,
+        hosts: list[str] | None = None,
+        balance: list[int] | dict[str, list[int] | str] | str | None = None,
+        num_workers: int = 2,
+        worker_devices: list[str] | None = None,
+        worker_threads: int | None = None,
+        heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT,
+        connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+        device: str | None = None,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        checkpoint_io: Any = None,
+        precision_plugin: Any = None,
+    ) -> None:
+        super().__init__(
+            device=device or "cpu",
+            accelerator=accelerator,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        if hosts is not None:
+            if isinstance(hosts, str) or not hosts:
+                raise LrmpError(f"hosts must be a non-empty list of worker addresses, got {hosts!r}")
+            if any(isinstance(h, (list, tuple)) for h in hosts):
+                raise LrmpError("hosts given as several pipelines (data parallel) is not supported yet; give one list")
+            hosts = [normalize_address(h) for h in hosts]
+        self.hosts = hosts
+        self.balance = balance
+        self.num_workers = num_workers
+        self.worker_devices = worker_devices
+        self.worker_threads = worker_threads
+        self.heartbeat_timeout = heartbeat_timeout
+        self.connect_timeout = connect_timeout
+        self._device_given = device is not None
+        self._local: LocalWorkers | None = None
+        self._session: DriverSession | None = None
+
+    @property
+    def root_device(self) -> torch.device:
+        if not self._device_given and self.accelerator is not None:
+            from lightning.pytorch.accelerators import CUDAAccelerator
+
+            if isinstance(self.accelerator, CUDAAccelerator):
+                return torch.device("cuda", torch.cuda.current_device())
+        return self._root_device
+
+    @property
+    def session(self) -> DriverSession | None:
+        """The live session with the workers (between setup and teardown)."""
+        return self._session
+
+    # --- Lightning hooks ---------------------------------------------------------------
+    def setup(self, trainer: pl.Trainer) -> None:
+        self._refuse_unsupported(trainer)
+        super().setup(trainer)
+        assert self.lightning_module is not None
+        modules = find_spec_modules(self.lightning_module)
+        if not modules:
+            log.warning("RemoteModelParallelStrategy: the LightningModule has no SpecSequential; nothing runs remotely")
+            return
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        try:
+            hosts, liveness = self._workers(modules)
+            self._session = DriverSession(
+                hosts, heartbeat_timeout=self.heartbeat_timeout, connect_timeout=self.connect_timeout, liveness=liveness
+            )
+            for key, module in modules.items():
+                self._session.place(key, module, self._balance_for(key, modules))
+            if fitting:
+                for i, opt in enumerate(self.optimizers):
+                    self._session.mirror_optimizer(i, opt)
+        except BaseException:
+            self._close()
+            raise
+
+    def _workers(self, modules: dict[str, SpecSequential]) -> tuple[list[str], list[Any] | None]:
+        if self.hosts is not None:
+            return self.hosts, None
+        self._local = LocalWorkers(
+            self.num_workers,
+            devices=self.worker_devices,
+            threads=self.worker_threads,
+            allow_modules=allow_modules_for(modules, self.optimizers),
+        )
+        hosts = self._local.start()
+        local = self._local
+        return hosts, [lambda i=i: local.why_dead(i) for i in range(len(hosts))]
+
+    def _balance_for(self, key: str, modules: dict[str, SpecSequential]) -> Any:
+        if isinstance(self.balance, dict):
+            unknown = set(self.balance) - set(modules)
+            if unknown:
+                raise LrmpError(f"balance names {sorted(unknown)}, but the SpecSequentials are {sorted(modules)}")
+            return self.balance.get(key)
+        if isinstance(self.balance, list) and len(modules) > 1:
+            raise LrmpError(
+                f"balance {self.balance} is ambiguous with several SpecSequentials ({sorted(modules)}); "
+                "give a dict from their names to layer counts"
+            )
+        return self.balance
+
+    def _refuse_unsupported(self, trainer: pl.Trainer) -> None:
+        if trainer.gradient_clip_val:
+            raise LrmpError(
+                "RemoteModelParallelStrategy does not support gradient_clip_val yet: the gradients of remote "
+                "layers live on the workers. Remove gradient_clip_val."
+            )
+        precision = str(getattr(trainer.precision_plugin, "precision", ""))
+        if precision.startswith("16") or precision == "16-mixed":
+            raise LrmpError(
+                f"precision={precision!r} needs a GradScaler that sees every stage's gradients, which "
+                "RemoteModelParallelStrategy does not provide; use precision='bf16-mixed' or 'bf16-true'."
+            )
+
+    def teardown(self) -> None:
+        self._close()
+        super().teardown()
+
+    def _close(self) -> None:
+        session, self._session = self._session, None
+        try:
+            if session is not None:
+                try:
+                    session.restore()
+                finally:
+                    session.close()
+        finally:
+            if self._local is not None:
+                self._local.stop()
+                self._local = None
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(
+            cls.strategy_name, cls, description="layers of SpecSequential modules trained on remote lrmp-workers"
+        )
+
+
+if RemoteModelParallelStrategy.strategy_name not in StrategyRegistry:
+    RemoteModelParallelStrategy.register_strategies(StrategyRegistry)

@@ -1,0 +1,255 @@
+"""ZeroMQ sockets, deadlines and heartbeats. Every socket lrmp opens is created here.
+
+The driver talks to each worker through a :class:`Connection` (a DEALER socket). A
+:class:`Heartbeat` thread pings every worker on sockets of its own, so a worker that dies or
+hangs is noticed while the driver waits for a reply, and a worker notices a driver that vanished.
+A worker serves on one ROUTER socket (:func:`bind_router`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import zmq
+
+from lightning_remote_mp import protocol
+from lightning_remote_mp.errors import ProtocolError, WorkerError, WorkerLostError
+
+log = logging.getLogger(__name__)
+
+#: How long the driver waits for a worker to answer its first message.
+DEFAULT_CONNECT_TIMEOUT = 30.0
+#: How long a worker may stay silent (no reply, no heartbeat) before it is declared lost.
+DEFAULT_HEARTBEAT_TIMEOUT = 10.0
+DEFAULT_HEARTBEAT_INTERVAL = 1.0
+_POLL_SLICE_MS = 50
+
+
+def normalize_address(host: str) -> str:
+    """``"host:port"`` becomes ``"tcp://host:port"``; ``tcp://``, ``ipc://`` and ``inproc://`` pass."""
+    if not isinstance(host, str) or not host.strip():
+        raise ValueError(f"worker address must be a non-empty string like 'tcp://10.0.0.5:5555', got {host!r}")
+    host = host.strip()
+    if "://" not in host:
+        host = "tcp://" + host
+    scheme, rest = host.split("://", 1)
+    if scheme not in ("tcp", "ipc", "inproc"):
+        raise ValueError(f"worker address {host!r}: unsupported scheme {scheme!r}; use tcp://host:port")
+    if scheme == "tcp":
+        hostname, sep, port = rest.rpartition(":")
+        if not sep or not hostname or not (port.isdigit() or port == "*"):
+            raise ValueError(f"worker address {host!r} needs a port, like tcp://10.0.0.5:5555")
+    return host
+
+
+def is_loopback(address: str) -> bool:
+    if not address.startswith("tcp://"):
+        return True
+    hostname = address[len("tcp://") :].rpartition(":")[0].strip("[]")
+    return hostname in ("localhost", "::1") or hostname.startswith("127.")
+
+
+def context() -> zmq.Context:
+    return zmq.Context.instance()
+
+
+def bind_router(address: str) -> tuple[zmq.Socket, str]:
+    """A worker's serving socket; returns it with the endpoint actually bound (port ``*`` resolved)."""
+    sock = context().socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting driver takes its identity back
+    sock.bind(address)
+    return sock, sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+
+
+def _dealer(address: str) -> zmq.Socket:
+    sock = context().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    return sock
+
+
+class Heartbeat:
+    """Pings every worker each ``interval`` seconds from a background thread.
+
+    ``silent_for(address)`` says how long a worker has not answered; a worker that reports it
+    no longer knows the session (it restarted) is marked ``lost``.
+    """
+
+    def __init__(self, addresses: Iterable[str], session: str, interval: float = DEFAULT_HEARTBEAT_INTERVAL) -> None:
+        self.addresses = list(addresses)
+        self.session = session
+        self.interval = interval
+        now = time.monotonic()
+        self._last_seen = {a: now for a in self.addresses}
+        self.lost: dict[str, str] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="lrmp-heartbeat", daemon=True)
+        self._thread.start()
+
+    def silent_for(self, address: str) -> float:
+        return time.monotonic() - self._last_seen.get(address, time.monotonic())
+
+    def touch(self, address: str) -> None:
+        self._last_seen[address] = time.monotonic()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        socks = {a: _dealer(a) for a in self.addresses}
+        by_sock = {s: a for a, s in socks.items()}
+        poller = zmq.Poller()
+        for s in socks.values():
+            poller.register(s, zmq.POLLIN)
+        seq = 0
+        try:
+            while not self._stop.is_set():
+                seq += 1
+                for sock in socks.values():
+                    try:
+                        sock.send_multipart(protocol.encode(protocol.PING, seq, self.session), zmq.NOBLOCK)
+                    except zmq.Again:
+                        pass
+                deadline = time.monotonic() + self.interval
+                while not self._stop.is_set() and (left := deadline - time.monotonic()) > 0:
+                    for sock, _ in poller.poll(min(left, 0.2) * 1000):
+                        address = by_sock[sock]
+                        try:
+                            msg = protocol.decode(sock.recv_multipart())
+                        except ProtocolError:
+                            continue
+                        self.touch(address)
+                        if msg.kind == protocol.OK and not (msg.body or {}).get("session_alive", True):
+                            self.lost.setdefault(address, "the worker no longer knows this session (it restarted?)")
+        finally:
+            for s in socks.values():
+                s.close(0)
+
+
+class Connection:
+    """Request/reply with one worker, bounded in time by the heartbeat.
+
+    Replies echo the request id; a stale reply (to a request that was abandoned) is dropped.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        stage: int | None = None,
+        heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT,
+        limits: protocol.Limits = protocol.DEFAULT_LIMITS,
+        is_alive: Callable[[], str | None] | None = None,
+    ) -> None:
+        self.address = address
+        self.stage = stage
+        self.session = ""
+        self.heartbeat: Heartbeat | None = None
+        self.heartbeat_timeout = heartbeat_timeout
+        self.limits = limits
+        self.is_alive = is_alive  # for workers this process started: returns why it died, or None
+        self._sock = _dealer(address)
+        self._next_id = 0
+        self.closed = False
+        self.lost_reason: str | None = None
+
+    def where(self) -> str:
+        return f"worker {self.address}" + (f" (stage {self.stage})" if self.stage is not None else "")
+
+    def send(self, kind: str, body: Any = None) -> int:
+        if self.lost_reason is not None:
+            raise WorkerLostError(self.lost_reason, address=self.address, stage=self.stage)
+        if self.closed:
+            raise WorkerLostError(f"{self.where()}: connection already closed", address=self.address, stage=self.stage)
+        self._next_id += 1
+        try:
+            frames = protocol.encode(kind, self._next_id, self.session, body)
+        except ProtocolError as err:
+            raise ProtocolError(f"{self.where()}: {err}") from None
+        self._sock.send_multipart(frames, copy=False)
+        return self._next_id
+
+    def recv(self, req_id: int, *, timeout: float | None = None, what: str = "") -> Any:
+        """Wait for the reply to ``req_id``; return its body or raise WorkerError / WorkerLostError."""
+        start = time.monotonic()
+        while True:
+            if self._sock.poll(_POLL_SLICE_MS, zmq.POLLIN):
+                try:
+                    msg = protocol.decode(self._sock.recv_multipart(copy=False), self.limits)
+                except ProtocolError as err:
+                    raise ProtocolError(f"{self.where()} sent an undecodable reply: {err}") from None
+                if self.heartbeat is not None:
+                    self.heartbeat.touch(self.address)
+                if msg.id != req_id:
+                    log.debug("%s: dropping stale reply %s (waiting for %s)", self.where(), msg.id, req_id)
+                    continue
+                if msg.kind == protocol.ERROR:
+                    raise self._remote_error(msg.body, what)
+                return msg.body
+            self._check_alive(start, timeout, what)
+
+    def request(self, kind: str, body: Any = None, *, timeout: float | None = None) -> Any:
+        return self.recv(self.send(kind, body), timeout=timeout, what=kind)
+
+    def _check_alive(self, start: float, timeout: float | None, what: str) -> None:
+        doing = f" during {what}" if what else ""
+        if self.is_alive is not None and (why := self.is_alive()):
+            self._lost(f"{self.where()} died{doing}: {why}")
+        hb = self.heartbeat
+        if hb is not None:
+            if self.address in hb.lost:
+                self._lost(f"{self.where()} lost{doing}: {hb.lost[self.address]}")
+            silent = hb.silent_for(self.address)
+            if silent > self.heartbeat_timeout:
+                self._lost(
+                    f"{self.where()} stopped answering{doing}: no reply or heartbeat for {silent:.1f} s "
+                    f"(heartbeat_timeout={self.heartbeat_timeout} s). Is the worker process still running and reachable?"
+                )
+        if timeout is not None and time.monotonic() - start > timeout:
+            self._lost(
+                f"{self.where()} did not answer{doing} within {timeout:.0f} s. "
+                "Is lrmp-worker running at that address, and is the port reachable from this machine?"
+            )
+
+    def _lost(self, message: str) -> None:
+        self.lost_reason = message
+        raise WorkerLostError(message, address=self.address, stage=self.stage)
+
+    def _remote_error(self, body: Any, what: str) -> WorkerError:
+        body = body if isinstance(body, dict) else {}
+        rtype = str(body.get("type", "Error"))
+        rmsg = str(body.get("message", ""))
+        layer = body.get("layer")
+        layer = layer if isinstance(layer, int) else None
+        where = self.where()
+        if layer is not None:
+            where += f", layer {layer}" + (f" ({body['layer_name']})" if body.get("layer_name") else "")
+        doing = f" during {what}" if what else ""
+        err = WorkerError(
+            f"{where} raised {rtype}{doing}: {rmsg}",
+            address=self.address,
+            stage=self.stage,
+            layer=layer,
+            remote_type=rtype,
+            remote_message=rmsg,
+            remote_traceback=str(body.get("traceback", "")),
+        )
+        return err
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self._sock.close(0)
+
+
+def broadcast(conns: Iterable[Connection], kind: str, body: Any = None) -> list[Any]:
+    """Send one request to several workers at once, then collect every reply."""
+    conns = list(conns)
+    ids = [c.send(kind, body) for c in conns]
+    return [c.recv(i, what=kind) for c, i in zip(conns, ids)]

@@ -1,0 +1,243 @@
+"""One driver session on a worker: its stages, its optimizers, and the handler of each request kind.
+
+Parameters are named ``"<key>/<global layer index>.<param name>"`` (``key`` names the driver's
+SpecSequential), so a driver can map them to its own parameters, optimizer groups and
+checkpoint entries without knowing the worker's internals.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from lightning_remote_mp import protocol
+from lightning_remote_mp.errors import ProtocolError, SpecError
+from lightning_remote_mp.spec import resolve_class
+from lightning_remote_mp.worker.stage import StageExecutor
+
+log = logging.getLogger(__name__)
+
+#: Optimizer classes come from here, or from the worker's --allow-module prefixes.
+DEFAULT_OPTIMIZER_PREFIXES: tuple[str, ...] = ("torch.optim",)
+
+
+def _require(body: Any, field: str, kind: type | tuple[type, ...]) -> Any:
+    if not isinstance(body, dict) or field not in body:
+        raise ProtocolError(f"request is missing field {field!r}")
+    value = body[field]
+    if not isinstance(value, kind):
+        raise ProtocolError(f"field {field!r} has type {type(value).__name__}")
+    return value
+
+
+class WorkerSession:
+    def __init__(self, session_id: str, device: torch.device, allowed_prefixes: Sequence[str]) -> None:
+        self.id = session_id
+        self.device = device
+        self.allowed_prefixes = list(allowed_prefixes)
+        self.stages: dict[str, StageExecutor] = {}
+        self.optimizers: dict[int, torch.optim.Optimizer] = {}
+        self._optim_params: dict[int, list[str]] = {}
+        self._handlers: dict[str, Callable[[Any], Any]] = {
+            protocol.SETUP: self.setup,
+            protocol.FORWARD: self.forward,
+            protocol.BACKWARD: self.backward,
+            protocol.RELEASE: self.release,
+            protocol.SET_MODE: self.set_mode,
+            protocol.GET_STATE: self.get_state,
+            protocol.LOAD_STATE: self.load_state,
+            protocol.OPTIM_CREATE: self.optim_create,
+            protocol.OPTIM_STEP: self.optim_step,
+            protocol.ZERO_GRAD: self.zero_grad,
+            protocol.GET_OPTIM_STATE: self.get_optim_state,
+            protocol.LOAD_OPTIM_STATE: self.load_optim_state,
+        }
+
+    def handle(self, kind: str, body: Any) -> Any:
+        handler = self._handlers.get(kind)
+        if handler is None:
+            raise ProtocolError(f"unexpected message kind {kind!r:.40}")
+        return handler(body)
+
+    def stage(self, body: Any) -> StageExecutor:
+        key = _require(body, "key", str)
+        if key not in self.stages:
+            raise SpecError(f"no stage {key!r:.80} on this worker; send setup first")
+        return self.stages[key]
+
+    def stage_of(self, key: str) -> StageExecutor | None:
+        return self.stages.get(key)
+
+    # --- stages ---------------------------------------------------------------
+    def setup(self, body: Any) -> Any:
+        key = _require(body, "key", str)
+        index = _require(body, "stage", int)
+        start = _require(body, "start", int)
+        entries = _require(body, "entries", list)
+        exports = _require(body, "exports", list)
+        state = _require(body, "state", dict)
+        stage = StageExecutor(key, index, start, entries, exports, self.device, self.allowed_prefixes)
+        stage.load_state_dict(state)
+        self.stages[key] = stage
+        params = sum(p.numel() for _, p in stage.named_parameters())
+        log.info(
+            "session %s: stage %d of %r holds layers %d-%d (%s parameters) on %s",
+            self.id,
+            index,
+            key,
+            start,
+            start + len(entries) - 1,
+            f"{params:,}",
+            self.device,
+        )
+        return {"parameters": params}
+
+    def forward(self, body: Any) -> Any:
+        stage = self.stage(body)
+        return stage.forward(
+            _require(body, "call", int),
+            _require(body, "x", torch.Tensor),
+            _require(body, "imports", dict),
+            grad=bool(_require(body, "grad", bool)),
+            needs_grad=_require(body, "needs_grad", dict),
+            autocast=body.get("autocast"),
+        )
+
+    def backward(self, body: Any) -> Any:
+        stage = self.stage(body)
+        grad_y = body.get("grad_y")
+        if grad_y is not None and not isinstance(grad_y, torch.Tensor):
+            raise ProtocolError("grad_y must be a tensor or None")
+        grad_x, grad_imports = stage.backward(_require(body, "call", int), grad_y, _require(body, "grad_exports", dict))
+        return {"grad_x": grad_x, "grad_imports": grad_imports}
+
+    def release(self, body: Any) -> Any:
+        for key, calls in _require(body, "calls", dict).items():
+            if (stage := self.stage_of(key)) is not None and isinstance(calls, list):
+                stage.release(calls)
+        return None
+
+    def set_mode(self, body: Any) -> Any:
+        train = bool(_require(body, "train", bool))
+        for stage in self.stages.values():
+            stage.set_mode(train)
+        return None
+
+    def _named_parameters(self) -> dict[str, torch.nn.Parameter]:
+        return {f"{key}/{name}": p for key, stage in self.stages.items() for name, p in stage.named_parameters()}
+
+    def get_state(self, body: Any) -> Any:
+        return {key: stage.state_dict() for key, stage in self.stages.items()}
+
+    def load_state(self, body: Any) -> Any:
+        for key, state in _require(body, "state", dict).items():
+            self.stage({"key": key}).load_state_dict(state)
+        return None
+
+    # --- optimizers -------------------------------------------------------------
+    def optim_create(self, body: Any) -> Any:
+        index = _require(body, "index", int)
+        cls = resolve_class(
+            _require(body, "cls", str), torch.optim.Optimizer, list(DEFAULT_OPTIMIZER_PREFIXES) + self.allowed_prefixes
+        )
+        defaults = _require(body, "defaults", dict)
+        groups = _require(body, "groups", list)
+        named = self._named_parameters()
+        param_groups = []
+        names: list[str] = []
+        for g, group in enumerate(groups):
+            if not isinstance(group, dict) or not isinstance(group.get("params"), list):
+                raise ProtocolError(f"optimizer {index} group {g} is malformed")
+            unknown = [n for n in group["params"] if n not in named]
+            if unknown:
+                raise SpecError(
+                    f"optimizer {index} group {g} names parameters this worker does not hold: {unknown[:3]}"
+                )
+            names.extend(group["params"])
+            param_groups.append({**group, "params": [named[n] for n in group["params"]]})
+        if not names:
+            self.optimizers.pop(index, None)
+            return {"parameters": 0}
+        try:
+            self.optimizers[index] = cls(param_groups, **defaults)
+        except Exception as err:
+            raise SpecError(f"building optimizer {cls.__qualname__} with {defaults} failed: {err}") from err
+        self._optim_params[index] = names
+        return {"parameters": len(names)}
+
+    def _optimizer(self, body: Any) -> torch.optim.Optimizer | None:
+        return self.optimizers.get(_require(body, "index", int))
+
+    def optim_step(self, body: Any) -> Any:
+        opt = self._optimizer(body)
+        if opt is None:
+            return None
+        hparams = _require(body, "hparams", list)
+        if len(hparams) != len(opt.param_groups):
+            raise ProtocolError(
+                f"step carries {len(hparams)} groups' hyperparameters; the optimizer has {len(opt.param_groups)}"
+            )
+        for group, values in zip(opt.param_groups, hparams):
+            if isinstance(values, dict):
+                group.update({k: v for k, v in values.items() if k != "params"})
+        opt.step()
+        return None
+
+    def zero_grad(self, body: Any) -> Any:
+        opt = self._optimizer(body)
+        if opt is not None:
+            opt.zero_grad(set_to_none=bool(body.get("set_to_none", True)))
+        return None
+
+    def get_optim_state(self, body: Any) -> Any:
+        opt = self._optimizer(body)
+        if opt is None:
+            return {"state": {}}
+        index = _require(body, "index", int)
+        by_param = {id(p): n for n, p in self._named_parameters().items()}
+        return {
+            "state": {by_param[id(p)]: dict(s) for p, s in opt.state.items() if id(p) in by_param},
+            "order": self._optim_params[index],
+        }
+
+    def load_optim_state(self, body: Any) -> Any:
+        opt = self._optimizer(body)
+        state = _require(body, "state", dict)
+        if opt is None:
+            if state:
+                raise SpecError("optimizer state sent for parameters this worker does not optimise")
+            return None
+        index = _require(body, "index", int)
+        position = {n: i for i, n in enumerate(self._optim_params[index])}
+        current = opt.state_dict()
+        unknown = [n for n in state if n not in position]
+        if unknown:
+            raise SpecError(f"optimizer state for unknown parameters {unknown[:3]}")
+        current["state"] = {position[n]: s for n, s in state.items()}
+        opt.load_state_dict(current)
+        return None
+
+    def close(self) -> None:
+        self.stages.clear()
+        self.optimizers.clear()
+
+
+def describe_device(device: torch.device) -> Mapping[str, Any]:
+    """What the driver needs to plan stages: device name and free memory in bytes."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        name = torch.cuda.get_device_name(device)
+    else:
+        free = total = 0
+        try:
+            with open("/proc/meminfo") as f:
+                info = dict(line.split(":", 1) for line in f)
+            free = int(info["MemAvailable"].split()[0]) * 1024
+            total = int(info["MemTotal"].split()[0]) * 1024
+        except (OSError, KeyError, ValueError):
+            pass
+        name = "cpu"
+    return {"device": str(device), "device_name": name, "free_memory": free, "total_memory": total}

@@ -1,0 +1,180 @@
+"""The stage executor: one stage's layers on the worker's device, forward and backward by call id.
+
+Each forward under grad keeps what backward needs, keyed by the driver's call id, until the
+matching backward (or a release, when the driver dropped the graph without a backward).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_remote_mp.errors import SpecError
+from lightning_remote_mp.spec import LayerEntry, build_layer, normalize_entry, run_layers
+
+
+@dataclasses.dataclass
+class _Saved:
+    x: torch.Tensor
+    imports: dict[str, torch.Tensor]
+    y: torch.Tensor
+    exports: dict[str, torch.Tensor]
+
+
+def _floating(t: torch.Tensor) -> bool:
+    return t.is_floating_point() or t.is_complex()
+
+
+class StageExecutor:
+    """Builds and runs one stage.
+
+    Args:
+        key: which SpecSequential of the driver's module this stage belongs to.
+        index: the stage number.
+        start: global index of the stage's first layer.
+        entries: the stage's spec entries.
+        exports: variables this stage produces that later stages consume.
+        device: where the layers live.
+        allowed_prefixes: module prefixes classes may be built from.
+    """
+
+    def __init__(
+        self,
+        key: str,
+        index: int,
+        start: int,
+        entries: Sequence[Any],
+        exports: Sequence[str],
+        device: torch.device,
+        allowed_prefixes: Sequence[str],
+    ) -> None:
+        self.key = key
+        self.index = index
+        self.start = start
+        self.device = device
+        self.exports = list(exports)
+        normalized: list[LayerEntry] = [normalize_entry(e, start + i) for i, e in enumerate(entries)]
+        for i, e in enumerate(normalized):
+            if not isinstance(e.layer, str):
+                raise SpecError(f"layer {start + i}: a worker takes layers by dotted path only")
+        self.names = [e.name for e in normalized]
+        # Layers are built on CPU with their default init; the driver's weights replace it at once.
+        self.layers = nn.ModuleDict(
+            {str(start + i): build_layer(e, start + i, allowed_prefixes) for i, e in enumerate(normalized)}
+        ).to(device)
+        self._saved: dict[int, _Saved] = {}
+
+    def layer_name(self, global_index: int) -> str:
+        i = global_index - self.start
+        return self.names[i] if 0 <= i < len(self.names) else ""
+
+    # --- state -----------------------------------------------------------------
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        return list(self.layers.named_parameters())
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach() for k, v in self.layers.state_dict().items()}
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        expected = set(self.layers.state_dict())
+        got = set(state)
+        if got != expected:
+            raise SpecError(
+                f"stage {self.index} weights do not match its layers: missing {sorted(expected - got)[:5]}, "
+                f"unexpected {sorted(got - expected)[:5]}"
+            )
+        with torch.no_grad():
+            for name, tensor in self.layers.state_dict(keep_vars=True).items():
+                tensor.copy_(state[name])
+
+    def set_mode(self, train: bool) -> None:
+        self.layers.train(train)
+
+    @property
+    def pending_calls(self) -> int:
+        return len(self._saved)
+
+    # --- compute ---------------------------------------------------------------
+    def _to_device(self, t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
+        t = t.to(self.device, non_blocking=True)
+        if requires_grad and _floating(t):
+            t = t.detach().requires_grad_(True)
+        return t
+
+    def forward(
+        self,
+        call_id: int,
+        x: torch.Tensor,
+        imports: Mapping[str, torch.Tensor],
+        *,
+        grad: bool,
+        needs_grad: Mapping[str, bool],
+        autocast: Mapping[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """Run the stage. ``needs_grad`` says which inputs (``"x"`` and import names) the driver
+        wants gradients for; ``grad`` whether autograd is on at all.
+
+        Returns the output ``y``, the ``exports``, whether state was ``saved`` for backward, and
+        which outputs ``requires_grad``."""
+        if not isinstance(x, torch.Tensor):
+            raise SpecError(f"stage {self.index}: the input must be a tensor, got {type(x).__name__}")
+        x = self._to_device(x, grad and bool(needs_grad.get("x")))
+        variables = {n: self._to_device(t, grad and bool(needs_grad.get(n))) for n, t in imports.items()}
+        imported = dict(variables)
+        cast = contextlib.nullcontext()
+        if autocast and autocast.get("enabled"):
+            cast = torch.autocast(self.device.type, dtype=autocast.get("dtype"))
+        with torch.set_grad_enabled(grad), cast:
+            y = run_layers(((int(k), m) for k, m in self.layers.items()), x, variables)
+        if not isinstance(y, torch.Tensor):
+            raise SpecError(
+                f"stage {self.index}: layer {self.start + len(self.names) - 1} returned {type(y).__name__}; "
+                "the output of a stage must be a tensor"
+            )
+        missing = [n for n in self.exports if n not in variables]
+        if missing:
+            raise SpecError(f"stage {self.index} should export {missing}, but its layers did not produce them")
+        exports = {n: variables[n] for n in self.exports}
+        requires_grad = {"y": y.requires_grad, **{n: t.requires_grad for n, t in exports.items()}}
+        saved = grad and any(requires_grad.values())
+        if saved:
+            self._saved[call_id] = _Saved(x, imported, y, exports)
+        return {
+            "y": y.detach(),
+            "exports": {n: t.detach() for n, t in exports.items()},
+            "saved": saved,
+            "requires_grad": requires_grad,
+        }
+
+    def backward(
+        self, call_id: int, grad_y: torch.Tensor | None, grad_exports: Mapping[str, torch.Tensor]
+    ) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+        saved = self._saved.pop(call_id, None)
+        if saved is None:
+            raise SpecError(
+                f"stage {self.index}: no saved forward for call {call_id} (backward ran twice, or the forward "
+                "ran without grad)"
+            )
+        outputs, grads = [], []
+        if grad_y is not None and saved.y.requires_grad:
+            outputs.append(saved.y)
+            grads.append(grad_y.to(self.device, dtype=saved.y.dtype))
+        for name, g in grad_exports.items():
+            t = saved.exports.get(name)
+            if t is not None and t.requires_grad and g is not None:
+                outputs.append(t)
+                grads.append(g.to(self.device, dtype=t.dtype))
+        if outputs:
+            torch.autograd.backward(outputs, grads)
+        grad_x = saved.x.grad if saved.x.requires_grad else None
+        grad_imports = {n: t.grad for n, t in saved.imports.items() if t.requires_grad and t.grad is not None}
+        return grad_x, grad_imports
+
+    def release(self, call_ids: Sequence[int]) -> None:
+        for c in call_ids:
+            self._saved.pop(c, None)
