@@ -1,0 +1,44 @@
+"""Fixtures: real lrmp-worker processes on 127.0.0.1 with ports picked at run time.
+
+Every worker a test starts is stopped when the test ends, whatever happens.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import sys
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))  # the workers import lrmp_testlayers from here too
+
+from lightning_remote_mp.launch import LocalWorkers  # noqa: E402
+
+torch.set_num_threads(1)
+logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+
+
+@pytest.fixture
+def start_workers() -> Iterator[Callable[..., LocalWorkers]]:
+    """``start_workers(n, allow_modules=[...])`` starts ``n`` real workers; all are stopped at test end."""
+    started: list[LocalWorkers] = []
+
+    def start(n: int = 2, allow_modules: tuple[str, ...] = ("lrmp_testlayers",), **kwargs) -> LocalWorkers:
+        workers = LocalWorkers(n, devices=["cpu"] * n, threads=1, allow_modules=allow_modules, **kwargs)
+        started.append(workers)
+        workers.start()
+        return workers
+
+    yield start
+    for w in started:
+        w.stop()
+
+
+@pytest.fixture
+def twin() -> Callable:
+    """``twin(module)`` returns an identical deep copy, for remote-versus-local comparisons."""
+    return copy.deepcopy
