@@ -1,0 +1,318 @@
+"""End to end: real Trainers, real lrmp-worker processes, compared step by step with local runs."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_remote_mp import RemoteModelParallelStrategy, SpecSequential, WorkerError, WorkerLostError
+from lightning_remote_mp.errors import LrmpError
+from lightning_remote_mp.layers import WrappedLinear
+
+WIDTH = 16
+TOL = 1e-5
+
+
+def residual_spec(width: int = WIDTH, probe: bool = True) -> list:
+    """The original DistributedTraining residual model, with PidProbes that record where they ran."""
+    spec = [
+        ("torch.nn.Linear", {"in_features": 1, "out_features": width}, (32, 1)),
+        ("torch.nn.ReLU", {}, (32, width)),
+        (WrappedLinear, {"in_features": width, "out_features": width, "out_variables": ["res_1"]}, (32, width)),
+        ("torch.nn.ReLU", {}, (32, width)),
+        ("torch.nn.Linear", {"in_features": width, "out_features": width}, (32, width)),
+        ("torch.nn.ReLU", {}, (32, width)),
+        (WrappedLinear, {"in_features": width, "out_features": width, "dependencies": ["res_1"]}, [(32, width)] * 2),
+        ("torch.nn.ReLU", {}, (32, width)),
+        ("torch.nn.Linear", {"in_features": width, "out_features": 1}, (32, width)),
+        ("torch.nn.Sigmoid", {}, (32, 1)),
+    ]
+    if probe:
+        spec.insert(2, ("lrmp_testlayers.PidProbe", {}, (32, width)))  # index 2: stage 0 with balance [4, ...]
+        spec.insert(8, ("lrmp_testlayers.PidProbe", {}, (32, width)))  # index 8: a later stage
+    return spec
+
+
+class Net(L.LightningModule):
+    def __init__(self, spec: list, lr: float = 3e-3, local_head: bool = False, scheduler: bool = False) -> None:
+        super().__init__()
+        self.head = nn.Linear(1, 1) if local_head else None  # stays on the driver
+        self.net = SpecSequential(spec)
+        self.lr = lr
+        self.scheduler = scheduler
+        self.losses: list[float] = []
+        self.val_losses: list[float] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.head is not None:
+            x = self.head(x)
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.binary_cross_entropy(self(x), y)
+        self.losses.append(loss.item())
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.binary_cross_entropy(self(x), y)
+        self.val_losses.append(loss.item())
+        self.log("val_loss", loss)
+
+    def predict_step(self, batch, batch_idx):
+        return self(batch[0])
+
+    def configure_optimizers(self):
+        groups = [{"params": self.net.parameters()}]
+        if self.head is not None:
+            groups.append({"params": self.head.parameters(), "lr": self.lr * 2})
+        opt = torch.optim.Adam(groups, lr=self.lr)
+        if not self.scheduler:
+            return opt
+        return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)}
+
+
+def data(n: int = 100, batch_size: int = 32) -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    x = torch.rand(n, 1, generator=g)
+    y = (x > 0.5).float()
+    return DataLoader(TensorDataset(x, y), batch_size=batch_size)  # 100 = 3 * 32 + 4: the last batch is short
+
+
+def trainer(strategy=None, epochs: int = 2, **kwargs) -> L.Trainer:
+    kwargs.setdefault("enable_checkpointing", False)
+    return L.Trainer(
+        max_epochs=epochs,
+        strategy=strategy or "auto",
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        **kwargs,
+    )
+
+
+def assert_same_weights(a: nn.Module, b: nn.Module, tol: float = TOL) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        if k.endswith(".pid"):
+            continue
+        assert torch.allclose(sa[k].float(), sb[k].float(), atol=tol, rtol=0), f"{k} differs"
+
+
+def assert_same_losses(a: list[float], b: list[float], tol: float = TOL) -> None:
+    assert len(a) == len(b) and len(a) > 0
+    diffs = [abs(x - y) for x, y in zip(a, b)]
+    assert max(diffs) <= tol, f"losses differ by up to {max(diffs)}"
+
+
+def probe_pids(model: Net) -> list[int]:
+    return [int(m.pid) for m in model.net.layers if hasattr(m, "pid")]
+
+
+def test_residual_model_trains_remotely_as_it_does_locally(twin):
+    torch.manual_seed(1)
+    local = Net(residual_spec(), local_head=True, scheduler=True)
+    remote = twin(local)
+    trainer(epochs=3).fit(local, data())
+    strategy = RemoteModelParallelStrategy(balance=[4, 8])  # res_1 (layer 4) crosses to stage 1
+    trainer(strategy, epochs=3).fit(remote, data())
+
+    assert len(remote.losses) == 12  # 4 batches a epoch, the last one short
+    assert_same_losses(local.losses, remote.losses)
+    assert_same_weights(local, remote)
+    # The probes ran in two different worker processes, not here.
+    pids = probe_pids(remote)
+    assert os.getpid() not in pids and len(set(pids)) == 2
+    assert probe_pids(local) == [os.getpid()] * 2
+    # After fit the module is local again and trains without workers.
+    assert not remote.net.is_remote
+    assert remote.lr_schedulers is not None
+
+
+def test_residual_that_skips_a_whole_stage(twin):
+    torch.manual_seed(2)
+    local = Net(residual_spec())
+    remote = twin(local)
+    trainer().fit(local, data())
+    # Stage 0: layers 0-4 (res_1 made at 4); stage 1: 5-7; stage 2: 8-11 (res_1 used at 9).
+    strategy = RemoteModelParallelStrategy(num_workers=3, balance=[5, 3, 4])
+    trainer(strategy).fit(remote, data())
+    assert_same_losses(local.losses, remote.losses)
+    assert_same_weights(local, remote)
+    assert len(set(probe_pids(remote))) == 2 and os.getpid() not in probe_pids(remote)
+
+
+def test_validate_and_predict_through_workers_equal_local(twin):
+    torch.manual_seed(3)
+    spec = residual_spec(probe=False)
+    spec.insert(1, ("torch.nn.BatchNorm1d", {"num_features": WIDTH}, (32, WIDTH)))  # train/eval differ
+    local = Net(spec)
+    remote = twin(local)
+    trainer(epochs=1).fit(local, data())
+    strategy = RemoteModelParallelStrategy()
+    t = trainer(strategy, epochs=1)
+    t.fit(remote, data())
+    assert_same_weights(local, remote)  # running statistics included
+
+    local_val = trainer().validate(local, data(), verbose=False)
+    remote_val = t.validate(remote, data(), verbose=False)
+    assert abs(local_val[0]["val_loss"] - remote_val[0]["val_loss"]) <= TOL
+    local_pred = torch.cat(trainer().predict(local, data()))
+    remote_pred = torch.cat(t.predict(remote, data()))
+    assert torch.allclose(local_pred, remote_pred, atol=TOL)
+    assert remote.net.training is False or remote.net.training is True  # mode restored without error
+    assert_same_weights(local, remote)  # evaluation did not touch running statistics
+
+
+def _fit_with_checkpoint(model, strategy, epochs, dirpath, ckpt_path=None):
+    cb = ModelCheckpoint(dirpath=dirpath, save_last=True, save_top_k=-1, every_n_epochs=1)
+    trainer(strategy, epochs=epochs, enable_checkpointing=True, callbacks=[cb]).fit(model, data(), ckpt_path=ckpt_path)
+    return os.path.join(dirpath, "last.ckpt")
+
+
+def test_checkpoints_match_local_and_resume_exactly_on_fresh_workers(tmp_path, twin):
+    torch.manual_seed(4)
+    base = Net(residual_spec(probe=False), local_head=True)
+    straight, local, remote = twin(base), twin(base), twin(base)
+    trainer(epochs=4).fit(straight, data())  # uninterrupted reference
+
+    local_ckpt = _fit_with_checkpoint(local, None, 2, tmp_path / "local")
+    remote_ckpt = _fit_with_checkpoint(remote, RemoteModelParallelStrategy(), 2, tmp_path / "remote")
+    lc = torch.load(local_ckpt, weights_only=True)
+    rc = torch.load(remote_ckpt, weights_only=True)
+    assert lc["state_dict"].keys() == rc["state_dict"].keys()
+    for k in lc["state_dict"]:
+        assert torch.allclose(lc["state_dict"][k], rc["state_dict"][k], atol=TOL), k
+    lo, ro = lc["optimizer_states"][0], rc["optimizer_states"][0]
+    assert lo["state"].keys() == ro["state"].keys() and len(ro["state"]) == len(list(base.parameters()))
+    for i in lo["state"]:
+        for k in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.allclose(lo["state"][i][k], ro["state"][i][k], atol=TOL), (i, k)
+
+    # Remote checkpoint -> remote resume on fresh workers; and the two cross-overs.
+    resumed = {
+        "remote->remote": (twin(base), remote_ckpt, RemoteModelParallelStrategy()),
+        "local->remote": (twin(base), local_ckpt, RemoteModelParallelStrategy()),
+        "remote->local": (twin(base), remote_ckpt, None),
+    }
+    for name, (model, ckpt, strategy) in resumed.items():
+        trainer(strategy, epochs=4).fit(model, data(), ckpt_path=ckpt)
+        assert_same_weights(straight, model), name
+        assert_same_losses(straight.losses[-8:], model.losses), name
+
+
+class _KillAt(L.Callback):
+    """Kills a worker process at a given training step."""
+
+    def __init__(self, pid_of, step: int, sig: int = signal.SIGKILL) -> None:
+        self.pid_of, self.step, self.sig = pid_of, step, sig
+        self.killed_at: float | None = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.step and self.killed_at is None:
+            os.kill(self.pid_of(trainer), self.sig)
+            self.killed_at = time.monotonic()
+
+
+def test_killed_local_worker_is_named_promptly():
+    torch.manual_seed(5)
+    strategy = RemoteModelParallelStrategy(heartbeat_timeout=5.0)
+    killer = _KillAt(lambda t: t.strategy._local.procs[1].pid, step=2)
+    with pytest.raises(WorkerLostError) as info:
+        trainer(strategy, epochs=2, callbacks=[killer]).fit(Net(residual_spec(probe=False)), data())
+    assert time.monotonic() - killer.killed_at < 5.0
+    assert "stage 1" in str(info.value) and info.value.address in str(info.value)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "hung"])
+def test_lost_remote_worker_is_named_within_heartbeat_timeout(start_workers, sig):
+    workers = start_workers(2)
+    strategy = RemoteModelParallelStrategy(hosts=workers.addresses, heartbeat_timeout=3.0)
+    killer = _KillAt(lambda t: workers.procs[0].pid, step=1, sig=sig)
+    try:
+        with pytest.raises(WorkerLostError) as info:
+            trainer(strategy, epochs=2, callbacks=[killer]).fit(Net(residual_spec(probe=False)), data())
+        elapsed = time.monotonic() - killer.killed_at
+        assert elapsed < 3.0 + 5.0, elapsed
+        assert workers.addresses[0] in str(info.value) and "stage 0" in str(info.value)
+        assert info.value.stage == 0
+    finally:
+        if sig == signal.SIGSTOP:
+            os.kill(workers.procs[0].pid, signal.SIGCONT)
+    # The surviving worker serves the next session.
+    if sig == signal.SIGKILL:
+        assert workers.procs[1].poll() is None
+
+
+def test_worker_exception_reaches_driver_with_layer_and_stage(start_workers):
+    workers = start_workers(2)
+    spec = [
+        ("torch.nn.Linear", {"in_features": 1, "out_features": 8}, (32, 1)),
+        ("torch.nn.ReLU", {}, (32, 8)),
+        ("torch.nn.Linear", {"in_features": 5, "out_features": 1}, (32, 5)),  # wrong: gets 8 features
+        ("torch.nn.Sigmoid", {}, (32, 1)),
+    ]
+    strategy = RemoteModelParallelStrategy(hosts=workers.addresses, balance=[2, 2])
+    with pytest.raises(WorkerError) as info:
+        trainer(strategy).fit(Net(spec), data())
+    err = info.value
+    assert err.stage == 1 and err.layer == 2 and err.address == workers.addresses[1]
+    assert "layer 2 (Linear)" in str(err) and "stage 1" in str(err) and "mat1" in err.remote_message
+    # Both workers stay up and train a correct model right after.
+    good = Net(residual_spec(probe=False))
+    trainer(RemoteModelParallelStrategy(hosts=workers.addresses), epochs=1).fit(good, data())
+    assert all(p.poll() is None for p in workers.procs)
+
+
+def test_refused_class_is_a_clear_error_and_the_worker_survives(start_workers):
+    workers = start_workers(2, allow_modules=())
+    strategy = RemoteModelParallelStrategy(hosts=workers.addresses)
+    with pytest.raises(WorkerError) as info:
+        trainer(strategy).fit(Net(residual_spec()), data())
+    assert "lrmp_testlayers.PidProbe" in str(info.value) and "--allow-module lrmp_testlayers" in str(info.value)
+    good = Net(residual_spec(probe=False))
+    trainer(RemoteModelParallelStrategy(hosts=workers.addresses), epochs=1).fit(good, data())
+    assert len(good.losses) == 4
+
+
+def test_bad_configuration_errors_name_the_culprit():
+    with pytest.raises(LrmpError, match="balance"):
+        trainer(RemoteModelParallelStrategy(balance=[1, 2])).fit(Net(residual_spec()), data())
+    with pytest.raises(LrmpError, match="gradient_clip_val"):
+        trainer(RemoteModelParallelStrategy(), gradient_clip_val=1.0).fit(Net(residual_spec()), data())
+    with pytest.raises(ValueError, match="needs a port"):
+        RemoteModelParallelStrategy(hosts=["10.0.0.5"])
+
+
+def test_unreachable_worker_fails_within_connect_timeout():
+    import socket
+
+    with socket.socket() as s:  # a free port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    strategy = RemoteModelParallelStrategy(hosts=[f"127.0.0.1:{port}"], connect_timeout=2.0)
+    start = time.monotonic()
+    with pytest.raises(WorkerLostError, match=f"127.0.0.1:{port}"):
+        trainer(strategy).fit(Net(residual_spec(probe=False)), data())
+    assert time.monotonic() - start < 10
+
+
+def test_no_thread_or_process_left_behind():
+    before = {t.name for t in threading.enumerate()}
+    strategy = RemoteModelParallelStrategy()
+    trainer(strategy, epochs=1).fit(Net(residual_spec(probe=False)), data())
+    assert strategy._local is None and strategy.session is None
+    assert "lrmp-heartbeat" not in {t.name for t in threading.enumerate()} - before
