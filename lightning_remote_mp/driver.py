@@ -208,6 +208,12 @@ class DriverSession:
                 "entries": entries,
                 "exports": list(stage.exports),
                 "state": _placed_module_state(module, stage),
+                "frozen": [
+                    f"{i}.{name}"
+                    for i in stage.layer_indices
+                    for name, p in module.layers[i].named_parameters()
+                    if not p.requires_grad
+                ],
             }
             try:
                 ids.append(conn.send(protocol.SETUP, body))
@@ -233,6 +239,10 @@ class DriverSession:
         return out
 
     def mirror_optimizer(self, index: int, optimizer: torch.optim.Optimizer) -> OptimizerMirror | None:
+        """Mirror ``optimizer`` on the workers holding its parameters (once; later calls return the mirror)."""
+        for mirror in self.mirrors:
+            if mirror.optimizer is optimizer:
+                return mirror
         remote = self.remote_parameters()
         if not any(id(p) in remote for g in optimizer.param_groups for p in g["params"]):
             return None

@@ -49,15 +49,18 @@ class OptimizerMirror:
         self.remote = {id(p): remote[id(p)] for g in optimizer.param_groups for p in g["params"] if id(p) in remote}
         self.conns: list[Connection] = list({id(c): c for c, _ in self.remote.values()}.values())
         self._handles: list[Any] = []
-        self._zero_grad = optimizer.zero_grad
+        self.cls = type(optimizer)
         self._create()
         self._handles.append(optimizer.register_step_post_hook(self._after_step))
         self._handles.append(optimizer.register_state_dict_post_hook(self._state_dict_post))
         self._handles.append(optimizer.register_load_state_dict_post_hook(self._load_state_dict_post))
-        optimizer.zero_grad = self.zero_grad  # type: ignore[method-assign]
+        # torch has no zero_grad hook, and Lightning's optimizer wrapper calls the class's method
+        # directly, so the optimizer gets a subclass whose zero_grad also reaches the workers.
+        optimizer.__class__ = _mirrored_class(self.cls)
+        optimizer._lrmp_mirror = self  # type: ignore[attr-defined]
 
     def _create(self) -> None:
-        cls = type(self.optimizer)
+        cls = self.cls
         if cls.__module__ == "__main__":
             raise LrmpError(
                 f"optimizer {cls.__qualname__} is defined in __main__, which workers cannot import; "
@@ -99,9 +102,47 @@ class OptimizerMirror:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         ids = [c.send(protocol.ZERO_GRAD, {"index": self.index, "set_to_none": set_to_none}) for c in self.conns]
-        self._zero_grad(set_to_none=set_to_none)
+        self.cls.zero_grad(self.optimizer, set_to_none=set_to_none)
         for c, i in zip(self.conns, ids):
             c.recv(i, what=protocol.ZERO_GRAD)
+
+    # --- gradients across stages ----------------------------------------------------
+    def local_grads(self) -> list[torch.Tensor]:
+        return [
+            p.grad
+            for g in self.optimizer.param_groups
+            for p in g["params"]
+            if id(p) not in self.remote and p.grad is not None
+        ]
+
+    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over the optimizer's parameters, wherever they live."""
+        local = self.local_grads()
+        norms = [torch.linalg.vector_norm(g, norm_type) for g in local]
+        device = local[0].device if local else torch.device("cpu")
+        for reply in broadcast(
+            self.conns, protocol.GRADS, {"index": self.index, "op": "norms", "norm_type": norm_type}
+        ):
+            norms.extend(reply["norms"].to(device).unbind())
+        if not norms:
+            return torch.tensor(0.0)
+        total = torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]), norm_type)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        ids = [c.send(protocol.GRADS, {"index": self.index, "op": "scale", "coef": coef}) for c in self.conns]
+        if local:
+            torch._foreach_mul_(local, coef.to(device))
+        for c, i in zip(self.conns, ids):
+            c.recv(i, what="gradient clipping")
+        return total
+
+    def clip_grad_value(self, value: float) -> None:
+        """``torch.nn.utils.clip_grad_value_`` over the optimizer's parameters, wherever they live."""
+        ids = [c.send(protocol.GRADS, {"index": self.index, "op": "clamp", "value": float(value)}) for c in self.conns]
+        torch.nn.utils.clip_grad_value_(
+            [p for g in self.optimizer.param_groups for p in g["params"] if id(p) not in self.remote], value
+        )
+        for c, i in zip(self.conns, ids):
+            c.recv(i, what="gradient clipping")
 
     def _positions(self) -> dict[str, int]:
         """Remote parameter name -> its index in the local optimizer's packed state_dict."""
@@ -144,6 +185,26 @@ class OptimizerMirror:
         for h in self._handles:
             h.remove()
         self._handles.clear()
-        vars(self.optimizer).pop("zero_grad", None)
+        self.optimizer.__class__ = self.cls
+        vars(self.optimizer).pop("_lrmp_mirror", None)
         if full is not None:
             self.optimizer.load_state_dict(full)
+
+
+_MIRRORED: dict[type, type] = {}
+
+
+def _mirrored_class(cls: type) -> type:
+    if cls not in _MIRRORED:
+
+        def zero_grad(self: Any, set_to_none: bool = True) -> None:
+            self._lrmp_mirror.zero_grad(set_to_none=set_to_none)
+
+        _MIRRORED[cls] = type(cls.__name__, (cls,), {"zero_grad": zero_grad, "__module__": cls.__module__})
+    return _MIRRORED[cls]
+
+
+def mirror_of(optimizer: Any) -> OptimizerMirror | None:
+    """The mirror attached to ``optimizer`` (or to the optimizer a LightningOptimizer wraps)."""
+    optimizer = getattr(optimizer, "_optimizer", optimizer)
+    return vars(optimizer).get("_lrmp_mirror")

@@ -16,16 +16,43 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.callbacks import BaseFinetuning, ModelSummary, StochasticWeightAveraging
 from lightning.pytorch.strategies import SingleDeviceStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_remote_mp.driver import DriverSession, allow_modules_for
 from lightning_remote_mp.errors import LrmpError
 from lightning_remote_mp.launch import LocalWorkers
+from lightning_remote_mp.optim import mirror_of
 from lightning_remote_mp.spec import SpecSequential
+from lightning_remote_mp.summary import RemoteModelSummary
 from lightning_remote_mp.transport import DEFAULT_CONNECT_TIMEOUT, DEFAULT_HEARTBEAT_TIMEOUT, normalize_address
 
 log = logging.getLogger(__name__)
+
+
+_REFUSED_CALLBACKS: list[tuple[type, str]] = [
+    (
+        StochasticWeightAveraging,
+        "it averages the LightningModule's local parameters, while the trained values live on the workers.",
+    ),
+    (
+        BaseFinetuning,
+        "it freezes layers and adds parameter groups to the optimizer while training, which the "
+        "workers' optimizers would not see.",
+    ),
+]
+try:  # Lightning >= 2.5
+    from lightning.pytorch.callbacks import WeightAveraging
+
+    _REFUSED_CALLBACKS.append(
+        (
+            WeightAveraging,
+            "it averages the LightningModule's local parameters, while the trained values live on the workers.",
+        )
+    )
+except ImportError:  # pragma: no cover
+    pass
 
 
 def find_spec_modules(module: torch.nn.Module) -> dict[str, SpecSequential]:
@@ -109,8 +136,28 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
         return self._session
 
     # --- Lightning hooks ---------------------------------------------------------------
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        return self._optimizers
+
+    @optimizers.setter
+    def optimizers(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        # Optimizers assigned while workers hold layers (the tuner does this) are mirrored first, so
+        # the LightningOptimizer wrappers Lightning builds here see the mirrored class.
+        session = getattr(self, "_session", None)
+        if session is not None:
+            for i, opt in enumerate(optimizers):
+                session.mirror_optimizer(i, opt)
+        SingleDeviceStrategy.optimizers.fset(self, optimizers)  # type: ignore[attr-defined]
+
+    def setup_environment(self) -> None:
+        # Before any callback's setup hook runs: refuse what cannot work while nothing has happened yet.
+        if self.lightning_module is not None and self.lightning_module._trainer is not None:
+            self._refuse_unsupported(self.lightning_module.trainer)
+        super().setup_environment()
+
     def setup(self, trainer: pl.Trainer) -> None:
-        self._refuse_unsupported(trainer)
+        self._use_remote_summary(trainer)
         super().setup(trainer)
         assert self.lightning_module is not None
         modules = find_spec_modules(self.lightning_module)
@@ -126,8 +173,8 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
             for key, module in modules.items():
                 self._session.place(key, module, self._balance_for(key, modules))
             if fitting:
-                for i, opt in enumerate(self.optimizers):
-                    self._session.mirror_optimizer(i, opt)
+                self.optimizers = self.optimizers  # mirrors them
+                self._patch_clipping()
         except BaseException:
             self._close()
             raise
@@ -158,17 +205,45 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
             )
         return self.balance
 
+    def _patch_clipping(self) -> None:
+        """Clip over every stage's gradients: Lightning's precision plugin only sees local ones."""
+        plugin = self.precision_plugin
+        by_norm, by_value = plugin.clip_grad_by_norm, plugin.clip_grad_by_value
+
+        def clip_grad_by_norm(optimizer: Any, clip_val: float) -> None:
+            mirror = mirror_of(optimizer)
+            return mirror.clip_grad_norm(float(clip_val)) if mirror else by_norm(optimizer, clip_val)
+
+        def clip_grad_by_value(optimizer: Any, clip_val: float) -> None:
+            mirror = mirror_of(optimizer)
+            return mirror.clip_grad_value(float(clip_val)) if mirror else by_value(optimizer, clip_val)
+
+        plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
+        plugin.clip_grad_by_value = clip_grad_by_value  # type: ignore[method-assign]
+
+    def _unpatch_clipping(self) -> None:
+        vars(self.precision_plugin).pop("clip_grad_by_norm", None)
+        vars(self.precision_plugin).pop("clip_grad_by_value", None)
+
+    def _use_remote_summary(self, trainer: pl.Trainer) -> None:
+        for i, cb in enumerate(trainer.callbacks):
+            if type(cb) is ModelSummary:
+                trainer.callbacks[i] = RemoteModelSummary(max_depth=cb._max_depth, **cb._summarize_kwargs)
+
     def _refuse_unsupported(self, trainer: pl.Trainer) -> None:
-        if trainer.gradient_clip_val:
+        for cb in trainer.callbacks:
+            for cls, why in _REFUSED_CALLBACKS:
+                if isinstance(cb, cls):
+                    raise LrmpError(
+                        f"{type(cb).__name__} is not supported by RemoteModelParallelStrategy: {why} "
+                        "Remove the callback, or train without the strategy."
+                    )
+        plugin = trainer.precision_plugin
+        if getattr(plugin, "scaler", None) is not None:
             raise LrmpError(
-                "RemoteModelParallelStrategy does not support gradient_clip_val yet: the gradients of remote "
-                "layers live on the workers. Remove gradient_clip_val."
-            )
-        precision = str(getattr(trainer.precision_plugin, "precision", ""))
-        if precision.startswith("16") or precision == "16-mixed":
-            raise LrmpError(
-                f"precision={precision!r} needs a GradScaler that sees every stage's gradients, which "
-                "RemoteModelParallelStrategy does not provide; use precision='bf16-mixed' or 'bf16-true'."
+                f"precision={getattr(plugin, 'precision', '16-mixed')!r} uses a GradScaler, which would have to "
+                "unscale and check every stage's gradients; RemoteModelParallelStrategy does not provide that. "
+                "Use precision='bf16-mixed' or 'bf16-true'."
             )
 
     def teardown(self) -> None:
@@ -176,6 +251,7 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
         super().teardown()
 
     def _close(self) -> None:
+        self._unpatch_clipping()
         session, self._session = self._session, None
         try:
             if session is not None:

@@ -54,6 +54,7 @@ class WorkerSession:
             protocol.ZERO_GRAD: self.zero_grad,
             protocol.GET_OPTIM_STATE: self.get_optim_state,
             protocol.LOAD_OPTIM_STATE: self.load_optim_state,
+            protocol.GRADS: self.grads,
         }
 
     def handle(self, kind: str, body: Any) -> Any:
@@ -80,7 +81,11 @@ class WorkerSession:
         exports = _require(body, "exports", list)
         state = _require(body, "state", dict)
         stage = StageExecutor(key, index, start, entries, exports, self.device, self.allowed_prefixes)
-        stage.load_state_dict(state)
+        stage.load_state_dict(state, assign=True)
+        frozen = set(body.get("frozen") or [])
+        for name, p in stage.named_parameters():
+            if name in frozen:
+                p.requires_grad_(False)
         self.stages[key] = stage
         params = sum(p.numel() for _, p in stage.named_parameters())
         log.info(
@@ -191,6 +196,28 @@ class WorkerSession:
         if opt is not None:
             opt.zero_grad(set_to_none=bool(body.get("set_to_none", True)))
         return None
+
+    def grads(self, body: Any) -> Any:
+        """Gradient operations over one optimizer's parameters, for clipping across stages:
+        ``norms`` returns each gradient's norm, ``scale`` multiplies them, ``clamp`` clips by value."""
+        opt = self._optimizer(body)
+        grads = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None] if opt else []
+        op = _require(body, "op", str)
+        if op == "norms":
+            norm_type = float(_require(body, "norm_type", (int, float)))
+            norms = [torch.linalg.vector_norm(g, norm_type) for g in grads]
+            return {"norms": torch.stack(norms).cpu() if norms else torch.zeros(0)}
+        if op == "scale":
+            coef = _require(body, "coef", torch.Tensor)
+            if grads:
+                torch._foreach_mul_(grads, coef.to(grads[0].device))
+            return None
+        if op == "clamp":
+            value = float(_require(body, "value", (int, float)))
+            for g in grads:
+                g.clamp_(-value, value)
+            return None
+        raise ProtocolError(f"unknown gradient operation {op!r:.40}")
 
     def get_optim_state(self, body: Any) -> Any:
         opt = self._optimizer(body)

@@ -80,7 +80,9 @@ class StageExecutor:
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach() for k, v in self.layers.state_dict().items()}
 
-    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+    def load_state_dict(self, state: Mapping[str, torch.Tensor], assign: bool = False) -> None:
+        """Copy ``state`` into the layers; with ``assign`` (at setup) also adopt its dtypes, so a
+        driver's bf16 module stays bf16 here."""
         expected = set(self.layers.state_dict())
         got = set(state)
         if got != expected:
@@ -88,6 +90,9 @@ class StageExecutor:
                 f"stage {self.index} weights do not match its layers: missing {sorted(expected - got)[:5]}, "
                 f"unexpected {sorted(got - expected)[:5]}"
             )
+        if assign:
+            self.layers.load_state_dict({k: v.to(self.device).clone() for k, v in state.items()}, assign=True)
+            return
         with torch.no_grad():
             for name, tensor in self.layers.state_dict(keep_vars=True).items():
                 tensor.copy_(state[name])
