@@ -182,8 +182,9 @@ class DriverSession:
             counts = partition.check_balance(balance, n_layers, n_stages, what)
         return partition.plan_stages(counts, module.wiring)
 
-    def place(self, key: str, module: SpecSequential, balance: Balance = None) -> None:
-        """Ship ``module``'s layers to the workers and make its forward run there."""
+    def place(self, key: str, module: SpecSequential, balance: Balance = None, microbatches: int = 1) -> None:
+        """Ship ``module``'s layers to the workers and make its forward run there, splitting each
+        batch into ``microbatches`` that flow through the stages concurrently."""
         if key in self.placements:
             raise LrmpError(f"SpecSequential {key!r} is already placed")
         what = f"SpecSequential {key!r}"
@@ -207,6 +208,11 @@ class DriverSession:
                 "start": stage.start,
                 "entries": entries,
                 "exports": list(stage.exports),
+                "sources": [[k, list(v)] for k, v in stage.sources],
+                "targets": [[k, list(v)] for k, v in stage.targets],
+                "peers": {
+                    k: self.conns[k].address for k, _ in (*stage.sources, *stage.targets) if k != partition.DRIVER
+                },
                 "state": _placed_module_state(module, stage),
                 "frozen": [
                     f"{i}.{name}"
@@ -223,7 +229,7 @@ class DriverSession:
                 ) from None
         for conn, i in zip(self.conns, ids):
             conn.recv(i, what="setup")
-        remote = RemoteSpec(key, [RemoteStage(key, s, c) for s, c in zip(stages, self.conns)])
+        remote = RemoteSpec(key, [RemoteStage(key, s, c) for s, c in zip(stages, self.conns)], microbatches)
         module._remote = remote
         self.placements[key] = _Placement(key, module, remote)
         remote.set_mode(module.training)

@@ -26,15 +26,27 @@ from lightning_remote_mp.spec import LayerEntry, Wiring
 TRAINING_BYTES_PER_PARAM_ELEMENT = 4 * 4
 
 
+#: The stage number that stands for the driver in routes: it feeds stage 0 and receives the last output.
+DRIVER = -1
+
+
 @dataclasses.dataclass(frozen=True)
 class Stage:
-    """One stage of one SpecSequential: layers ``start:stop`` and the variables crossing its edges."""
+    """One stage of one SpecSequential: layers ``start:stop`` and the variables crossing its edges.
+
+    ``sources`` and ``targets`` are the routes of a forward pass: ``(stage, variables)`` pairs, one
+    message from each source (the previous stage, or :data:`DRIVER` for stage 0, also brings the
+    main input) and one to each target (the next stage, or the driver after the last stage, also
+    gets the main output). Backward runs the same routes in reverse.
+    """
 
     index: int
     start: int
     stop: int
     imports: tuple[str, ...]
     exports: tuple[str, ...]
+    sources: tuple[tuple[int, tuple[str, ...]], ...] = ()
+    targets: tuple[tuple[int, tuple[str, ...]], ...] = ()
 
     @property
     def layer_indices(self) -> range:
@@ -63,7 +75,24 @@ def plan_stages(balance: Sequence[int], wiring: Wiring) -> list[Stage]:
             if stage_of[at] == s and any(stage_of[u] > s for u in wiring.consumed_at.get(name, ()))
         )
         stages.append(Stage(s, bounds[s], bounds[s + 1], tuple(imports), tuple(exports)))
-    return stages
+    return [_with_routes(stage, stages, wiring, stage_of) for stage in stages]
+
+
+def _with_routes(stage: Stage, stages: Sequence[Stage], wiring: Wiring, stage_of: dict[int, int]) -> Stage:
+    last = len(stages) - 1
+    sources: dict[int, list[str]] = {stage.index - 1 if stage.index > 0 else DRIVER: []}
+    for name in stage.imports:
+        sources.setdefault(stage_of[wiring.produced_at[name]], []).append(name)
+    targets: dict[int, list[str]] = {stage.index + 1 if stage.index < last else DRIVER: []}
+    for other in stages[stage.index + 1 :]:
+        shared = [n for n in other.imports if n in stage.exports]
+        if shared:
+            targets.setdefault(other.index, []).extend(shared)
+    return dataclasses.replace(
+        stage,
+        sources=tuple((k, tuple(v)) for k, v in sources.items()),
+        targets=tuple((k, tuple(v)) for k, v in targets.items()),
+    )
 
 
 def check_balance(balance: Sequence[int], num_layers: int, num_stages: int, what: str) -> list[int]:
@@ -96,22 +125,33 @@ def split_contiguous(costs: Sequence[float], capacities: Sequence[float]) -> lis
     prefix = [0.0]
     for c in costs:
         prefix.append(prefix[-1] + float(c))
-    inf = (math.inf, math.inf)
-    # best[s][i]: (worst load, layer-count spread) placing the first i layers on the first s stages.
-    best = [[inf] * (n + 1) for _ in range(k + 1)]
+
+    def load(s: int, j: int, i: int) -> float:  # layers j:i on stage s (1-based)
+        return (prefix[i] - prefix[j]) / capacities[s - 1]
+
+    # Two exact min-max passes: a single pass on (load, spread) pairs can keep, for a prefix, a
+    # split whose spread is worse than an equally loaded alternative, missing the most even one.
+    # worst[s][i]: the smallest worst load placing the first i layers on the first s stages.
+    worst = [[math.inf] * (n + 1) for _ in range(k + 1)]
+    worst[0][0] = 0.0
+    for s in range(1, k + 1):
+        for i in range(s, n - (k - s) + 1):
+            for j in range(s - 1, i):
+                worst[s][i] = min(worst[s][i], max(worst[s - 1][j], load(s, j, i)))
+    limit = worst[k][n]
+    # spread[s][i]: the smallest layer-count spread among such placements within ``limit``.
+    spread = [[math.inf] * (n + 1) for _ in range(k + 1)]
     cut = [[0] * (n + 1) for _ in range(k + 1)]
-    best[0][0] = (0.0, 0)
+    spread[0][0] = 0.0
     ideal = n / k
     for s in range(1, k + 1):
         for i in range(s, n - (k - s) + 1):
             for j in range(s - 1, i):
-                prev = best[s - 1][j]
-                if prev == inf:
+                if spread[s - 1][j] == math.inf or load(s, j, i) > limit:
                     continue
-                load = (prefix[i] - prefix[j]) / capacities[s - 1]
-                cand = (max(prev[0], load), max(prev[1], abs((i - j) - ideal)))
-                if cand < best[s][i]:
-                    best[s][i] = cand
+                cand = max(spread[s - 1][j], abs((i - j) - ideal))
+                if cand < spread[s][i]:
+                    spread[s][i] = cand
                     cut[s][i] = j
     counts = []
     i = n

@@ -45,6 +45,9 @@ GET_STATE = "get_state"
 LOAD_STATE = "load_state"
 GET_OPTIM_STATE = "get_optim_state"
 LOAD_OPTIM_STATE = "load_optim_state"
+GRADS = "grads"
+RESULT = "result"  # worker -> driver: the last stage's output of one micro-batch
+DONE = "done"  # worker -> driver: stage 0 finished one micro-batch's backward
 BYE = "bye"
 PING = "ping"
 OK = "ok"
@@ -65,6 +68,7 @@ REQUEST_KINDS = frozenset(
         LOAD_STATE,
         GET_OPTIM_STATE,
         LOAD_OPTIM_STATE,
+        GRADS,
         BYE,
         PING,
     }
@@ -102,6 +106,9 @@ class Limits:
     max_header_bytes: int = 64 * 1024 * 1024
     max_tensor_dims: int = 32
     max_message_bytes: int = 16 * 1024**3
+    #: Tuples nest through the decoder's C stack (each level is a nested msgpack unpack), so their
+    #: depth is bounded: a few hundred levels would overflow it and crash the process.
+    max_tuple_depth: int = 32
 
 
 DEFAULT_LIMITS = Limits()
@@ -139,15 +146,23 @@ def encode(kind: str, req_id: int, session: str, body: Any = None) -> list[Any]:
     """Encode a message into ZeroMQ frames; tensors become zero-copy frames."""
     metas: list[list[Any]] = []
     frames: list[Any] = []
+    depth = 0
 
     def default(obj: Any) -> Any:
+        nonlocal depth
         if isinstance(obj, torch.Tensor):
             meta, data = _tensor_frame(obj)
             metas.append(meta)
             frames.append(data)
             return msgpack.ExtType(_EXT_TENSOR, (len(metas) - 1).to_bytes(4, "little"))
         if isinstance(obj, tuple):
-            return msgpack.ExtType(_EXT_TUPLE, _pack(list(obj)))
+            if depth >= DEFAULT_LIMITS.max_tuple_depth:
+                raise ProtocolError(f"tuples nested deeper than {DEFAULT_LIMITS.max_tuple_depth} levels cannot be sent")
+            depth += 1
+            try:
+                return msgpack.ExtType(_EXT_TUPLE, _pack(list(obj)))
+            finally:
+                depth -= 1
         if isinstance(obj, torch.dtype):
             if obj not in _DTYPE_NAMES:
                 raise ProtocolError(f"cannot send dtype {obj}")
@@ -178,7 +193,7 @@ def encode(kind: str, req_id: int, session: str, body: Any = None) -> list[Any]:
             [PROTOCOL_VERSION, kind, req_id, session, metas, msgpack.ExtType(0, packed_body)],
             use_bin_type=True,
         )
-    except (TypeError, ValueError, OverflowError) as err:
+    except (TypeError, ValueError, OverflowError, RecursionError) as err:
         raise ProtocolError(f"cannot encode {kind!r} message: {err}") from err
     return [header, *frames]
 
@@ -195,6 +210,9 @@ def _check_meta(meta: Any, frame_len: int, limits: Limits, index: int) -> tuple[
     if not all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s < 2**62 for s in shape):
         raise ProtocolError(f"tensor {index}: invalid shape {shape!r:.80}")
     itemsize = torch.empty((), dtype=dtype).element_size()
+    if math.prod(max(s, 1) for s in shape) * itemsize >= 2**62:
+        # Even with no elements (a zero in the shape), torch overflows computing such strides.
+        raise ProtocolError(f"tensor {index}: shape {shape!r:.80} is too large")
     expected = math.prod(shape) * itemsize
     if expected != frame_len:
         raise ProtocolError(f"tensor {index}: {name}{shape} needs {expected} bytes but its frame has {frame_len}")
@@ -241,6 +259,7 @@ def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Message:
         raise ProtocolError("header body is missing")
 
     tensors: list[torch.Tensor] = []
+    depth = 0
     for i, (meta, buf) in enumerate(zip(metas, buffers)):
         dtype, shape = _check_meta(meta, len(buf), limits, i)
         if len(buf) == 0:
@@ -249,13 +268,20 @@ def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Message:
             tensors.append(torch.frombuffer(buf, dtype=torch.uint8).view(dtype).reshape(shape))
 
     def ext_hook(code: int, data: bytes) -> Any:
+        nonlocal depth
         if code == _EXT_TENSOR:
             index = int.from_bytes(data, "little")
             if index >= len(tensors):
                 raise ProtocolError(f"reference to tensor {index}, but only {len(tensors)} arrived")
             return tensors[index]
         if code == _EXT_TUPLE:
-            inner = _unpack(data)
+            if depth >= limits.max_tuple_depth:
+                raise ProtocolError(f"tuples nested deeper than {limits.max_tuple_depth} levels")
+            depth += 1
+            try:
+                inner = _unpack(data)
+            finally:
+                depth -= 1
             if not isinstance(inner, list):
                 raise ProtocolError("malformed tuple")
             return tuple(inner)

@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import keyword
+import types
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Union
 
@@ -158,6 +159,14 @@ def resolve_class(path: str, base: type, allowed_prefixes: Sequence[str] | None 
         try:
             for attr in parts[cut:]:
                 obj = getattr(obj, attr)
+                if allowed_prefixes is not None and isinstance(obj, types.ModuleType):
+                    # A module imported by an allowed one (``torch.nn.modules.module.torch...``)
+                    # would reach classes from anywhere: only nested classes are walked.
+                    raise RefusedClassError(
+                        f"class {path!r} is reached through module {obj.__name__!r}, which {module_name!r} "
+                        "imports; name the class by its own module path and start the worker with "
+                        "--allow-module for that module to permit it"
+                    )
         except AttributeError:
             raise SpecError(f"{path!r}: module {module_name!r} has no attribute {'.'.join(parts[cut:])!r}") from None
         break

@@ -73,6 +73,9 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
         balance: layers per stage (e.g. ``[5, 4]``); ``"memory"`` (the default) splits by estimated
             training memory in proportion to each worker's free device memory; ``"parameters"`` evens out
             parameter counts. With several SpecSequentials, a dict from their names to one of these.
+        microbatches: split each batch into this many micro-batches that flow through the stages
+            concurrently (GPipe); results equal unsplit training unless layers couple the samples
+            of a batch (BatchNorm in training mode sees micro-batch statistics).
         num_workers: how many local workers to start when ``hosts`` is ``None``.
         worker_devices: devices of the local workers (default: CUDA round-robin if available, else CPU).
         worker_threads: torch threads per local worker (default: cores shared among workers).
@@ -88,6 +91,7 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
         self,
         hosts: list[str] | None = None,
         balance: list[int] | dict[str, list[int] | str] | str | None = None,
+        microbatches: int = 1,
         num_workers: int = 2,
         worker_devices: list[str] | None = None,
         worker_threads: int | None = None,
@@ -112,6 +116,9 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
             hosts = [normalize_address(h) for h in hosts]
         self.hosts = hosts
         self.balance = balance
+        if microbatches < 1:
+            raise LrmpError(f"microbatches must be at least 1, got {microbatches}")
+        self.microbatches = microbatches
         self.num_workers = num_workers
         self.worker_devices = worker_devices
         self.worker_threads = worker_threads
@@ -171,7 +178,7 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
                 hosts, heartbeat_timeout=self.heartbeat_timeout, connect_timeout=self.connect_timeout, liveness=liveness
             )
             for key, module in modules.items():
-                self._session.place(key, module, self._balance_for(key, modules))
+                self._session.place(key, module, self._balance_for(key, modules), self.microbatches)
             if fitting:
                 self.optimizers = self.optimizers  # mirrors them
                 self._patch_clipping()

@@ -1,12 +1,15 @@
-"""The driver side of remote stages: an autograd Function that relays activations, residual
-variables and their gradients through the workers holding one SpecSequential.
+"""The driver side of remote stages: an autograd Function whose forward and backward run a
+SpecSequential's stages on the workers, micro-batch by micro-batch.
 
-Forward sends the input to stage 0, each stage's output to the next, and each residual variable
-from the stage that produces it to every later stage that consumes it. Backward walks the stages
-in reverse; a variable's gradient is the sum of what its consumers return, handed to its
-producer together with the gradient of the producer's output. Each forward under grad has a call
-id; the workers keep what backward needs under that id until the backward, or until the driver's
-graph is dropped without one (then a release follows with the next message).
+Forward splits the batch into micro-batches and hands them all to stage 0; each worker sends its
+output straight to the next stage and each residual variable straight to the stages that consume
+it, so stages work on different micro-batches at once (GPipe). The last stage returns its outputs
+to the driver, which concatenates them. Backward sends the output's gradient, micro-batch by
+micro-batch, to the last stage; gradients flow back worker to worker (a variable's gradient is the
+sum of what its consumers return) and stage 0 reports each micro-batch done, with the input's
+gradient when one is needed. Each forward under grad has a call id; the workers keep what backward
+needs under that id until the backward, or until the driver's graph is dropped without one (then
+a release follows with the next forward).
 """
 
 from __future__ import annotations
@@ -21,8 +24,8 @@ from typing import Any
 import torch
 
 from lightning_remote_mp import protocol
-from lightning_remote_mp.partition import Stage
-from lightning_remote_mp.transport import Connection, broadcast
+from lightning_remote_mp.partition import DRIVER, Stage
+from lightning_remote_mp.transport import Connection, broadcast, gather
 
 
 @dataclasses.dataclass
@@ -40,9 +43,8 @@ class RemoteStage:
 
 @dataclasses.dataclass
 class _Call:
-    saved: list[bool]  # per stage: whether the worker kept state for backward
-    x_grad: list[bool]  # per stage: whether the stage's input wants a gradient
-    var_grad: dict[str, bool]  # per residual variable: whether it carries a gradient
+    sizes: list[int]  # micro-batch sizes along dim 0
+    x_grad: bool
 
 
 def _autocast_state(device_type: str) -> dict[str, Any] | None:
@@ -52,11 +54,21 @@ def _autocast_state(device_type: str) -> dict[str, Any] | None:
 
 
 class RemoteSpec:
-    """Runs a SpecSequential's stages on workers; the module's ``forward`` delegates here."""
+    """Runs a SpecSequential's stages on workers; the module's ``forward`` delegates here.
 
-    def __init__(self, key: str, stages: Sequence[RemoteStage]) -> None:
+    Args:
+        key: the SpecSequential's name in the LightningModule (how workers tell stages apart).
+        stages: its stages, in order.
+        microbatches: how many micro-batches each batch is split into (fewer if the batch is smaller).
+    """
+
+    def __init__(self, key: str, stages: Sequence[RemoteStage], microbatches: int = 1) -> None:
+        if microbatches < 1:
+            raise ValueError(f"microbatches must be at least 1, got {microbatches}")
         self.key = key
         self.stages = list(stages)
+        self.microbatches = microbatches
+        self.conns = list({id(s.conn): s.conn for s in self.stages}.values())
         self._ids = itertools.count(1)
         self._calls: dict[int, _Call] = {}
         self._to_release: collections.deque[int] = collections.deque()
@@ -78,72 +90,97 @@ class RemoteSpec:
         return y
 
     def set_mode(self, train: bool) -> None:
-        conns = {id(s.conn): s.conn for s in self.stages}.values()
-        broadcast(conns, protocol.SET_MODE, {"train": train})
+        broadcast(self.conns, protocol.SET_MODE, {"train": train})
 
     # --- forward / backward -------------------------------------------------------------
     def _flush_releases(self) -> None:
         calls = []
         while self._to_release:
             call = self._to_release.popleft()
-            record = self._calls.pop(call, None)
-            if record is not None:
-                calls.append((call, record))
-        for i, rs in enumerate(self.stages):
-            ids = [c for c, r in calls if r.saved[i]]
-            if ids:
-                rs.conn.request(protocol.RELEASE, {"calls": {self.key: ids}})
+            if self._calls.pop(call, None) is not None:
+                calls.append(call)
+        if calls:
+            broadcast(self.conns, protocol.RELEASE, {"calls": {self.key: calls}})
+
+    def _abandon(self, call: int) -> None:
+        """After a failure mid-call, let the workers drop what they hold for it (best effort)."""
+        self._calls.pop(call, None)
+        for conn in self.conns:
+            if conn.lost_reason is None and not conn.closed:
+                conn.send(protocol.RELEASE, {"calls": {self.key: [call]}})
 
     def forward(
         self, x: torch.Tensor, *, grad: bool, x_needs_grad: bool, autocast: dict[str, Any] | None
     ) -> tuple[torch.Tensor, int]:
         self._flush_releases()
-        call = next(self._ids) if grad else 0
-        record = _Call(saved=[], x_grad=[], var_grad={})
-        variables: dict[str, torch.Tensor] = {}
-        h, h_grad = x, x_needs_grad
-        for rs in self.stages:
-            imports = {n: variables[n] for n in rs.stage.imports}
-            needs = {"x": h_grad, **{n: record.var_grad.get(n, False) for n in rs.stage.imports}}
-            reply = rs.conn.request(
-                protocol.FORWARD,
-                {
-                    "key": self.key,
-                    "call": call,
-                    "x": h,
-                    "imports": imports,
-                    "grad": grad,
-                    "needs_grad": needs,
-                    "autocast": autocast,
-                },
+        call = next(self._ids)
+        chunks = [c for c in x.tensor_split(min(self.microbatches, max(1, x.shape[0])), dim=0) if c.shape[0] > 0] or [x]
+        first, last = self.stages[0], self.stages[-1]
+        try:
+            for mb, chunk in enumerate(chunks):
+                first.conn.send(
+                    protocol.FORWARD,
+                    {
+                        "key": self.key,
+                        "call": call,
+                        "mb": mb,
+                        "from": DRIVER,
+                        "x": chunk,
+                        "vars": {},
+                        "requires_grad": {"x": x_needs_grad},
+                        "grad": grad,
+                        "autocast": autocast,
+                    },
+                )
+            results = gather(
+                self.conns,
+                lambda c, m: m.kind == protocol.RESULT and c is last.conn and m.body.get("call") == call,
+                len(chunks),
+                call=call,
+                what="forward",
             )
-            record.x_grad.append(h_grad)
-            record.saved.append(bool(reply["saved"]))
-            h, h_grad = reply["y"], bool(reply["requires_grad"].get("y"))
-            for n, t in reply["exports"].items():
-                variables[n] = t
-                record.var_grad[n] = bool(reply["requires_grad"].get(n))
+        except BaseException:
+            self._abandon(call)
+            raise
+        outputs = sorted((m.body["mb"], m.body["x"]) for _, m in results)
+        y = outputs[0][1] if len(outputs) == 1 else torch.cat([t for _, t in outputs], dim=0)
         if grad:
-            self._calls[call] = record
-        return h.to(x.device), call
+            self._calls[call] = _Call(sizes=[c.shape[0] for c in chunks], x_grad=x_needs_grad)
+        return y.to(x.device), call
 
     def backward(self, call: int, grad_y: torch.Tensor | None) -> torch.Tensor | None:
         record = self._calls.pop(call)
-        grad_vars: dict[str, torch.Tensor] = {}
-        g = grad_y
-        for i in range(len(self.stages) - 1, -1, -1):
-            rs = self.stages[i]
-            grad_exports = {n: grad_vars.pop(n) for n in rs.stage.exports if n in grad_vars}
-            if not record.saved[i]:
-                g = None
-                continue
-            reply = rs.conn.request(
-                protocol.BACKWARD, {"key": self.key, "call": call, "grad_y": g, "grad_exports": grad_exports}
+        first, last = self.stages[0], self.stages[-1]
+        grads = grad_y.split(record.sizes, dim=0) if grad_y is not None else [None] * len(record.sizes)
+        try:
+            for mb, g in enumerate(grads):
+                last.conn.send(
+                    protocol.BACKWARD,
+                    {
+                        "key": self.key,
+                        "call": call,
+                        "mb": mb,
+                        "from": DRIVER,
+                        "grad_out": g,
+                        "grads": {},
+                    },
+                )
+            done = gather(
+                self.conns,
+                lambda c, m: m.kind == protocol.DONE and c is first.conn and m.body.get("call") == call,
+                len(record.sizes),
+                call=call,
+                what="backward",
             )
-            g = reply["grad_x"] if record.x_grad[i] else None
-            for n, t in reply["grad_imports"].items():
-                grad_vars[n] = grad_vars[n] + t if n in grad_vars else t
-        return g
+        except BaseException:
+            self._abandon(call)
+            raise
+        if not record.x_grad:
+            return None
+        parts = sorted((m.body["mb"], m.body.get("grad_out")) for _, m in done)
+        if any(p is None for _, p in parts):
+            return None
+        return parts[0][1] if len(parts) == 1 else torch.cat([p for _, p in parts], dim=0)
 
     def release_later(self, call: int) -> None:
         self._to_release.append(call)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import zmq
@@ -66,7 +66,7 @@ def bind_router(address: str) -> tuple[zmq.Socket, str]:
     return sock, sock.getsockopt(zmq.LAST_ENDPOINT).decode()
 
 
-def _dealer(address: str) -> zmq.Socket:
+def dealer(address: str) -> zmq.Socket:
     sock = context().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(address)
@@ -102,7 +102,7 @@ class Heartbeat:
         self._thread.join(timeout=5)
 
     def _run(self) -> None:
-        socks = {a: _dealer(a) for a in self.addresses}
+        socks = {a: dealer(a) for a in self.addresses}
         by_sock = {s: a for a, s in socks.items()}
         poller = zmq.Poller()
         for s in socks.values():
@@ -154,7 +154,7 @@ class Connection:
         self.heartbeat_timeout = heartbeat_timeout
         self.limits = limits
         self.is_alive = is_alive  # for workers this process started: returns why it died, or None
-        self._sock = _dealer(address)
+        self._sock = dealer(address)
         self._next_id = 0
         self.closed = False
         self.lost_reason: str | None = None
@@ -175,17 +175,22 @@ class Connection:
         self._sock.send_multipart(frames, copy=False)
         return self._next_id
 
+    def read(self) -> protocol.Message:
+        """Read one waiting message (the socket must be readable)."""
+        try:
+            msg = protocol.decode(self._sock.recv_multipart(copy=False), self.limits)
+        except ProtocolError as err:
+            raise ProtocolError(f"{self.where()} sent an undecodable message: {err}") from None
+        if self.heartbeat is not None:
+            self.heartbeat.touch(self.address)
+        return msg
+
     def recv(self, req_id: int, *, timeout: float | None = None, what: str = "") -> Any:
         """Wait for the reply to ``req_id``; return its body or raise WorkerError / WorkerLostError."""
         start = time.monotonic()
         while True:
             if self._sock.poll(_POLL_SLICE_MS, zmq.POLLIN):
-                try:
-                    msg = protocol.decode(self._sock.recv_multipart(copy=False), self.limits)
-                except ProtocolError as err:
-                    raise ProtocolError(f"{self.where()} sent an undecodable reply: {err}") from None
-                if self.heartbeat is not None:
-                    self.heartbeat.touch(self.address)
+                msg = self.read()
                 if msg.id != req_id:
                     log.debug("%s: dropping stale reply %s (waiting for %s)", self.where(), msg.id, req_id)
                     continue
@@ -253,3 +258,40 @@ def broadcast(conns: Iterable[Connection], kind: str, body: Any = None) -> list[
     conns = list(conns)
     ids = [c.send(kind, body) for c in conns]
     return [c.recv(i, what=kind) for c, i in zip(conns, ids)]
+
+
+def gather(
+    conns: Sequence[Connection],
+    want: Callable[[Connection, protocol.Message], bool],
+    count: int,
+    *,
+    call: int,
+    what: str,
+) -> list[tuple[Connection, protocol.Message]]:
+    """Collect ``count`` unsolicited messages that ``want`` accepts, from any of ``conns``.
+
+    An error a worker reports for this ``call`` is raised at once; leftovers of earlier calls are
+    dropped; a lost worker fails the wait like :meth:`Connection.recv` does.
+    """
+    poller = zmq.Poller()
+    by_sock = {}
+    for c in conns:
+        if id(c._sock) not in by_sock:
+            poller.register(c._sock, zmq.POLLIN)
+            by_sock[id(c._sock)] = c
+    got: list[tuple[Connection, protocol.Message]] = []
+    start = time.monotonic()
+    while len(got) < count:
+        for sock, _ in poller.poll(_POLL_SLICE_MS):
+            conn = by_sock[id(sock)]
+            msg = conn.read()
+            body = msg.body if isinstance(msg.body, dict) else {}
+            if msg.kind == protocol.ERROR and msg.id == 0 and body.get("call") in (call, None):
+                raise conn._remote_error(body, what)
+            if want(conn, msg):
+                got.append((conn, msg))
+            else:
+                log.debug("%s: dropping stale %s message", conn.where(), msg.kind)
+        for c in by_sock.values():
+            c._check_alive(start, None, what)
+    return got

@@ -6,7 +6,9 @@ lrmp-worker --bind tcp://0.0.0.0:5555 --device cuda:0 --allow-module mypackage.l
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
+import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -69,13 +71,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             server.endpoint,
         )
     signal.signal(signal.SIGTERM, lambda *_: server.stop())
+    if hasattr(signal, "SIGUSR1"):  # `kill -USR1 <pid>` prints every thread's stack: for a worker that seems stuck
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     # The launcher of local workers reads this line to learn the bound port.
     print(f"lrmp-worker ready on {server.endpoint} device={server.device}", flush=True)
     try:
         server.serve_forever()
     except KeyboardInterrupt:
         pass
-    return 0
+    # Sockets are closed and nothing is left to flush but logs; skip the interpreter's slow teardown
+    # of torch's module graph so that a stopped worker is gone at once.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

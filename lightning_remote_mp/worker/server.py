@@ -25,7 +25,7 @@ import zmq
 
 from lightning_remote_mp import __version__, protocol, transport
 from lightning_remote_mp.errors import ProtocolError
-from lightning_remote_mp.worker.session import WorkerSession, describe_device
+from lightning_remote_mp.worker.session import NO_REPLY, WorkerSession, describe_device
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +52,45 @@ def error_body(err: BaseException, session: WorkerSession | None = None) -> dict
             if name := stage.layer_name(body["layer"]):
                 body["layer_name"] = name
     return body
+
+
+_PIPELINE_KINDS = frozenset({protocol.FORWARD, protocol.BACKWARD})
+
+
+class _Outbox:
+    """The compute thread's way out: to the driver through the I/O thread, to peers directly."""
+
+    def __init__(self, to_io: zmq.Socket) -> None:
+        self.to_io = to_io
+        self.driver_peer = b""
+        self.session = ""
+        self._peers: dict[str, zmq.Socket] = {}
+
+    def to_driver(self, kind: str, body: Any) -> None:
+        frames = protocol.encode(kind, 0, self.session, body)
+        self.to_io.send_multipart([self.driver_peer, *frames], copy=False)
+
+    def to_peer(self, address: str, kind: str, body: Any) -> None:
+        sock = self._peers.get(address)
+        if sock is None:
+            sock = self._peers[address] = transport.dealer(address)
+        sock.send_multipart(protocol.encode(kind, 0, self.session, body), copy=False)
+
+    def close_peers(self) -> None:
+        for sock in self._peers.values():
+            sock.close(0)
+        self._peers.clear()
+
+    def close(self) -> None:
+        self.close_peers()
+
+
+def _warm_up() -> None:
+    """The first ``torch.autograd.backward`` with explicit gradients in a process imports sympy
+    (seconds on a small machine); pay that before the first session needs it."""
+    x = torch.ones(2, 2, requires_grad=True)
+    y = x * x
+    torch.autograd.backward([y], [torch.ones_like(y)])
 
 
 class WorkerServer:
@@ -151,6 +190,10 @@ class WorkerServer:
         if msg.kind == protocol.HELLO:
             self._on_hello(peer, msg)
             return
+        from_peer = msg.kind in _PIPELINE_KINDS and isinstance(msg.body, dict) and msg.body.get("from", -1) != -1
+        if from_peer and msg.session != self._session_id:
+            log.debug("dropped a peer message for session %s, which this worker does not serve", msg.session[:8])
+            return
         if self._session_id is None or msg.session != self._session_id:
             self._reply(
                 peer,
@@ -163,7 +206,8 @@ class WorkerServer:
                 },
             )
             return
-        self._last_seen = time.monotonic()
+        if not from_peer:
+            self._last_seen = time.monotonic()
         if msg.kind == protocol.BYE:
             self._end_session("driver said bye")
             self._reply(peer, protocol.OK, msg.id, None)
@@ -210,31 +254,55 @@ class WorkerServer:
     def _compute_loop(self) -> None:
         out = transport.context().socket(zmq.PUSH)
         out.connect(self._inproc)
+        self._outbox = _Outbox(out)
+        _warm_up()
         try:
             while (task := self._tasks.get()) is not None:
                 msg = task.msg
                 if msg.kind == _DROP:
                     self._drop_session(msg.session)
                     continue
+                from_peer = (
+                    msg.kind in _PIPELINE_KINDS and isinstance(msg.body, dict) and msg.body.get("from", -1) != -1
+                )
+                if not from_peer:
+                    self._outbox.driver_peer = task.peer
+                self._outbox.session = msg.session
                 self._busy_since = time.monotonic()
                 try:
                     body = self._handle(msg)
+                    if body is NO_REPLY:
+                        continue
                     frames = protocol.encode(protocol.OK, msg.id, msg.session, body)
                 except Exception as err:  # every failure becomes an error reply; the worker stays up
                     if not isinstance(err, ProtocolError):
                         log.warning("request %s failed: %s: %s", msg.kind, type(err).__name__, err)
-                    frames = protocol.encode(protocol.ERROR, msg.id, msg.session, error_body(err, self._session))
+                    error = error_body(err, self._session)
+                    if msg.kind in _PIPELINE_KINDS:
+                        # Pipelined work answers to the driver, whoever sent the message.
+                        if isinstance(msg.body, dict):
+                            error.update(
+                                {
+                                    k: msg.body.get(k)
+                                    for k in ("key", "call", "mb")
+                                    if isinstance(msg.body.get(k), (int, str))
+                                }
+                            )
+                        self._outbox.to_driver(protocol.ERROR, error)
+                        continue
+                    frames = protocol.encode(protocol.ERROR, msg.id, msg.session, error)
                 finally:
                     self._busy_since = None
                 out.send_multipart([task.peer, *frames], copy=False)
         finally:
+            self._outbox.close()
             out.close(0)
 
     def _handle(self, msg: protocol.Message) -> Any:
         if msg.kind == protocol.HELLO:
             if self._session is None or self._session.id != msg.session:
                 self._drop_session(None)
-                self._session = WorkerSession(msg.session, self.device, self.allowed_prefixes)
+                self._session = WorkerSession(msg.session, self.device, self.allowed_prefixes, self._outbox)
                 self.served += 1
             return {
                 "lrmp": __version__,
@@ -252,5 +320,6 @@ class WorkerServer:
         if self._session is not None and (session_id is None or self._session.id == session_id):
             self._session.close()
             self._session = None
+            self._outbox.close_peers()
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()

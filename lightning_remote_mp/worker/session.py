@@ -9,14 +9,27 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from lightning_remote_mp import protocol
 from lightning_remote_mp.errors import ProtocolError, SpecError
 from lightning_remote_mp.spec import resolve_class
+from lightning_remote_mp.worker.route import DRIVER, RoutedStage
 from lightning_remote_mp.worker.stage import StageExecutor
+
+#: Returned by handlers whose answer travels as separate messages (pipelined forward/backward).
+NO_REPLY = object()
+
+
+class Outbox(Protocol):
+    """Where a session's pipelined messages go: the driver, or a peer worker by address."""
+
+    def to_driver(self, kind: str, body: Any) -> None: ...
+
+    def to_peer(self, address: str, kind: str, body: Any) -> None: ...
+
 
 log = logging.getLogger(__name__)
 
@@ -34,8 +47,11 @@ def _require(body: Any, field: str, kind: type | tuple[type, ...]) -> Any:
 
 
 class WorkerSession:
-    def __init__(self, session_id: str, device: torch.device, allowed_prefixes: Sequence[str]) -> None:
+    def __init__(self, session_id: str, device: torch.device, allowed_prefixes: Sequence[str], outbox: Outbox) -> None:
         self.id = session_id
+        self.outbox = outbox
+        self.routes: dict[str, RoutedStage] = {}
+        self.peers: dict[str, dict[int, str]] = {}
         self.device = device
         self.allowed_prefixes = list(allowed_prefixes)
         self.stages: dict[str, StageExecutor] = {}
@@ -87,6 +103,9 @@ class WorkerSession:
             if name in frozen:
                 p.requires_grad_(False)
         self.stages[key] = stage
+        self.routes[key] = RoutedStage(stage, _require(body, "sources", list), _require(body, "targets", list))
+        peers = _require(body, "peers", dict)
+        self.peers[key] = {int(k): str(v) for k, v in peers.items() if isinstance(k, int) and isinstance(v, str)}
         params = sum(p.numel() for _, p in stage.named_parameters())
         log.info(
             "session %s: stage %d of %r holds layers %d-%d (%s parameters) on %s",
@@ -101,28 +120,30 @@ class WorkerSession:
         return {"parameters": params}
 
     def forward(self, body: Any) -> Any:
-        stage = self.stage(body)
-        return stage.forward(
-            _require(body, "call", int),
-            _require(body, "x", torch.Tensor),
-            _require(body, "imports", dict),
-            grad=bool(_require(body, "grad", bool)),
-            needs_grad=_require(body, "needs_grad", dict),
-            autocast=body.get("autocast"),
-        )
+        self._send(self.route(body).forward(body), protocol.FORWARD, protocol.RESULT)
+        return NO_REPLY
 
     def backward(self, body: Any) -> Any:
-        stage = self.stage(body)
-        grad_y = body.get("grad_y")
-        if grad_y is not None and not isinstance(grad_y, torch.Tensor):
-            raise ProtocolError("grad_y must be a tensor or None")
-        grad_x, grad_imports = stage.backward(_require(body, "call", int), grad_y, _require(body, "grad_exports", dict))
-        return {"grad_x": grad_x, "grad_imports": grad_imports}
+        self._send(self.route(body).backward(body), protocol.BACKWARD, protocol.DONE)
+        return NO_REPLY
+
+    def _send(self, outgoing: list[tuple[int, dict[str, Any]]], peer_kind: str, driver_kind: str) -> None:
+        for target, msg in outgoing:
+            if target == DRIVER:
+                self.outbox.to_driver(driver_kind, msg)
+            else:
+                self.outbox.to_peer(self.peers[msg["key"]][target], peer_kind, msg)
+
+    def route(self, body: Any) -> RoutedStage:
+        key = _require(body, "key", str)
+        if key not in self.routes:
+            raise SpecError(f"no stage {key!r:.80} on this worker; send setup first")
+        return self.routes[key]
 
     def release(self, body: Any) -> Any:
         for key, calls in _require(body, "calls", dict).items():
-            if (stage := self.stage_of(key)) is not None and isinstance(calls, list):
-                stage.release(calls)
+            if key in self.routes and isinstance(calls, list):
+                self.routes[key].release(c for c in calls if isinstance(c, int))
         return None
 
     def set_mode(self, body: Any) -> Any:
@@ -248,6 +269,7 @@ class WorkerSession:
         return None
 
     def close(self) -> None:
+        self.routes.clear()
         self.stages.clear()
         self.optimizers.clear()
 

@@ -67,7 +67,7 @@ class StageExecutor:
         self.layers = nn.ModuleDict(
             {str(start + i): build_layer(e, start + i, allowed_prefixes) for i, e in enumerate(normalized)}
         ).to(device)
-        self._saved: dict[int, _Saved] = {}
+        self._saved: dict[tuple[int, int], _Saved] = {}  # by (call, micro-batch)
 
     def layer_name(self, global_index: int) -> str:
         i = global_index - self.start
@@ -113,7 +113,7 @@ class StageExecutor:
 
     def forward(
         self,
-        call_id: int,
+        call_id: tuple[int, int],
         x: torch.Tensor,
         imports: Mapping[str, torch.Tensor],
         *,
@@ -157,7 +157,7 @@ class StageExecutor:
         }
 
     def backward(
-        self, call_id: int, grad_y: torch.Tensor | None, grad_exports: Mapping[str, torch.Tensor]
+        self, call_id: tuple[int, int], grad_y: torch.Tensor | None, grad_exports: Mapping[str, torch.Tensor]
     ) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
         saved = self._saved.pop(call_id, None)
         if saved is None:
@@ -180,6 +180,8 @@ class StageExecutor:
         grad_imports = {n: t.grad for n, t in saved.imports.items() if t.requires_grad and t.grad is not None}
         return grad_x, grad_imports
 
-    def release(self, call_ids: Sequence[int]) -> None:
-        for c in call_ids:
-            self._saved.pop(c, None)
+    def release(self, calls: Sequence[int]) -> None:
+        """Drop what forwards of these calls (all their micro-batches) kept for backward."""
+        drop = set(calls)
+        for key in [k for k in self._saved if k[0] in drop]:
+            del self._saved[key]
