@@ -16,6 +16,7 @@ True
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import socket
@@ -52,41 +53,79 @@ def _placed_module_state(module: SpecSequential, stage: partition.Stage) -> dict
     }
 
 
+def _meta_stage_state(module: SpecSequential, stage: partition.Stage) -> dict[str, torch.Tensor] | None:
+    """Weights loaded into a meta module before placement (a checkpoint), or None: the workers then
+    initialise the stage from the module's seed."""
+    pending = module._pending_state
+    if not pending:
+        return None
+    mine = {k: v for k, v in pending.items() if int(k.partition(".")[0]) in stage.layer_indices}
+    expected = {f"{i}.{n}" for i in stage.layer_indices for n in module.layers[i].state_dict()}
+    if set(mine) != expected:
+        raise SpecError(f"the state loaded into meta module misses {sorted(expected - set(mine))[:5]}")
+    return mine
+
+
 class _Placement:
+    """A placed SpecSequential: keeps ``state_dict()`` and ``load_state_dict()`` truthful.
+
+    Taking a state dict first refreshes the local copy from the workers (for a module on the meta
+    device, the workers' tensors go straight into the state dict instead); loading one sends what
+    was loaded to the workers.
+    """
+
     def __init__(self, key: str, module: SpecSequential, remote: RemoteSpec) -> None:
         self.key = key
         self.module = module
         self.remote = remote
+        self.meta = module.is_meta
+        self._loaded: dict[str, torch.Tensor] = {}
         self.hooks = [
             module.register_state_dict_pre_hook(self._before_state_dict),
+            module.register_state_dict_post_hook(functools.partial(_Placement._after_state_dict, self)),
+            module._register_load_state_dict_pre_hook(self._before_load_state_dict, with_module=True),
             module.register_load_state_dict_post_hook(self._after_load_state_dict),
         ]
-        self.pulling = False
 
     def _before_state_dict(self, module: Any, prefix: str, keep_vars: bool) -> None:
-        self.pull()
+        if not self.meta:
+            self.pull()
+
+    def _after_state_dict(self, module: Any, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+        if self.meta:
+            for name, t in self.fetch().items():
+                state_dict[f"{prefix}layers.{name}"] = t
+
+    def _before_load_state_dict(self, module: Any, state_dict: Any, prefix: str, *args: Any) -> None:
+        self._loaded = {
+            k[len(prefix) + len("layers.") :]: v for k, v in state_dict.items() if k.startswith(prefix + "layers.")
+        }
 
     def _after_load_state_dict(self, module: Any, incompatible: Any) -> None:
-        self.push()
+        loaded, self._loaded = self._loaded, {}
+        self.push(loaded)
+
+    def fetch(self) -> dict[str, torch.Tensor]:
+        """The workers' weights and buffers, named ``"<layer index>.<name>"``."""
+        out: dict[str, torch.Tensor] = {}
+        for reply in broadcast(self.remote.conns, protocol.GET_STATE):
+            out.update(reply.get(self.key, {}))
+        return out
 
     def pull(self) -> None:
         """Copy the workers' weights and buffers into the local module."""
-        conns = [rs.conn for rs in self.remote.stages]
-        for reply in broadcast(conns, protocol.GET_STATE):
-            with torch.no_grad():
-                for name, t in reply.get(self.key, {}).items():
-                    index, _, rest = name.partition(".")
-                    self.module.layers[int(index)].state_dict(keep_vars=True)[rest].copy_(t)
+        with torch.no_grad():
+            for name, t in self.fetch().items():
+                index, _, rest = name.partition(".")
+                self.module.layers[int(index)].state_dict(keep_vars=True)[rest].copy_(t)
 
-    def push(self) -> None:
-        """Send the local module's weights and buffers to the workers."""
-        ids = [
-            (
-                rs.conn,
-                rs.conn.send(protocol.LOAD_STATE, {"state": {self.key: _placed_module_state(self.module, rs.stage)}}),
-            )
-            for rs in self.remote.stages
-        ]
+    def push(self, state: dict[str, torch.Tensor]) -> None:
+        """Send weights and buffers (named ``"<layer index>.<name>"``) to the workers holding them."""
+        ids = []
+        for rs in self.remote.stages:
+            mine = {k: v for k, v in state.items() if int(k.partition(".")[0]) in rs.stage.layer_indices}
+            if mine:
+                ids.append((rs.conn, rs.conn.send(protocol.LOAD_STATE, {"state": {self.key: mine}})))
         for conn, i in ids:
             conn.recv(i, what=protocol.LOAD_STATE)
 
@@ -195,6 +234,7 @@ class DriverSession:
                     "move it into a module next to your script and, on remote workers, allow it with --allow-module"
                 )
         stages = self.plan(module, balance, what)
+        meta = module.is_meta
         log.info("%s placed:\n%s", what, partition.describe(stages, module.entries, module.layers, self.addresses))
         ids = []
         for stage, conn in zip(stages, self.conns):
@@ -213,7 +253,8 @@ class DriverSession:
                 "peers": {
                     k: self.conns[k].address for k, _ in (*stage.sources, *stage.targets) if k != partition.DRIVER
                 },
-                "state": _placed_module_state(module, stage),
+                "state": _meta_stage_state(module, stage) if meta else _placed_module_state(module, stage),
+                "init_seed": module.init_seed,
                 "frozen": [
                     f"{i}.{name}"
                     for i in stage.layer_indices
@@ -229,6 +270,7 @@ class DriverSession:
                 ) from None
         for conn, i in zip(self.conns, ids):
             conn.recv(i, what="setup")
+        module._pending_state = {}
         remote = RemoteSpec(key, [RemoteStage(key, s, c) for s, c in zip(stages, self.conns)], microbatches)
         module._remote = remote
         self.placements[key] = _Placement(key, module, remote)
@@ -269,7 +311,14 @@ class DriverSession:
         self.mirrors.clear()
         for key, pl in list(self.placements.items()):
             try:
-                pl.pull()
+                if pl.meta:
+                    log.info(
+                        "SpecSequential %r lives on the meta device here: its trained weights were only on "
+                        "the workers (and in the checkpoints written during the run)",
+                        key,
+                    )
+                else:
+                    pl.pull()
             except WorkerLostError as err:
                 failures.append(f"{key}: {err}")
             pl.detach()

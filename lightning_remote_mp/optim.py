@@ -53,6 +53,8 @@ class OptimizerMirror:
         self._create()
         self._handles.append(optimizer.register_step_post_hook(self._after_step))
         self._handles.append(optimizer.register_state_dict_post_hook(self._state_dict_post))
+        self._incoming: dict[str, Any] = {}
+        self._handles.append(optimizer.register_load_state_dict_pre_hook(self._load_state_dict_pre))
         self._handles.append(optimizer.register_load_state_dict_post_hook(self._load_state_dict_post))
         # torch has no zero_grad hook, and Lightning's optimizer wrapper calls the class's method
         # directly, so the optimizer gets a subclass whose zero_grad also reaches the workers.
@@ -167,13 +169,18 @@ class OptimizerMirror:
         state_dict["state"] = dict(sorted(state.items()))
         return state_dict
 
+    def _load_state_dict_pre(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
+        # Keep the remote share as it arrives: loading casts state to each parameter's device, and a
+        # parameter on the meta device would keep no data.
+        state = state_dict.get("state", {})
+        self._incoming = {name: state[k] for name, k in self._positions().items() if k in state}
+
     def _load_state_dict_post(self, optimizer: torch.optim.Optimizer) -> None:
+        incoming, self._incoming = self._incoming, {}
         per_conn: dict[int, dict[str, Any]] = {id(c): {} for c in self.conns}
-        for g in optimizer.param_groups:
-            for p in g["params"]:
-                if id(p) in self.remote and p in optimizer.state:
-                    conn, name = self.remote[id(p)]
-                    per_conn[id(conn)][name] = dict(optimizer.state[p])
+        for conn, name in self.remote.values():
+            if name in incoming:
+                per_conn[id(conn)][name] = dict(incoming[name])
         ids = [c.send(protocol.LOAD_OPTIM_STATE, {"index": self.index, "state": per_conn[id(c)]}) for c in self.conns]
         for c, i in zip(self.conns, ids):
             c.recv(i, what=protocol.LOAD_OPTIM_STATE)
@@ -188,6 +195,9 @@ class OptimizerMirror:
         self.optimizer.__class__ = self.cls
         vars(self.optimizer).pop("_lrmp_mirror", None)
         if full is not None:
+            # Parameters on the meta device (weights that live only on workers) get no local state.
+            params = [p for g in self.optimizer.param_groups for p in g["params"]]
+            full["state"] = {k: v for k, v in full["state"].items() if not params[k].is_meta}
             self.optimizer.load_state_dict(full)
 
 

@@ -32,12 +32,14 @@ lightning_remote_mp.errors.SpecError: layer 0 (WrappedLinear) depends on 'nope',
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
+import itertools
 import keyword
 import types
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any, Union
+from typing import Any
 
 import torch
 from torch import nn
@@ -45,7 +47,7 @@ from torch import nn
 from lightning_remote_mp.errors import RefusedClassError, SpecError
 
 Shape = tuple[int, ...]
-LayerRef = Union[type[nn.Module], str]
+LayerRef = type[nn.Module] | str
 
 #: Module prefixes every worker may build classes from.
 DEFAULT_ALLOWED_PREFIXES: tuple[str, ...] = ("torch.nn", "lightning_remote_mp.layers")
@@ -184,10 +186,27 @@ def resolve_layer(layer: LayerRef, allowed_prefixes: Sequence[str] | None = None
     return resolve_class(layer, nn.Module, allowed_prefixes)
 
 
-def build_layer(entry: LayerEntry, index: int, allowed_prefixes: Sequence[str] | None = None) -> nn.Module:
+def build_layer(
+    entry: LayerEntry,
+    index: int,
+    allowed_prefixes: Sequence[str] | None = None,
+    init_seed: int | None = None,
+    device: torch.device | str | None = None,
+) -> nn.Module:
+    """Construct one layer. With ``init_seed``, its initial weights depend only on the seed and the
+    layer's index (the CPU generator is seeded with ``init_seed + index`` around construction), so a
+    worker that builds only this layer gets the same weights as a driver that builds them all."""
     cls = resolve_layer(entry.layer, allowed_prefixes)
     try:
-        return cls(**entry.kwargs)
+        if init_seed is None:
+            with torch.device(device) if device is not None else contextlib.nullcontext():
+                return cls(**entry.kwargs)
+        if device is not None and torch.device(device).type == "meta":
+            with torch.device("meta"):
+                return cls(**entry.kwargs)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(init_seed + index)
+            return cls(**entry.kwargs)
     except Exception as err:
         raise SpecError(
             f"layer {index} ({entry.name}): constructing it with {dict(entry.kwargs)} failed: {err}"
@@ -315,13 +334,31 @@ class SpecSequential(nn.Module):
     torch.Size([2, 5])
     """
 
-    def __init__(self, spec: Iterable[Any]) -> None:
+    def __init__(
+        self, spec: Iterable[Any], *, init_seed: int | None = None, device: torch.device | str | None = None
+    ) -> None:
+        """
+        Args:
+            spec: the layer spec.
+            init_seed: initialise layer ``i`` from seed ``init_seed + i``, independently of the others.
+                Needed with ``device="meta"``: the workers then initialise their own layers from it.
+            device: where to build the layers; ``"meta"`` builds no weights at all on this process,
+                for models larger than the driver (they only ever exist on the workers).
+        """
         super().__init__()
         self.entries = normalize_spec(spec)
-        self.layers = nn.ModuleList(build_layer(e, i) for i, e in enumerate(self.entries))
+        self.init_seed = init_seed
+        if device is not None and torch.device(device).type == "meta" and init_seed is None:
+            raise SpecError("a SpecSequential on the meta device needs init_seed, so that workers can initialise it")
+        self.layers = nn.ModuleList(
+            build_layer(e, i, init_seed=init_seed, device=device) for i, e in enumerate(self.entries)
+        )
         self.wiring = check_wiring(self.layers, [e.name for e in self.entries])
         _check_shapes(self.entries, self.layers)
         self._remote: Any = None  # set by the strategy while the layers live on workers
+        # Weights loaded into a meta module before it is placed wait here for the workers.
+        self._pending_state: dict[str, torch.Tensor] = {}
+        self._register_load_state_dict_pre_hook(_stash_state_for_meta, with_module=True)
 
     def __len__(self) -> int:
         return len(self.layers)
@@ -332,6 +369,18 @@ class SpecSequential(nn.Module):
     @property
     def is_remote(self) -> bool:
         return self._remote is not None
+
+    @property
+    def is_meta(self) -> bool:
+        """Whether the layers have no weights here (built on the meta device)."""
+        return any(t.is_meta for t in itertools.chain(self.layers.parameters(), self.layers.buffers()))
+
+    def _apply(self, fn: Any, recurse: bool = True) -> SpecSequential:
+        # Moving or casting weights that do not exist here (meta) is a no-op, not an error:
+        # Lightning moves the whole LightningModule to its device.
+        if self.is_meta:
+            return self
+        return super()._apply(fn, recurse)
 
     def forward(self, x: Any) -> Any:
         if self._remote is not None:
@@ -346,3 +395,10 @@ class SpecSequential(nn.Module):
 
     def extra_repr(self) -> str:
         return f"remote={self._remote!r}" if self._remote is not None else ""
+
+
+def _stash_state_for_meta(module: SpecSequential, state_dict: Any, prefix: str, *args: Any) -> None:
+    # Loading into meta tensors keeps nothing; keep the tensors until the module is placed.
+    if module.is_meta and not module.is_remote:
+        head = prefix + "layers."
+        module._pending_state = {k[len(head) :]: v for k, v in state_dict.items() if k.startswith(head)}

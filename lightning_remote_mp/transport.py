@@ -214,7 +214,8 @@ class Connection:
             if silent > self.heartbeat_timeout:
                 self._lost(
                     f"{self.where()} stopped answering{doing}: no reply or heartbeat for {silent:.1f} s "
-                    f"(heartbeat_timeout={self.heartbeat_timeout} s). Is the worker process still running and reachable?"
+                    f"(heartbeat_timeout={self.heartbeat_timeout} s). "
+                    "Is the worker process still running and reachable?"
                 )
         if timeout is not None and time.monotonic() - start > timeout:
             self._lost(

@@ -321,3 +321,33 @@ def test_no_thread_or_process_left_behind():
     trainer(strategy, epochs=1).fit(Net(residual_spec(probe=False)), data())
     assert strategy._local is None and strategy.session is None
     assert "lrmp-heartbeat" not in {t.name for t in threading.enumerate()} - before
+
+
+class MetaNet(Net):
+    """The SpecSequential is built on the meta device: its weights only ever exist on the workers."""
+
+    def __init__(self, spec, meta: bool):
+        super().__init__(spec)
+        self.net = SpecSequential(spec, init_seed=7, device="meta" if meta else None)
+
+
+def test_meta_model_is_initialised_by_the_workers_from_its_seed(tmp_path):
+    spec = residual_spec(probe=False)
+    local = MetaNet(spec, meta=False)
+    remote = MetaNet(spec, meta=True)
+    assert all(p.is_meta for p in remote.net.parameters())
+    trainer().fit(local, data())
+    ckpt = _fit_with_checkpoint(remote, RemoteModelParallelStrategy(balance=[5, 5]), 2, tmp_path)
+    assert_same_losses(local.losses, remote.losses)
+    # The driver never held the weights; the checkpoint has them all, equal to the local run's.
+    assert all(p.is_meta for p in remote.net.parameters())
+    state = torch.load(ckpt, weights_only=True)["state_dict"]
+    assert state.keys() == local.state_dict().keys()
+    for k, v in local.state_dict().items():
+        assert not state[k].is_meta and torch.allclose(state[k], v, atol=TOL), k
+    # A fresh meta model resumes from it on fresh workers.
+    resumed = MetaNet(spec, meta=True)
+    trainer(RemoteModelParallelStrategy(balance=[5, 5]), epochs=3).fit(resumed, data(), ckpt_path=ckpt)
+    reference = MetaNet(spec, meta=False)
+    trainer(epochs=3).fit(reference, data())
+    assert_same_losses(reference.losses[-4:], resumed.losses)

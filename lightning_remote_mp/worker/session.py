@@ -95,9 +95,24 @@ class WorkerSession:
         start = _require(body, "start", int)
         entries = _require(body, "entries", list)
         exports = _require(body, "exports", list)
-        state = _require(body, "state", dict)
-        stage = StageExecutor(key, index, start, entries, exports, self.device, self.allowed_prefixes)
-        stage.load_state_dict(state, assign=True)
+        state = body.get("state")
+        seed = body.get("init_seed")
+        if state is None and not isinstance(seed, int):
+            raise ProtocolError("setup needs the stage's state or an init_seed")
+        stage = StageExecutor(
+            key,
+            index,
+            start,
+            entries,
+            exports,
+            self.device,
+            self.allowed_prefixes,
+            init_seed=seed if state is None else None,
+        )
+        if state is not None:
+            if not isinstance(state, dict):
+                raise ProtocolError("field 'state' must be a dict")
+            stage.load_state_dict(state, assign=True)
         frozen = set(body.get("frozen") or [])
         for name, p in stage.named_parameters():
             if name in frozen:

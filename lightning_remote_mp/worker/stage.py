@@ -52,6 +52,7 @@ class StageExecutor:
         exports: Sequence[str],
         device: torch.device,
         allowed_prefixes: Sequence[str],
+        init_seed: int | None = None,
     ) -> None:
         self.key = key
         self.index = index
@@ -63,9 +64,13 @@ class StageExecutor:
             if not isinstance(e.layer, str):
                 raise SpecError(f"layer {start + i}: a worker takes layers by dotted path only")
         self.names = [e.name for e in normalized]
-        # Layers are built on CPU with their default init; the driver's weights replace it at once.
+        # Layers are built on CPU, seeded per layer when the driver asks (then the driver sends no
+        # weights: it has none), else with their default init that the driver's weights replace.
         self.layers = nn.ModuleDict(
-            {str(start + i): build_layer(e, start + i, allowed_prefixes) for i, e in enumerate(normalized)}
+            {
+                str(start + i): build_layer(e, start + i, allowed_prefixes, init_seed=init_seed)
+                for i, e in enumerate(normalized)
+            }
         ).to(device)
         self._saved: dict[tuple[int, int], _Saved] = {}  # by (call, micro-batch)
 
@@ -85,7 +90,7 @@ class StageExecutor:
         driver's bf16 module stays bf16 here."""
         expected = set(self.layers.state_dict())
         got = set(state)
-        if got != expected:
+        if (assign and got != expected) or not got <= expected:
             raise SpecError(
                 f"stage {self.index} weights do not match its layers: missing {sorted(expected - got)[:5]}, "
                 f"unexpected {sorted(got - expected)[:5]}"
@@ -95,7 +100,8 @@ class StageExecutor:
             return
         with torch.no_grad():
             for name, tensor in self.layers.state_dict(keep_vars=True).items():
-                tensor.copy_(state[name])
+                if name in state:
+                    tensor.copy_(state[name])
 
     def set_mode(self, train: bool) -> None:
         self.layers.train(train)
