@@ -1,0 +1,616 @@
+"""A real ``lrmp-worker`` process on 127.0.0.1, driven over real ZeroMQ sockets.
+
+Two workers serve the whole module (starting one costs seconds): ``worker`` with the default
+session timeout, ``short_worker`` with a 2 s one. Each test ends the sessions it opened, and
+the tests that attack a worker check that it is still alive and still serves afterwards.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import pickle
+import random
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import pytest
+import torch
+import zmq
+
+from lightning_remote_mp import __version__, protocol
+from lightning_remote_mp.driver import DriverSession
+from lightning_remote_mp.errors import WorkerError
+from lightning_remote_mp.launch import LocalWorkers
+from lightning_remote_mp.spec import LayerEntry, SpecSequential
+
+pytestmark = pytest.mark.timeout(120)
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+SHORT_TIMEOUT = 2.0
+REPLY_TIMEOUT = 10.0
+
+
+class Worker:
+    def __init__(self, proc: subprocess.Popen, address: str, log: Path) -> None:
+        self.proc = proc
+        self.address = address
+        self.log = log
+
+    def assert_alive(self) -> None:
+        code = self.proc.poll()
+        assert code is None, f"the worker exited with code {code}; its log:\n{self.log.read_text()[-3000:]}"
+
+
+def _start(args: list[str], modules_dir: Path, log: Path) -> subprocess.Popen:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([TESTS_DIR, str(modules_dir), *sys.path])
+    cmd = [
+        sys.executable,
+        "-m",
+        "lightning_remote_mp.worker",
+        "--bind",
+        "tcp://127.0.0.1:*",
+        "--threads",
+        "1",
+        "--log-level",
+        "INFO",
+        "--allow-module",
+        "lrmp_testlayers",
+        *args,
+    ]
+    with open(log, "w") as err:
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL, env=env, text=True)
+
+
+@pytest.fixture(scope="module")
+def modules_dir(tmp_path_factory) -> Path:
+    """Importable by the workers; ``lrmp_marker_mod`` leaves a file behind if it is ever imported."""
+    d = tmp_path_factory.mktemp("worker_modules")
+    (d / "lrmp_marker_mod.py").write_text(
+        "import os, torch\n"
+        "open(os.path.join(os.path.dirname(__file__), 'IMPORTED'), 'w').close()\n"
+        "class Layer(torch.nn.Module):\n"
+        "    pass\n"
+    )
+    return d
+
+
+@pytest.fixture(scope="module")
+def _workers(modules_dir, tmp_path_factory) -> Iterator[tuple[Worker, Worker]]:
+    logs = tmp_path_factory.mktemp("worker_logs")
+    procs = [
+        _start([], modules_dir, logs / "worker.log"),
+        _start(["--session-timeout", str(SHORT_TIMEOUT)], modules_dir, logs / "short_worker.log"),
+    ]
+    try:
+        deadline = time.monotonic() + 120
+        addresses = [LocalWorkers._wait_ready(p, deadline) for p in procs]
+        yield tuple(Worker(p, a, logs / n) for p, a, n in zip(procs, addresses, ["worker.log", "short_worker.log"]))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+            if p.stdout is not None:
+                p.stdout.close()
+
+
+@pytest.fixture
+def worker(_workers) -> Worker:
+    _workers[0].assert_alive()
+    return _workers[0]
+
+
+@pytest.fixture
+def short_worker(_workers) -> Worker:
+    _workers[1].assert_alive()
+    return _workers[1]
+
+
+class Client:
+    """A raw DEALER socket speaking the protocol as one driver session."""
+
+    def __init__(self, address: str, session: str | None = None) -> None:
+        self.address = address
+        self.session = uuid.uuid4().hex if session is None else session
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(address)
+        self.next_id = 0
+        self.admitted = False
+
+    def send(self, kind: str, body: Any = None, *, session: str | None = None) -> int:
+        self.next_id += 1
+        self.sock.send_multipart(
+            protocol.encode(kind, self.next_id, self.session if session is None else session, body)
+        )
+        return self.next_id
+
+    def send_raw(self, frames: list[Any]) -> None:
+        self.sock.send_multipart(frames)
+
+    def recv(self, timeout: float = REPLY_TIMEOUT) -> protocol.Message | None:
+        if not self.sock.poll(timeout * 1000, zmq.POLLIN):
+            return None
+        return protocol.decode(self.sock.recv_multipart())
+
+    def request(self, kind: str, body: Any = None, *, session: str | None = None) -> protocol.Message:
+        req_id = self.send(kind, body, session=session)
+        msg = self.recv()
+        assert msg is not None, f"no reply to {kind} within {REPLY_TIMEOUT} s"
+        assert msg.id == req_id
+        if kind == protocol.HELLO and msg.kind == protocol.OK:
+            self.admitted = True
+        if kind == protocol.BYE and msg.kind == protocol.OK:
+            self.admitted = False
+        return msg
+
+    def ok(self, kind: str, body: Any = None) -> Any:
+        msg = self.request(kind, body)
+        assert msg.kind == protocol.OK, f"{kind} failed: {msg.body}"
+        return msg.body
+
+    def error(self, kind: str, body: Any = None, *, session: str | None = None) -> dict:
+        msg = self.request(kind, body, session=session)
+        assert msg.kind == protocol.ERROR, f"{kind} should have failed, got {msg.kind}: {msg.body}"
+        assert isinstance(msg.body, dict)
+        return msg.body
+
+    def close(self) -> None:
+        if self.admitted:
+            try:
+                self.request(protocol.BYE)
+            except AssertionError:
+                pass
+        self.sock.close(0)
+
+
+@pytest.fixture
+def connect() -> Iterator:
+    """``connect(address, session=None)``: a Client whose session says bye when the test ends."""
+    clients: list[Client] = []
+
+    def make(address: str, session: str | None = None) -> Client:
+        c = Client(address, session)
+        clients.append(c)
+        return c
+
+    yield make
+    for c in clients:
+        c.close()
+
+
+# --- a stage to serve -----------------------------------------------------------------------
+
+
+def _stage_body(key: str = "net", paths: tuple[str, str] = ("torch.nn.Linear", "lrmp_testlayers.ScaleBy")) -> dict:
+    """A SETUP request as an attacker (or a broken driver) would write it by hand."""
+    torch.manual_seed(1)
+    lin = torch.nn.Linear(3, 2)
+    return {
+        "key": key,
+        "stage": 0,
+        "start": 0,
+        "entries": [
+            [paths[0], {"in_features": 3, "out_features": 2}, [4, 3]],
+            [paths[1], {"init": 2.0}, [4, 2]],
+        ],
+        "exports": [],
+        "state": {"0.weight": lin.weight.detach(), "0.bias": lin.bias.detach(), "1.scale": torch.tensor(2.0)},
+    }
+
+
+def _spec() -> SpecSequential:
+    torch.manual_seed(2)
+    return SpecSequential(
+        [
+            ("torch.nn.Linear", {"in_features": 3, "out_features": 2}, (4, 3)),
+            ("lrmp_testlayers.ScaleBy", {"init": 2.0}, (4, 2)),
+        ]
+    )
+
+
+def _check_serves(worker: Worker) -> None:
+    """A real driver session on the worker: place a model there, run forward and backward through
+    it, and compare with the same model run locally."""
+    worker.assert_alive()
+    net = _spec()
+    local = copy.deepcopy(net)
+    session = DriverSession([worker.address], connect_timeout=REPLY_TIMEOUT)
+    try:
+        assert session.workers[0]["pid"] == worker.proc.pid
+        session.place("net", net)
+        assert net.is_remote
+        x = torch.randn(4, 3, requires_grad=True)
+        xl = x.detach().clone().requires_grad_(True)
+        y, yl = net(x), local(xl)
+        assert torch.allclose(y, yl, atol=1e-6)
+        g = torch.randn(4, 2)
+        y.backward(g)
+        yl.backward(g)
+        assert torch.allclose(x.grad, xl.grad, atol=1e-6)
+    finally:
+        session.close()
+    worker.assert_alive()
+
+
+# --- hello ----------------------------------------------------------------------------------
+
+
+def test_hello_reports_the_worker(worker, connect):
+    client = connect(worker.address)
+    req_id = client.send(protocol.HELLO, {"driver": "pytest", "lrmp": __version__})
+    reply = client.recv()
+    assert reply is not None
+    assert (reply.kind, reply.id, reply.session) == (protocol.OK, req_id, client.session)
+    client.admitted = True
+    info = reply.body
+    assert info["lrmp"] == __version__
+    assert info["torch"] == torch.__version__
+    assert info["protocol"] == protocol.PROTOCOL_VERSION
+    assert info["pid"] == worker.proc.pid
+    assert info["device"] == "cpu" and info["device_name"] == "cpu"
+    assert isinstance(info["free_memory"], int) and 0 < info["free_memory"] <= info["total_memory"]
+    assert {"torch.nn", "lightning_remote_mp.layers", "lrmp_testlayers"} <= set(info["allowed_prefixes"])
+    assert "lrmp_marker_mod" not in info["allowed_prefixes"]
+    # A repeated hello in the same session is answered the same way.
+    assert client.ok(protocol.HELLO, {"driver": "pytest"})["pid"] == worker.proc.pid
+    assert client.ok(protocol.BYE) is None
+
+
+def test_a_driver_session_runs_a_stage_there(worker):
+    _check_serves(worker)
+
+
+# --- the class allowlist --------------------------------------------------------------------
+
+
+REFUSED = [
+    ("os.system", "os"),
+    ("subprocess.Popen", "subprocess"),
+    ("builtins.eval", "builtins"),
+    ("collections.OrderedDict", "collections"),
+    ("lightning_remote_mp.spec.SpecSequential", "lightning_remote_mp.spec"),
+    ("lrmp_marker_mod.Layer", "lrmp_marker_mod"),
+    ("torch.nnx.Linear", "torch.nnx"),
+    ("lrmp_testlayers_x.ScaleBy", "lrmp_testlayers_x"),
+]
+
+
+def test_refused_classes_get_an_error_and_the_worker_keeps_serving(worker, connect, modules_dir):
+    client = connect(worker.address)
+    client.ok(protocol.HELLO, {"driver": "pytest"})
+    for path, module in REFUSED:
+        err = client.error(protocol.SETUP, _stage_body(paths=("torch.nn.Linear", path)))
+        assert err["type"] == "RefusedClassError", err
+        assert repr(path) in err["message"]
+        assert f"--allow-module {module} " in err["message"]
+    # Reaching a class through a module that an allowed module imports is refused as well.
+    escape = "torch.nn.modules.module.torch.ao.nn.quantized.Linear"
+    err = client.error(protocol.SETUP, _stage_body(paths=(escape, "lrmp_testlayers.ScaleBy")))
+    assert err["type"] == "RefusedClassError" and "--allow-module" in err["message"], err
+    # Optimizer classes go through the same allowlist.
+    err = client.error(protocol.OPTIM_CREATE, {"index": 0, "cls": "os.system", "defaults": {}, "groups": []})
+    assert err["type"] == "RefusedClassError" and "'os.system'" in err["message"], err
+    # Refused means never imported.
+    assert not (modules_dir / "IMPORTED").exists()
+    # The session is intact, and no refused stage was kept.
+    assert client.ok(protocol.GET_STATE) == {}
+    client.ok(protocol.BYE)
+    _check_serves(worker)
+
+
+def test_a_driver_hears_which_class_was_refused(worker):
+    net = _spec()
+    # What a driver sends for a layer its worker does not allow (the local build used another class).
+    net.entries[1] = LayerEntry(layer="collections.OrderedDict", kwargs={}, input_shape=(4, 2))
+    session = DriverSession([worker.address], connect_timeout=REPLY_TIMEOUT)
+    try:
+        with pytest.raises(WorkerError) as info:
+            session.place("net", net)
+        err = info.value
+        assert err.remote_type == "RefusedClassError"
+        assert "'collections.OrderedDict'" in str(err) and "--allow-module collections" in str(err)
+        assert err.address == worker.address and err.stage == 0
+        assert not net.is_remote
+        # The same session goes on: a model the worker may build is placed and runs.
+        ok = _spec()
+        session.place("ok", ok)
+        assert torch.allclose(ok(torch.ones(2, 3)), _spec()(torch.ones(2, 3)), atol=1e-6)
+    finally:
+        session.close()
+    worker.assert_alive()
+
+
+def test_request_errors_keep_the_session(worker, connect):
+    client = connect(worker.address)
+    client.ok(protocol.HELLO, {"driver": "pytest"})
+    err = client.error(protocol.SETUP, {"key": "net"})
+    assert err["type"] == "ProtocolError" and "missing field 'stage'" in err["message"]
+    err = client.error(protocol.SETUP, {**_stage_body(), "stage": "0"})
+    assert err["type"] == "ProtocolError" and "field 'stage' has type str" in err["message"]
+    err = client.error(protocol.SETUP, [1, 2, 3])
+    assert err["type"] == "ProtocolError"
+    bad_state = _stage_body()
+    del bad_state["state"]["1.scale"]
+    err = client.error(protocol.SETUP, bad_state)
+    assert err["type"] == "SpecError" and "1.scale" in err["message"]
+    err = client.error(protocol.SETUP, {**_stage_body(), "entries": [["torch.nn.Linear", {"in_features": "x"}, [1]]]})
+    assert err["type"] == "SpecError" and "layer 0 (Linear)" in err["message"]
+    err = client.error(protocol.SETUP, {**_stage_body(), "entries": [["not a path", {}, [1]]]})
+    assert err["type"] == "SpecError" and "not a dotted import path" in err["message"]
+    err = client.error(protocol.LOAD_STATE, {"state": {"nope": {}}})
+    assert err["type"] == "SpecError" and "no stage 'nope'" in err["message"]
+    assert client.ok(protocol.GET_STATE) == {}
+    client.ok(protocol.BYE)
+    _check_serves(worker)
+
+
+# --- malformed and hostile input ------------------------------------------------------------
+
+
+class _ShellBomb:
+    """Unpickling this runs a shell command that creates ``path``."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.path}",))
+
+
+class _OpenBomb:
+    """Unpickling this creates ``path``."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (str(self.path), "w"))
+
+
+def _bad_payloads(tmp_path: Path, session: str) -> list[tuple[str, list[bytes]]]:
+    good = protocol.encode(protocol.FORWARD, 1, session, {"x": torch.ones(4, 3), "i": torch.arange(2)})
+    header = msgpack.unpackb(good[0], raw=False)
+    rng = random.Random(1234)
+    payloads: list[tuple[str, list[bytes]]] = [
+        ("empty frame", [b""]),
+        ("never-used msgpack byte", [b"\xc1"]),
+        ("text", [b"GET / HTTP/1.1\r\nHost: worker\r\n\r\n"]),
+        ("an array claiming 4 billion items", [b"\xdd\xff\xff\xff\xff"]),
+        ("many empty frames", [b""] * 5000),
+    ]
+    payloads += [(f"random bytes {i}", [rng.randbytes(rng.randint(1, 200))]) for i in range(10)]
+    payloads += [
+        (f"truncated header at {n}", [good[0][:n], *good[1:]]) for n in (1, 5, len(good[0]) // 2, len(good[0]) - 1)
+    ]
+    payloads += [
+        ("tensor frame one byte short", [good[0], bytes(good[1])[:-1], bytes(good[2])]),
+        ("tensor frame one byte long", [good[0], bytes(good[1]) + b"\x00", bytes(good[2])]),
+        ("tensor frame empty", [good[0], b"", bytes(good[2])]),
+        ("tensor frames swapped", [good[0], bytes(good[2]), bytes(good[1])]),
+        ("a tensor frame missing", [good[0], bytes(good[1])]),
+        ("an extra tensor frame", [*good, b"\x00" * 8]),
+        ("wrong version", [msgpack.packb([2, *header[1:]]), *good[1:]]),
+        ("unknown dtype", [msgpack.packb([*header[:4], [["object", [4, 3]], header[4][1]], header[5]]), *good[1:]]),
+        ("too many dims", [msgpack.packb([*header[:4], [["uint8", [1] * 40]], header[5]]), b"\x00"]),
+        ("negative shape", [msgpack.packb([*header[:4], [["float32", [-4, -3]], header[4][1]], header[5]]), *good[1:]]),
+    ]
+    # Found by these tests: each used to kill the worker (a segfault; an exception out of the I/O loop).
+    inner = msgpack.packb(None)
+    for _ in range(1000):
+        inner = msgpack.packb(msgpack.ExtType(2, msgpack.packb([msgpack.ExtType(2, inner)])))
+    payloads.append(
+        ("tuples nested 2000 deep", [msgpack.packb([1, "forward", 1, session, [], msgpack.ExtType(0, inner)])])
+    )
+    payloads.append(
+        (
+            "empty tensor of absurd size",
+            [msgpack.packb([1, "forward", 1, session, [["float32", [0, 2**61, 2**61]]], header[5]]), b""],
+        )
+    )
+    # Pickles whose unpickling would create a file: a worker must never unpickle anything.
+    for bomb in (_ShellBomb(tmp_path / "pwned_shell"), _OpenBomb(tmp_path / "pwned_open")):
+        for proto in (0, 2, pickle.HIGHEST_PROTOCOL):
+            payloads.append((f"{type(bomb).__name__} pickle v{proto}", [pickle.dumps(bomb, protocol=proto)]))
+    return payloads
+
+
+def _pickle_bombs(tmp_path: Path) -> list[bytes]:
+    return [pickle.dumps(b) for b in (_ShellBomb(tmp_path / "pwned_shell"), _OpenBomb(tmp_path / "pwned_open"))]
+
+
+def test_the_pickle_bombs_are_live(tmp_path):
+    # Control: unpickled here, the payload does create its file (so its absence below means something).
+    control = tmp_path / "control"
+    pickle.loads(pickle.dumps(_OpenBomb(control))).close()
+    assert control.exists()
+
+
+@pytest.mark.parametrize("admitted", [False, True], ids=["no session", "during a session"])
+def test_malformed_messages_never_crash_the_worker(worker, connect, tmp_path, admitted):
+    attacker = connect(worker.address)
+    if admitted:
+        attacker.ok(protocol.HELLO, {"driver": "attacker"})
+    for what, frames in _bad_payloads(tmp_path, attacker.session):
+        attacker.send_raw(frames)
+        reply = attacker.recv()
+        assert reply is not None, f"{what}: no reply"
+        assert reply.kind == protocol.ERROR, f"{what}: {reply}"
+        assert reply.body["type"] == "ProtocolError", f"{what}: {reply.body}"
+        worker.assert_alive()
+    assert not (tmp_path / "pwned_shell").exists()
+    assert not (tmp_path / "pwned_open").exists()
+    if admitted:
+        assert attacker.ok(protocol.GET_STATE) == {}  # the session survived the barrage
+        attacker.ok(protocol.BYE)
+    _check_serves(worker)
+
+
+def test_pickles_inside_valid_messages_stay_bytes(worker, connect, tmp_path):
+    client = connect(worker.address)
+    client.ok(protocol.HELLO, {"driver": "pytest"})
+    for bomb in _pickle_bombs(tmp_path):
+        # As a uint8 tensor in the weights: it arrives as numbers, of the wrong shape.
+        body = _stage_body()
+        body["state"]["0.weight"] = torch.frombuffer(bytearray(bomb), dtype=torch.uint8)
+        client.error(protocol.SETUP, body)
+        # As bytes in layer kwargs and in the state: they reach a constructor as bytes, which fails.
+        err = client.error(
+            protocol.SETUP, {**_stage_body(), "entries": [["torch.nn.Linear", {"in_features": bomb}, [1]]]}
+        )
+        assert err["type"] == "SpecError"
+        err = client.error(protocol.SETUP, {**_stage_body(), "state": {"0.weight": bomb}})
+        assert err["type"] == "SpecError" and "do not match" in err["message"]
+        body = _stage_body()
+        body["state"]["0.weight"] = bomb
+        client.error(protocol.SETUP, body)
+        # As a message kind and a session id.
+        assert client.error(bomb.decode("latin-1"))["type"] == "ProtocolError"
+    assert not (tmp_path / "pwned_shell").exists()
+    assert not (tmp_path / "pwned_open").exists()
+    assert client.ok(protocol.GET_STATE) == {}
+    client.ok(protocol.BYE)
+    _check_serves(worker)
+
+
+# --- sessions -------------------------------------------------------------------------------
+
+
+def test_a_second_driver_is_refused_while_a_session_is_active(worker, connect):
+    first, second = connect(worker.address), connect(worker.address)
+    first.ok(protocol.HELLO, {"driver": "first"})
+    err = second.error(protocol.HELLO, {"driver": "second"})
+    assert err["type"] == "WorkerBusy"
+    assert "busy" in err["message"] and "first" in err["message"]
+    # The refused driver cannot act in the session it did not get, nor end it...
+    assert second.error(protocol.SETUP, _stage_body())["type"] == "SessionError"
+    assert second.error(protocol.BYE)["type"] == "SessionError"
+    # ...and the first session is undisturbed.
+    assert first.ok(protocol.GET_STATE) == {}
+    assert "busy" in second.error(protocol.HELLO, {"driver": "second"})["message"]
+    first.ok(protocol.BYE)
+    info = second.ok(protocol.HELLO, {"driver": "second"})
+    assert info["pid"] == worker.proc.pid
+    assert second.ok(protocol.GET_STATE) == {}
+    assert first.error(protocol.GET_STATE)["type"] == "SessionError"
+    second.ok(protocol.BYE)
+
+
+def test_a_new_session_starts_empty(worker, connect):
+    net = _spec()
+    session = DriverSession([worker.address], connect_timeout=REPLY_TIMEOUT)
+    try:
+        session.place("net", net)
+        holder = Client(worker.address, session=session.id)
+        try:
+            state = holder.ok(protocol.GET_STATE)  # the driver's session, seen from a raw socket
+        finally:
+            holder.sock.close(0)
+        assert set(state) == {"net"} and set(state["net"]) == {"0.weight", "0.bias", "1.scale"}
+        assert torch.equal(state["net"]["0.weight"], net.layers[0].weight.detach())
+    finally:
+        session.close()
+    client = connect(worker.address)
+    client.ok(protocol.HELLO, {"driver": "next"})
+    assert client.ok(protocol.GET_STATE) == {}
+    client.ok(protocol.BYE)
+
+
+def test_a_silent_session_expires(short_worker, connect):
+    first, second = connect(short_worker.address), connect(short_worker.address)
+    first.ok(protocol.HELLO, {"driver": "first"})
+    # (No local work between requests here: the session only lives 2 s without a word.)
+    assert first.ok(protocol.GET_STATE) == {}
+    last_heard = time.monotonic()  # a ping refreshes the session: the last sign of life
+    assert first.request(protocol.PING).body == {"session_alive": True, "busy": False}
+    assert "busy" in second.error(protocol.HELLO, {"driver": "second"})["message"]
+    admitted_at = None
+    while time.monotonic() - last_heard < SHORT_TIMEOUT + 8:
+        msg = second.request(protocol.HELLO, {"driver": "second"})
+        if msg.kind == protocol.OK:
+            admitted_at = time.monotonic()
+            second.admitted = True
+            break
+        assert "busy" in msg.body["message"]
+        time.sleep(0.25)
+    assert admitted_at is not None, "the silent session never expired"
+    assert admitted_at - last_heard >= SHORT_TIMEOUT - 0.05
+    # The expired session is gone for good: its driver hears so, on requests and on pings.
+    first.admitted = False
+    err = first.error(protocol.GET_STATE)
+    assert err["type"] == "SessionError" and "no session" in err["message"]
+    ping = first.request(protocol.PING)
+    assert ping.kind == protocol.OK and ping.body["session_alive"] is False
+    assert second.ok(protocol.GET_STATE) == {}
+    second.ok(protocol.BYE)
+
+
+def test_pings_keep_a_session_alive(short_worker, connect):
+    first, second = connect(short_worker.address), connect(short_worker.address)
+    first.ok(protocol.HELLO, {"driver": "first"})
+    start = time.monotonic()
+    while time.monotonic() - start < SHORT_TIMEOUT * 1.5:
+        ping = first.request(protocol.PING)
+        assert ping.kind == protocol.OK and ping.body["session_alive"] is True
+        time.sleep(0.3)
+    assert "busy" in second.error(protocol.HELLO, {"driver": "second"})["message"]
+    assert first.ok(protocol.GET_STATE) == {}
+    first.ok(protocol.BYE)
+    second.ok(protocol.HELLO, {"driver": "second"})
+    second.ok(protocol.BYE)
+
+
+def test_driver_session_heartbeat_holds_the_worker(short_worker, connect):
+    net = _spec()
+    session = DriverSession([short_worker.address], heartbeat_timeout=3.0, connect_timeout=REPLY_TIMEOUT)
+    try:
+        assert session.workers[0]["pid"] == short_worker.proc.pid
+        session.place("net", net)
+        time.sleep(SHORT_TIMEOUT * 1.5)
+        other = connect(short_worker.address)
+        assert "busy" in other.error(protocol.HELLO, {"driver": "other"})["message"]
+        # The session, and the stage it placed, outlived the session timeout.
+        x = torch.randn(2, 3)
+        assert torch.allclose(net(x), _spec()(x), atol=1e-6)
+    finally:
+        session.close()
+    other.ok(protocol.HELLO, {"driver": "other"})
+    other.ok(protocol.BYE)
+
+
+def test_unknown_sessions_get_an_error(worker, connect):
+    stranger = connect(worker.address)
+    for kind in (protocol.SETUP, protocol.FORWARD, protocol.GET_STATE, protocol.BYE, protocol.OPTIM_STEP):
+        err = stranger.error(kind, {"key": "net"})
+        assert err["type"] == "SessionError", (kind, err)
+        assert repr(stranger.session) in err["message"] and "no session" in err["message"]
+    ping = stranger.request(protocol.PING)
+    assert ping.kind == protocol.OK and ping.body["session_alive"] is False
+    err = stranger.error(protocol.HELLO, {"driver": "x"}, session="")
+    assert err["type"] == "ProtocolError" and "without a session id" in err["message"]
+    err = stranger.error("launch_missiles")
+    assert err["type"] == "ProtocolError" and "unexpected message kind 'launch_missiles'" in err["message"]
+    err = stranger.error(protocol.OK)
+    assert "unexpected message kind" in err["message"]
+    # While another session is active, a message naming a different session is refused too.
+    owner = connect(worker.address)
+    owner.ok(protocol.HELLO, {"driver": "owner"})
+    err = stranger.error(protocol.GET_STATE, session=owner.session + "x")
+    assert err["type"] == "SessionError"
+    err = owner.error(protocol.GET_STATE, session="")
+    assert err["type"] == "SessionError"
+    owner.ok(protocol.BYE)
+    worker.assert_alive()
