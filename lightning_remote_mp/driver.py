@@ -167,6 +167,7 @@ class DriverSession:
             c.session = self.id
         self.heartbeat: Heartbeat | None = None
         self.placements: dict[str, _Placement] = {}
+        self.predicted_stage_seconds: dict[str, list[float]] = {}  # from balance="time"
         self.mirrors: list[OptimizerMirror] = []
         try:
             self.workers = self._hello(connect_timeout)
@@ -210,12 +211,24 @@ class DriverSession:
             costs = [partition.estimate_layer_bytes(e, m) for e, m in zip(module.entries, module.layers)]
             capacities = [float(w.get("free_memory") or 1.0) for w in self.workers]
             counts = partition.split_contiguous(costs, capacities)
+        elif balance == "time":
+            entries = [[e.path, dict(e.kwargs), _shape_for_wire(e.input_shape)] for e in module.entries]
+            replies = broadcast(self.conns, protocol.PROFILE, {"entries": entries})
+            times = [r["seconds"] for r in replies]
+            counts = partition.split_min_max(times)
+            predicted = partition.stage_loads(counts, times)
+            log.info(
+                "%s: balance='time' predicts stage times (forward+backward at the example shapes) of %s ms",
+                what,
+                ", ".join(f"{1e3 * t:.2f}" for t in predicted),
+            )
+            self.predicted_stage_seconds[what] = predicted
         elif balance == "parameters":
             costs = [sum(p.numel() for p in m.parameters()) for m in module.layers]
             counts = partition.split_contiguous(costs, [1.0] * n_stages)
         elif isinstance(balance, str):
             raise SpecError(
-                f"{what}: unknown balance {balance!r}; use a list of layer counts, 'memory' or 'parameters'"
+                f"{what}: unknown balance {balance!r}; use a list of layer counts, 'memory', 'parameters' or 'time'"
             )
         else:
             counts = partition.check_balance(balance, n_layers, n_stages, what)

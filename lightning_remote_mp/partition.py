@@ -99,7 +99,7 @@ def check_balance(balance: Sequence[int], num_layers: int, num_stages: int, what
     balance = list(balance)
     if len(balance) != num_stages:
         raise SpecError(f"{what}: balance {balance} has {len(balance)} entries but there are {num_stages} workers")
-    if any(not isinstance(n, int) or n < 1 for n in balance):
+    if any(type(n) is not int or n < 1 for n in balance):
         raise SpecError(f"{what}: every stage needs at least one layer; balance {balance} is invalid")
     if sum(balance) != num_layers:
         raise SpecError(f"{what}: balance {balance} covers {sum(balance)} layers but the spec has {num_layers}")
@@ -117,17 +117,33 @@ def estimate_layer_bytes(entry: LayerEntry, layer: nn.Module) -> int:
 def split_contiguous(costs: Sequence[float], capacities: Sequence[float]) -> list[int]:
     """Cut ``costs`` into ``len(capacities)`` non-empty contiguous runs minimising the largest
     ``run_cost / capacity``; ties prefer the most even layer counts."""
-    n, k = len(costs), len(capacities)
-    if n < k:
-        raise SpecError(f"cannot split {n} layers into {k} stages: every stage needs at least one layer")
     if any(c <= 0 for c in capacities):
         raise SpecError(f"worker capacities must be positive, got {list(capacities)}")
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + float(c))
+    return split_min_max([[float(c) / cap for c in costs] for cap in capacities])
+
+
+def split_min_max(stage_costs: Sequence[Sequence[float]]) -> list[int]:
+    """Cut layers into one non-empty contiguous run per stage, minimising the slowest stage.
+
+    ``stage_costs[s][i]`` is what layer ``i`` costs on stage ``s``'s worker (time measured there,
+    or memory over that worker's capacity); ties prefer the most even layer counts.
+
+    >>> split_min_max([[1, 1, 1, 1], [2, 2, 2, 2]])  # the second worker is twice as slow
+    [3, 1]
+    """
+    k = len(stage_costs)
+    n = len(stage_costs[0]) if k else 0
+    if n < k:
+        raise SpecError(f"cannot split {n} layers into {k} stages: every stage needs at least one layer")
+    prefix = []
+    for costs in stage_costs:
+        row = [0.0]
+        for c in costs:
+            row.append(row[-1] + float(c))
+        prefix.append(row)
 
     def load(s: int, j: int, i: int) -> float:  # layers j:i on stage s (1-based)
-        return (prefix[i] - prefix[j]) / capacities[s - 1]
+        return prefix[s - 1][i] - prefix[s - 1][j]
 
     # Two exact min-max passes: a single pass on (load, spread) pairs can keep, for a prefix, a
     # split whose spread is worse than an equally loaded alternative, missing the most even one.
@@ -160,6 +176,15 @@ def split_contiguous(costs: Sequence[float], capacities: Sequence[float]) -> lis
         counts.append(i - j)
         i = j
     return counts[::-1]
+
+
+def stage_loads(counts: Sequence[int], stage_costs: Sequence[Sequence[float]]) -> list[float]:
+    """Each stage's total cost for a split: the predicted stage times when costs are times."""
+    loads, start = [], 0
+    for s, n in enumerate(counts):
+        loads.append(float(sum(stage_costs[s][start : start + n])))
+        start += n
+    return loads
 
 
 def describe(

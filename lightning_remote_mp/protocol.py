@@ -46,6 +46,7 @@ LOAD_STATE = "load_state"
 GET_OPTIM_STATE = "get_optim_state"
 LOAD_OPTIM_STATE = "load_optim_state"
 GRADS = "grads"
+PROFILE = "profile"
 RESULT = "result"  # worker -> driver: the last stage's output of one micro-batch
 DONE = "done"  # worker -> driver: stage 0 finished one micro-batch's backward
 BYE = "bye"
@@ -69,6 +70,7 @@ REQUEST_KINDS = frozenset(
         GET_OPTIM_STATE,
         LOAD_OPTIM_STATE,
         GRADS,
+        PROFILE,
         BYE,
         PING,
     }
@@ -246,7 +248,7 @@ def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Message:
     if not (isinstance(header, list) and len(header) == 6):
         raise ProtocolError("header is not a 6-element array")
     version, kind, req_id, session, metas, packed = header
-    if version != PROTOCOL_VERSION:
+    if type(version) is not int or version != PROTOCOL_VERSION:
         raise ProtocolError(f"protocol version {version!r:.20} received; this side speaks {PROTOCOL_VERSION}")
     if not isinstance(kind, str) or not isinstance(req_id, int) or not isinstance(session, str):
         raise ProtocolError("header fields kind/id/session have the wrong types")

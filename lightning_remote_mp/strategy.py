@@ -72,7 +72,9 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
             order. ``None`` starts ``num_workers`` local workers on loopback and stops them at teardown.
         balance: layers per stage (e.g. ``[5, 4]``); ``"memory"`` (the default) splits by estimated
             training memory in proportion to each worker's free device memory; ``"parameters"`` evens out
-            parameter counts. With several SpecSequentials, a dict from their names to one of these.
+            parameter counts; ``"time"`` times each layer (forward and backward at its example input shape) on
+            every worker and minimises the slowest stage, logging the predicted stage times. With several
+            SpecSequentials, a dict from their names to one of these.
         microbatches: split each batch into this many micro-batches that flow through the stages
             concurrently (GPipe); results equal unsplit training unless layers couple the samples
             of a batch (BatchNorm in training mode sees micro-batch statistics).

@@ -351,3 +351,31 @@ def test_meta_model_is_initialised_by_the_workers_from_its_seed(tmp_path):
     reference = MetaNet(spec, meta=False)
     trainer(epochs=3).fit(reference, data())
     assert_same_losses(reference.losses[-4:], resumed.losses)
+
+
+def test_balance_by_time_follows_measurements_and_trains_like_local(twin):
+    big = ("torch.nn.Linear", {"in_features": 512, "out_features": 512}, (256, 512))
+    spec = [big, ("torch.nn.Linear", {"in_features": 512, "out_features": 1}, (256, 512))]
+    spec += [("torch.nn.Linear", {"in_features": 1, "out_features": 1}, (256, 1))] * 5
+    spec += [("torch.nn.Sigmoid", {}, (256, 1))]
+
+    class Wide(Net):
+        def forward(self, x):
+            return self.net(x.expand(-1, 512).contiguous())
+
+    torch.manual_seed(9)
+    local = Wide(spec)
+    remote = twin(local)
+    trainer(epochs=1).fit(local, data())
+    seen = []
+
+    class Placement(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            seen.extend(rs.stage for rs in pl_module.net._remote.stages)
+
+    strategy = RemoteModelParallelStrategy(balance="time")
+    trainer(strategy, epochs=1, callbacks=[Placement()]).fit(remote, data())
+    assert_same_losses(local.losses, remote.losses)
+    # The 512x512 layer costs far more than the rest together: it gets a stage of its own.
+    assert [s.stop - s.start for s in seen] == [1, 7]
+    assert strategy.session is None

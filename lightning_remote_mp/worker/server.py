@@ -148,7 +148,11 @@ class WorkerServer:
                     if sock is self._replies:
                         self.sock.send_multipart(self._replies.recv_multipart(copy=False), copy=False)
                     else:
-                        self._on_frames(self.sock.recv_multipart(copy=False))
+                        frames = self.sock.recv_multipart(copy=False)
+                        try:
+                            self._on_frames(frames)
+                        except Exception:  # insurance: nothing a peer sends may stop the worker
+                            log.exception("dropped a message that could not be handled")
                 self._expire_session()
         finally:
             self._tasks.put(None)

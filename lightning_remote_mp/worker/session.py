@@ -16,6 +16,7 @@ import torch
 from lightning_remote_mp import protocol
 from lightning_remote_mp.errors import ProtocolError, SpecError
 from lightning_remote_mp.spec import resolve_class
+from lightning_remote_mp.worker.profile import profile_layers
 from lightning_remote_mp.worker.route import DRIVER, RoutedStage
 from lightning_remote_mp.worker.stage import StageExecutor
 
@@ -71,6 +72,7 @@ class WorkerSession:
             protocol.GET_OPTIM_STATE: self.get_optim_state,
             protocol.LOAD_OPTIM_STATE: self.load_optim_state,
             protocol.GRADS: self.grads,
+            protocol.PROFILE: self.profile,
         }
 
     def handle(self, kind: str, body: Any) -> Any:
@@ -232,6 +234,12 @@ class WorkerSession:
         if opt is not None:
             opt.zero_grad(set_to_none=bool(body.get("set_to_none", True)))
         return None
+
+    def profile(self, body: Any) -> Any:
+        """Seconds of forward plus backward of each layer of ``entries``, measured here."""
+        entries = _require(body, "entries", list)
+        repeats = min(max(int(body.get("repeats", 3)), 1), 50)
+        return {"seconds": profile_layers(entries, self.device, self.allowed_prefixes, repeats)}
 
     def grads(self, body: Any) -> Any:
         """Gradient operations over one optimizer's parameters, for clipping across stages:

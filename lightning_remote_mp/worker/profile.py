@@ -1,0 +1,74 @@
+"""Timing layers on the worker that would hold them, for ``balance="time"``.
+
+Each layer is built alone (so profiling needs the memory of one layer, not of the model), fed
+random inputs of its example shape(s), and timed forward plus backward; the median of a few runs
+is its cost.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from lightning_remote_mp.spec import LayerEntry, build_layer, call_layer, normalize_entry, variables_of
+
+
+def _inputs(entry: LayerEntry, deps: list[str], device: torch.device, floating: bool) -> tuple[Any, dict]:
+    shapes = list(entry.input_shapes)
+    while len(shapes) < 1 + len(deps):  # one shape given for a layer with residual inputs: same shape
+        shapes.append(shapes[0])
+
+    def make(shape: tuple[int, ...]) -> torch.Tensor:
+        if floating:
+            return torch.randn(shape, device=device, requires_grad=True)
+        return torch.zeros(shape, dtype=torch.long, device=device)
+
+    return make(shapes[0]), {name: make(shape) for name, shape in zip(deps, shapes[1:])}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_layer(layer: torch.nn.Module, entry: LayerEntry, index: int, device: torch.device, repeats: int) -> float:
+    """Median seconds of one forward plus backward of ``layer`` on inputs of its example shape."""
+    deps, outs = variables_of(layer)
+    for floating in (True, False):  # integer inputs (an Embedding's indices) when floats are refused
+        try:
+            x, variables = _inputs(entry, deps, device, floating)
+            runs = []
+            for _ in range(repeats + 1):  # the first run warms up
+                _sync(device)
+                start = time.perf_counter()
+                produced = dict(variables)
+                out = call_layer(index, layer, x, produced)
+                tensors = [out, *(produced[n] for n in outs)]
+                loss = sum(t.float().sum() for t in tensors if isinstance(t, torch.Tensor) and t.requires_grad)
+                if isinstance(loss, torch.Tensor):
+                    loss.backward()
+                _sync(device)
+                runs.append(time.perf_counter() - start)
+            return statistics.median(runs[1:])
+        except (RuntimeError, TypeError):
+            if not floating:
+                raise
+    raise AssertionError("unreachable")
+
+
+def profile_layers(
+    entries: Sequence[Any], device: torch.device, allowed_prefixes: Sequence[str], repeats: int = 3
+) -> list[float]:
+    seconds = []
+    for i, raw in enumerate(entries):
+        entry = normalize_entry(raw, i)
+        layer = build_layer(entry, i, allowed_prefixes).to(device)
+        if i == 0:
+            time_layer(layer, entry, i, device, repeats)  # the process's first kernels pay one-off costs
+        seconds.append(time_layer(layer, entry, i, device, repeats))
+        del layer
+    return seconds
