@@ -47,6 +47,7 @@ GET_OPTIM_STATE = "get_optim_state"
 LOAD_OPTIM_STATE = "load_optim_state"
 GRADS = "grads"
 PROFILE = "profile"
+TIMELINE = "timeline"
 RESULT = "result"  # worker -> driver: the last stage's output of one micro-batch
 DONE = "done"  # worker -> driver: stage 0 finished one micro-batch's backward
 BYE = "bye"
@@ -71,6 +72,7 @@ REQUEST_KINDS = frozenset(
         LOAD_OPTIM_STATE,
         GRADS,
         PROFILE,
+        TIMELINE,
         BYE,
         PING,
     }

@@ -26,6 +26,7 @@ from lightning_remote_mp.launch import LocalWorkers
 from lightning_remote_mp.optim import mirror_of
 from lightning_remote_mp.spec import SpecSequential
 from lightning_remote_mp.summary import RemoteModelSummary
+from lightning_remote_mp.timeline import TimelineCallback
 from lightning_remote_mp.transport import DEFAULT_CONNECT_TIMEOUT, DEFAULT_HEARTBEAT_TIMEOUT, normalize_address
 
 log = logging.getLogger(__name__)
@@ -81,6 +82,8 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
         num_workers: how many local workers to start when ``hosts`` is ``None``.
         worker_devices: devices of the local workers (default: CUDA round-robin if available, else CPU).
         worker_threads: torch threads per local worker (default: cores shared among workers).
+        timeline: write a per-stage timeline of training (Chrome trace JSON, open it in Perfetto) to
+            this path, and log the pipeline's bubble fraction as ``lrmp/bubble_fraction``.
         heartbeat_timeout: seconds of silence after which a worker is declared lost (the run fails
             with an error naming it).
         connect_timeout: seconds to wait for each worker's first answer.
@@ -97,6 +100,7 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
         num_workers: int = 2,
         worker_devices: list[str] | None = None,
         worker_threads: int | None = None,
+        timeline: str | None = None,
         heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT,
         connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
         device: str | None = None,
@@ -124,6 +128,7 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
         self.num_workers = num_workers
         self.worker_devices = worker_devices
         self.worker_threads = worker_threads
+        self.timeline = timeline
         self.heartbeat_timeout = heartbeat_timeout
         self.connect_timeout = connect_timeout
         self._device_given = device is not None
@@ -184,6 +189,8 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
             if fitting:
                 self.optimizers = self.optimizers  # mirrors them
                 self._patch_clipping()
+                if self.timeline and not any(isinstance(cb, TimelineCallback) for cb in trainer.callbacks):
+                    trainer.callbacks.append(TimelineCallback(self.timeline, self))
         except BaseException:
             self._close()
             raise

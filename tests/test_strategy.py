@@ -379,3 +379,40 @@ def test_balance_by_time_follows_measurements_and_trains_like_local(twin):
     # The 512x512 layer costs far more than the rest together: it gets a stage of its own.
     assert [s.stop - s.start for s in seen] == [1, 7]
     assert strategy.session is None
+
+
+def test_timeline_records_every_stage_and_logs_the_bubble(tmp_path, twin):
+    import json
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    torch.manual_seed(10)
+    local = Net(residual_spec(probe=False))
+    remote = twin(local)
+    trainer(epochs=1).fit(local, data())
+    path = tmp_path / "trace.json"
+    strategy = RemoteModelParallelStrategy(balance=[4, 6], microbatches=2, timeline=str(path))
+    t = L.Trainer(
+        max_epochs=1,
+        strategy=strategy,
+        accelerator="cpu",
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        log_every_n_steps=1,
+        logger=CSVLogger(tmp_path),
+    )
+    t.fit(remote, data())
+    assert_same_losses(local.losses, remote.losses)  # recording changes nothing
+
+    events = json.loads(path.read_text())["traceEvents"]
+    spans = [e for e in events if e["ph"] == "X"]
+    names = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+    assert any(n.startswith("net stage 0 @ tcp://127.0.0.1:") for n in names) and "driver" in names
+    # 4 steps x 2 micro-batches (the short last batch of 4 splits too) through 2 stages, both ways.
+    assert sum(e["cat"] == "forward" for e in spans) == 4 * 2 * 2
+    assert sum(e["cat"] == "backward" for e in spans) == 4 * 2 * 2
+    assert sum(e["cat"] == "transfer" for e in spans) >= 4 * 2 * 2  # stage to stage, both ways
+    assert all(e["dur"] >= 0 for e in spans) and any(e["cat"] == "idle" for e in spans)
+    bubble = t.callback_metrics["lrmp/bubble_fraction_epoch"].item()
+    assert 0.0 < bubble < 1.0

@@ -12,6 +12,7 @@ the driver.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -19,6 +20,7 @@ import torch
 
 from lightning_remote_mp.errors import ProtocolError
 from lightning_remote_mp.worker.stage import StageExecutor
+from lightning_remote_mp.worker.timeline import EventLog
 
 DRIVER = -1
 
@@ -56,6 +58,7 @@ class RoutedStage:
         self._forward: dict[tuple[int, int], _Parts] = {}
         self._backward: dict[tuple[int, int], _Parts] = {}
         self._meta: dict[tuple[int, int], dict[str, Any]] = {}  # per micro-batch: grad flags seen going forward
+        self.events: EventLog | None = None  # set while the driver records a timeline
 
     @property
     def index(self) -> int:
@@ -79,6 +82,8 @@ class RoutedStage:
         if sender in parts.by_sender:
             raise ProtocolError(f"stage {self.index}: micro-batch {key} from stage {sender} arrived twice")
         parts.by_sender[sender] = dict(body)
+        if self.events is not None and isinstance(body.get("sent_at"), float):
+            self.events.transfer(self.stage.key, sender, self.index, call, mb, body["sent_at"], time.time())
         if set(parts.by_sender) != expected:
             return None
         del table[key]
@@ -105,6 +110,7 @@ class RoutedStage:
         call, mb = int(first["call"]), int(first["mb"])
         grad = bool(first.get("grad"))
         autocast = first.get("autocast")
+        started = time.time()
         out = self.stage.forward(
             (call, mb),
             x,
@@ -113,6 +119,8 @@ class RoutedStage:
             needs_grad=needs,
             autocast=autocast if isinstance(autocast, dict) else None,
         )
+        if self.events is not None:
+            self.events.span("forward", self.stage.key, self.index, call, mb, started, time.time())
         if grad:
             self._meta[(call, mb)] = {"saved": out["saved"], "x_grad": needs["x"], "var_grad": needs}
         outgoing = []
@@ -155,10 +163,13 @@ class RoutedStage:
                 if isinstance(g, torch.Tensor):
                     grad_exports[name] = grad_exports[name] + g if name in grad_exports else g
         grad_x, grad_imports = None, {}
+        started = time.time()
         if meta["saved"]:
             grad_x, grad_imports = self.stage.backward(
                 (call, mb), grad_y if isinstance(grad_y, torch.Tensor) else None, grad_exports
             )
+        if self.events is not None:
+            self.events.span("backward", self.stage.key, self.index, call, mb, started, time.time())
         outgoing = []
         for source, names in self.sources.items():
             msg: dict[str, Any] = {"key": self.stage.key, "call": call, "mb": mb, "from": self.index}

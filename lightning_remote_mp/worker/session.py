@@ -8,6 +8,7 @@ checkpoint entries without knowing the worker's internals.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -19,6 +20,7 @@ from lightning_remote_mp.spec import resolve_class
 from lightning_remote_mp.worker.profile import profile_layers
 from lightning_remote_mp.worker.route import DRIVER, RoutedStage
 from lightning_remote_mp.worker.stage import StageExecutor
+from lightning_remote_mp.worker.timeline import EventLog
 
 #: Returned by handlers whose answer travels as separate messages (pipelined forward/backward).
 NO_REPLY = object()
@@ -73,7 +75,9 @@ class WorkerSession:
             protocol.LOAD_OPTIM_STATE: self.load_optim_state,
             protocol.GRADS: self.grads,
             protocol.PROFILE: self.profile,
+            protocol.TIMELINE: self.timeline,
         }
+        self.events: EventLog | None = None
 
     def handle(self, kind: str, body: Any) -> Any:
         handler = self._handlers.get(kind)
@@ -121,6 +125,7 @@ class WorkerSession:
                 p.requires_grad_(False)
         self.stages[key] = stage
         self.routes[key] = RoutedStage(stage, _require(body, "sources", list), _require(body, "targets", list))
+        self.routes[key].events = self.events
         peers = _require(body, "peers", dict)
         self.peers[key] = {int(k): str(v) for k, v in peers.items() if isinstance(k, int) and isinstance(v, str)}
         params = sum(p.numel() for _, p in stage.named_parameters())
@@ -146,6 +151,8 @@ class WorkerSession:
 
     def _send(self, outgoing: list[tuple[int, dict[str, Any]]], peer_kind: str, driver_kind: str) -> None:
         for target, msg in outgoing:
+            if self.events is not None:
+                msg["sent_at"] = time.time()
             if target == DRIVER:
                 self.outbox.to_driver(driver_kind, msg)
             else:
@@ -234,6 +241,21 @@ class WorkerSession:
         if opt is not None:
             opt.zero_grad(set_to_none=bool(body.get("set_to_none", True)))
         return None
+
+    def timeline(self, body: Any) -> Any:
+        """``start`` / ``stop`` recording, ``fetch`` (and clear) the events, or read the ``clock``."""
+        op = _require(body, "op", str)
+        if op == "start":
+            self.events = self.events or EventLog()
+        elif op == "stop":
+            self.events = None
+        elif op == "fetch":
+            return {"events": self.events.drain() if self.events else []}
+        elif op != "clock":
+            raise ProtocolError(f"unknown timeline operation {op!r:.40}")
+        for route in self.routes.values():
+            route.events = self.events
+        return {"time": time.time()}
 
     def profile(self, body: Any) -> Any:
         """Seconds of forward plus backward of each layer of ``entries``, measured here."""
