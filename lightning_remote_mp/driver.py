@@ -108,7 +108,7 @@ class _Placement:
     def fetch(self) -> dict[str, torch.Tensor]:
         """The workers' weights and buffers, named ``"<layer index>.<name>"``."""
         out: dict[str, torch.Tensor] = {}
-        for reply in broadcast(self.remote.conns, protocol.GET_STATE):
+        for reply in broadcast([rs.conn for rs in self.remote.stages], protocol.GET_STATE):  # replica 0
             out.update(reply.get(self.key, {}))
         return out
 
@@ -122,7 +122,7 @@ class _Placement:
     def push(self, state: dict[str, torch.Tensor]) -> None:
         """Send weights and buffers (named ``"<layer index>.<name>"``) to the workers holding them."""
         ids = []
-        for rs in self.remote.stages:
+        for rs in (rs for row in self.remote.replicas for rs in row):
             mine = {k: v for k, v in state.items() if int(k.partition(".")[0]) in rs.stage.layer_indices}
             if mine:
                 ids.append((rs.conn, rs.conn.send(protocol.LOAD_STATE, {"state": {self.key: mine}})))
@@ -136,51 +136,114 @@ class _Placement:
 
 
 class DriverSession:
-    """One training session with a row of workers (one stage each).
+    """One training session with its workers: one row per pipeline, one worker per stage.
 
     Args:
-        hosts: worker addresses, one per stage, in pipeline order.
+        hosts: worker addresses, one per stage in pipeline order; or, for data parallel training, a
+            list of such rows (replicas of the same stage layout), e.g. ``[["a:1", "b:1"], ["c:1", "d:1"]]``.
         heartbeat_timeout: seconds of silence after which a worker is declared lost.
         connect_timeout: seconds to wait for each worker's first answer.
-        liveness: optional per-host callables returning why a local worker process died (or None).
+        liveness: optional per-address callables returning why a local worker process died (or None).
+        store_host: the address workers reach this process at, for the rendezvous of replicas
+            (default: this machine's address towards the first worker).
     """
 
     def __init__(
         self,
-        hosts: Sequence[str],
+        hosts: Sequence[str] | Sequence[Sequence[str]],
         *,
         heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT,
         connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
-        liveness: Sequence[Callable[[], str | None]] | None = None,
+        liveness: Mapping[str, Callable[[], str | None]] | None = None,
+        store_host: str | None = None,
     ) -> None:
-        addresses = [normalize_address(h) for h in hosts]
-        if not addresses:
-            raise LrmpError("no worker addresses given")
-        if len(set(addresses)) != len(addresses):
-            raise LrmpError(f"worker addresses repeat: {addresses}; give each stage its own worker")
+        rows = normalize_hosts(hosts)
         self.id = uuid.uuid4().hex
-        self.conns = [
-            Connection(a, stage=i, heartbeat_timeout=heartbeat_timeout, is_alive=liveness[i] if liveness else None)
-            for i, a in enumerate(addresses)
+        replicated = len(rows) > 1
+        self.grid: list[list[Connection]] = [
+            [
+                Connection(
+                    a,
+                    stage=s,
+                    replica=r if replicated else None,
+                    heartbeat_timeout=heartbeat_timeout,
+                    is_alive=(liveness or {}).get(a),
+                )
+                for s, a in enumerate(row)
+            ]
+            for r, row in enumerate(rows)
         ]
+        self.conns = [c for row in self.grid for c in row]
         for c in self.conns:
             c.session = self.id
+        self.store_host = store_host
+        self._store: Any = None
         self.heartbeat: Heartbeat | None = None
         self.placements: dict[str, _Placement] = {}
         self.predicted_stage_seconds: dict[str, list[float]] = {}  # from balance="time"
         self.mirrors: list[OptimizerMirror] = []
         try:
             self.workers = self._hello(connect_timeout)
-            self.heartbeat = Heartbeat(addresses, self.id, interval=min(1.0, heartbeat_timeout / 4))
+            self.heartbeat = Heartbeat(self.addresses, self.id, interval=min(1.0, heartbeat_timeout / 4))
             for c in self.conns:
                 c.heartbeat = self.heartbeat
+            if replicated:
+                self._form_replica_groups(connect_timeout)
         except BaseException:
             self.close()
             raise
 
     @property
+    def replicas(self) -> int:
+        return len(self.grid)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.grid[0])
+
+    def grads_version(self) -> int:
+        """How many backward passes ran through remote stages: gradients changed if this moved."""
+        return sum(pl.remote.backwards for pl in self.placements.values())
+
+    def _form_replica_groups(self, timeout: float) -> None:
+        """A torch.distributed process group per stage, among that stage's replicas (gloo; NCCL where
+        every replica of the stage has CUDA), rendezvousing through a store this process hosts."""
+        import torch.distributed as dist
+
+        host = self.store_host or _address_towards(self.grid[0][0].address)
+        self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+        infos = dict(zip(self.addresses, self.workers))
+        ids = []
+        for s in range(self.num_stages):
+            column = [row[s] for row in self.grid]
+            cuda = all(str(infos[c.address].get("device", "cpu")).startswith("cuda") for c in column)
+            for r, conn in enumerate(column):
+                body = {
+                    "op": "init",
+                    "host": host,
+                    "port": self._store.port,
+                    "prefix": f"{self.id}/stage{s}",
+                    "rank": r,
+                    "world": self.replicas,
+                    "backend": "nccl" if cuda else "gloo",
+                    "timeout": float(timeout),
+                }
+                ids.append((conn, conn.send(protocol.GROUP, body)))
+        for conn, i in ids:
+            conn.recv(i, what="replica group set-up")
+        log.info(
+            "%d replicas of %d stages: gradients are all-reduced per stage through torch.distributed",
+            self.replicas,
+            self.num_stages,
+        )
+
+    @property
     def addresses(self) -> list[str]:
         return [c.address for c in self.conns]
+
+    @property
+    def row_addresses(self) -> list[str]:
+        return [c.address for c in self.grid[0]]
 
     def _hello(self, timeout: float) -> list[dict[str, Any]]:
         driver = f"{socket.gethostname()} pid {os.getpid()}"
@@ -204,16 +267,17 @@ class DriverSession:
     def plan(
         self, module: SpecSequential, balance: Balance = None, what: str = "SpecSequential"
     ) -> list[partition.Stage]:
-        n_layers, n_stages = len(module.layers), len(self.conns)
+        n_layers, n_stages = len(module.layers), self.num_stages
         if n_layers < n_stages:
             raise SpecError(f"{what} has {n_layers} layers but there are {n_stages} workers; each stage needs a layer")
         if balance is None or balance == "memory":
             costs = [partition.estimate_layer_bytes(e, m) for e, m in zip(module.entries, module.layers)]
-            capacities = [float(w.get("free_memory") or 1.0) for w in self.workers]
+            free = {a: float(w.get("free_memory") or 1.0) for a, w in zip(self.addresses, self.workers)}
+            capacities = [min(free[row[s].address] for row in self.grid) for s in range(n_stages)]
             counts = partition.split_contiguous(costs, capacities)
         elif balance == "time":
             entries = [[e.path, dict(e.kwargs), _shape_for_wire(e.input_shape)] for e in module.entries]
-            replies = broadcast(self.conns, protocol.PROFILE, {"entries": entries})
+            replies = broadcast(self.grid[0], protocol.PROFILE, {"entries": entries})
             times = [r["seconds"] for r in replies]
             counts = partition.split_min_max(times)
             predicted = partition.stage_loads(counts, times)
@@ -248,9 +312,10 @@ class DriverSession:
                 )
         stages = self.plan(module, balance, what)
         meta = module.is_meta
-        log.info("%s placed:\n%s", what, partition.describe(stages, module.entries, module.layers, self.addresses))
+        log.info("%s placed:\n%s", what, partition.describe(stages, module.entries, module.layers, self.row_addresses))
         ids = []
-        for stage, conn in zip(stages, self.conns):
+        for row, stage in ((row, stage) for row in self.grid for stage in stages):
+            conn = row[stage.index]
             entries = [
                 [module.entries[i].path, dict(module.entries[i].kwargs), _shape_for_wire(module.entries[i].input_shape)]
                 for i in stage.layer_indices
@@ -263,9 +328,7 @@ class DriverSession:
                 "exports": list(stage.exports),
                 "sources": [[k, list(v)] for k, v in stage.sources],
                 "targets": [[k, list(v)] for k, v in stage.targets],
-                "peers": {
-                    k: self.conns[k].address for k, _ in (*stage.sources, *stage.targets) if k != partition.DRIVER
-                },
+                "peers": {k: row[k].address for k, _ in (*stage.sources, *stage.targets) if k != partition.DRIVER},
                 "state": _meta_stage_state(module, stage) if meta else _placed_module_state(module, stage),
                 "init_seed": module.init_seed,
                 "frozen": [
@@ -281,22 +344,25 @@ class DriverSession:
                 raise SpecError(
                     f"{what}, stage {stage.index}: a layer's kwargs cannot be sent to a worker: {err}"
                 ) from None
-        for conn, i in zip(self.conns, ids):
+        for conn, i in zip((row[stage.index] for row in self.grid for stage in stages), ids):
             conn.recv(i, what="setup")
         module._pending_state = {}
-        remote = RemoteSpec(key, [RemoteStage(key, s, c) for s, c in zip(stages, self.conns)], microbatches)
+        remote = RemoteSpec(
+            key, [[RemoteStage(key, s, row[s.index]) for s in stages] for row in self.grid], microbatches
+        )
         module._remote = remote
         self.placements[key] = _Placement(key, module, remote)
         remote.set_mode(module.training)
 
-    def remote_parameters(self) -> dict[int, tuple[Connection, str]]:
-        """For every placed parameter (by ``id``): its worker's connection and its name there."""
+    def remote_parameters(self) -> dict[int, tuple[list[Connection], str]]:
+        """For every placed parameter (by ``id``): the connections of the workers holding it (replica 0
+        first) and its name there."""
         out = {}
         for key, pl in self.placements.items():
-            for rs in pl.remote.stages:
-                for i in rs.stage.layer_indices:
+            for column in zip(*pl.remote.replicas):
+                for i in column[0].stage.layer_indices:
                     for name, p in pl.module.layers[i].named_parameters():
-                        out[id(p)] = (rs.conn, f"{key}/{i}.{name}")
+                        out[id(p)] = ([rs.conn for rs in column], f"{key}/{i}.{name}")
         return out
 
     def mirror_optimizer(self, index: int, optimizer: torch.optim.Optimizer) -> OptimizerMirror | None:
@@ -307,7 +373,7 @@ class DriverSession:
         remote = self.remote_parameters()
         if not any(id(p) in remote for g in optimizer.param_groups for p in g["params"]):
             return None
-        mirror = OptimizerMirror(optimizer, index, remote)
+        mirror = OptimizerMirror(optimizer, index, remote, grads_version=self.grads_version)
         self.mirrors.append(mirror)
         return mirror
 
@@ -360,6 +426,33 @@ class DriverSession:
             self.heartbeat.close()
         for c in self.conns:
             c.close()
+        self._store = None
+
+
+def normalize_hosts(hosts: Sequence[str] | Sequence[Sequence[str]]) -> list[list[str]]:
+    """One row of addresses per replica; a flat list is one replica. Rows must be equally long."""
+    if isinstance(hosts, str) or not hosts:
+        raise LrmpError(f"hosts must be a non-empty list of worker addresses (or of rows of them), got {hosts!r}")
+    rows = [list(row) for row in hosts] if all(isinstance(h, (list, tuple)) for h in hosts) else [list(hosts)]
+    if any(isinstance(h, (list, tuple)) for row in rows for h in row):
+        raise LrmpError("hosts mixes addresses and rows of addresses; give one or the other")
+    if any(len(row) != len(rows[0]) or not row for row in rows):
+        raise LrmpError(f"every replica row of hosts needs the same number of stages, got {[len(r) for r in rows]}")
+    rows = [[normalize_address(a) for a in row] for row in rows]
+    flat = [a for row in rows for a in row]
+    if len(set(flat)) != len(flat):
+        raise LrmpError(f"worker addresses repeat: {flat}; give each stage of each replica its own worker")
+    return rows
+
+
+def _address_towards(address: str) -> str:
+    """This machine's IP on the route to ``address`` (no packet is sent)."""
+    host = address.split("://", 1)[-1].rpartition(":")[0].strip("[]")
+    if host in ("localhost", "") or host.startswith("127."):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host, 9))
+        return s.getsockname()[0]
 
 
 def _shape_for_wire(shape: Any) -> Any:

@@ -15,7 +15,7 @@ so checkpoints look exactly like a local run's, and resume either way.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -38,16 +38,28 @@ class OptimizerMirror:
     Args:
         optimizer: the torch optimizer ``configure_optimizers`` returned.
         index: its position among the Trainer's optimizers (the workers' key for it).
-        remote: for each remote parameter (by ``id``), the connection of its worker and its name there.
+        remote: for each remote parameter (by ``id``), the connections of the workers holding it
+            (one per replica, replica 0 first) and its name there.
+        grads_version: a counter that moves whenever remote gradients change (a backward ran); with
+            replicas, gradients are all-reduced before they are read or applied, once per change.
     """
 
     def __init__(
-        self, optimizer: torch.optim.Optimizer, index: int, remote: Mapping[int, tuple[Connection, str]]
+        self,
+        optimizer: torch.optim.Optimizer,
+        index: int,
+        remote: Mapping[int, tuple[list[Connection], str]],
+        grads_version: Callable[[], int] = lambda: 0,
     ) -> None:
         self.optimizer = optimizer
         self.index = index
         self.remote = {id(p): remote[id(p)] for g in optimizer.param_groups for p in g["params"] if id(p) in remote}
-        self.conns: list[Connection] = list({id(c): c for c, _ in self.remote.values()}.values())
+        self.conns: list[Connection] = list({id(c): c for cs, _ in self.remote.values() for c in cs}.values())
+        # Replica 0's workers answer for state and gradient norms; every replica holds the same.
+        self.primary: list[Connection] = list({id(cs[0]): cs[0] for cs, _ in self.remote.values()}.values())
+        self.replicated = any(len(cs) > 1 for cs, _ in self.remote.values())
+        self.grads_version = grads_version
+        self._synced_version = grads_version()
         self._handles: list[Any] = []
         self.cls = type(optimizer)
         self._create()
@@ -73,7 +85,9 @@ class OptimizerMirror:
             groups = [
                 {
                     "params": [
-                        self.remote[id(p)][1] for p in g["params"] if self.remote.get(id(p), (None,))[0] is conn
+                        self.remote[id(p)][1]
+                        for p in g["params"]
+                        if id(p) in self.remote and any(c is conn for c in self.remote[id(p)][0])
                     ],
                     **_hparams(g),
                 }
@@ -98,7 +112,16 @@ class OptimizerMirror:
                     self.optimizer.state.pop(p, None)
 
     # --- hooks ----------------------------------------------------------------------
+    def sync_grads(self) -> None:
+        """All-reduce (sum) the gradients of each stage's replicas, if they changed since last time:
+        each replica saw a share of the batch, and the sum is the whole batch's gradient."""
+        version = self.grads_version()
+        if self.replicated and version != self._synced_version:
+            broadcast(self.conns, protocol.GRADS, {"index": self.index, "op": "allreduce"})
+        self._synced_version = version
+
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self.sync_grads()
         hparams = [_hparams(g) for g in optimizer.param_groups]
         broadcast(self.conns, protocol.OPTIM_STEP, {"index": self.index, "hparams": hparams})
 
@@ -119,11 +142,12 @@ class OptimizerMirror:
 
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` over the optimizer's parameters, wherever they live."""
+        self.sync_grads()
         local = self.local_grads()
         norms = [torch.linalg.vector_norm(g, norm_type) for g in local]
         device = local[0].device if local else torch.device("cpu")
         for reply in broadcast(
-            self.conns, protocol.GRADS, {"index": self.index, "op": "norms", "norm_type": norm_type}
+            self.primary, protocol.GRADS, {"index": self.index, "op": "norms", "norm_type": norm_type}
         ):
             norms.extend(reply["norms"].to(device).unbind())
         if not norms:
@@ -139,6 +163,7 @@ class OptimizerMirror:
 
     def clip_grad_value(self, value: float) -> None:
         """``torch.nn.utils.clip_grad_value_`` over the optimizer's parameters, wherever they live."""
+        self.sync_grads()
         ids = [c.send(protocol.GRADS, {"index": self.index, "op": "clamp", "value": float(value)}) for c in self.conns]
         torch.nn.utils.clip_grad_value_(
             [p for g in self.optimizer.param_groups for p in g["params"] if id(p) not in self.remote], value
@@ -159,7 +184,7 @@ class OptimizerMirror:
 
     def _state_dict_post(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
         positions = self._positions()
-        replies = broadcast(self.conns, protocol.GET_OPTIM_STATE, {"index": self.index})
+        replies = broadcast(self.primary, protocol.GET_OPTIM_STATE, {"index": self.index})
         state = dict(state_dict["state"])
         for reply in replies:
             for name, param_state in reply["state"].items():
@@ -178,9 +203,10 @@ class OptimizerMirror:
     def _load_state_dict_post(self, optimizer: torch.optim.Optimizer) -> None:
         incoming, self._incoming = self._incoming, {}
         per_conn: dict[int, dict[str, Any]] = {id(c): {} for c in self.conns}
-        for conn, name in self.remote.values():
+        for conns, name in self.remote.values():
             if name in incoming:
-                per_conn[id(conn)][name] = dict(incoming[name])
+                for conn in conns:
+                    per_conn[id(conn)][name] = dict(incoming[name])
         ids = [c.send(protocol.LOAD_OPTIM_STATE, {"index": self.index, "state": per_conn[id(c)]}) for c in self.conns]
         for c, i in zip(self.conns, ids):
             c.recv(i, what=protocol.LOAD_OPTIM_STATE)

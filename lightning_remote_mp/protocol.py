@@ -48,6 +48,7 @@ LOAD_OPTIM_STATE = "load_optim_state"
 GRADS = "grads"
 PROFILE = "profile"
 TIMELINE = "timeline"
+GROUP = "group"
 RESULT = "result"  # worker -> driver: the last stage's output of one micro-batch
 DONE = "done"  # worker -> driver: stage 0 finished one micro-batch's backward
 BYE = "bye"
@@ -73,6 +74,7 @@ REQUEST_KINDS = frozenset(
         GRADS,
         PROFILE,
         TIMELINE,
+        GROUP,
         BYE,
         PING,
     }

@@ -20,14 +20,14 @@ from lightning.pytorch.callbacks import BaseFinetuning, ModelSummary, Stochastic
 from lightning.pytorch.strategies import SingleDeviceStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 
-from lightning_remote_mp.driver import DriverSession, allow_modules_for
+from lightning_remote_mp.driver import DriverSession, allow_modules_for, normalize_hosts
 from lightning_remote_mp.errors import LrmpError
 from lightning_remote_mp.launch import LocalWorkers
 from lightning_remote_mp.optim import mirror_of
 from lightning_remote_mp.spec import SpecSequential
 from lightning_remote_mp.summary import RemoteModelSummary
 from lightning_remote_mp.timeline import TimelineCallback
-from lightning_remote_mp.transport import DEFAULT_CONNECT_TIMEOUT, DEFAULT_HEARTBEAT_TIMEOUT, normalize_address
+from lightning_remote_mp.transport import DEFAULT_CONNECT_TIMEOUT, DEFAULT_HEARTBEAT_TIMEOUT
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,10 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
 
     Args:
         hosts: worker addresses (``"tcp://host:port"`` or ``"host:port"``), one stage per worker, in
-            order. ``None`` starts ``num_workers`` local workers on loopback and stops them at teardown.
+            order. For data parallel training, a list of such rows, one per replica of the same stage
+            layout: each batch is split across the replicas and each stage's replicas all-reduce their
+            gradients (torch.distributed) before the optimizer steps. ``None`` starts ``num_workers``
+            local workers on loopback and stops them at teardown.
         balance: layers per stage (e.g. ``[5, 4]``); ``"memory"`` (the default) splits by estimated
             training memory in proportion to each worker's free device memory; ``"parameters"`` evens out
             parameter counts; ``"time"`` times each layer (forward and backward at its example input shape) on
@@ -80,6 +83,7 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
             concurrently (GPipe); results equal unsplit training unless layers couple the samples
             of a batch (BatchNorm in training mode sees micro-batch statistics).
         num_workers: how many local workers to start when ``hosts`` is ``None``.
+        replicas: how many pipelines those local workers form (``num_workers / replicas`` stages each).
         worker_devices: devices of the local workers (default: CUDA round-robin if available, else CPU).
         worker_threads: torch threads per local worker (default: cores shared among workers).
         timeline: write a per-stage timeline of training (Chrome trace JSON, open it in Perfetto) to
@@ -87,6 +91,8 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
         heartbeat_timeout: seconds of silence after which a worker is declared lost (the run fails
             with an error naming it).
         connect_timeout: seconds to wait for each worker's first answer.
+        store_host: with replicas, the address workers reach this machine at for their rendezvous
+            (default: this machine's address on the route to the first worker).
         device: the driver's device for layers outside any SpecSequential (default: follows the accelerator).
     """
 
@@ -94,15 +100,17 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
 
     def __init__(
         self,
-        hosts: list[str] | None = None,
+        hosts: list[str] | list[list[str]] | None = None,
         balance: list[int] | dict[str, list[int] | str] | str | None = None,
         microbatches: int = 1,
         num_workers: int = 2,
+        replicas: int = 1,
         worker_devices: list[str] | None = None,
         worker_threads: int | None = None,
         timeline: str | None = None,
         heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT,
         connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+        store_host: str | None = None,
         device: str | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         checkpoint_io: Any = None,
@@ -115,12 +123,13 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
             precision_plugin=precision_plugin,
         )
         if hosts is not None:
-            if isinstance(hosts, str) or not hosts:
-                raise LrmpError(f"hosts must be a non-empty list of worker addresses, got {hosts!r}")
-            if any(isinstance(h, (list, tuple)) for h in hosts):
-                raise LrmpError("hosts given as several pipelines (data parallel) is not supported yet; give one list")
-            hosts = [normalize_address(h) for h in hosts]
+            rows = normalize_hosts(hosts)
+            hosts = rows[0] if len(rows) == 1 and not isinstance(hosts[0], (list, tuple)) else rows
+        if replicas < 1 or num_workers % replicas:
+            raise LrmpError(f"num_workers={num_workers} local workers cannot form replicas={replicas} equal pipelines")
         self.hosts = hosts
+        self.replicas = replicas
+        self.store_host = store_host
         self.balance = balance
         if microbatches < 1:
             raise LrmpError(f"microbatches must be at least 1, got {microbatches}")
@@ -182,7 +191,11 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
         try:
             hosts, liveness = self._workers(modules)
             self._session = DriverSession(
-                hosts, heartbeat_timeout=self.heartbeat_timeout, connect_timeout=self.connect_timeout, liveness=liveness
+                hosts,
+                heartbeat_timeout=self.heartbeat_timeout,
+                connect_timeout=self.connect_timeout,
+                liveness=liveness,
+                store_host=self.store_host,
             )
             for key, module in modules.items():
                 self._session.place(key, module, self._balance_for(key, modules), self.microbatches)
@@ -195,7 +208,7 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
             self._close()
             raise
 
-    def _workers(self, modules: dict[str, SpecSequential]) -> tuple[list[str], list[Any] | None]:
+    def _workers(self, modules: dict[str, SpecSequential]) -> tuple[Any, dict[str, Any] | None]:
         if self.hosts is not None:
             return self.hosts, None
         self._local = LocalWorkers(
@@ -204,9 +217,13 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
             threads=self.worker_threads,
             allow_modules=allow_modules_for(modules, self.optimizers),
         )
-        hosts = self._local.start()
+        addresses = self._local.start()
         local = self._local
-        return hosts, [lambda i=i: local.why_dead(i) for i in range(len(hosts))]
+        liveness = {a: (lambda i=i: local.why_dead(i)) for i, a in enumerate(addresses)}
+        if self.replicas == 1:
+            return addresses, liveness
+        per_row = len(addresses) // self.replicas
+        return [addresses[r * per_row : (r + 1) * per_row] for r in range(self.replicas)], liveness
 
     def _balance_for(self, key: str, modules: dict[str, SpecSequential]) -> Any:
         if isinstance(self.balance, dict):

@@ -43,7 +43,7 @@ class RemoteStage:
 
 @dataclasses.dataclass
 class _Call:
-    sizes: list[int]  # micro-batch sizes along dim 0
+    sizes: list[list[int]]  # per replica, the micro-batch sizes along dim 0 (empty: no share)
     x_grad: bool
 
 
@@ -53,22 +53,29 @@ def _autocast_state(device_type: str) -> dict[str, Any] | None:
     return {"enabled": True, "dtype": torch.get_autocast_dtype(device_type)}
 
 
+def _split(n: int, parts: int) -> list[int]:
+    """Sizes of ``torch.tensor_split`` of ``n`` rows into ``parts`` (some may be 0)."""
+    return [len(r) for r in torch.arange(n).tensor_split(parts)]
+
+
 class RemoteSpec:
     """Runs a SpecSequential's stages on workers; the module's ``forward`` delegates here.
 
     Args:
         key: the SpecSequential's name in the LightningModule (how workers tell stages apart).
-        stages: its stages, in order.
-        microbatches: how many micro-batches each batch is split into (fewer if the batch is smaller).
+        replicas: for each replica (data parallel), its stages in order; usually one replica.
+        microbatches: how many micro-batches each replica's share of a batch is split into.
     """
 
-    def __init__(self, key: str, stages: Sequence[RemoteStage], microbatches: int = 1) -> None:
+    def __init__(self, key: str, replicas: Sequence[Sequence[RemoteStage]], microbatches: int = 1) -> None:
         if microbatches < 1:
             raise ValueError(f"microbatches must be at least 1, got {microbatches}")
         self.key = key
-        self.stages = list(stages)
+        self.replicas = [list(row) for row in replicas]
+        self.stages = self.replicas[0]
         self.microbatches = microbatches
-        self.conns = list({id(s.conn): s.conn for s in self.stages}.values())
+        self.conns = list({id(rs.conn): rs.conn for row in self.replicas for rs in row}.values())
+        self.backwards = 0
         self._ids = itertools.count(1)
         self._calls: dict[int, _Call] = {}
         self._to_release: collections.deque[int] = collections.deque()
@@ -77,7 +84,9 @@ class RemoteSpec:
         self._anchor = torch.zeros((), requires_grad=True)
 
     def __repr__(self) -> str:
-        return "[" + ", ".join(f"stage {s.stage.index} @ {s.address}" for s in self.stages) + "]"
+        return " | ".join(
+            "[" + ", ".join(f"stage {rs.stage.index} @ {rs.address}" for rs in row) + "]" for row in self.replicas
+        )
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if not isinstance(x, torch.Tensor):
@@ -109,78 +118,79 @@ class RemoteSpec:
             if conn.lost_reason is None and not conn.closed:
                 conn.send(protocol.RELEASE, {"calls": {self.key: [call]}})
 
+    def _collect(self, kind: str, end: int, call: int, count: int, what: str) -> dict[tuple[int, int], Any]:
+        """Gather ``count`` messages of ``kind`` for ``call`` from each replica's stage ``end`` (0 or -1),
+        keyed by (replica, micro-batch)."""
+        replica_of = {id(row[end].conn): r for r, row in enumerate(self.replicas)}
+        got = gather(
+            self.conns,
+            lambda c, m: m.kind == kind and id(c) in replica_of and m.body.get("call") == call,
+            count,
+            call=call,
+            what=what,
+        )
+        return {(replica_of[id(c)], m.body["mb"]): m.body for c, m in got}
+
     def forward(
         self, x: torch.Tensor, *, grad: bool, x_needs_grad: bool, autocast: dict[str, Any] | None
     ) -> tuple[torch.Tensor, int]:
         self._flush_releases()
         call = next(self._ids)
-        chunks = [c for c in x.tensor_split(min(self.microbatches, max(1, x.shape[0])), dim=0) if c.shape[0] > 0] or [x]
-        first, last = self.stages[0], self.stages[-1]
+        n = x.shape[0] if x.dim() > 0 else 1
+        sizes = [
+            [m for m in _split(share, min(self.microbatches, share)) if m > 0] if share > 0 else []
+            for share in _split(n, len(self.replicas))
+        ]
+        chunks = iter(x.split([m for row in sizes for m in row], dim=0)) if x.dim() > 0 else iter([x])
         try:
-            for mb, chunk in enumerate(chunks):
-                first.conn.send(
-                    protocol.FORWARD,
-                    {
-                        "key": self.key,
-                        "call": call,
-                        "mb": mb,
-                        "from": DRIVER,
-                        "x": chunk,
-                        "vars": {},
-                        "requires_grad": {"x": x_needs_grad},
-                        "grad": grad,
-                        "autocast": autocast,
-                    },
-                )
-            results = gather(
-                self.conns,
-                lambda c, m: m.kind == protocol.RESULT and c is last.conn and m.body.get("call") == call,
-                len(chunks),
-                call=call,
-                what="forward",
-            )
+            for r, row in enumerate(sizes):
+                for mb in range(len(row)):
+                    self.replicas[r][0].conn.send(
+                        protocol.FORWARD,
+                        {
+                            "key": self.key,
+                            "call": call,
+                            "mb": mb,
+                            "from": DRIVER,
+                            "x": next(chunks),
+                            "vars": {},
+                            "requires_grad": {"x": x_needs_grad},
+                            "grad": grad,
+                            "autocast": autocast,
+                        },
+                    )
+            results = self._collect(protocol.RESULT, -1, call, sum(map(len, sizes)), "forward")
         except BaseException:
             self._abandon(call)
             raise
-        outputs = sorted((m.body["mb"], m.body["x"]) for _, m in results)
-        y = outputs[0][1] if len(outputs) == 1 else torch.cat([t for _, t in outputs], dim=0)
+        outputs = [results[(r, mb)]["x"] for r, row in enumerate(sizes) for mb in range(len(row))]
+        y = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
         if grad:
-            self._calls[call] = _Call(sizes=[c.shape[0] for c in chunks], x_grad=x_needs_grad)
+            self._calls[call] = _Call(sizes=sizes, x_grad=x_needs_grad)
         return y.to(x.device), call
 
     def backward(self, call: int, grad_y: torch.Tensor | None) -> torch.Tensor | None:
         record = self._calls.pop(call)
-        first, last = self.stages[0], self.stages[-1]
-        grads = grad_y.split(record.sizes, dim=0) if grad_y is not None else [None] * len(record.sizes)
+        self.backwards += 1
+        flat = [m for row in record.sizes for m in row]
+        grads = iter(grad_y.split(flat, dim=0) if grad_y is not None else [None] * len(flat))
         try:
-            for mb, g in enumerate(grads):
-                last.conn.send(
-                    protocol.BACKWARD,
-                    {
-                        "key": self.key,
-                        "call": call,
-                        "mb": mb,
-                        "from": DRIVER,
-                        "grad_out": g,
-                        "grads": {},
-                    },
-                )
-            done = gather(
-                self.conns,
-                lambda c, m: m.kind == protocol.DONE and c is first.conn and m.body.get("call") == call,
-                len(record.sizes),
-                call=call,
-                what="backward",
-            )
+            for r, row in enumerate(record.sizes):
+                for mb in range(len(row)):
+                    self.replicas[r][-1].conn.send(
+                        protocol.BACKWARD,
+                        {"key": self.key, "call": call, "mb": mb, "from": DRIVER, "grad_out": next(grads), "grads": {}},
+                    )
+            done = self._collect(protocol.DONE, 0, call, len(flat), "backward")
         except BaseException:
             self._abandon(call)
             raise
         if not record.x_grad:
             return None
-        parts = sorted((m.body["mb"], m.body.get("grad_out")) for _, m in done)
-        if any(p is None for _, p in parts):
+        parts = [done[(r, mb)].get("grad_out") for r, row in enumerate(record.sizes) for mb in range(len(row))]
+        if any(p is None for p in parts):
             return None
-        return parts[0][1] if len(parts) == 1 else torch.cat([p for _, p in parts], dim=0)
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
 
     def release_later(self, call: int) -> None:
         self._to_release.append(call)

@@ -143,12 +143,14 @@ class Connection:
         address: str,
         *,
         stage: int | None = None,
+        replica: int | None = None,
         heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT,
         limits: protocol.Limits = protocol.DEFAULT_LIMITS,
         is_alive: Callable[[], str | None] | None = None,
     ) -> None:
         self.address = address
         self.stage = stage
+        self.replica = replica  # set when stages are replicated (data parallel)
         self.session = ""
         self.heartbeat: Heartbeat | None = None
         self.heartbeat_timeout = heartbeat_timeout
@@ -160,7 +162,10 @@ class Connection:
         self.lost_reason: str | None = None
 
     def where(self) -> str:
-        return f"worker {self.address}" + (f" (stage {self.stage})" if self.stage is not None else "")
+        parts = [f"stage {self.stage}"] if self.stage is not None else []
+        if self.replica is not None:
+            parts.append(f"replica {self.replica}")
+        return f"worker {self.address}" + (f" ({', '.join(parts)})" if parts else "")
 
     def send(self, kind: str, body: Any = None) -> int:
         if self.lost_reason is not None:

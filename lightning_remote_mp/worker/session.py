@@ -17,6 +17,7 @@ import torch
 from lightning_remote_mp import protocol
 from lightning_remote_mp.errors import ProtocolError, SpecError
 from lightning_remote_mp.spec import resolve_class
+from lightning_remote_mp.worker.collective import ReplicaGroup
 from lightning_remote_mp.worker.profile import profile_layers
 from lightning_remote_mp.worker.route import DRIVER, RoutedStage
 from lightning_remote_mp.worker.stage import StageExecutor
@@ -76,7 +77,9 @@ class WorkerSession:
             protocol.GRADS: self.grads,
             protocol.PROFILE: self.profile,
             protocol.TIMELINE: self.timeline,
+            protocol.GROUP: self.group_init,
         }
+        self.group: ReplicaGroup | None = None
         self.events: EventLog | None = None
 
     def handle(self, kind: str, body: Any) -> Any:
@@ -257,6 +260,21 @@ class WorkerSession:
             route.events = self.events
         return {"time": time.time()}
 
+    def group_init(self, body: Any) -> Any:
+        """Join the process group of this stage's replicas (blocks until all have joined)."""
+        if _require(body, "op", str) != "init":
+            raise ProtocolError("unknown group operation")
+        self.group = ReplicaGroup(
+            _require(body, "host", str),
+            _require(body, "port", int),
+            _require(body, "prefix", str),
+            _require(body, "rank", int),
+            _require(body, "world", int),
+            _require(body, "backend", str),
+            float(_require(body, "timeout", (int, float))),
+        )
+        return None
+
     def profile(self, body: Any) -> Any:
         """Seconds of forward plus backward of each layer of ``entries``, measured here."""
         entries = _require(body, "entries", list)
@@ -278,6 +296,11 @@ class WorkerSession:
             if grads:
                 torch._foreach_mul_(grads, coef.to(grads[0].device))
             return None
+        if op == "allreduce":
+            if self.group is None:
+                raise ProtocolError("gradient all-reduce asked of a worker without replicas")
+            params = [p for g in opt.param_groups for p in g["params"]] if opt else []
+            return {"bytes": self.group.allreduce_grads(params)}
         if op == "clamp":
             value = float(_require(body, "value", (int, float)))
             for g in grads:
@@ -314,6 +337,7 @@ class WorkerSession:
         return None
 
     def close(self) -> None:
+        self.group = None
         self.routes.clear()
         self.stages.clear()
         self.optimizers.clear()

@@ -1,0 +1,86 @@
+"""Data parallel over pipelines: replicas of the same stages, gradients all-reduced through torch.distributed."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+from test_strategy import (
+    Net,
+    _fit_with_checkpoint,
+    _KillAt,
+    assert_same_losses,
+    assert_same_weights,
+    data,
+    probe_pids,
+    residual_spec,
+    trainer,
+)
+
+from lightning_remote_mp import RemoteModelParallelStrategy, WorkerLostError
+
+
+def test_two_replicas_of_two_stages_train_like_local(start_workers, twin):
+    torch.manual_seed(21)
+    local = Net(residual_spec(), local_head=True, lr=1e-2)
+    remote = twin(local)
+    # 100 samples, batch 31: batches of 31 split 16 + 15 between replicas (uneven), the last of 7 splits 4 + 3.
+    trainer(epochs=2, gradient_clip_val=0.5).fit(local, data(batch_size=31))
+    workers = start_workers(4)
+    a = workers.addresses
+    strategy = RemoteModelParallelStrategy(hosts=[[a[0], a[1]], [a[2], a[3]]], balance=[4, 8], microbatches=2)
+    trainer(strategy, epochs=2, gradient_clip_val=0.5).fit(remote, data(batch_size=31))
+    assert_same_losses(local.losses, remote.losses)
+    assert_same_weights(local, remote)
+    assert os.getpid() not in probe_pids(remote)
+
+
+def test_checkpoint_holds_one_copy_and_resumes_with_another_replica_count(start_workers, tmp_path, twin):
+    torch.manual_seed(22)
+    base = Net(residual_spec(probe=False))
+    straight = twin(base)
+    trainer(epochs=3).fit(straight, data())
+    workers = start_workers(4)
+    a = workers.addresses
+    two = RemoteModelParallelStrategy(hosts=[[a[0], a[1]], [a[2], a[3]]], balance=[5, 5])
+    model = twin(base)
+    ckpt = _fit_with_checkpoint(model, two, 2, tmp_path)
+    state = torch.load(ckpt, weights_only=True)
+    assert state["state_dict"].keys() == base.state_dict().keys()
+    assert len(state["optimizer_states"][0]["state"]) == len(list(base.parameters()))
+    one = RemoteModelParallelStrategy(hosts=[a[1], a[3]], balance=[5, 5])  # a single pipeline now
+    resumed = twin(base)
+    trainer(one, epochs=3).fit(resumed, data(), ckpt_path=ckpt)
+    assert_same_weights(straight, resumed)
+    assert_same_losses(straight.losses[-4:], resumed.losses)
+
+
+def test_lost_replica_worker_is_named_with_its_replica(start_workers):
+    workers = start_workers(4)
+    a = workers.addresses
+    strategy = RemoteModelParallelStrategy(hosts=[[a[0], a[1]], [a[2], a[3]]], heartbeat_timeout=3.0)
+    killer = _KillAt(lambda t: workers.procs[3].pid, step=1, sig=signal.SIGKILL)
+    with pytest.raises(WorkerLostError) as info:
+        trainer(strategy, epochs=1, callbacks=[killer]).fit(Net(residual_spec(probe=False)), data())
+    assert a[3] in str(info.value) and "stage 1, replica 1" in str(info.value)
+
+
+def test_local_default_can_run_replicas(twin):
+    torch.manual_seed(23)
+    local = Net(residual_spec(probe=False))
+    remote = twin(local)
+    trainer(epochs=1).fit(local, data())
+    trainer(RemoteModelParallelStrategy(num_workers=4, replicas=2), epochs=1).fit(remote, data())
+    assert_same_losses(local.losses, remote.losses)
+    assert_same_weights(local, remote)
+
+
+def test_replica_rows_must_match():
+    from lightning_remote_mp.errors import LrmpError
+
+    with pytest.raises(LrmpError, match="same number of stages"):
+        RemoteModelParallelStrategy(hosts=[["127.0.0.1:1", "127.0.0.1:2"], ["127.0.0.1:3"]])
+    with pytest.raises(LrmpError, match="repeat"):
+        RemoteModelParallelStrategy(hosts=[["127.0.0.1:1", "127.0.0.1:2"], ["127.0.0.1:1", "127.0.0.1:4"]])
