@@ -188,6 +188,7 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
             log.warning("RemoteModelParallelStrategy: the LightningModule has no SpecSequential; nothing runs remotely")
             return
         fitting = trainer.state.fn == TrainerFn.FITTING
+        balances = {key: self._balance_for(key, modules) for key in modules}  # fail before starting anything
         try:
             hosts, liveness = self._workers(modules)
             self._session = DriverSession(
@@ -198,7 +199,7 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
                 store_host=self.store_host,
             )
             for key, module in modules.items():
-                self._session.place(key, module, self._balance_for(key, modules), self.microbatches)
+                self._session.place(key, module, balances[key], self.microbatches)
             if fitting:
                 self.optimizers = self.optimizers  # mirrors them
                 self._patch_clipping()

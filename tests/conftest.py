@@ -42,3 +42,23 @@ def start_workers() -> Iterator[Callable[..., LocalWorkers]]:
 def twin() -> Callable:
     """``twin(module)`` returns an identical deep copy, for remote-versus-local comparisons."""
     return copy.deepcopy
+
+
+@pytest.fixture(scope="session")
+def _worker_pool() -> Iterator[LocalWorkers]:
+    workers = LocalWorkers(4, devices=["cpu"] * 4, threads=1, allow_modules=("lrmp_testlayers",))
+    workers.start()
+    yield workers
+    workers.stop()
+
+
+@pytest.fixture
+def pool(_worker_pool: LocalWorkers) -> list[str]:
+    """Addresses of four workers shared by the tests that neither kill nor reconfigure workers.
+
+    Starting a worker costs seconds of CPU (torch and its lazy imports); sharing them keeps the
+    suite fast. Each run opens a fresh session on them, as a new driver would.
+    """
+    dead = [i for i in range(4) if _worker_pool.why_dead(i)]
+    assert not dead, f"a shared worker died: {[_worker_pool.why_dead(i) for i in dead]}"
+    return list(_worker_pool.addresses)

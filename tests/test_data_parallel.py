@@ -22,14 +22,13 @@ from test_strategy import (
 from lightning_remote_mp import RemoteModelParallelStrategy, WorkerLostError
 
 
-def test_two_replicas_of_two_stages_train_like_local(start_workers, twin):
+def test_two_replicas_of_two_stages_train_like_local(pool, twin):
     torch.manual_seed(21)
     local = Net(residual_spec(), local_head=True, lr=1e-2)
     remote = twin(local)
     # 100 samples, batch 31: batches of 31 split 16 + 15 between replicas (uneven), the last of 7 splits 4 + 3.
     trainer(epochs=2, gradient_clip_val=0.5).fit(local, data(batch_size=31))
-    workers = start_workers(4)
-    a = workers.addresses
+    a = pool
     strategy = RemoteModelParallelStrategy(hosts=[[a[0], a[1]], [a[2], a[3]]], balance=[4, 8], microbatches=2)
     trainer(strategy, epochs=2, gradient_clip_val=0.5).fit(remote, data(batch_size=31))
     assert_same_losses(local.losses, remote.losses)
@@ -37,13 +36,12 @@ def test_two_replicas_of_two_stages_train_like_local(start_workers, twin):
     assert os.getpid() not in probe_pids(remote)
 
 
-def test_checkpoint_holds_one_copy_and_resumes_with_another_replica_count(start_workers, tmp_path, twin):
+def test_checkpoint_holds_one_copy_and_resumes_with_another_replica_count(pool, tmp_path, twin):
     torch.manual_seed(22)
     base = Net(residual_spec(probe=False))
     straight = twin(base)
     trainer(epochs=3).fit(straight, data())
-    workers = start_workers(4)
-    a = workers.addresses
+    a = pool
     two = RemoteModelParallelStrategy(hosts=[[a[0], a[1]], [a[2], a[3]]], balance=[5, 5])
     model = twin(base)
     ckpt = _fit_with_checkpoint(model, two, 2, tmp_path)
@@ -72,7 +70,8 @@ def test_local_default_can_run_replicas(twin):
     local = Net(residual_spec(probe=False))
     remote = twin(local)
     trainer(epochs=1).fit(local, data())
-    trainer(RemoteModelParallelStrategy(num_workers=4, replicas=2), epochs=1).fit(remote, data())
+    # Two local workers forming two one-stage pipelines.
+    trainer(RemoteModelParallelStrategy(num_workers=2, replicas=2, balance=[12]), epochs=1).fit(remote, data())
     assert_same_losses(local.losses, remote.losses)
     assert_same_weights(local, remote)
 

@@ -13,12 +13,12 @@ from lightning_remote_mp import RemoteModelParallelStrategy
 from lightning_remote_mp.errors import LrmpError
 
 
-def run_both(make, twin, epochs: int = 2, strategy_kwargs=None, **trainer_kwargs):
+def run_both(make, twin, pool, epochs: int = 2, strategy_kwargs=None, **trainer_kwargs):
     torch.manual_seed(11)
     local = make()
     remote = twin(local)
     trainer(epochs=epochs, **trainer_kwargs).fit(local, data())
-    strategy = RemoteModelParallelStrategy(**(strategy_kwargs or {"balance": [4, 8]}))
+    strategy = RemoteModelParallelStrategy(hosts=pool[:2], **(strategy_kwargs or {"balance": [4, 8]}))
     trainer(strategy, epochs=epochs, **trainer_kwargs).fit(remote, data())
     assert_same_losses(local.losses, remote.losses)
     assert_same_weights(local, remote)
@@ -26,18 +26,19 @@ def run_both(make, twin, epochs: int = 2, strategy_kwargs=None, **trainer_kwargs
 
 
 @pytest.mark.parametrize("algorithm", ["norm", "value"])
-def test_gradient_clipping_spans_every_stage(twin, algorithm):
+def test_gradient_clipping_spans_every_stage(twin, algorithm, pool):
     # A small clip value so that clipping changes every step; the local head's gradients count too.
     run_both(
         lambda: Net(residual_spec(), lr=1e-2, local_head=True),
         twin,
+        pool,
         gradient_clip_val=0.05,
         gradient_clip_algorithm=algorithm,
     )
 
 
-def test_gradient_accumulation(twin):
-    run_both(lambda: Net(residual_spec()), twin, accumulate_grad_batches=3)
+def test_gradient_accumulation(twin, pool):
+    run_both(lambda: Net(residual_spec()), twin, pool, accumulate_grad_batches=3)
 
 
 class EpochScheduled(Net):
@@ -53,8 +54,8 @@ class EpochScheduled(Net):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "epoch"}}
 
 
-def test_per_epoch_scheduler_and_param_groups(twin):
-    run_both(lambda: EpochScheduled(residual_spec()), twin, epochs=3)
+def test_per_epoch_scheduler_and_param_groups(twin, pool):
+    run_both(lambda: EpochScheduled(residual_spec()), twin, pool, epochs=3)
 
 
 class TwoOptimizersManual(Net):
@@ -83,13 +84,13 @@ class TwoOptimizersManual(Net):
         return [first, second]
 
 
-def test_manual_optimization_with_two_optimizers(twin):
-    run_both(lambda: TwoOptimizersManual(residual_spec()), twin)
+def test_manual_optimization_with_two_optimizers(twin, pool):
+    run_both(lambda: TwoOptimizersManual(residual_spec()), twin, pool)
 
 
 @pytest.mark.parametrize("precision", ["bf16-true", "bf16-mixed"])
-def test_bf16_precision(twin, precision):
-    run_both(lambda: Net(residual_spec()), twin, precision=precision)
+def test_bf16_precision(twin, precision, pool):
+    run_both(lambda: Net(residual_spec()), twin, pool, precision=precision)
 
 
 def test_16_mixed_is_refused_at_setup():
@@ -100,13 +101,13 @@ def test_16_mixed_is_refused_at_setup():
         trainer(RemoteModelParallelStrategy(), plugins=[plugin]).fit(Net(residual_spec()), data())
 
 
-def test_frozen_layers_stay_frozen_on_workers(twin):
+def test_frozen_layers_stay_frozen_on_workers(twin, pool):
     def make():
         net = Net(residual_spec())
         net.net.layers[0].requires_grad_(False)
         return net
 
-    local, remote = run_both(make, twin)
+    local, remote = run_both(make, twin, pool)
     torch.manual_seed(11)
     assert torch.equal(make().net.layers[0].weight, remote.net.layers[0].weight)
 
@@ -128,9 +129,9 @@ def test_callbacks_that_need_local_parameters_are_refused(callback):
         trainer(RemoteModelParallelStrategy(), callbacks=[callback]).fit(Net(residual_spec()), data())
 
 
-def test_model_summary_shows_remote_layers_and_where_they_live(caplog):
+def test_model_summary_shows_remote_layers_and_where_they_live(caplog, pool):
     model = Net(residual_spec(), local_head=True)
-    strategy = RemoteModelParallelStrategy(balance=[4, 8])
+    strategy = RemoteModelParallelStrategy(hosts=pool[:2], balance=[4, 8])
     with caplog.at_level("INFO", logger="lightning.pytorch.callbacks.model_summary"):
         trainer(strategy, epochs=1, callbacks=[ModelSummary(max_depth=3)]).fit(model, data())
     text = caplog.text
@@ -145,13 +146,13 @@ class FindsLR(Net):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 
-def test_lr_find_restores_the_model_and_training_continues(twin):
+def test_lr_find_restores_the_model_and_training_continues(twin, pool):
     from lightning.pytorch.tuner import Tuner
 
     torch.manual_seed(12)
     model = FindsLR(residual_spec())
     before = twin(model)
-    t = trainer(RemoteModelParallelStrategy(), epochs=1)
+    t = trainer(RemoteModelParallelStrategy(hosts=pool[:2]), epochs=1)
     finder = Tuner(t).lr_find(
         model,
         train_dataloaders=data(n=640),
@@ -171,7 +172,7 @@ def test_lr_find_restores_the_model_and_training_continues(twin):
     local.lr = model.lr
     model.losses.clear()
     trainer(epochs=1).fit(local, data())
-    trainer(RemoteModelParallelStrategy(), epochs=1).fit(model, data())
+    trainer(RemoteModelParallelStrategy(hosts=pool[2:]), epochs=1).fit(model, data())
     assert_same_losses(local.losses, model.losses)
 
 

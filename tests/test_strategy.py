@@ -6,6 +6,7 @@ import os
 import signal
 import threading
 import time
+from types import SimpleNamespace
 
 import lightning as L
 import pytest
@@ -143,28 +144,28 @@ def test_residual_model_trains_remotely_as_it_does_locally(twin):
 
 
 @pytest.mark.parametrize("microbatches", [1, 3])
-def test_residual_that_skips_a_whole_stage(twin, microbatches):
+def test_residual_that_skips_a_whole_stage(twin, microbatches, pool):
     torch.manual_seed(2)
     local = Net(residual_spec())
     remote = twin(local)
     trainer().fit(local, data())
     # Stage 0: layers 0-4 (res_1 made at 4); stage 1: 5-7; stage 2: 8-11 (res_1 used at 9).
     # With micro-batches, the last batch (4 samples) splits unevenly: 2, 1, 1.
-    strategy = RemoteModelParallelStrategy(num_workers=3, balance=[5, 3, 4], microbatches=microbatches)
+    strategy = RemoteModelParallelStrategy(hosts=pool[:3], balance=[5, 3, 4], microbatches=microbatches)
     trainer(strategy).fit(remote, data())
     assert_same_losses(local.losses, remote.losses)
     assert_same_weights(local, remote)
     assert len(set(probe_pids(remote))) == 2 and os.getpid() not in probe_pids(remote)
 
 
-def test_validate_and_predict_through_workers_equal_local(twin):
+def test_validate_and_predict_through_workers_equal_local(twin, pool):
     torch.manual_seed(3)
     spec = residual_spec(probe=False)
     spec.insert(1, ("torch.nn.BatchNorm1d", {"num_features": WIDTH}, (32, WIDTH)))  # train/eval differ
     local = Net(spec)
     remote = twin(local)
     trainer(epochs=1).fit(local, data())
-    strategy = RemoteModelParallelStrategy()
+    strategy = RemoteModelParallelStrategy(hosts=pool[:2])
     t = trainer(strategy, epochs=1)
     t.fit(remote, data())
     assert_same_weights(local, remote)  # running statistics included
@@ -185,14 +186,14 @@ def _fit_with_checkpoint(model, strategy, epochs, dirpath, ckpt_path=None):
     return os.path.join(dirpath, "last.ckpt")
 
 
-def test_checkpoints_match_local_and_resume_exactly_on_fresh_workers(tmp_path, twin):
+def test_checkpoints_match_local_and_resume_exactly_on_fresh_workers(tmp_path, twin, pool):
     torch.manual_seed(4)
     base = Net(residual_spec(probe=False), local_head=True)
     straight, local, remote = twin(base), twin(base), twin(base)
     trainer(epochs=4).fit(straight, data())  # uninterrupted reference
 
     local_ckpt = _fit_with_checkpoint(local, None, 2, tmp_path / "local")
-    remote_ckpt = _fit_with_checkpoint(remote, RemoteModelParallelStrategy(), 2, tmp_path / "remote")
+    remote_ckpt = _fit_with_checkpoint(remote, RemoteModelParallelStrategy(hosts=pool[:2]), 2, tmp_path / "remote")
     lc = torch.load(local_ckpt, weights_only=True)
     rc = torch.load(remote_ckpt, weights_only=True)
     assert lc["state_dict"].keys() == rc["state_dict"].keys()
@@ -206,8 +207,8 @@ def test_checkpoints_match_local_and_resume_exactly_on_fresh_workers(tmp_path, t
 
     # Remote checkpoint -> remote resume on fresh workers; and the two cross-overs.
     resumed = {
-        "remote->remote": (twin(base), remote_ckpt, RemoteModelParallelStrategy()),
-        "local->remote": (twin(base), local_ckpt, RemoteModelParallelStrategy()),
+        "remote->remote": (twin(base), remote_ckpt, RemoteModelParallelStrategy()),  # fresh worker processes
+        "local->remote": (twin(base), local_ckpt, RemoteModelParallelStrategy(hosts=pool[2:])),
         "remote->local": (twin(base), remote_ckpt, None),
     }
     for name, (model, ckpt, strategy) in resumed.items():
@@ -260,8 +261,8 @@ def test_lost_remote_worker_is_named_within_heartbeat_timeout(start_workers, sig
         assert workers.procs[1].poll() is None
 
 
-def test_worker_exception_reaches_driver_with_layer_and_stage(start_workers):
-    workers = start_workers(2)
+def test_worker_exception_reaches_driver_with_layer_and_stage(pool):
+    workers = SimpleNamespace(addresses=pool[:2])
     spec = [
         ("torch.nn.Linear", {"in_features": 1, "out_features": 8}, (32, 1)),
         ("torch.nn.ReLU", {}, (32, 8)),
@@ -277,7 +278,7 @@ def test_worker_exception_reaches_driver_with_layer_and_stage(start_workers):
     # Both workers stay up and train a correct model right after.
     good = Net(residual_spec(probe=False))
     trainer(RemoteModelParallelStrategy(hosts=workers.addresses), epochs=1).fit(good, data())
-    assert all(p.poll() is None for p in workers.procs)
+    assert err.address in pool  # and the pool fixture checks that every worker is still alive
 
 
 def test_refused_class_is_a_clear_error_and_the_worker_survives(start_workers):
@@ -291,13 +292,13 @@ def test_refused_class_is_a_clear_error_and_the_worker_survives(start_workers):
     assert len(good.losses) == 4
 
 
-def test_bad_configuration_errors_name_the_culprit():
+def test_bad_configuration_errors_name_the_culprit(pool):
     with pytest.raises(LrmpError, match="balance"):
-        trainer(RemoteModelParallelStrategy(balance=[1, 2])).fit(Net(residual_spec()), data())
+        trainer(RemoteModelParallelStrategy(hosts=pool[:2], balance=[1, 2])).fit(Net(residual_spec()), data())
     with pytest.raises(LrmpError, match="microbatches"):
         RemoteModelParallelStrategy(microbatches=0)
     with pytest.raises(LrmpError, match=r"balance names \['nope'\]"):
-        trainer(RemoteModelParallelStrategy(balance={"nope": [6, 6]})).fit(Net(residual_spec()), data())
+        trainer(RemoteModelParallelStrategy(hosts=pool[:2], balance={"nope": [6, 6]})).fit(Net(residual_spec()), data())
     with pytest.raises(ValueError, match="needs a port"):
         RemoteModelParallelStrategy(hosts=["10.0.0.5"])
 
@@ -331,13 +332,13 @@ class MetaNet(Net):
         self.net = SpecSequential(spec, init_seed=7, device="meta" if meta else None)
 
 
-def test_meta_model_is_initialised_by_the_workers_from_its_seed(tmp_path):
+def test_meta_model_is_initialised_by_the_workers_from_its_seed(tmp_path, pool):
     spec = residual_spec(probe=False)
     local = MetaNet(spec, meta=False)
     remote = MetaNet(spec, meta=True)
     assert all(p.is_meta for p in remote.net.parameters())
     trainer().fit(local, data())
-    ckpt = _fit_with_checkpoint(remote, RemoteModelParallelStrategy(balance=[5, 5]), 2, tmp_path)
+    ckpt = _fit_with_checkpoint(remote, RemoteModelParallelStrategy(hosts=pool[:2], balance=[5, 5]), 2, tmp_path)
     assert_same_losses(local.losses, remote.losses)
     # The driver never held the weights; the checkpoint has them all, equal to the local run's.
     assert all(p.is_meta for p in remote.net.parameters())
@@ -347,13 +348,13 @@ def test_meta_model_is_initialised_by_the_workers_from_its_seed(tmp_path):
         assert not state[k].is_meta and torch.allclose(state[k], v, atol=TOL), k
     # A fresh meta model resumes from it on fresh workers.
     resumed = MetaNet(spec, meta=True)
-    trainer(RemoteModelParallelStrategy(balance=[5, 5]), epochs=3).fit(resumed, data(), ckpt_path=ckpt)
+    trainer(RemoteModelParallelStrategy(hosts=pool[2:], balance=[5, 5]), epochs=3).fit(resumed, data(), ckpt_path=ckpt)
     reference = MetaNet(spec, meta=False)
     trainer(epochs=3).fit(reference, data())
     assert_same_losses(reference.losses[-4:], resumed.losses)
 
 
-def test_balance_by_time_follows_measurements_and_trains_like_local(twin):
+def test_balance_by_time_follows_measurements_and_trains_like_local(twin, pool):
     big = ("torch.nn.Linear", {"in_features": 512, "out_features": 512}, (256, 512))
     spec = [big, ("torch.nn.Linear", {"in_features": 512, "out_features": 1}, (256, 512))]
     spec += [("torch.nn.Linear", {"in_features": 1, "out_features": 1}, (256, 1))] * 5
@@ -373,7 +374,7 @@ def test_balance_by_time_follows_measurements_and_trains_like_local(twin):
         def on_train_start(self, trainer, pl_module):
             seen.extend(rs.stage for rs in pl_module.net._remote.stages)
 
-    strategy = RemoteModelParallelStrategy(balance="time")
+    strategy = RemoteModelParallelStrategy(hosts=pool[:2], balance="time")
     trainer(strategy, epochs=1, callbacks=[Placement()]).fit(remote, data())
     assert_same_losses(local.losses, remote.losses)
     # The 512x512 layer costs far more than the rest together: it gets a stage of its own.
@@ -381,7 +382,7 @@ def test_balance_by_time_follows_measurements_and_trains_like_local(twin):
     assert strategy.session is None
 
 
-def test_timeline_records_every_stage_and_logs_the_bubble(tmp_path, twin):
+def test_timeline_records_every_stage_and_logs_the_bubble(tmp_path, twin, pool):
     import json
 
     from lightning.pytorch.loggers import CSVLogger
@@ -391,7 +392,7 @@ def test_timeline_records_every_stage_and_logs_the_bubble(tmp_path, twin):
     remote = twin(local)
     trainer(epochs=1).fit(local, data())
     path = tmp_path / "trace.json"
-    strategy = RemoteModelParallelStrategy(balance=[4, 6], microbatches=2, timeline=str(path))
+    strategy = RemoteModelParallelStrategy(hosts=pool[:2], balance=[4, 6], microbatches=2, timeline=str(path))
     t = L.Trainer(
         max_epochs=1,
         strategy=strategy,
