@@ -25,7 +25,7 @@ _READY = "lrmp-worker ready on "
 
 
 class LocalWorkers:
-    """``n`` worker processes on loopback, stopped by :meth:`stop` (or when this process exits).
+    """``n`` worker processes on loopback, stopped by `stop` (or when this process exits).
 
     Args:
         n: how many workers.

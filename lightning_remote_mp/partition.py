@@ -35,7 +35,7 @@ class Stage:
     """One stage of one SpecSequential: layers ``start:stop`` and the variables crossing its edges.
 
     ``sources`` and ``targets`` are the routes of a forward pass: ``(stage, variables)`` pairs, one
-    message from each source (the previous stage, or :data:`DRIVER` for stage 0, also brings the
+    message from each source (the previous stage, or `DRIVER` for stage 0, also brings the
     main input) and one to each target (the next stage, or the driver after the last stage, also
     gets the main output). Backward runs the same routes in reverse.
     """
@@ -54,7 +54,7 @@ class Stage:
 
 
 def plan_stages(balance: Sequence[int], wiring: Wiring) -> list[Stage]:
-    """Turn layer counts per stage into :class:`Stage` objects with their imports and exports."""
+    """Turn layer counts per stage into `Stage` objects with their imports and exports."""
     bounds = [0]
     for n in balance:
         bounds.append(bounds[-1] + n)
@@ -119,14 +119,15 @@ def split_contiguous(costs: Sequence[float], capacities: Sequence[float]) -> lis
     ``run_cost / capacity``; ties prefer the most even layer counts."""
     if any(c <= 0 for c in capacities):
         raise SpecError(f"worker capacities must be positive, got {list(capacities)}")
-    return split_min_max([[float(c) / cap for c in costs] for cap in capacities])
+    return split_min_max([costs] * len(capacities), capacities)
 
 
-def split_min_max(stage_costs: Sequence[Sequence[float]]) -> list[int]:
+def split_min_max(stage_costs: Sequence[Sequence[float]], capacities: Sequence[float] | None = None) -> list[int]:
     """Cut layers into one non-empty contiguous run per stage, minimising the slowest stage.
 
     ``stage_costs[s][i]`` is what layer ``i`` costs on stage ``s``'s worker (time measured there,
-    or memory over that worker's capacity); ties prefer the most even layer counts.
+    or memory); a stage's load is its layers' total cost divided by its worker's capacity (default 1).
+    Ties prefer the most even layer counts.
 
     >>> split_min_max([[1, 1, 1, 1], [2, 2, 2, 2]])  # the second worker is twice as slow
     [3, 1]
@@ -142,8 +143,10 @@ def split_min_max(stage_costs: Sequence[Sequence[float]]) -> list[int]:
             row.append(row[-1] + float(c))
         prefix.append(row)
 
+    caps = [float(c) for c in capacities] if capacities is not None else [1.0] * k
+
     def load(s: int, j: int, i: int) -> float:  # layers j:i on stage s (1-based)
-        return prefix[s - 1][i] - prefix[s - 1][j]
+        return (prefix[s - 1][i] - prefix[s - 1][j]) / caps[s - 1]
 
     # Two exact min-max passes: a single pass on (load, spread) pairs can keep, for a prefix, a
     # split whose spread is worse than an equally loaded alternative, missing the most even one.

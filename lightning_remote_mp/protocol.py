@@ -232,7 +232,7 @@ def _frame_buffer(frame: Any) -> memoryview:
 
 
 def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Message:
-    """Decode frames into a :class:`Message`; raises :class:`ProtocolError` on anything malformed."""
+    """Decode frames into a `Message`; raises `ProtocolError` on anything malformed."""
     if not frames:
         raise ProtocolError("empty message")
     if len(frames) - 1 > limits.max_frames:

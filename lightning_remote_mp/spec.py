@@ -1,4 +1,4 @@
-"""The layer spec: entries, class resolution, residual-variable wiring, and :class:`SpecSequential`.
+"""The layer spec: entries, class resolution, residual-variable wiring, and `SpecSequential`.
 
 A spec is a list of entries ``(layer, kwargs, input_shape)``:
 
@@ -139,7 +139,7 @@ def resolve_class(path: str, base: type, allowed_prefixes: Sequence[str] | None 
     """Import the class a dotted path names and check it subclasses ``base``.
 
     With ``allowed_prefixes`` (the worker's case), the path is checked against the allowlist
-    before anything is imported, and a refused path raises :class:`RefusedClassError`.
+    before anything is imported, and a refused path raises `RefusedClassError`.
     """
     _check_dotted(path, "class path")
     if allowed_prefixes is not None and not is_allowed(path, allowed_prefixes):
@@ -180,7 +180,7 @@ def resolve_class(path: str, base: type, allowed_prefixes: Sequence[str] | None 
 
 
 def resolve_layer(layer: LayerRef, allowed_prefixes: Sequence[str] | None = None) -> type[nn.Module]:
-    """Return the ``nn.Module`` class a spec entry names (see :func:`resolve_class`)."""
+    """Return the ``nn.Module`` class a spec entry names (see `resolve_class`)."""
     if not isinstance(layer, str):
         return layer
     return resolve_class(layer, nn.Module, allowed_prefixes)
@@ -321,7 +321,7 @@ def _check_shapes(entries: Sequence[LayerEntry], layers: Sequence[nn.Module]) ->
 class SpecSequential(nn.Module):
     """An ``nn.Module`` built from a layer spec; trains locally as-is.
 
-    Under :class:`~lightning_remote_mp.RemoteModelParallelStrategy` its layers run on workers;
+    Under `RemoteModelParallelStrategy` its layers run on workers;
     its parameters here are then a copy that the strategy refreshes from the workers whenever
     ``state_dict()`` is taken, and restores when the run ends.
 

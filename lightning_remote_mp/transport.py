@@ -1,9 +1,9 @@
 """ZeroMQ sockets, deadlines and heartbeats. Every socket lrmp opens is created here.
 
-The driver talks to each worker through a :class:`Connection` (a DEALER socket). A
-:class:`Heartbeat` thread pings every worker on sockets of its own, so a worker that dies or
+The driver talks to each worker through a `Connection` (a DEALER socket). A
+`Heartbeat` thread pings every worker on sockets of its own, so a worker that dies or
 hangs is noticed while the driver waits for a reply, and a worker notices a driver that vanished.
-A worker serves on one ROUTER socket (:func:`bind_router`).
+A worker serves on one ROUTER socket (`bind_router`).
 """
 
 from __future__ import annotations
@@ -88,6 +88,9 @@ class Heartbeat:
         self._last_seen = {a: now for a in self.addresses}
         self.lost: dict[str, str] = {}
         self._stop = threading.Event()
+        self._wake = f"inproc://lrmp-heartbeat-{id(self)}-{time.monotonic_ns()}"
+        self._wake_rx = context().socket(zmq.PULL)  # used by the thread only; created here so close() can't race
+        self._wake_rx.bind(self._wake)
         self._thread = threading.Thread(target=self._run, name="lrmp-heartbeat", daemon=True)
         self._thread.start()
 
@@ -99,12 +102,18 @@ class Heartbeat:
 
     def close(self) -> None:
         self._stop.set()
+        wake = context().socket(zmq.PUSH)
+        wake.setsockopt(zmq.LINGER, 1000)
+        wake.connect(self._wake)
+        wake.send(b"", zmq.NOBLOCK)
+        wake.close()
         self._thread.join(timeout=5)
 
     def _run(self) -> None:
         socks = {a: dealer(a) for a in self.addresses}
         by_sock = {s: a for a, s in socks.items()}
         poller = zmq.Poller()
+        poller.register(self._wake_rx, zmq.POLLIN)
         for s in socks.values():
             poller.register(s, zmq.POLLIN)
         seq = 0
@@ -118,7 +127,10 @@ class Heartbeat:
                         pass
                 deadline = time.monotonic() + self.interval
                 while not self._stop.is_set() and (left := deadline - time.monotonic()) > 0:
-                    for sock, _ in poller.poll(min(left, 0.2) * 1000):
+                    for sock, _ in poller.poll(left * 1000):
+                        if sock is self._wake_rx:
+                            sock.recv()
+                            continue
                         address = by_sock[sock]
                         try:
                             msg = protocol.decode(sock.recv_multipart())
@@ -130,6 +142,7 @@ class Heartbeat:
         finally:
             for s in socks.values():
                 s.close(0)
+            self._wake_rx.close(0)
 
 
 class Connection:
@@ -277,7 +290,7 @@ def gather(
     """Collect ``count`` unsolicited messages that ``want`` accepts, from any of ``conns``.
 
     An error a worker reports for this ``call`` is raised at once; leftovers of earlier calls are
-    dropped; a lost worker fails the wait like :meth:`Connection.recv` does.
+    dropped; a lost worker fails the wait like `Connection.recv` does.
     """
     poller = zmq.Poller()
     by_sock = {}

@@ -71,7 +71,7 @@ def test_local_default_can_run_replicas(twin):
     remote = twin(local)
     trainer(epochs=1).fit(local, data())
     # Two local workers forming two one-stage pipelines.
-    trainer(RemoteModelParallelStrategy(num_workers=2, replicas=2, balance=[12]), epochs=1).fit(remote, data())
+    trainer(RemoteModelParallelStrategy(num_workers=2, replicas=2, balance=[10]), epochs=1).fit(remote, data())
     assert_same_losses(local.losses, remote.losses)
     assert_same_weights(local, remote)
 

@@ -44,7 +44,7 @@ def _routes(value: Any, field: str) -> dict[int, tuple[str, ...]]:
 
 
 class RoutedStage:
-    """A :class:`StageExecutor` plus its routes and the partly arrived micro-batches."""
+    """A `StageExecutor` plus its routes and the partly arrived micro-batches."""
 
     def __init__(self, stage: StageExecutor, sources: Any, targets: Any, microbatch_limit: int = 4096) -> None:
         self.stage = stage

@@ -4,7 +4,7 @@ The I/O thread decodes every message, answers heartbeats at once (even while a l
 admits one session at a time and expires it when its driver falls silent. The compute thread
 runs requests in arrival order and hands replies back over an inproc socket. Nothing a message
 carries is executed: requests only choose among the handlers of
-:class:`~lightning_remote_mp.worker.session.WorkerSession`.
+`lightning_remote_mp.worker.session.WorkerSession`.
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def _warm_up() -> None:
 
 
 class WorkerServer:
-    """Serves sessions on ``bind`` until :meth:`stop` is called.
+    """Serves sessions on ``bind`` until `stop` is called.
 
     Args:
         bind: ZeroMQ endpoint, e.g. ``"tcp://0.0.0.0:5555"`` (port ``*`` picks a free one).
@@ -144,9 +144,15 @@ class WorkerServer:
         poller.register(self._replies, zmq.POLLIN)
         try:
             while not self._stop.is_set():
-                for sock, _ in poller.poll(200):
+                # Sleep until a message or the session's expiry: an idle worker uses no CPU.
+                timeout = None
+                if self._session_id is not None:
+                    timeout = max(0.0, self.session_timeout - (time.monotonic() - self._last_seen)) * 1000 + 10
+                for sock, _ in poller.poll(timeout):
                     if sock is self._replies:
-                        self.sock.send_multipart(self._replies.recv_multipart(copy=False), copy=False)
+                        frames = self._replies.recv_multipart(copy=False)
+                        if len(frames) > 1:  # a lone frame only wakes the loop (stop)
+                            self.sock.send_multipart(frames, copy=False)
                     else:
                         frames = self.sock.recv_multipart(copy=False)
                         try:
@@ -161,7 +167,13 @@ class WorkerServer:
             self._replies.close(0)
 
     def stop(self) -> None:
+        """Stop serving (from any thread, or a signal handler)."""
         self._stop.set()
+        wake = transport.context().socket(zmq.PUSH)
+        wake.setsockopt(zmq.LINGER, 1000)
+        wake.connect(self._inproc)
+        wake.send(b"", zmq.NOBLOCK)
+        wake.close()
 
     def _reply(self, peer: bytes, kind: str, req_id: int, body: Any) -> None:
         try:
