@@ -2,10 +2,10 @@
 
 Each worker binds ``tcp://127.0.0.1:*`` and prints the port it got, so there is no port race.
 
->>> workers = LocalWorkers(2, threads=1)
+>>> workers = LocalWorkers(1, threads=1)
 >>> addresses = workers.start()
 >>> [a.startswith("tcp://127.0.0.1:") for a in addresses]
-[True, True]
+[True]
 >>> workers.stop()
 """
 

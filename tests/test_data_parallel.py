@@ -56,13 +56,13 @@ def test_checkpoint_holds_one_copy_and_resumes_with_another_replica_count(pool, 
 
 
 def test_lost_replica_worker_is_named_with_its_replica(start_workers):
-    workers = start_workers(4)
+    workers = start_workers(2)
     a = workers.addresses
-    strategy = RemoteModelParallelStrategy(hosts=[[a[0], a[1]], [a[2], a[3]]], heartbeat_timeout=3.0)
-    killer = _KillAt(lambda t: workers.procs[3].pid, step=1, sig=signal.SIGKILL)
+    strategy = RemoteModelParallelStrategy(hosts=[[a[0]], [a[1]]], heartbeat_timeout=3.0)  # 2 one-stage replicas
+    killer = _KillAt(lambda t: workers.procs[1].pid, step=1, sig=signal.SIGKILL)
     with pytest.raises(WorkerLostError) as info:
         trainer(strategy, epochs=1, callbacks=[killer]).fit(Net(residual_spec(probe=False)), data())
-    assert a[3] in str(info.value) and "stage 1, replica 1" in str(info.value)
+    assert a[1] in str(info.value) and "stage 0, replica 1" in str(info.value)
 
 
 def test_local_default_can_run_replicas(twin):
