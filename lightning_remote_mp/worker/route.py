@@ -11,6 +11,7 @@ the driver.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 from collections.abc import Iterable, Mapping
@@ -59,6 +60,7 @@ class RoutedStage:
         self._backward: dict[tuple[int, int], _Parts] = {}
         self._meta: dict[tuple[int, int], dict[str, Any]] = {}  # per micro-batch: grad flags seen going forward
         self.events: EventLog | None = None  # set while the driver records a timeline
+        self._released: collections.deque[int] = collections.deque(maxlen=1024)
 
     @property
     def index(self) -> int:
@@ -73,6 +75,8 @@ class RoutedStage:
         expected = set(expected)
         if sender not in expected:
             raise ProtocolError(f"stage {self.index} expects no message from stage {sender}")
+        if call in self._released:
+            return None  # a late message of a call the driver gave up on
         key = (call, mb)
         parts = table.get(key)
         if parts is None:
@@ -181,6 +185,7 @@ class RoutedStage:
 
     def release(self, calls: Iterable[int]) -> None:
         drop = set(calls)
+        self._released.extend(drop)
         self.stage.release(list(drop))
         for table in (self._forward, self._backward, self._meta):
             for key in [k for k in table if k[0] in drop]:
