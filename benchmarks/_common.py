@@ -1,0 +1,160 @@
+"""Helpers shared by the benchmark scripts: statistics, markdown tables, plots, child processes.
+
+Not a library: the scripts import it from beside them (``python benchmarks/<name>.py`` puts this
+folder first on ``sys.path``).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS = os.path.join(HERE, "results")
+
+
+def median(xs: Iterable[float]) -> float:
+    xs = list(xs)
+    return statistics.median(xs) if xs else float("nan")
+
+
+def spread(xs: Sequence[float]) -> str:
+    """``min-max`` of a sample, for the tables."""
+    return f"{min(xs):,.0f}-{max(xs):,.0f}" if xs else "-"
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    cells = [[str(c) for c in header]] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(cells[0], widths)) + " |"]
+    lines.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    lines += ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |" for r in cells[1:]]
+    return "\n".join(lines)
+
+
+def environment() -> str:
+    import torch
+
+    try:
+        load = "load average {:.2f} {:.2f} {:.2f}".format(*os.getloadavg())
+    except OSError:  # pragma: no cover
+        load = "load average n/a"
+    return (
+        f"python {platform.python_version()}, torch {torch.__version__}, {os.cpu_count()} CPUs "
+        f"({platform.processor() or platform.machine()}), {load} at start"
+    )
+
+
+def pyplot():
+    """matplotlib's pyplot on the Agg backend, or None when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(plot skipped: matplotlib is not installed; pip install -e '.[bench]')")
+        return None
+    return plt
+
+
+def free_port() -> int:
+    """A free loopback TCP port (for torch's rendezvous, which wants a number)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def child_env(threads: int = 1) -> dict[str, str]:
+    """Environment for a child process: one BLAS/OpenMP thread, loopback only for gloo/TensorPipe."""
+    env = dict(os.environ)
+    env.update(
+        {
+            "OMP_NUM_THREADS": str(threads),
+            "MKL_NUM_THREADS": str(threads),
+            "GLOO_SOCKET_IFNAME": "lo",
+            "TP_SOCKET_IFNAME": "lo",
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
+    return env
+
+
+def stop_processes(procs: Iterable[subprocess.Popen], timeout: float = 10.0) -> None:
+    """Terminate the children this script started (by pid), then kill the ones that linger."""
+    procs = [p for p in procs if p is not None]
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        try:
+            p.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(5)
+        for stream in (p.stdin, p.stdout):
+            if stream is not None:
+                try:
+                    stream.close()
+                except OSError:
+                    pass
+
+
+def python() -> str:
+    return sys.executable
+
+
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def process_cpu(pid: int) -> float:
+    """CPU seconds (user + system, all threads) a process has used so far; 0 where /proc is missing."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / _TICK
+
+
+class LineReader:
+    """Lines of a child's stdout, read by a daemon thread, so that waiting for one can time out.
+
+    (Selecting on a text pipe and then calling ``readline`` can hang: the first ``readline`` may
+    buffer the next lines too, and the selector then waits for bytes that were already read.)
+    """
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        import queue
+        import threading
+
+        self.proc = proc
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        assert self.proc.stdout is not None
+        try:
+            for line in self.proc.stdout:
+                self.lines.put(line.rstrip("\n"))
+        except (OSError, ValueError):
+            pass
+        self.lines.put(None)
+
+    def readline(self, timeout: float) -> str | None:
+        """The next line; None when the child closed its stdout or nothing came within ``timeout``."""
+        import queue
+
+        try:
+            return self.lines.get(timeout=timeout)
+        except queue.Empty:
+            return None

@@ -1,0 +1,517 @@
+"""Training throughput: one process versus lrmp's 2-stage pipeline versus torch.distributed.pipelining.
+
+The model is an MLP of ``depth`` x (Linear(width, width) + ReLU) -- 8 x 1024 by default, 16 layers --
+trained with SGD and an MSE loss on one fixed float32 batch of 256 samples. Every process computes
+with ONE torch thread, so two pipeline stages can at best use the machine's two cores.
+
+Configurations (all in the same run, interleaved round by round, median over rounds reported):
+
+(a) ``plain``: this process, a plain PyTorch loop (forward, loss, backward, step, zero_grad);
+(b) ``lrmp m=M``: Lightning's Trainer with RemoteModelParallelStrategy(balance=[8, 8],
+    microbatches=M) on two lrmp-worker processes (``LocalWorkers(2, threads=1)``, the same workers the
+    strategy starts for ``hosts=None, worker_threads=1``; started once and reused by every fit so that
+    the rounds can alternate), timed by a callback over the steps after the warm-up;
+(c) ``torch <Schedule> m=M``: torch.distributed.pipelining, ``PipelineStage`` built by hand on each of
+    two processes talking gloo over 127.0.0.1, with ScheduleGPipe and Schedule1F1B.
+
+The "ideal" column is what a perfect 2-stage GPipe would reach with the per-stage compute times
+measured here (this process, one thread, micro-batch of batch/M samples):
+``(M + 1) * (max(fwd0, fwd1) + max(bwd0, bwd1)) + max(sgd0, sgd1)`` per batch.
+
+    python benchmarks/throughput.py            # full run (a few minutes)
+    python benchmarks/throughput.py --quick    # smoke run (seconds)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from typing import Any, NoReturn
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common  # noqa: E402
+
+LR = 1e-3
+
+
+# --- the model and the data -------------------------------------------------------------------
+def spec(width: int, depth: int, batch: int) -> list:
+    entries = []
+    for _ in range(depth):
+        entries.append(("torch.nn.Linear", {"in_features": width, "out_features": width}, (batch, width)))
+        entries.append(("torch.nn.ReLU", {}, (batch, width)))
+    return entries
+
+
+def plain_mlp(width: int, depth: int) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*layers)
+
+
+def make_batch(width: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(batch, width, generator=g), torch.randn(batch, width, generator=g)
+
+
+# --- (a) one process ---------------------------------------------------------------------------
+def run_plain(cfg: dict[str, Any]) -> tuple[float, float]:
+    """Wall and CPU seconds of ``steps`` training steps after ``warmup`` steps, in this process."""
+    torch.manual_seed(0)
+    model = plain_mlp(cfg["width"], cfg["depth"])
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    x, y = make_batch(cfg["width"], cfg["batch"])
+
+    def step() -> None:
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(cfg["warmup"]):
+        step()
+    c0, t0 = time.process_time(), time.perf_counter()
+    for _ in range(cfg["steps"]):
+        step()
+    return time.perf_counter() - t0, time.process_time() - c0
+
+
+def stage_times(cfg: dict[str, Any], m: int, repeats: int = 5) -> dict[str, float]:
+    """Median per-micro-batch compute times of each half (this process, one thread)."""
+    torch.manual_seed(0)
+    full = plain_mlp(cfg["width"], cfg["depth"])
+    half = len(full) // 2
+    s0, s1 = full[:half], full[half:]
+    opt0 = torch.optim.SGD(s0.parameters(), lr=LR)
+    opt1 = torch.optim.SGD(s1.parameters(), lr=LR)
+    x, y = make_batch(cfg["width"], cfg["batch"])
+    b = -(-cfg["batch"] // m)
+    xb, yb = x[:b], y[:b]
+    samples: dict[str, list[float]] = {k: [] for k in ("fwd0", "fwd1", "bwd0", "bwd1", "sgd0", "sgd1")}
+    for i in range(repeats + 1):
+        t0 = time.perf_counter()
+        a = s0(xb)
+        t1 = time.perf_counter()
+        a1 = a.detach().requires_grad_(True)
+        loss = F.mse_loss(s1(a1), yb)
+        t2 = time.perf_counter()
+        loss.backward()
+        t3 = time.perf_counter()
+        a.backward(a1.grad)
+        t4 = time.perf_counter()
+        opt0.step()
+        t5 = time.perf_counter()
+        opt1.step()
+        t6 = time.perf_counter()
+        opt0.zero_grad(set_to_none=True)
+        opt1.zero_grad(set_to_none=True)
+        if i == 0:
+            continue  # warm-up
+        for k, v in zip(samples, (t1 - t0, t2 - t1, t4 - t3, t3 - t2, t5 - t4, t6 - t5)):
+            samples[k].append(v)
+    return {k: _common.median(v) for k, v in samples.items()}
+
+
+def ideal_seconds(t: dict[str, float], m: int) -> float:
+    return (m + 1) * (max(t["fwd0"], t["fwd1"]) + max(t["bwd0"], t["bwd1"])) + max(t["sgd0"], t["sgd1"])
+
+
+# --- (b) lrmp through Lightning ------------------------------------------------------------------
+def run_lrmp(cfg: dict[str, Any], addresses: list[str], pids: list[int], m: int) -> tuple[float, float]:
+    """Wall and CPU seconds (driver + workers) of the steps after the warm-up."""
+    import lightning as L
+    from lightning.pytorch.callbacks import Callback
+
+    from lightning_remote_mp import RemoteModelParallelStrategy, SpecSequential
+
+    class LitMLP(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = SpecSequential(spec(cfg["width"], cfg["depth"], cfg["batch"]))
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            return F.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=LR)
+
+    class StepTimer(Callback):
+        def __init__(self) -> None:
+            self.ends: list[float] = []
+            self.cpu: list[float] = []
+
+        def on_train_batch_end(self, *args: Any, **kwargs: Any) -> None:
+            self.ends.append(time.perf_counter())
+            if len(self.ends) in (cfg["warmup"], total):
+                self.cpu.append(time.process_time() + sum(_common.process_cpu(p) for p in pids))
+
+    class Repeat(torch.utils.data.IterableDataset):
+        def __init__(self, n: int) -> None:
+            self.n = n
+            self.batch = make_batch(cfg["width"], cfg["batch"])
+
+        def __iter__(self):
+            for _ in range(self.n):
+                yield self.batch
+
+    total = cfg["warmup"] + cfg["steps"]
+    torch.manual_seed(0)
+    timer = StepTimer()
+    strategy = RemoteModelParallelStrategy(hosts=addresses, balance=[cfg["depth"], cfg["depth"]], microbatches=m)
+    trainer = L.Trainer(
+        max_steps=total,
+        max_epochs=1,
+        accelerator="cpu",
+        strategy=strategy,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=[timer],
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(LitMLP(), torch.utils.data.DataLoader(Repeat(total), batch_size=None))
+    if len(timer.ends) != total:
+        raise RuntimeError(f"lrmp m={m}: {len(timer.ends)} steps ran, expected {total}")
+    return timer.ends[-1] - timer.ends[cfg["warmup"] - 1], timer.cpu[1] - timer.cpu[0]
+
+
+# --- (c) torch.distributed.pipelining ------------------------------------------------------------
+def pp_rank(rank: int, store: str, cfg: dict[str, Any]) -> int:
+    """One rank of the torch pipeline: serves commands (one JSON line each) read from stdin."""
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore")
+    logging.getLogger("torch.distributed").setLevel(logging.ERROR)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    torch.manual_seed(0)
+    full = plain_mlp(cfg["width"], cfg["depth"])
+    half = len(full) // 2
+    module = full[:half] if rank == 0 else full[half:]
+    opt = torch.optim.SGD(module.parameters(), lr=LR)
+    x, y = make_batch(cfg["width"], cfg["batch"])
+    schedules = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}
+    print("ready", flush=True)
+    try:
+        for _ in range(10_000):
+            line = sys.stdin.readline()
+            if not line:
+                break
+            cmd = json.loads(line)
+            if cmd.get("cmd") == "quit":
+                break
+            stage = PipelineStage(module, rank, 2, torch.device("cpu"))
+            schedule = schedules[cmd["schedule"]](stage, n_microbatches=cmd["m"], loss_fn=F.mse_loss)
+
+            def step(schedule: Any = schedule) -> None:
+                if rank == 0:
+                    schedule.step(x)
+                else:
+                    schedule.step(target=y)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+
+            for _ in range(cmd["warmup"]):
+                step()
+            dist.barrier()
+            c0, t0 = time.process_time(), time.perf_counter()
+            for _ in range(cmd["steps"]):
+                step()
+            c1 = time.process_time()
+            dist.barrier()
+            print(json.dumps({"seconds": time.perf_counter() - t0, "cpu": c1 - c0}), flush=True)
+    finally:
+        dist.destroy_process_group()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)  # skip the interpreter's slow teardown of torch
+
+
+class TorchPipeline:
+    """Two persistent torch.distributed.pipelining ranks, driven one configuration at a time."""
+
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        self.tmp = tempfile.mkdtemp(prefix="lrmp-bench-pp-")
+        store = os.path.join(self.tmp, "store")
+        self.logs = [open(os.path.join(self.tmp, f"rank{r}.log"), "w+") for r in range(2)]
+        cmd = [_common.python(), os.path.abspath(__file__), "--pp-config", json.dumps(cfg), "--pp-store", store]
+        self.procs = [
+            subprocess.Popen(
+                [*cmd, "--pp-rank", str(r)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=self.logs[r],
+                env=_common.child_env(1),
+                text=True,
+            )
+            for r in range(2)
+        ]
+        self.readers = [_common.LineReader(p) for p in self.procs]
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        for p in self.procs:
+            if self._readline(p, timeout) != "ready":
+                raise RuntimeError("a torch pipeline rank did not start")
+
+    def _readline(self, proc: subprocess.Popen, timeout: float) -> str:
+        line = self.readers[self.procs.index(proc)].readline(timeout)
+        if line is None:
+            self._fail(proc)
+        return line.strip()
+
+    def _fail(self, proc: subprocess.Popen) -> NoReturn:
+        r = self.procs.index(proc)
+        self.logs[r].seek(0)
+        tail = self.logs[r].read()[-3000:]
+        raise RuntimeError(f"torch pipeline rank {r} failed or timed out (exit {proc.poll()}):\n{tail}")
+
+    def run(self, schedule: str, m: int, warmup: int, steps: int, timeout: float = 300.0) -> tuple[float, float]:
+        """Wall seconds (rank 0, barrier to barrier) and CPU seconds (both ranks) of the timed steps."""
+        msg = json.dumps({"schedule": schedule, "m": m, "warmup": warmup, "steps": steps}) + "\n"
+        for p in self.procs:
+            assert p.stdin is not None
+            p.stdin.write(msg)
+            p.stdin.flush()
+        results = [json.loads(self._readline(p, timeout)) for p in self.procs]
+        return results[0]["seconds"], sum(r["cpu"] for r in results)
+
+    def close(self) -> None:
+        for p in self.procs:
+            try:
+                if p.poll() is None and p.stdin is not None:
+                    p.stdin.write(json.dumps({"cmd": "quit"}) + "\n")
+                    p.stdin.flush()
+            except OSError:
+                pass
+        deadline = time.monotonic() + 10
+        for p in self.procs:
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        _common.stop_processes(self.procs)
+        for f in self.logs:
+            f.close()
+
+
+# --- the run ---------------------------------------------------------------------------------------
+def configurations(args: argparse.Namespace) -> list[tuple[str, str, int]]:
+    configs = [("plain", "", 1)]
+    configs += [("lrmp", "", m) for m in args.lrmp_m]
+    configs += [("torch", s, m) for s in args.schedules for m in args.torch_m]
+    return configs
+
+
+def label(kind: str, schedule: str, m: int) -> str:
+    if kind == "plain":
+        return "(a) plain PyTorch, 1 process"
+    if kind == "lrmp":
+        return f"(b) lrmp + Lightning, m={m}"
+    return f"(c) torch {schedule}, m={m}"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="tiny smoke run: small model, few steps, one round")
+    p.add_argument("--width", type=int, default=1024)
+    p.add_argument("--depth", type=int, default=8, help="blocks of Linear+ReLU (2 layers each)")
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--warmup", type=int, default=3, help="steps excluded from timing (>= 1)")
+    p.add_argument("--steps", type=int, default=15, help="timed steps per configuration per round")
+    p.add_argument("--rounds", type=int, default=5, help="rounds; each runs every configuration once")
+    p.add_argument("--lrmp-m", type=int, nargs="+", default=[1, 2, 4, 8])
+    p.add_argument("--torch-m", type=int, nargs="+", default=[4, 8])
+    p.add_argument("--schedules", nargs="+", default=["GPipe", "1F1B"], choices=["GPipe", "1F1B"])
+    p.add_argument("--out", default=_common.RESULTS, help="folder for throughput.png and throughput.json")
+    p.add_argument("--pp-rank", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--pp-store", help=argparse.SUPPRESS)
+    p.add_argument("--pp-config", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.width, args.batch, args.warmup, args.steps, args.rounds = 256, 64, 1, 3, 1
+        args.lrmp_m, args.torch_m = [1, 2], [2]
+    args.warmup = max(1, args.warmup)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.pp_rank is not None:
+        return pp_rank(args.pp_rank, args.pp_store, json.loads(args.pp_config))
+
+    from lightning_remote_mp.launch import LocalWorkers
+
+    torch.set_num_threads(1)
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    logging.getLogger("lightning.fabric").setLevel(logging.ERROR)
+    cfg = {k: getattr(args, k) for k in ("width", "depth", "batch", "warmup", "steps")}
+    configs = configurations(args)
+    print(f"# Training throughput ({'quick' if args.quick else 'full'} run)")
+    print(
+        f"MLP {args.depth} x (Linear({args.width}, {args.width}) + ReLU), batch {args.batch}, float32, SGD; "
+        f"{args.warmup} warm-up + {args.steps} timed steps per configuration, {args.rounds} round(s)."
+    )
+    print(_common.environment(), flush=True)
+
+    workers = LocalWorkers(2, devices=["cpu", "cpu"], threads=1)
+    pipeline: TorchPipeline | None = None
+    seconds: dict[tuple[str, str, int], list[float]] = {c: [] for c in configs}
+    cpu: dict[tuple[str, str, int], list[float]] = {c: [] for c in configs}  # CPU s per step, all processes
+    ratios: dict[tuple[str, str, int], list[float]] = {c: [] for c in configs}
+    ideal: dict[int, list[float]] = {m: [] for m in sorted({c[2] for c in configs})}
+    best_vs_torch: list[float] = []
+    started = time.perf_counter()
+    try:
+        # Start everything at once: the children import torch while this process imports Lightning.
+        if any(c[0] == "torch" for c in configs):
+            pipeline = TorchPipeline(cfg)
+        addresses = workers.start()
+        pids = [p.pid for p in workers.procs]
+        import lightning  # noqa: F401
+
+        if pipeline is not None:
+            pipeline.wait_ready()
+        for r in range(args.rounds):
+            # Rotate the order every round so that no configuration always runs first or last.
+            order = configs[r % len(configs) :] + configs[: r % len(configs)]
+            this_round: dict[tuple[str, str, int], float] = {}
+            for c in order:
+                kind, schedule, m = c
+                if kind == "plain":
+                    s, cpu_s = run_plain(cfg)
+                elif kind == "lrmp":
+                    s, cpu_s = run_lrmp(cfg, addresses, pids, m)
+                else:
+                    assert pipeline is not None
+                    s, cpu_s = pipeline.run(schedule, m, args.warmup, args.steps)
+                seconds[c].append(s)
+                cpu[c].append(cpu_s / args.steps)
+                this_round[c] = args.steps * args.batch / s
+                print(f"  round {r + 1}: {label(*c):34s} {this_round[c]:10,.0f} samples/s", flush=True)
+            for m in ideal:
+                ideal[m].append(args.batch / ideal_seconds(stage_times(cfg, m, 1 if args.quick else 5), m))
+            base = this_round[configs[0]]
+            for c in configs:
+                ratios[c].append(this_round[c] / base)
+            lrmp_best = max((v for c, v in this_round.items() if c[0] == "lrmp"), default=None)
+            torch_best = max((v for c, v in this_round.items() if c[0] == "torch"), default=None)
+            if lrmp_best and torch_best:
+                best_vs_torch.append(lrmp_best / torch_best)
+    finally:
+        if pipeline is not None:
+            pipeline.close()
+        workers.stop()
+
+    rows, results = [], []
+    for c in configs:
+        rates = [args.steps * args.batch / s for s in seconds[c]]
+        ideal_rate = _common.median(ideal[c[2]]) if c[0] != "plain" else None
+        rate = _common.median(rates)
+        rows.append(
+            [
+                label(*c),
+                f"{rate:,.0f}",
+                _common.spread(rates),
+                f"{_common.median(ratios[c]):.2f}x",
+                f"{ideal_rate:,.0f}" if ideal_rate else "-",
+                f"{rate / ideal_rate:.0%}" if ideal_rate else "-",
+                f"{_common.median(cpu[c]) * 1e3:,.0f}",
+            ]
+        )
+        results.append(
+            {
+                "config": label(*c),
+                "kind": c[0],
+                "schedule": c[1],
+                "m": c[2],
+                "samples_per_s": rates,
+                "ratio_to_plain": ratios[c],
+                "ideal": ideal_rate,
+                "cpu_s_per_step": cpu[c],
+            }
+        )
+    print()
+    print(
+        _common.markdown_table(
+            [
+                "configuration",
+                "samples/s (median)",
+                "min-max",
+                "x (a), same round",
+                "ideal 2-stage",
+                "of ideal",
+                "CPU ms/step, all processes",
+            ],
+            rows,
+        )
+    )
+    lrmp_cfgs = [c for c in configs if c[0] == "lrmp"]
+    if lrmp_cfgs:
+        best = max(lrmp_cfgs, key=lambda c: _common.median(ratios[c]))
+        print(f"\nbest lrmp: {label(*best)} at {_common.median(ratios[best]):.2f}x (a) (target >= 1.25x)")
+    if best_vs_torch:
+        print(
+            f"best lrmp / best torch schedule, same round: median {_common.median(best_vs_torch):.2f}x "
+            f"(rounds: {', '.join(f'{v:.2f}' for v in best_vs_torch)})"
+        )
+    print(f"wall time {time.perf_counter() - started:.0f} s")
+
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "throughput.json"), "w") as f:
+        json.dump(
+            {"config": cfg, "rounds": args.rounds, "results": results, "best_vs_torch": best_vs_torch}, f, indent=1
+        )
+    plot(results, args, os.path.join(args.out, "throughput.png"))
+    return 0
+
+
+def plot(results: list[dict[str, Any]], args: argparse.Namespace, path: str) -> None:
+    plt = _common.pyplot()
+    if plt is None:
+        return
+    colors = {"plain": "tab:gray", "lrmp": "tab:blue", "torch": "tab:orange"}
+    fig, ax = plt.subplots(figsize=(10, 5))
+    names = [r["config"] for r in results]
+    med = [_common.median(r["samples_per_s"]) for r in results]
+    lo = [m - min(r["samples_per_s"]) for m, r in zip(med, results)]
+    hi = [max(r["samples_per_s"]) - m for m, r in zip(med, results)]
+    xs = range(len(results))
+    ax.bar(xs, med, yerr=[lo, hi], capsize=4, color=[colors[r["kind"]] for r in results])
+    ideal_x = [i for i, r in zip(xs, results) if r["ideal"]]
+    if ideal_x:
+        ax.scatter(ideal_x, [results[i]["ideal"] for i in ideal_x], marker="_", s=600, color="black", zorder=3)
+        ax.scatter([], [], marker="_", s=200, color="black", label="ideal 2-stage GPipe (measured stage times)")
+    ax.axhline(med[0], color="tab:gray", linestyle="--", linewidth=1, label="(a) one process")
+    ax.axhline(1.25 * med[0], color="tab:green", linestyle=":", linewidth=1, label="1.25 x (a)")
+    ax.set_xticks(list(xs))
+    ax.set_xticklabels([n.split(" ", 1)[1] for n in names], rotation=30, ha="right")
+    ax.set_ylabel("samples / s (median, bars: min-max)")
+    ax.set_title(
+        f"MLP {args.depth}x Linear({args.width})+ReLU, batch {args.batch}, 1 thread per process, {args.rounds} rounds"
+    )
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"plot: {path}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
