@@ -86,6 +86,7 @@ class Heartbeat:
         self.interval = interval
         now = time.monotonic()
         self._last_seen = {a: now for a in self.addresses}
+        self._last_busy = {a: now for a in self.addresses}  # last heartbeat that found the worker computing
         self.lost: dict[str, str] = {}
         self._stop = threading.Event()
         self._wake = f"inproc://lrmp-heartbeat-{id(self)}-{time.monotonic_ns()}"
@@ -99,6 +100,10 @@ class Heartbeat:
 
     def touch(self, address: str) -> None:
         self._last_seen[address] = time.monotonic()
+
+    def idle_for(self, address: str) -> float:
+        """How long the worker's heartbeats have found it not computing."""
+        return time.monotonic() - self._last_busy.get(address, time.monotonic())
 
     def close(self) -> None:
         self._stop.set()
@@ -137,6 +142,8 @@ class Heartbeat:
                         except ProtocolError:
                             continue
                         self.touch(address)
+                        if msg.kind == protocol.OK and (msg.body or {}).get("busy"):
+                            self._last_busy[address] = time.monotonic()
                         if msg.kind == protocol.OK and not (msg.body or {}).get("session_alive", True):
                             self.lost.setdefault(address, "the worker no longer knows this session (it restarted?)")
         finally:
@@ -299,7 +306,7 @@ def gather(
             poller.register(c._sock, zmq.POLLIN)
             by_sock[id(c._sock)] = c
     got: list[tuple[Connection, protocol.Message]] = []
-    start = time.monotonic()
+    start = progress = time.monotonic()
     while len(got) < count:
         for sock, _ in poller.poll(_POLL_SLICE_MS):
             conn = by_sock[id(sock)]
@@ -309,8 +316,26 @@ def gather(
                 raise conn._remote_error(body, what)
             if want(conn, msg):
                 got.append((conn, msg))
+                progress = time.monotonic()
             else:
                 log.debug("%s: dropping stale %s message", conn.where(), msg.kind)
         for c in by_sock.values():
             c._check_alive(start, None, what)
+        _check_stall(list(by_sock.values()), progress, what, count - len(got))
     return got
+
+
+def _check_stall(conns: Sequence[Connection], progress: float, what: str, missing: int) -> None:
+    """Every worker answers its heartbeat, none is computing, and nothing arrived for a whole
+    heartbeat timeout: a message between two workers is not getting through."""
+    hb = conns[0].heartbeat if conns else None
+    limit = min(c.heartbeat_timeout for c in conns) if conns else 0.0
+    if hb is None or time.monotonic() - progress < limit:
+        return
+    if all(hb.idle_for(c.address) > limit for c in conns):
+        message = (
+            f"the pipeline stalled during {what}: every worker has been idle for over {limit:.0f} s with "
+            f"{missing} micro-batch result(s) missing. Can the workers reach each other at the addresses "
+            f"the driver uses ({', '.join(c.address for c in conns)})? Activations travel worker to worker."
+        )
+        raise WorkerLostError(message, address=conns[0].address, stage=conns[0].stage)
