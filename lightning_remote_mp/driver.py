@@ -16,6 +16,7 @@ True
 
 from __future__ import annotations
 
+import datetime
 import functools
 import logging
 import os
@@ -211,7 +212,9 @@ class DriverSession:
         import torch.distributed as dist
 
         host = self.store_host or _address_towards(self.grid[0][0].address)
-        self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+        self._store = dist.TCPStore(
+            host, 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout)
+        )
         infos = dict(zip(self.addresses, self.workers))
         ids = []
         for s in range(self.num_stages):
@@ -312,6 +315,12 @@ class DriverSession:
                 )
         stages = self.plan(module, balance, what)
         meta = module.is_meta
+        if meta and not module._pending_state and module._weights_left_on_workers:
+            raise SpecError(
+                f"{what} lives on the meta device and was trained by an earlier run whose workers held its only "
+                "weights; starting again from its seed would silently drop that training. Pass ckpt_path= "
+                "(or load a state dict into the module) to continue from a checkpoint."
+            )
         log.info("%s placed:\n%s", what, partition.describe(stages, module.entries, module.layers, self.row_addresses))
         ids = []
         for row, stage in ((row, stage) for row in self.grid for stage in stages):
@@ -391,6 +400,7 @@ class DriverSession:
         for key, pl in list(self.placements.items()):
             try:
                 if pl.meta:
+                    pl.module._weights_left_on_workers = True
                     log.info(
                         "SpecSequential %r lives on the meta device here: its trained weights were only on "
                         "the workers (and in the checkpoints written during the run)",

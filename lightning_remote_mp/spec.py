@@ -358,6 +358,7 @@ class SpecSequential(nn.Module):
         self._remote: Any = None  # set by the strategy while the layers live on workers
         # Weights loaded into a meta module before it is placed wait here for the workers.
         self._pending_state: dict[str, torch.Tensor] = {}
+        self._weights_left_on_workers = False  # a meta module whose trained weights only a run's workers had
         self._register_load_state_dict_pre_hook(_stash_state_for_meta, with_module=True)
 
     def __len__(self) -> int:
@@ -402,3 +403,4 @@ def _stash_state_for_meta(module: SpecSequential, state_dict: Any, prefix: str, 
     if module.is_meta and not module.is_remote:
         head = prefix + "layers."
         module._pending_state = {k[len(head) :]: v for k, v in state_dict.items() if k.startswith(head)}
+        module._weights_left_on_workers = False

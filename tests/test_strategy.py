@@ -349,6 +349,12 @@ def test_meta_model_is_initialised_by_the_workers_from_its_seed(tmp_path, pool):
     # A fresh meta model resumes from it on fresh workers.
     resumed = MetaNet(spec, meta=True)
     trainer(RemoteModelParallelStrategy(hosts=pool[2:], balance=[5, 5]), epochs=3).fit(resumed, data(), ckpt_path=ckpt)
+    # Validating the trained meta module again without its checkpoint would restart from the seed: refused.
+    with pytest.raises(LrmpError, match="ckpt_path"):
+        trainer(RemoteModelParallelStrategy(hosts=pool[:2], balance=[5, 5])).validate(resumed, data(), verbose=False)
+    trainer(RemoteModelParallelStrategy(hosts=pool[:2], balance=[5, 5])).validate(
+        resumed, data(), ckpt_path=ckpt, verbose=False
+    )
     reference = MetaNet(spec, meta=False)
     trainer(epochs=3).fit(reference, data())
     assert_same_losses(reference.losses[-4:], resumed.losses)
