@@ -158,3 +158,11 @@ class LineReader:
             return self.lines.get(timeout=timeout)
         except queue.Empty:
             return None
+
+
+def exit_on_sigterm() -> None:
+    """Turn SIGTERM into SystemExit, so that a terminated script still runs its ``finally`` blocks
+    and stops the processes it started."""
+    import signal
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

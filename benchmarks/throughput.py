@@ -14,9 +14,12 @@ Configurations (all in the same run, interleaved round by round, median over rou
 (c) ``torch <Schedule> m=M``: torch.distributed.pipelining, ``PipelineStage`` built by hand on each of
     two processes talking gloo over 127.0.0.1, with ScheduleGPipe and Schedule1F1B.
 
-The "ideal" column is what a perfect 2-stage GPipe would reach with the per-stage compute times
-measured here (this process, one thread, micro-batch of batch/M samples):
-``(M + 1) * (max(fwd0, fwd1) + max(bwd0, bwd1)) + max(sgd0, sgd1)`` per batch.
+Two load-robust columns explain the results: "micro-batch CPU penalty" is the CPU time of one
+step of the whole model run as M micro-batches with gradient accumulation (this process, one
+thread) over that of one full batch -- compute that every M-micro-batch pipeline does -- and
+"2-core ceiling" is the best speed-up over (a) a 2-stage GPipe could reach on two idle cores,
+``2M / (M + 1) / penalty``. CPU ms per step (all processes, from /proc) shows what each
+configuration costs independently of how busy the machine is.
 
     python benchmarks/throughput.py            # full run (a few minutes)
     python benchmarks/throughput.py --quick    # smoke run (seconds)
@@ -67,7 +70,7 @@ def make_batch(width: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 # --- (a) one process ---------------------------------------------------------------------------
-def run_plain(cfg: dict[str, Any]) -> tuple[float, float]:
+def run_plain(cfg: dict[str, Any]) -> tuple[float, list[float]]:
     """Wall and CPU seconds of ``steps`` training steps after ``warmup`` steps, in this process."""
     torch.manual_seed(0)
     model = plain_mlp(cfg["width"], cfg["depth"])
@@ -85,52 +88,38 @@ def run_plain(cfg: dict[str, Any]) -> tuple[float, float]:
     c0, t0 = time.process_time(), time.perf_counter()
     for _ in range(cfg["steps"]):
         step()
-    return time.perf_counter() - t0, time.process_time() - c0
+    return time.perf_counter() - t0, [time.process_time() - c0]
 
 
-def stage_times(cfg: dict[str, Any], m: int, repeats: int = 5) -> dict[str, float]:
-    """Median per-micro-batch compute times of each half (this process, one thread)."""
+def microbatch_cpu(cfg: dict[str, Any], m: int, repeats: int = 3) -> float:
+    """CPU seconds (this thread) of one training step of the whole model run as ``m`` micro-batches
+    with gradient accumulation: the compute any m-micro-batch pipeline does, with no transfers."""
     torch.manual_seed(0)
-    full = plain_mlp(cfg["width"], cfg["depth"])
-    half = len(full) // 2
-    s0, s1 = full[:half], full[half:]
-    opt0 = torch.optim.SGD(s0.parameters(), lr=LR)
-    opt1 = torch.optim.SGD(s1.parameters(), lr=LR)
+    model = plain_mlp(cfg["width"], cfg["depth"])
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
     x, y = make_batch(cfg["width"], cfg["batch"])
-    b = -(-cfg["batch"] // m)
-    xb, yb = x[:b], y[:b]
-    samples: dict[str, list[float]] = {k: [] for k in ("fwd0", "fwd1", "bwd0", "bwd1", "sgd0", "sgd1")}
+    samples = []
     for i in range(repeats + 1):
-        t0 = time.perf_counter()
-        a = s0(xb)
-        t1 = time.perf_counter()
-        a1 = a.detach().requires_grad_(True)
-        loss = F.mse_loss(s1(a1), yb)
-        t2 = time.perf_counter()
-        loss.backward()
-        t3 = time.perf_counter()
-        a.backward(a1.grad)
-        t4 = time.perf_counter()
-        opt0.step()
-        t5 = time.perf_counter()
-        opt1.step()
-        t6 = time.perf_counter()
-        opt0.zero_grad(set_to_none=True)
-        opt1.zero_grad(set_to_none=True)
-        if i == 0:
-            continue  # warm-up
-        for k, v in zip(samples, (t1 - t0, t2 - t1, t4 - t3, t3 - t2, t5 - t4, t6 - t5)):
-            samples[k].append(v)
-    return {k: _common.median(v) for k, v in samples.items()}
+        c0 = time.thread_time()
+        for xb, yb in zip(x.tensor_split(m), y.tensor_split(m)):
+            (F.mse_loss(model(xb), yb) / m).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if i:  # the first is a warm-up
+            samples.append(time.thread_time() - c0)
+    return _common.median(samples)
 
 
-def ideal_seconds(t: dict[str, float], m: int) -> float:
-    return (m + 1) * (max(t["fwd0"], t["fwd1"]) + max(t["bwd0"], t["bwd1"])) + max(t["sgd0"], t["sgd1"])
+def ceiling(m: int, penalty: float) -> float:
+    """Best speed-up over (a) of a 2-stage GPipe on two otherwise idle cores: the busiest stage is
+    busy ``m`` of ``m + 1`` slots forward and backward, and micro-batching costs ``penalty`` x
+    the compute of one full batch (small GEMMs, gradient accumulation)."""
+    return 2 * m / (m + 1) / penalty
 
 
 # --- (b) lrmp through Lightning ------------------------------------------------------------------
-def run_lrmp(cfg: dict[str, Any], addresses: list[str], pids: list[int], m: int) -> tuple[float, float]:
-    """Wall and CPU seconds (driver + workers) of the steps after the warm-up."""
+def run_lrmp(cfg: dict[str, Any], addresses: list[str], pids: list[int], m: int) -> tuple[float, list[float]]:
+    """Wall seconds, and CPU seconds of the driver and of each worker, of the steps after the warm-up."""
     import lightning as L
     from lightning.pytorch.callbacks import Callback
 
@@ -156,7 +145,7 @@ def run_lrmp(cfg: dict[str, Any], addresses: list[str], pids: list[int], m: int)
         def on_train_batch_end(self, *args: Any, **kwargs: Any) -> None:
             self.ends.append(time.perf_counter())
             if len(self.ends) in (cfg["warmup"], total):
-                self.cpu.append(time.process_time() + sum(_common.process_cpu(p) for p in pids))
+                self.cpu.append([time.process_time(), *(_common.process_cpu(p) for p in pids)])
 
     class Repeat(torch.utils.data.IterableDataset):
         def __init__(self, n: int) -> None:
@@ -188,7 +177,7 @@ def run_lrmp(cfg: dict[str, Any], addresses: list[str], pids: list[int], m: int)
         trainer.fit(LitMLP(), torch.utils.data.DataLoader(Repeat(total), batch_size=None))
     if len(timer.ends) != total:
         raise RuntimeError(f"lrmp m={m}: {len(timer.ends)} steps ran, expected {total}")
-    return timer.ends[-1] - timer.ends[cfg["warmup"] - 1], timer.cpu[1] - timer.cpu[0]
+    return timer.ends[-1] - timer.ends[cfg["warmup"] - 1], [b - a for a, b in zip(*timer.cpu)]
 
 
 # --- (c) torch.distributed.pipelining ------------------------------------------------------------
@@ -282,15 +271,15 @@ class TorchPipeline:
         tail = self.logs[r].read()[-3000:]
         raise RuntimeError(f"torch pipeline rank {r} failed or timed out (exit {proc.poll()}):\n{tail}")
 
-    def run(self, schedule: str, m: int, warmup: int, steps: int, timeout: float = 300.0) -> tuple[float, float]:
-        """Wall seconds (rank 0, barrier to barrier) and CPU seconds (both ranks) of the timed steps."""
+    def run(self, schedule: str, m: int, warmup: int, steps: int, timeout: float = 300.0) -> tuple[float, list[float]]:
+        """Wall seconds (rank 0, barrier to barrier) and CPU seconds of each rank of the timed steps."""
         msg = json.dumps({"schedule": schedule, "m": m, "warmup": warmup, "steps": steps}) + "\n"
         for p in self.procs:
             assert p.stdin is not None
             p.stdin.write(msg)
             p.stdin.flush()
         results = [json.loads(self._readline(p, timeout)) for p in self.procs]
-        return results[0]["seconds"], sum(r["cpu"] for r in results)
+        return results[0]["seconds"], [r["cpu"] for r in results]
 
     def close(self) -> None:
         for p in self.procs:
@@ -359,6 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     from lightning_remote_mp.launch import LocalWorkers
 
     torch.set_num_threads(1)
+    _common.exit_on_sigterm()
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     logging.getLogger("lightning.fabric").setLevel(logging.ERROR)
     cfg = {k: getattr(args, k) for k in ("width", "depth", "batch", "warmup", "steps")}
@@ -374,8 +364,9 @@ def main(argv: list[str] | None = None) -> int:
     pipeline: TorchPipeline | None = None
     seconds: dict[tuple[str, str, int], list[float]] = {c: [] for c in configs}
     cpu: dict[tuple[str, str, int], list[float]] = {c: [] for c in configs}  # CPU s per step, all processes
+    cpu_split: dict[tuple[str, str, int], list[list[float]]] = {c: [] for c in configs}  # ... per process
     ratios: dict[tuple[str, str, int], list[float]] = {c: [] for c in configs}
-    ideal: dict[int, list[float]] = {m: [] for m in sorted({c[2] for c in configs})}
+    penalty: dict[int, list[float]] = {m: [] for m in sorted({1, *(c[2] for c in configs)})}
     best_vs_torch: list[float] = []
     started = time.perf_counter()
     try:
@@ -402,11 +393,14 @@ def main(argv: list[str] | None = None) -> int:
                     assert pipeline is not None
                     s, cpu_s = pipeline.run(schedule, m, args.warmup, args.steps)
                 seconds[c].append(s)
-                cpu[c].append(cpu_s / args.steps)
+                cpu[c].append(sum(cpu_s) / args.steps)
+                cpu_split[c].append([v / args.steps for v in cpu_s])
                 this_round[c] = args.steps * args.batch / s
                 print(f"  round {r + 1}: {label(*c):34s} {this_round[c]:10,.0f} samples/s", flush=True)
-            for m in ideal:
-                ideal[m].append(args.batch / ideal_seconds(stage_times(cfg, m, 1 if args.quick else 5), m))
+            # The micro-batching penalty, measured in this round: CPU time, so less sensitive to load.
+            cpu_of = {m: microbatch_cpu(cfg, m, 1 if args.quick else 3) for m in penalty}
+            for m in penalty:
+                penalty[m].append(cpu_of[m] / cpu_of[1])
             base = this_round[configs[0]]
             for c in configs:
                 ratios[c].append(this_round[c] / base)
@@ -422,16 +416,17 @@ def main(argv: list[str] | None = None) -> int:
     rows, results = [], []
     for c in configs:
         rates = [args.steps * args.batch / s for s in seconds[c]]
-        ideal_rate = _common.median(ideal[c[2]]) if c[0] != "plain" else None
         rate = _common.median(rates)
+        pen = _common.median(penalty[c[2]])
+        ceil = ceiling(c[2], pen) if c[0] != "plain" else None
         rows.append(
             [
                 label(*c),
                 f"{rate:,.0f}",
                 _common.spread(rates),
                 f"{_common.median(ratios[c]):.2f}x",
-                f"{ideal_rate:,.0f}" if ideal_rate else "-",
-                f"{rate / ideal_rate:.0%}" if ideal_rate else "-",
+                f"{pen:.2f}x",
+                f"{ceil:.2f}x" if ceil else "-",
                 f"{_common.median(cpu[c]) * 1e3:,.0f}",
             ]
         )
@@ -443,8 +438,10 @@ def main(argv: list[str] | None = None) -> int:
                 "m": c[2],
                 "samples_per_s": rates,
                 "ratio_to_plain": ratios[c],
-                "ideal": ideal_rate,
+                "microbatch_penalty": penalty[c[2]],
+                "ceiling_x_plain": ceil,
                 "cpu_s_per_step": cpu[c],
+                "cpu_s_per_step_by_process": cpu_split[c],
             }
         )
     print()
@@ -455,13 +452,20 @@ def main(argv: list[str] | None = None) -> int:
                 "samples/s (median)",
                 "min-max",
                 "x (a), same round",
-                "ideal 2-stage",
-                "of ideal",
+                "micro-batch CPU penalty",
+                "2-core ceiling, x (a)",
                 "CPU ms/step, all processes",
             ],
             rows,
         )
     )
+    split_rows = []
+    for c in configs:
+        per = [_common.median(v) * 1e3 for v in zip(*cpu_split[c])]
+        names = {"plain": ["process"], "lrmp": ["driver", "stage 0", "stage 1"], "torch": ["rank 0", "rank 1"]}[c[0]]
+        split_rows.append([label(*c), ", ".join(f"{n} {v:,.0f}" for n, v in zip(names, per))])
+    print()
+    print(_common.markdown_table(["configuration", "CPU ms per step, by process (median)"], split_rows))
     lrmp_cfgs = [c for c in configs if c[0] == "lrmp"]
     if lrmp_cfgs:
         best = max(lrmp_cfgs, key=lambda c: _common.median(ratios[c]))
@@ -494,10 +498,11 @@ def plot(results: list[dict[str, Any]], args: argparse.Namespace, path: str) -> 
     hi = [max(r["samples_per_s"]) - m for m, r in zip(med, results)]
     xs = range(len(results))
     ax.bar(xs, med, yerr=[lo, hi], capsize=4, color=[colors[r["kind"]] for r in results])
-    ideal_x = [i for i, r in zip(xs, results) if r["ideal"]]
-    if ideal_x:
-        ax.scatter(ideal_x, [results[i]["ideal"] for i in ideal_x], marker="_", s=600, color="black", zorder=3)
-        ax.scatter([], [], marker="_", s=200, color="black", label="ideal 2-stage GPipe (measured stage times)")
+    ceil_x = [i for i, r in zip(xs, results) if r["ceiling_x_plain"]]
+    if ceil_x:
+        ceil_y = [results[i]["ceiling_x_plain"] * med[0] for i in ceil_x]
+        ax.scatter(ceil_x, ceil_y, marker="_", s=600, color="black", zorder=3)
+        ax.scatter([], [], marker="_", s=200, color="black", label="2-stage GPipe ceiling on 2 idle cores")
     ax.axhline(med[0], color="tab:gray", linestyle="--", linewidth=1, label="(a) one process")
     ax.axhline(1.25 * med[0], color="tab:green", linestyle=":", linewidth=1, label="1.25 x (a)")
     ax.set_xticks(list(xs))

@@ -315,6 +315,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from lightning_remote_mp.launch import LocalWorkers
 
+    _common.exit_on_sigterm()
+
     torch.set_num_threads(1)
     print(f"# Transport round trips ({'quick' if args.quick else 'full'} run)")
     print(
