@@ -31,6 +31,7 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -298,6 +299,7 @@ class TorchPipeline:
         _common.stop_processes(self.procs)
         for f in self.logs:
             f.close()
+        shutil.rmtree(self.tmp, ignore_errors=True)
 
 
 # --- the run ---------------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ import argparse
 import faulthandler
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -375,6 +376,7 @@ def main(argv: list[str] | None = None) -> int:
         workers.stop()
         for c in children:
             c.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
 
     rows, results = [], []
     for s in args.sizes:
