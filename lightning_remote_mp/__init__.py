@@ -12,8 +12,10 @@ from typing import Any
 __version__ = "0.1.0"
 
 from lightning_remote_mp.errors import (  # noqa: E402
+    AuthenticationError,
     LrmpError,
     ProtocolError,
+    ProtocolVersionError,
     RefusedClassError,
     SpecError,
     WorkerError,
@@ -22,8 +24,10 @@ from lightning_remote_mp.errors import (  # noqa: E402
 from lightning_remote_mp.spec import SpecSequential  # noqa: E402
 
 __all__ = [
+    "AuthenticationError",
     "LrmpError",
     "ProtocolError",
+    "ProtocolVersionError",
     "RefusedClassError",
     "RemoteModelParallelStrategy",
     "SpecError",

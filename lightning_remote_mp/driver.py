@@ -28,7 +28,8 @@ from typing import Any
 import torch
 
 from lightning_remote_mp import __version__, partition, protocol
-from lightning_remote_mp.errors import LrmpError, SpecError, WorkerLostError
+from lightning_remote_mp.errors import LrmpError, ProtocolVersionError, SpecError, WorkerError, WorkerLostError
+from lightning_remote_mp.keys import KeyPair
 from lightning_remote_mp.optim import OptimizerMirror
 from lightning_remote_mp.spec import DEFAULT_ALLOWED_PREFIXES, SpecSequential, is_allowed
 from lightning_remote_mp.stub import RemoteSpec, RemoteStage
@@ -36,6 +37,7 @@ from lightning_remote_mp.transport import (
     DEFAULT_CONNECT_TIMEOUT,
     DEFAULT_HEARTBEAT_TIMEOUT,
     Connection,
+    Curve,
     Heartbeat,
     broadcast,
     normalize_address,
@@ -147,6 +149,9 @@ class DriverSession:
         liveness: optional per-address callables returning why a local worker process died (or None).
         store_host: the address workers reach this process at, for the rendezvous of replicas
             (default: this machine's address towards the first worker).
+        keys: this driver's CURVE key pair; with it every connection is encrypted and authenticated.
+        worker_keys: with ``keys``, each worker's public key (Z85) by address (as in ``hosts``).
+        limits: bounds on what this driver accepts from the workers.
     """
 
     def __init__(
@@ -157,23 +162,45 @@ class DriverSession:
         connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
         liveness: Mapping[str, Callable[[], str | None]] | None = None,
         store_host: str | None = None,
+        keys: KeyPair | None = None,
+        worker_keys: Mapping[str, bytes] | None = None,
+        limits: protocol.Limits = protocol.DEFAULT_LIMITS,
     ) -> None:
         rows = normalize_hosts(hosts)
+        addresses = [a for row in rows for a in row]
+        if (keys is None) != (worker_keys is None):
+            raise LrmpError("CURVE needs both the driver's key pair and the workers' public keys")
+        if worker_keys is not None:
+            worker_keys = {normalize_address(a): k for a, k in worker_keys.items()}
+            missing = [a for a in addresses if a not in worker_keys]
+            if missing:
+                raise LrmpError(f"no public key given for the workers at {missing}; give one per worker")
+        self.keys = keys
+        self.worker_keys = worker_keys
+        curves = {a: Curve(keys, worker_keys[a]) for a in addresses} if keys and worker_keys else {}
+        self.heartbeat_timeout = heartbeat_timeout
         self.id = uuid.uuid4().hex
         replicated = len(rows) > 1
-        self.grid: list[list[Connection]] = [
-            [
-                Connection(
-                    a,
-                    stage=s,
-                    replica=r if replicated else None,
-                    heartbeat_timeout=heartbeat_timeout,
-                    is_alive=(liveness or {}).get(a),
-                )
-                for s, a in enumerate(row)
-            ]
-            for r, row in enumerate(rows)
-        ]
+        self.grid: list[list[Connection]] = []
+        try:
+            for r, row in enumerate(rows):
+                self.grid.append([])
+                for s, a in enumerate(row):
+                    self.grid[-1].append(
+                        Connection(
+                            a,
+                            stage=s,
+                            replica=r if replicated else None,
+                            heartbeat_timeout=heartbeat_timeout,
+                            is_alive=(liveness or {}).get(a),
+                            curve=curves.get(a),
+                            limits=limits,
+                        )
+                    )
+        except BaseException:
+            for c in (c for row in self.grid for c in row):
+                c.close()
+            raise
         self.conns = [c for row in self.grid for c in row]
         for c in self.conns:
             c.session = self.id
@@ -185,7 +212,9 @@ class DriverSession:
         self.mirrors: list[OptimizerMirror] = []
         try:
             self.workers = self._hello(connect_timeout)
-            self.heartbeat = Heartbeat(self.addresses, self.id, interval=min(1.0, heartbeat_timeout / 4))
+            self.heartbeat = Heartbeat(
+                self.addresses, self.id, interval=min(1.0, heartbeat_timeout / 4), curve=curves or None
+            )
             for c in self.conns:
                 c.heartbeat = self.heartbeat
             if replicated:
@@ -250,10 +279,30 @@ class DriverSession:
 
     def _hello(self, timeout: float) -> list[dict[str, Any]]:
         driver = f"{socket.gethostname()} pid {os.getpid()}"
-        hello = {"driver": driver, "lrmp": __version__, "torch": torch.__version__}
+        hello = {
+            "driver": driver,
+            "protocol": protocol.PROTOCOL_VERSION,
+            "lrmp": __version__,
+            "torch": torch.__version__,
+            "heartbeat_timeout": float(self.heartbeat_timeout),
+        }
         ids = [c.send(protocol.HELLO, hello) for c in self.conns]
-        infos = [c.recv(i, timeout=timeout, what="connect") for c, i in zip(self.conns, ids)]
+        infos = []
+        for c, i in zip(self.conns, ids):
+            try:
+                infos.append(c.recv(i, timeout=timeout, what="connect"))
+            except WorkerError as err:
+                if err.remote_type == "ProtocolVersionError":
+                    raise ProtocolVersionError(str(err)) from None
+                raise
         for c, info in zip(self.conns, infos):
+            if info.get("protocol") != protocol.PROTOCOL_VERSION:
+                raise ProtocolVersionError(
+                    f"{c.where()} speaks lrmp wire protocol version {info.get('protocol')!r:.20} (lrmp "
+                    f"{info.get('lrmp')}); this driver speaks {protocol.PROTOCOL_VERSION} (lrmp {__version__}): "
+                    "install the same lightning_remote_mp version on the driver and every worker"
+                )
+            c.remote_limits = protocol.Limits.from_dict(info.get("limits"))
             if info.get("lrmp") != __version__ or info.get("torch") != torch.__version__:
                 log.warning(
                     "%s runs lrmp %s / torch %s; this driver runs lrmp %s / torch %s",
@@ -314,6 +363,13 @@ class DriverSession:
                     "move it into a module next to your script and, on remote workers, allow it with --allow-module"
                 )
         stages = self.plan(module, balance, what)
+        for stage, conn in ((stage, row[stage.index]) for row in self.grid for stage in stages):
+            cap = (conn.remote_limits or protocol.DEFAULT_LIMITS).max_layers
+            if len(stage.layer_indices) > cap:
+                raise SpecError(
+                    f"{what}, stage {stage.index}: {len(stage.layer_indices)} layers, but {conn.where()} accepts "
+                    f"at most {cap} per stage; start it with a larger --max-layers or balance differently"
+                )
         meta = module.is_meta
         if meta and not module._pending_state and module._weights_left_on_workers:
             raise SpecError(
@@ -338,6 +394,13 @@ class DriverSession:
                 "sources": [[k, list(v)] for k, v in stage.sources],
                 "targets": [[k, list(v)] for k, v in stage.targets],
                 "peers": {k: row[k].address for k, _ in (*stage.sources, *stage.targets) if k != partition.DRIVER},
+                # With CURVE, the keys of those peers: this worker checks them when it connects to one,
+                # and lets them connect to it for this session's forward and backward messages.
+                "peer_keys": {
+                    k: self.worker_keys[row[k].address].decode("ascii")
+                    for k, _ in (*stage.sources, *stage.targets)
+                    if k != partition.DRIVER and self.worker_keys is not None
+                },
                 "state": _meta_stage_state(module, stage) if meta else _placed_module_state(module, stage),
                 "init_seed": module.init_seed,
                 "frozen": [
@@ -349,6 +412,8 @@ class DriverSession:
             }
             try:
                 ids.append(conn.send(protocol.SETUP, body))
+            except protocol.LimitExceeded:
+                raise
             except protocol.ProtocolError as err:
                 raise SpecError(
                     f"{what}, stage {stage.index}: a layer's kwargs cannot be sent to a worker: {err}"

@@ -15,6 +15,20 @@ class ProtocolError(LrmpError):
     """A message could not be encoded or decoded (malformed, truncated, over a limit)."""
 
 
+class ProtocolVersionError(ProtocolError):
+    """The other side speaks another version of the wire protocol.
+
+    Attributes:
+        remote_version: the protocol version the other side speaks (``None`` if unreadable).
+        info: what the other side said about itself (``lrmp`` and ``torch`` versions), when readable.
+    """
+
+    def __init__(self, message: str, *, remote_version: int | None = None, info: dict | None = None) -> None:
+        super().__init__(message)
+        self.remote_version = remote_version
+        self.info = dict(info or {})
+
+
 class RefusedClassError(LrmpError):
     """A worker was asked to build a class outside its allowlist."""
 
@@ -52,6 +66,20 @@ class WorkerError(LrmpError):
 
 class WorkerLostError(LrmpError):
     """A worker died, stopped answering, or could not be reached in time."""
+
+    def __init__(self, message: str, *, address: str, stage: int | None = None) -> None:
+        super().__init__(message)
+        self.address = address
+        self.stage = stage
+
+
+class AuthenticationError(LrmpError):
+    """A worker refused this driver's CURVE key, or the keys of the two sides do not fit together.
+
+    Attributes:
+        address: the worker's address.
+        stage: the stage number the worker holds (``None`` before stages are assigned).
+    """
 
     def __init__(self, message: str, *, address: str, stage: int | None = None) -> None:
         super().__init__(message)

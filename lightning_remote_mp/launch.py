@@ -33,6 +33,10 @@ class LocalWorkers:
             when CUDA is available, else CPU.
         threads: torch threads per worker (default: this machine's cores shared among the workers).
         allow_modules: module prefixes the workers may build classes from, beyond the defaults.
+        secret_keys: with ``authorized_keys``, each worker's ``.key_secret`` file: the workers then
+            talk CURVE only.
+        authorized_keys: directory of the public keys allowed to drive the workers.
+        extra_args: more ``lrmp-worker`` flags for every worker (limits, ``--session-timeout``...).
     """
 
     def __init__(
@@ -42,9 +46,19 @@ class LocalWorkers:
         threads: int | None = None,
         allow_modules: Sequence[str] = (),
         log_level: str = "WARNING",
+        secret_keys: Sequence[str] | None = None,
+        authorized_keys: str | None = None,
+        extra_args: Sequence[str] = (),
     ) -> None:
         if n < 1:
             raise ValueError(f"num_workers must be at least 1, got {n}")
+        if (secret_keys is None) != (authorized_keys is None):
+            raise ValueError("secret_keys and authorized_keys go together")
+        if secret_keys is not None and len(secret_keys) != n:
+            raise ValueError(f"{len(secret_keys)} secret keys given for {n} local workers")
+        self.secret_keys = [str(k) for k in secret_keys] if secret_keys is not None else None
+        self.authorized_keys = str(authorized_keys) if authorized_keys is not None else None
+        self.extra_args = list(extra_args)
         if devices is None:
             import torch
 
@@ -63,7 +77,7 @@ class LocalWorkers:
         env = dict(os.environ)
         # Let the workers import what this process can (the user's layer modules, for example).
         env["PYTHONPATH"] = os.pathsep.join(p for p in [os.getcwd(), *sys.path] if p)
-        for device in self.devices:
+        for i, device in enumerate(self.devices):
             cmd = [
                 sys.executable,
                 "-m",
@@ -79,6 +93,9 @@ class LocalWorkers:
             ]
             for prefix in self.allow_modules:
                 cmd += ["--allow-module", prefix]
+            if self.secret_keys is not None and self.authorized_keys is not None:
+                cmd += ["--secret-key", self.secret_keys[i], "--authorized-keys", self.authorized_keys]
+            cmd += self.extra_args
             self.procs.append(
                 subprocess.Popen(cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, env=env, text=True)
             )

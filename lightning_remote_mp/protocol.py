@@ -11,6 +11,10 @@ their entry in ``metas`` (``[dtype name, shape]``) and at their raw frame. Tuple
 or ``dtype=torch.bfloat16`` arrive as they were sent. Decoding builds only tensors, tuples,
 dtypes and plain msgpack values: nothing that arrives can name a class or run code.
 
+The first three header fields (``version``, ``kind``, ``id``) keep their place and meaning in every
+protocol version, so two sides of different versions can still tell which versions they speak and
+answer the request that failed (:class:`~lightning_remote_mp.errors.ProtocolVersionError`).
+
 >>> frames = encode("forward", 7, "s1", {"x": torch.ones(2, 3), "shape": (2, 3)})
 >>> msg = decode(frames)
 >>> msg.kind, msg.id, msg.body["shape"], msg.body["x"].shape
@@ -27,7 +31,7 @@ from typing import Any
 import msgpack
 import torch
 
-from lightning_remote_mp.errors import ProtocolError
+from lightning_remote_mp.errors import ProtocolError, ProtocolVersionError
 
 PROTOCOL_VERSION = 1
 
@@ -106,18 +110,68 @@ _DTYPE_NAMES = {d: n for n, d in DTYPES.items()}
 
 @dataclasses.dataclass(frozen=True)
 class Limits:
-    """Bounds a decoder enforces before it allocates anything."""
+    """Bounds a receiver enforces before it allocates anything (the worker's ``--max-*`` flags).
 
+    A worker reports its limits in its HELLO reply, and the driver checks what it sends against
+    them, so a message over a limit fails on the driver with an error naming the flag to raise.
+    """
+
+    #: Tensors (raw frames) in one message (``--max-tensors``).
     max_frames: int = 4096
+    #: Size of the msgpack header: every non-tensor value of a message (``--max-header-bytes``).
     max_header_bytes: int = 64 * 1024 * 1024
+    #: Dimensions of one tensor (``--max-tensor-dims``).
     max_tensor_dims: int = 32
+    #: Bytes of tensor data in one message (``--max-message-bytes``); also ZeroMQ's cap on one frame,
+    #: so an oversized frame is refused while it arrives, before it is buffered whole.
     max_message_bytes: int = 16 * 1024**3
     #: Tuples nest through the decoder's C stack (each level is a nested msgpack unpack), so their
     #: depth is bounded: a few hundred levels would overflow it and crash the process.
     max_tuple_depth: int = 32
+    #: Layers in one stage at SETUP (and in one PROFILE request) (``--max-layers``).
+    max_layers: int = 100_000
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if type(value) is not int or value < 1:
+                raise ValueError(f"limit {f.name} must be a positive integer, got {value!r}")
+
+    def as_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: Any) -> Limits:
+        """The limits a peer reported; unknown or malformed entries keep their defaults."""
+        if not isinstance(values, dict):
+            return cls()
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in values.items() if k in names and type(v) is int and v > 0})
+
+    @property
+    def frame_cap(self) -> int:
+        """The largest single frame a socket should accept (ZeroMQ's ``MAXMSGSIZE``)."""
+        return max(self.max_message_bytes, self.max_header_bytes)
 
 
 DEFAULT_LIMITS = Limits()
+
+#: Names of the worker flags that set each limit, for error messages.
+LIMIT_FLAGS = {
+    "max_frames": "--max-tensors",
+    "max_header_bytes": "--max-header-bytes",
+    "max_tensor_dims": "--max-tensor-dims",
+    "max_message_bytes": "--max-message-bytes",
+    "max_layers": "--max-layers",
+}
+
+
+class LimitExceeded(ProtocolError):
+    """A message is over one of the receiver's :class:`Limits` (``limit`` names which)."""
+
+    def __init__(self, message: str, limit: str) -> None:
+        super().__init__(message)
+        self.limit = limit
 
 
 @dataclasses.dataclass
@@ -148,8 +202,11 @@ def _tensor_frame(t: torch.Tensor) -> tuple[list[Any], memoryview]:
     return meta, memoryview(data)
 
 
-def encode(kind: str, req_id: int, session: str, body: Any = None) -> list[Any]:
-    """Encode a message into ZeroMQ frames; tensors become zero-copy frames."""
+def encode(kind: str, req_id: int, session: str, body: Any = None, limits: Limits | None = None) -> list[Any]:
+    """Encode a message into ZeroMQ frames; tensors become zero-copy frames.
+
+    With ``limits`` (the receiver's), a message the receiver would refuse raises :class:`LimitExceeded`.
+    """
     metas: list[list[Any]] = []
     frames: list[Any] = []
     depth = 0
@@ -201,7 +258,74 @@ def encode(kind: str, req_id: int, session: str, body: Any = None) -> list[Any]:
         )
     except (TypeError, ValueError, OverflowError, RecursionError) as err:
         raise ProtocolError(f"cannot encode {kind!r} message: {err}") from err
+    if limits is not None:
+        _check_outgoing(kind, header, metas, frames, limits)
     return [header, *frames]
+
+
+def _check_outgoing(kind: str, header: bytes, metas: list[list[Any]], frames: list[Any], limits: Limits) -> None:
+    what = f"the {kind!r} message"
+    if len(frames) > limits.max_frames:
+        raise LimitExceeded(f"{what} has {len(frames)} tensors; the receiver accepts {limits.max_frames}", "max_frames")
+    if len(header) > limits.max_header_bytes:
+        raise LimitExceeded(
+            f"{what} has a header of {len(header)} bytes; the receiver accepts {limits.max_header_bytes}",
+            "max_header_bytes",
+        )
+    dims = max((len(m[1]) for m in metas), default=0)
+    if dims > limits.max_tensor_dims:
+        raise LimitExceeded(
+            f"{what} has a tensor of {dims} dimensions; the receiver accepts {limits.max_tensor_dims}",
+            "max_tensor_dims",
+        )
+    total = sum(len(f) for f in frames)
+    if total > limits.max_message_bytes:
+        raise LimitExceeded(
+            f"{what} carries {total} bytes of tensors; the receiver accepts {limits.max_message_bytes}",
+            "max_message_bytes",
+        )
+
+
+def peek_id(frames: Sequence[Any]) -> int:
+    """The request id of a message that may not decode (0 when even that is unreadable), so that
+    the error reply reaches the request that caused it."""
+    try:
+        header = msgpack.unpackb(
+            _frame_buffer(frames[0])[:4096], raw=False, strict_map_key=False, ext_hook=lambda c, d: None
+        )
+    except Exception:
+        # A header cut at 4 KiB fails to parse as a whole: read just the first fields of the array.
+        try:
+            unpacker = msgpack.Unpacker(raw=False, strict_map_key=False, ext_hook=lambda c, d: None)
+            unpacker.feed(bytes(_frame_buffer(frames[0])[:4096]))
+            if unpacker.read_array_header() < 3:
+                return 0
+            unpacker.skip()
+            unpacker.skip()
+            req_id = unpacker.unpack()
+        except Exception:
+            return 0
+        header = [None, None, req_id]
+    if isinstance(header, list) and len(header) >= 3 and type(header[2]) is int and 0 <= header[2] < 2**63:
+        return header[2]
+    return 0
+
+
+def _foreign_info(packed: Any) -> dict[str, Any]:
+    """What a message of another protocol version says about its sender, read as plain values only."""
+    if not (isinstance(packed, msgpack.ExtType) and packed.code == 0):
+        return {}
+    try:
+        body = msgpack.unpackb(packed.data[:65536], raw=False, strict_map_key=False, ext_hook=lambda c, d: None)
+    except Exception:
+        return {}
+    if not isinstance(body, dict):
+        return {}
+    return {
+        k: v
+        for k, v in body.items()
+        if isinstance(k, str) and (isinstance(v, (int, float, bool)) or (isinstance(v, str) and len(v) <= 500))
+    }
 
 
 def _check_meta(meta: Any, frame_len: int, limits: Limits, index: int) -> tuple[torch.dtype, list[int]]:
@@ -211,8 +335,12 @@ def _check_meta(meta: Any, frame_len: int, limits: Limits, index: int) -> tuple[
     dtype = DTYPES.get(name) if isinstance(name, str) else None
     if dtype is None:
         raise ProtocolError(f"tensor {index}: unknown dtype {name!r:.40}")
-    if not (isinstance(shape, list) and len(shape) <= limits.max_tensor_dims):
+    if not isinstance(shape, list):
         raise ProtocolError(f"tensor {index}: shape must be a list of at most {limits.max_tensor_dims} sizes")
+    if len(shape) > limits.max_tensor_dims:
+        raise LimitExceeded(
+            f"tensor {index}: shape must be a list of at most {limits.max_tensor_dims} sizes", "max_tensor_dims"
+        )
     if not all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s < 2**62 for s in shape):
         raise ProtocolError(f"tensor {index}: invalid shape {shape!r:.80}")
     itemsize = torch.empty((), dtype=dtype).element_size()
@@ -236,24 +364,38 @@ def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Message:
     if not frames:
         raise ProtocolError("empty message")
     if len(frames) - 1 > limits.max_frames:
-        raise ProtocolError(f"message has {len(frames) - 1} tensor frames; the limit is {limits.max_frames}")
+        raise LimitExceeded(
+            f"message has {len(frames) - 1} tensor frames; the limit is {limits.max_frames}", "max_frames"
+        )
     header_buf = _frame_buffer(frames[0])
     if len(header_buf) > limits.max_header_bytes:
-        raise ProtocolError(f"header of {len(header_buf)} bytes exceeds the limit of {limits.max_header_bytes}")
+        raise LimitExceeded(
+            f"header of {len(header_buf)} bytes exceeds the limit of {limits.max_header_bytes}", "max_header_bytes"
+        )
     buffers = [_frame_buffer(f) for f in frames[1:]]
     total = sum(len(b) for b in buffers)
     if total > limits.max_message_bytes:
-        raise ProtocolError(f"message of {total} bytes exceeds the limit of {limits.max_message_bytes}")
+        raise LimitExceeded(
+            f"message of {total} bytes exceeds the limit of {limits.max_message_bytes}", "max_message_bytes"
+        )
 
     try:
         header = msgpack.unpackb(header_buf, raw=False, strict_map_key=False, use_list=True)
     except Exception as err:  # msgpack raises several unrelated types on bad input
         raise ProtocolError(f"undecodable header: {err}") from None
-    if not (isinstance(header, list) and len(header) == 6):
-        raise ProtocolError("header is not a 6-element array")
-    version, kind, req_id, session, metas, packed = header
+    if not isinstance(header, list) or not header:
+        raise ProtocolError("header is not an array")
+    version = header[0]
     if type(version) is not int or version != PROTOCOL_VERSION:
-        raise ProtocolError(f"protocol version {version!r:.20} received; this side speaks {PROTOCOL_VERSION}")
+        remote = version if type(version) is int else None
+        raise ProtocolVersionError(
+            f"protocol version {version!r:.20} received; this side speaks {PROTOCOL_VERSION}",
+            remote_version=remote,
+            info=_foreign_info(header[5]) if remote is not None and len(header) == 6 else None,
+        )
+    if len(header) != 6:
+        raise ProtocolError("header is not a 6-element array")
+    _, kind, req_id, session, metas, packed = header
     if not isinstance(kind, str) or not isinstance(req_id, int) or not isinstance(session, str):
         raise ProtocolError("header fields kind/id/session have the wrong types")
     if not isinstance(metas, list) or len(metas) != len(buffers):

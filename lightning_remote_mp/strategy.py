@@ -12,6 +12,9 @@
 from __future__ import annotations
 
 import logging
+import shutil
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -20,8 +23,10 @@ from lightning.pytorch.callbacks import BaseFinetuning, ModelSummary, Stochastic
 from lightning.pytorch.strategies import SingleDeviceStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 
+from lightning_remote_mp import protocol
 from lightning_remote_mp.driver import DriverSession, allow_modules_for, normalize_hosts
 from lightning_remote_mp.errors import LrmpError
+from lightning_remote_mp.keys import KeyPair, generate_keypair, load_keypair, load_public_key, write_public_key
 from lightning_remote_mp.launch import LocalWorkers
 from lightning_remote_mp.optim import mirror_of
 from lightning_remote_mp.spec import SpecSequential
@@ -93,6 +98,14 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
         connect_timeout: seconds to wait for each worker's first answer.
         store_host: with replicas, the address workers reach this machine at for their rendezvous
             (default: this machine's address on the route to the first worker).
+        curve_secret_key: path of this driver's CURVE key pair (``NAME.key_secret`` from
+            ``lrmp-worker keygen``). With it every connection, driver to worker and worker to worker, is
+            encrypted and authenticated. With ``hosts``, ``worker_public_keys`` is required; without
+            ``hosts``, the local workers get fresh key pairs of their own.
+        worker_public_keys: paths of the workers' public key files (``NAME.key``), one per host in
+            ``hosts`` order, or a single one when every worker runs with the same key pair.
+        max_message_bytes: the most tensor data this driver accepts in one message from a worker
+            (and, for local workers, what they accept); default 16 GiB.
         device: the driver's device for layers outside any SpecSequential (default: follows the accelerator).
     """
 
@@ -111,6 +124,9 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
         heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT,
         connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
         store_host: str | None = None,
+        curve_secret_key: str | None = None,
+        worker_public_keys: list[str] | None = None,
+        max_message_bytes: int | None = None,
         device: str | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         checkpoint_io: Any = None,
@@ -140,9 +156,50 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
         self.timeline = timeline
         self.heartbeat_timeout = heartbeat_timeout
         self.connect_timeout = connect_timeout
+        self.curve_secret_key = curve_secret_key
+        self.worker_public_keys = worker_public_keys
+        self._keys, self._worker_keys = self._load_keys(hosts, curve_secret_key, worker_public_keys)
+        self.limits = (
+            protocol.Limits(max_message_bytes=max_message_bytes) if max_message_bytes else protocol.DEFAULT_LIMITS
+        )
         self._device_given = device is not None
         self._local: LocalWorkers | None = None
+        self._local_keys_dir: str | None = None
         self._session: DriverSession | None = None
+
+    @staticmethod
+    def _load_keys(
+        hosts: list[str] | list[list[str]] | None, secret: str | None, publics: list[str] | str | None
+    ) -> tuple[KeyPair | None, dict[str, bytes] | None]:
+        """This driver's key pair, and each worker's public key by address (``None`` without CURVE)."""
+        if isinstance(publics, str):
+            publics = [publics]
+        if secret is None:
+            if publics:
+                raise LrmpError(
+                    "worker_public_keys is set but curve_secret_key is not: CURVE needs this driver's key pair too"
+                )
+            return None, None
+        keys = load_keypair(secret)
+        if hosts is None:
+            if publics:
+                raise LrmpError(
+                    "worker_public_keys is for workers given in hosts; local workers (hosts=None) get fresh keys"
+                )
+            return keys, None
+        flat = [a for row in normalize_hosts(hosts) for a in row]
+        if not publics:
+            raise LrmpError(
+                "curve_secret_key is set but worker_public_keys is not: give each worker's public key file "
+                "(NAME.key from `lrmp-worker keygen`), in hosts order, or one shared by all workers"
+            )
+        if len(publics) not in (1, len(flat)):
+            raise LrmpError(
+                f"{len(publics)} worker_public_keys for {len(flat)} hosts: give one per host, in order "
+                "(row by row with replicas), or one for all"
+            )
+        worker_keys = [load_public_key(p) for p in publics]
+        return keys, dict(zip(flat, worker_keys * len(flat) if len(worker_keys) == 1 else worker_keys))
 
     @property
     def root_device(self) -> torch.device:
@@ -190,14 +247,24 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
         fitting = trainer.state.fn == TrainerFn.FITTING
         balances = {key: self._balance_for(key, modules) for key in modules}  # fail before starting anything
         try:
-            hosts, liveness = self._workers(modules)
+            hosts, liveness, worker_keys = self._workers(modules)
             self._session = DriverSession(
                 hosts,
                 heartbeat_timeout=self.heartbeat_timeout,
                 connect_timeout=self.connect_timeout,
                 liveness=liveness,
                 store_host=self.store_host,
+                keys=self._keys,
+                worker_keys=worker_keys,
+                limits=self.limits,
             )
+            if self._keys is not None and self._session.replicas > 1:
+                log.warning(
+                    "CURVE protects the driver's and the pipelines' links, but replicas all-reduce their "
+                    "gradients through torch.distributed (%s), which is neither encrypted nor authenticated: "
+                    "run data parallel training on a trusted network only",
+                    "NCCL/gloo",
+                )
             for key, module in modules.items():
                 self._session.place(key, module, balances[key], self.microbatches)
             if fitting:
@@ -209,22 +276,42 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
             self._close()
             raise
 
-    def _workers(self, modules: dict[str, SpecSequential]) -> tuple[Any, dict[str, Any] | None]:
+    def _workers(
+        self, modules: dict[str, SpecSequential]
+    ) -> tuple[Any, dict[str, Any] | None, dict[str, bytes] | None]:
         if self.hosts is not None:
-            return self.hosts, None
+            return self.hosts, None, self._worker_keys
+        secret_files, authorized, worker_keys = None, None, None
+        if self._keys is not None:
+            # Local workers with CURVE: a key pair each, and this driver's public key as the only authorized one.
+            self._local_keys_dir = tempfile.mkdtemp(prefix="lrmp-keys-")
+            pairs = [generate_keypair(self._local_keys_dir, f"worker{i}") for i in range(self.num_workers)]
+            secret_files = [str(secret) for _, secret in pairs]
+            worker_keys = [load_public_key(public) for public, _ in pairs]
+            authorized_dir = Path(self._local_keys_dir) / "authorized"
+            authorized_dir.mkdir()
+            write_public_key(authorized_dir / "driver.key", self._keys.public)
+            authorized = str(authorized_dir)
+        extra = []
+        if self.limits.max_message_bytes != protocol.DEFAULT_LIMITS.max_message_bytes:
+            extra = ["--max-message-bytes", str(self.limits.max_message_bytes)]
         self._local = LocalWorkers(
             self.num_workers,
             devices=self.worker_devices,
             threads=self.worker_threads,
             allow_modules=allow_modules_for(modules, self.optimizers),
+            secret_keys=secret_files,
+            authorized_keys=authorized,
+            extra_args=extra,
         )
         addresses = self._local.start()
         local = self._local
         liveness = {a: (lambda i=i: local.why_dead(i)) for i, a in enumerate(addresses)}
+        keys_by_address = dict(zip(addresses, worker_keys)) if worker_keys is not None else None
         if self.replicas == 1:
-            return addresses, liveness
+            return addresses, liveness, keys_by_address
         per_row = len(addresses) // self.replicas
-        return [addresses[r * per_row : (r + 1) * per_row] for r in range(self.replicas)], liveness
+        return [addresses[r * per_row : (r + 1) * per_row] for r in range(self.replicas)], liveness, keys_by_address
 
     def _balance_for(self, key: str, modules: dict[str, SpecSequential]) -> Any:
         if isinstance(self.balance, dict):
@@ -297,6 +384,9 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
             if self._local is not None:
                 self._local.stop()
                 self._local = None
+            if self._local_keys_dir is not None:
+                shutil.rmtree(self._local_keys_dir, ignore_errors=True)
+                self._local_keys_dir = None
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:

@@ -4,20 +4,33 @@ The driver talks to each worker through a `Connection` (a DEALER socket). A
 `Heartbeat` thread pings every worker on sockets of its own, so a worker that dies or
 hangs is noticed while the driver waits for a reply, and a worker notices a driver that vanished.
 A worker serves on one ROUTER socket (`bind_router`).
+
+With CURVE keys (`Curve`), every socket encrypts and authenticates: a client socket proves its key
+pair and checks the server's public key; a server socket asks the worker's ZAP handler
+(`lightning_remote_mp.worker.auth`) whether the client's key may connect.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from lightning_remote_mp import protocol
-from lightning_remote_mp.errors import ProtocolError, WorkerError, WorkerLostError
+from lightning_remote_mp.errors import (
+    AuthenticationError,
+    ProtocolError,
+    ProtocolVersionError,
+    WorkerError,
+    WorkerLostError,
+)
+from lightning_remote_mp.keys import KeyPair
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +40,7 @@ DEFAULT_CONNECT_TIMEOUT = 30.0
 DEFAULT_HEARTBEAT_TIMEOUT = 10.0
 DEFAULT_HEARTBEAT_INTERVAL = 1.0
 _POLL_SLICE_MS = 50
+_VAGUE_FAILURE_WAIT = 0.5  # seconds a handshake failure without detail waits for a more telling one
 
 
 def normalize_address(host: str) -> str:
@@ -57,20 +71,102 @@ def context() -> zmq.Context:
     return zmq.Context.instance()
 
 
-def bind_router(address: str) -> tuple[zmq.Socket, str]:
-    """A worker's serving socket; returns it with the endpoint actually bound (port ``*`` resolved)."""
+#: The ZAP domain of lrmp's server sockets (what the worker's authenticator is configured for).
+ZAP_DOMAIN = "lrmp"
+
+
+@dataclasses.dataclass(frozen=True)
+class Curve:
+    """A client's CURVE settings for one server: its own key pair and the server's public key."""
+
+    keys: KeyPair
+    server_key: bytes
+
+
+def bind_router(
+    address: str, *, keys: KeyPair | None = None, limits: protocol.Limits = protocol.DEFAULT_LIMITS
+) -> tuple[zmq.Socket, str]:
+    """A worker's serving socket; returns it with the endpoint actually bound (port ``*`` resolved).
+
+    With ``keys`` the socket is a CURVE server: clients must know its public key, and their own keys
+    are checked by the ZAP handler of this process (which must be running before any client comes).
+    """
     sock = context().socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting driver takes its identity back
+    sock.setsockopt(zmq.MAXMSGSIZE, limits.frame_cap)  # an oversized frame drops its sender as it arrives
+    if keys is not None:
+        sock.curve_secretkey = keys.secret
+        sock.curve_publickey = keys.public
+        sock.curve_server = True
+        sock.zap_domain = ZAP_DOMAIN.encode()
     sock.bind(address)
     return sock, sock.getsockopt(zmq.LAST_ENDPOINT).decode()
 
 
-def dealer(address: str) -> zmq.Socket:
+def dealer(
+    address: str,
+    *,
+    curve: Curve | None = None,
+    immediate: bool = False,
+    limits: protocol.Limits | None = None,
+) -> zmq.Socket:
+    """A client socket. ``immediate``: queue messages only on a completed connection (and handshake),
+    so a send that cannot be delivered is seen as such instead of waiting in a queue."""
     sock = context().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    if immediate:
+        sock.setsockopt(zmq.IMMEDIATE, 1)
+    if limits is not None:
+        sock.setsockopt(zmq.MAXMSGSIZE, limits.frame_cap)
+    if curve is not None:
+        sock.curve_secretkey = curve.keys.secret
+        sock.curve_publickey = curve.keys.public
+        sock.curve_serverkey = curve.server_key
     sock.connect(address)
     return sock
+
+
+_HANDSHAKE_EVENTS = (
+    zmq.EVENT_CONNECTED
+    | zmq.EVENT_HANDSHAKE_SUCCEEDED
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+)
+
+
+def handshake_failure(event: Mapping[str, Any], curve: Curve | None) -> str | None:
+    """Why a handshake failed, in words, from a socket monitor event (``None`` if it did not fail)."""
+    kind, value = event["event"], event["value"]
+    if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        if curve is None:
+            return f"the worker refused this connection (ZAP status {value})"
+        return (
+            f"the worker refused this driver's public key {curve.keys.public.decode()} (ZAP status {value}): "
+            "put the driver's public key file (NAME.key from `lrmp-worker keygen`) into the worker's "
+            "--authorized-keys directory"
+        )
+    if kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+        if value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+            if curve is None:
+                return (
+                    "the worker requires CURVE encryption and authentication (it runs with --secret-key), "
+                    "but this driver has no keys: give the strategy curve_secret_key and worker_public_keys"
+                )
+            return (
+                "the worker does not use CURVE encryption (it runs without --secret-key), but this driver has "
+                "keys configured: start the worker with --secret-key and --authorized-keys, or drop the keys here"
+            )
+        return f"the ZeroMQ handshake failed (protocol error {value:#x}): is this address an lrmp-worker?"
+    if kind == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+        if curve is not None:
+            return (
+                f"the CURVE handshake failed: the public key configured for this worker "
+                f"({curve.server_key.decode()}) is probably not the public key of the --secret-key it runs with"
+            )
+        return "the ZeroMQ handshake failed: is this address an lrmp-worker?"
+    return None
 
 
 class Heartbeat:
@@ -80,10 +176,17 @@ class Heartbeat:
     no longer knows the session (it restarted) is marked ``lost``.
     """
 
-    def __init__(self, addresses: Iterable[str], session: str, interval: float = DEFAULT_HEARTBEAT_INTERVAL) -> None:
+    def __init__(
+        self,
+        addresses: Iterable[str],
+        session: str,
+        interval: float = DEFAULT_HEARTBEAT_INTERVAL,
+        curve: Mapping[str, Curve] | None = None,
+    ) -> None:
         self.addresses = list(addresses)
         self.session = session
         self.interval = interval
+        self.curve = dict(curve or {})
         now = time.monotonic()
         self._last_seen = {a: now for a in self.addresses}
         self._last_busy = {a: now for a in self.addresses}  # last heartbeat that found the worker computing
@@ -115,7 +218,7 @@ class Heartbeat:
         self._thread.join(timeout=5)
 
     def _run(self) -> None:
-        socks = {a: dealer(a) for a in self.addresses}
+        socks = {a: dealer(a, curve=self.curve.get(a)) for a in self.addresses}
         by_sock = {s: a for a, s in socks.items()}
         poller = zmq.Poller()
         poller.register(self._wake_rx, zmq.POLLIN)
@@ -155,7 +258,9 @@ class Heartbeat:
 class Connection:
     """Request/reply with one worker, bounded in time by the heartbeat.
 
-    Replies echo the request id; a stale reply (to a request that was abandoned) is dropped.
+    Replies echo the request id; a stale reply (to a request that was abandoned) is dropped. A
+    monitor on the socket turns a failed handshake (a refused key, keys on one side only) into an
+    :class:`~lightning_remote_mp.errors.AuthenticationError` at once, instead of a silent timeout.
     """
 
     def __init__(
@@ -167,6 +272,7 @@ class Connection:
         heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT,
         limits: protocol.Limits = protocol.DEFAULT_LIMITS,
         is_alive: Callable[[], str | None] | None = None,
+        curve: Curve | None = None,
     ) -> None:
         self.address = address
         self.stage = stage
@@ -175,8 +281,15 @@ class Connection:
         self.heartbeat: Heartbeat | None = None
         self.heartbeat_timeout = heartbeat_timeout
         self.limits = limits
+        #: The worker's limits (from its HELLO reply): what this side may send it.
+        self.remote_limits: protocol.Limits | None = None
         self.is_alive = is_alive  # for workers this process started: returns why it died, or None
-        self._sock = dealer(address)
+        self.curve = curve
+        self._sock = dealer(address, curve=curve, limits=limits)
+        self._monitor: zmq.Socket | None = self._sock.get_monitor_socket(_HANDSHAKE_EVENTS)
+        self._tcp_connected_at: float | None = None
+        self._vague_failure: tuple[float, dict[str, Any]] | None = None
+        self._heard = False
         self._next_id = 0
         self.closed = False
         self.lost_reason: str | None = None
@@ -194,18 +307,42 @@ class Connection:
             raise WorkerLostError(f"{self.where()}: connection already closed", address=self.address, stage=self.stage)
         self._next_id += 1
         try:
-            frames = protocol.encode(kind, self._next_id, self.session, body)
+            frames = protocol.encode(kind, self._next_id, self.session, body, self.remote_limits)
+        except protocol.LimitExceeded as err:
+            flag = protocol.LIMIT_FLAGS.get(err.limit, err.limit)
+            raise protocol.LimitExceeded(
+                f"{self.where()}: {err} (its {flag}); start the worker with a larger {flag}, or send less at once "
+                "(e.g. smaller batches or more micro-batches)",
+                err.limit,
+            ) from None
         except ProtocolError as err:
             raise ProtocolError(f"{self.where()}: {err}") from None
-        self._sock.send_multipart(frames, copy=False)
-        return self._next_id
+        start = time.monotonic()
+        while True:  # bounded: a full queue to a worker that stopped reading ends with the heartbeat
+            try:
+                self._sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+                return self._next_id
+            except zmq.Again:
+                self._sock.poll(_POLL_SLICE_MS, zmq.POLLOUT)
+                self._check_alive(start, None if self.heartbeat else self.heartbeat_timeout, f"sending {kind}")
 
     def read(self) -> protocol.Message:
         """Read one waiting message (the socket must be readable)."""
         try:
             msg = protocol.decode(self._sock.recv_multipart(copy=False), self.limits)
+        except ProtocolVersionError as err:
+            info = err.info
+            raise ProtocolVersionError(
+                f"{self.where()} speaks lrmp wire protocol version {err.remote_version} "
+                f"(lrmp {info.get('lrmp', '?')}, torch {info.get('torch', '?')}); this driver speaks version "
+                f"{protocol.PROTOCOL_VERSION} (lrmp {_lrmp_version()}): install the same lightning_remote_mp "
+                "version on the driver and every worker",
+                remote_version=err.remote_version,
+                info=info,
+            ) from None
         except ProtocolError as err:
             raise ProtocolError(f"{self.where()} sent an undecodable message: {err}") from None
+        self._heard = True
         if self.heartbeat is not None:
             self.heartbeat.touch(self.address)
         return msg
@@ -227,8 +364,29 @@ class Connection:
     def request(self, kind: str, body: Any = None, *, timeout: float | None = None) -> Any:
         return self.recv(self.send(kind, body), timeout=timeout, what=kind)
 
+    def _check_handshake(self) -> None:
+        while self._monitor is not None and self._monitor.poll(0, zmq.POLLIN):
+            event = parse_monitor_message(self._monitor.recv_multipart())
+            log.debug("%s: socket event %s (value %s)", self.where(), event["event"], event["value"])
+            if event["event"] == zmq.EVENT_CONNECTED:
+                if self._tcp_connected_at is None:
+                    self._tcp_connected_at = time.monotonic()
+            elif event["event"] == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+                # Also seen just before the telling event of a mechanism mismatch: wait briefly for that.
+                if self._vague_failure is None:
+                    self._vague_failure = (time.monotonic(), event)
+            elif why := handshake_failure(event, self.curve):
+                self._refused(why)
+        if self._vague_failure is not None and time.monotonic() - self._vague_failure[0] > _VAGUE_FAILURE_WAIT:
+            self._refused(handshake_failure(self._vague_failure[1], self.curve) or "the handshake failed")
+
+    def _refused(self, why: str) -> None:
+        self.lost_reason = f"{self.where()}: {why}"
+        raise AuthenticationError(self.lost_reason, address=self.address, stage=self.stage)
+
     def _check_alive(self, start: float, timeout: float | None, what: str) -> None:
         doing = f" during {what}" if what else ""
+        self._check_handshake()
         if self.is_alive is not None and (why := self.is_alive()):
             self._lost(f"{self.where()} died{doing}: {why}")
         hb = self.heartbeat
@@ -241,6 +399,16 @@ class Connection:
                     f"{self.where()} stopped answering{doing}: no reply or heartbeat for {silent:.1f} s "
                     f"(heartbeat_timeout={self.heartbeat_timeout} s). "
                     "Is the worker process still running and reachable?"
+                )
+        elif not self._heard and self._tcp_connected_at is not None:
+            # A worker answers HELLO from its I/O thread at once: a TCP connection that stays silent
+            # is a hung (stopped) process, or something else listening on that port.
+            silent = time.monotonic() - self._tcp_connected_at
+            if silent > self.heartbeat_timeout:
+                self._lost(
+                    f"{self.where()} accepted the TCP connection {silent:.1f} s ago but has not answered{doing} "
+                    f"(heartbeat_timeout={self.heartbeat_timeout} s): is the worker hung (stopped), or is "
+                    "something other than lrmp-worker listening on that port?"
                 )
         if timeout is not None and time.monotonic() - start > timeout:
             self._lost(
@@ -276,7 +444,17 @@ class Connection:
     def close(self) -> None:
         if not self.closed:
             self.closed = True
+            if self._monitor is not None:
+                self._sock.disable_monitor()
+                self._monitor.close(0)
+                self._monitor = None
             self._sock.close(0)
+
+
+def _lrmp_version() -> str:
+    from lightning_remote_mp import __version__
+
+    return __version__
 
 
 def broadcast(conns: Iterable[Connection], kind: str, body: Any = None) -> list[Any]:

@@ -1,6 +1,9 @@
 """``lrmp-worker``: the command that serves stages on a machine with (or without) a GPU.
 
-lrmp-worker --bind tcp://0.0.0.0:5555 --device cuda:0 --allow-module mypackage.layers
+lrmp-worker --bind tcp://0.0.0.0:5555 --device cuda:0 --allow-module mypackage.layers \\
+    --secret-key keys/worker1.key_secret --authorized-keys keys/drivers
+
+``lrmp-worker keygen DIR --name NAME`` writes a CURVE key pair (``NAME.key``, ``NAME.key_secret``).
 """
 
 from __future__ import annotations
@@ -9,20 +12,43 @@ import argparse
 import faulthandler
 import logging
 import os
+import re
 import signal
 import sys
 from collections.abc import Sequence
 
-from lightning_remote_mp import transport
+from lightning_remote_mp import protocol, transport
 from lightning_remote_mp.worker.server import DEFAULT_SESSION_TIMEOUT, WorkerServer
 
 log = logging.getLogger("lightning_remote_mp.worker")
 
+_UNITS = {"": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "ki": 1024, "mi": 1024**2, "gi": 1024**3}
+
+
+def parse_size(text: str) -> int:
+    """``"1048576"``, ``"64MiB"``, ``"2GB"``... as a number of bytes."""
+    m = re.fullmatch(r"\s*(\d+)\s*([kmg]i?)?b?\s*", text.lower())
+    if not m or int(m.group(1)) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size like 1048576, 64MiB or 2GB")
+    return int(m.group(1)) * _UNITS[m.group(2) or ""]
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return value
+
 
 def build_parser() -> argparse.ArgumentParser:
+    d = protocol.DEFAULT_LIMITS
     p = argparse.ArgumentParser(
         prog="lrmp-worker",
-        description="Serve model stages to a lightning_remote_mp driver over ZeroMQ.",
+        description="Serve model stages to a lightning_remote_mp driver over ZeroMQ. "
+        "`lrmp-worker keygen DIR --name NAME` writes a CURVE key pair instead.",
     )
     p.add_argument(
         "--bind",
@@ -46,10 +72,94 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds without a driver heartbeat before a session is dropped",
     )
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
+    sec = p.add_argument_group("encryption and authentication (CURVE)")
+    sec.add_argument(
+        "--secret-key",
+        metavar="FILE",
+        help="this worker's key pair (NAME.key_secret from `lrmp-worker keygen`); requires --authorized-keys",
+    )
+    sec.add_argument(
+        "--authorized-keys",
+        metavar="DIR",
+        help="directory of the public keys (*.key) of the drivers allowed to connect; re-read at each connection",
+    )
+    lim = p.add_argument_group("limits on what this worker accepts")
+    lim.add_argument(
+        "--max-message-bytes",
+        type=parse_size,
+        default=d.max_message_bytes,
+        metavar="SIZE",
+        help=f"tensor data in one message, and the largest frame (default {d.max_message_bytes // 1024**3}GiB)",
+    )
+    lim.add_argument(
+        "--max-header-bytes",
+        type=parse_size,
+        default=d.max_header_bytes,
+        metavar="SIZE",
+        help=f"non-tensor part of one message (default {d.max_header_bytes // 1024**2}MiB)",
+    )
+    lim.add_argument(
+        "--max-tensors",
+        type=_positive_int,
+        default=d.max_frames,
+        metavar="N",
+        help=f"tensors in one message (default {d.max_frames})",
+    )
+    lim.add_argument(
+        "--max-tensor-dims",
+        type=_positive_int,
+        default=d.max_tensor_dims,
+        metavar="N",
+        help=f"dimensions of one tensor (default {d.max_tensor_dims})",
+    )
+    lim.add_argument(
+        "--max-layers",
+        type=_positive_int,
+        default=d.max_layers,
+        metavar="N",
+        help=f"layers in one stage (default {d.max_layers})",
+    )
     return p
 
 
+def insecure_bind_warning(endpoint: str, secure: bool) -> str | None:
+    """The warning for a worker reachable beyond this machine without CURVE (``None`` otherwise)."""
+    if secure or transport.is_loopback(endpoint):
+        return None
+    return (
+        f"listening on {endpoint} WITHOUT encryption or authentication: anyone who can reach this port can "
+        "drive this worker (within its class allowlist), make it connect to addresses of their choosing, and "
+        "read or alter what it computes. Start it with --secret-key and --authorized-keys (see "
+        "`lrmp-worker keygen --help`) unless every host on this network is trusted"
+    )
+
+
+def keygen(argv: Sequence[str]) -> int:
+    from lightning_remote_mp.keys import KeyFileError, generate_keypair
+
+    p = argparse.ArgumentParser(
+        prog="lrmp-worker keygen",
+        description="Write a CURVE key pair: NAME.key (public: give it to the other side) and NAME.key_secret "
+        "(private, readable by you only).",
+    )
+    p.add_argument("dir", help="directory to write the two files into (created if missing)")
+    p.add_argument("--name", default="worker", help="base name of the files (default: worker)")
+    p.add_argument("--force", action="store_true", help="replace existing files of that name")
+    args = p.parse_args(argv)
+    try:
+        public_file, secret_file = generate_keypair(args.dir, args.name, overwrite=args.force)
+    except (KeyFileError, OSError) as err:
+        print(f"lrmp-worker keygen: {err}", file=sys.stderr)
+        return 2
+    print(f"public key: {public_file}")
+    print(f"secret key: {secret_file} (keep it private)")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["keygen"]:
+        return keygen(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s lrmp-worker %(levelname)s %(message)s")
     import torch
@@ -57,18 +167,45 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     try:
+        from lightning_remote_mp.keys import curve_available, load_keypair
+
+        if (args.secret_key is None) != (args.authorized_keys is None):
+            raise ValueError(
+                "--secret-key and --authorized-keys go together: the first is this worker's key pair, the "
+                "second the directory of the public keys allowed to connect"
+            )
+        keys = None
+        if args.secret_key is not None:
+            if not curve_available():
+                raise RuntimeError("this libzmq was built without CURVE support; install pyzmq's own wheel")
+            keys = load_keypair(args.secret_key)
+        limits = protocol.Limits(
+            max_frames=args.max_tensors,
+            max_header_bytes=args.max_header_bytes,
+            max_tensor_dims=args.max_tensor_dims,
+            max_message_bytes=args.max_message_bytes,
+            max_layers=args.max_layers,
+        )
         bind = transport.normalize_address(args.bind)
         server = WorkerServer(
-            bind, device=args.device, allowed_prefixes=args.allow_module, session_timeout=args.session_timeout
+            bind,
+            device=args.device,
+            allowed_prefixes=args.allow_module,
+            session_timeout=args.session_timeout,
+            limits=limits,
+            keys=keys,
+            authorized_keys=args.authorized_keys,
         )
     except Exception as err:
         print(f"lrmp-worker: {err}", file=sys.stderr)
         return 2
-    if not transport.is_loopback(server.endpoint):
-        log.warning(
-            "listening on %s without encryption or authentication: anyone who can reach this port "
-            "can drive this worker (within its class allowlist)",
-            server.endpoint,
+    if warning := insecure_bind_warning(server.endpoint, server.secure):
+        log.warning("%s", warning)
+    if server.secure:
+        log.info(
+            "CURVE on: public key %s; drivers allowed from %s",
+            server.keys.public.decode() if server.keys else "?",
+            args.authorized_keys,
         )
     signal.signal(signal.SIGTERM, lambda *_: server.stop())
     if hasattr(signal, "SIGUSR1"):  # `kill -USR1 <pid>` prints every thread's stack: for a worker that seems stuck

@@ -33,6 +33,11 @@ class _Parts:
     by_sender: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
 
 
+def _mapping(value: Any) -> Mapping[Any, Any]:
+    """A field that should be a dict, or an empty one: what peers send is not trusted to be well formed."""
+    return value if isinstance(value, dict) else {}
+
+
 def _routes(value: Any, field: str) -> dict[int, tuple[str, ...]]:
     if not isinstance(value, list):
         raise ProtocolError(f"{field} must be a list")
@@ -102,17 +107,17 @@ class RoutedStage:
         if not isinstance(x, torch.Tensor):
             raise ProtocolError(f"stage {self.index}: the main input is missing")
         imports: dict[str, torch.Tensor] = {}
-        needs: dict[str, bool] = {"x": bool((first.get("requires_grad") or {}).get("x"))}
+        needs: dict[str, bool] = {"x": _mapping(first.get("requires_grad")).get("x") is True}
         for sender, msg in parts.items():
-            variables = msg.get("vars") or {}
-            flags = msg.get("requires_grad") or {}
+            variables = _mapping(msg.get("vars"))
+            flags = _mapping(msg.get("requires_grad"))
             for name in self.sources[sender]:
                 if not isinstance(variables.get(name), torch.Tensor):
                     raise ProtocolError(f"stage {self.index}: variable {name!r} from stage {sender} is missing")
                 imports[name] = variables[name]
-                needs[name] = bool(flags.get(name))
+                needs[name] = flags.get(name) is True
         call, mb = int(first["call"]), int(first["mb"])
-        grad = bool(first.get("grad"))
+        grad = first.get("grad") is True
         autocast = first.get("autocast")
         started = time.time()
         out = self.stage.forward(
@@ -161,7 +166,7 @@ class RoutedStage:
         grad_y = first.get("grad_out")
         grad_exports: dict[str, torch.Tensor] = {}
         for sender, msg in parts.items():
-            grads = msg.get("grads") or {}
+            grads = _mapping(msg.get("grads"))
             for name in self.targets[sender]:
                 g = grads.get(name)
                 if isinstance(g, torch.Tensor):

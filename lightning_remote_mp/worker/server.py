@@ -24,13 +24,24 @@ import torch
 import zmq
 
 from lightning_remote_mp import __version__, protocol, transport
-from lightning_remote_mp.errors import ProtocolError
+from lightning_remote_mp.errors import LrmpError, ProtocolError, ProtocolVersionError
+from lightning_remote_mp.keys import KeyPair
+from lightning_remote_mp.worker.auth import DRIVER, WorkerAuth
 from lightning_remote_mp.worker.session import NO_REPLY, WorkerSession, describe_device
+from lightning_remote_mp.worker.throttle import Throttle
 
 log = logging.getLogger(__name__)
 
 DEFAULT_SESSION_TIMEOUT = 20.0
+#: How long a stage keeps trying to hand a message to the next stage before it reports that stage
+#: unreachable (the driver's heartbeat_timeout, when its HELLO says).
+DEFAULT_PEER_TIMEOUT = 10.0
 _DROP = "__drop__"
+_NEW = "__new__"
+
+
+class PeerUnreachableError(LrmpError):
+    """A stage could not hand a message to the worker of another stage in time."""
 
 
 @dataclasses.dataclass
@@ -39,12 +50,14 @@ class _Task:
     msg: protocol.Message
 
 
-def error_body(err: BaseException, session: WorkerSession | None = None) -> dict[str, Any]:
+def error_body(err: BaseException, session: WorkerSession | None = None, *, trace: bool = True) -> dict[str, Any]:
+    """The body of an ERROR reply. ``trace=False`` leaves the traceback out: for malformed input
+    from anyone, it is costly to format and tells a stranger about this worker's files."""
     layer = getattr(err, "lrmp_layer", None)
     body: dict[str, Any] = {
         "type": type(err).__name__,
         "message": str(err),
-        "traceback": "".join(traceback.format_exception(type(err), err, err.__traceback__, limit=8)),
+        "traceback": "".join(traceback.format_exception(type(err), err, err.__traceback__, limit=8)) if trace else "",
         "layer": layer if isinstance(layer, int) else None,
     }
     if body["layer"] is not None and session is not None:
@@ -57,29 +70,75 @@ def error_body(err: BaseException, session: WorkerSession | None = None) -> dict
 _PIPELINE_KINDS = frozenset({protocol.FORWARD, protocol.BACKWARD})
 
 
-class _Outbox:
-    """The compute thread's way out: to the driver through the I/O thread, to peers directly."""
+def _from_peer(msg: protocol.Message) -> bool:
+    """A pipelined message sent by another stage (not by the driver)."""
+    if msg.kind not in _PIPELINE_KINDS or not isinstance(msg.body, dict):
+        return False
+    sender = msg.body.get("from", -1)
+    return type(sender) is int and sender != -1
 
-    def __init__(self, to_io: zmq.Socket) -> None:
+
+class _Outbox:
+    """The compute thread's way out: to the driver through the I/O thread, to peers directly.
+
+    Peer links are DEALER sockets with ``IMMEDIATE`` set, so a message only goes to a connected
+    (and, with CURVE, authenticated) peer; one that cannot be handed over within ``peer_timeout``
+    fails the micro-batch with :class:`PeerUnreachableError` instead of waiting forever.
+    """
+
+    def __init__(self, to_io: zmq.Socket, keys: KeyPair | None = None) -> None:
         self.to_io = to_io
+        self.keys = keys
         self.driver_peer = b""
         self.session = ""
+        self.peer_timeout = DEFAULT_PEER_TIMEOUT
+        self.peer_keys: dict[str, bytes] = {}  # address -> public key, announced by the driver
         self._peers: dict[str, zmq.Socket] = {}
 
     def to_driver(self, kind: str, body: Any) -> None:
         frames = protocol.encode(kind, 0, self.session, body)
         self.to_io.send_multipart([self.driver_peer, *frames], copy=False)
 
-    def to_peer(self, address: str, kind: str, body: Any) -> None:
+    def add_peer_keys(self, keys: dict[str, bytes]) -> None:
+        self.peer_keys.update(keys)
+
+    def _socket(self, address: str) -> zmq.Socket:
         sock = self._peers.get(address)
         if sock is None:
-            sock = self._peers[address] = transport.dealer(address)
-        sock.send_multipart(protocol.encode(kind, 0, self.session, body), copy=False)
+            curve = None
+            if self.keys is not None:
+                server_key = self.peer_keys.get(address)
+                if server_key is None:
+                    raise PeerUnreachableError(
+                        f"no public key was announced for the worker at {address}; this worker talks to its "
+                        "peers only over CURVE (the driver sends their keys at setup)"
+                    )
+                curve = transport.Curve(self.keys, server_key)
+            sock = self._peers[address] = transport.dealer(address, curve=curve, immediate=True)
+        return sock
+
+    def to_peer(self, address: str, kind: str, body: Any) -> None:
+        sock = self._socket(address)
+        frames = protocol.encode(kind, 0, self.session, body)
+        deadline = time.monotonic() + self.peer_timeout
+        while True:
+            try:
+                sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+                return
+            except zmq.Again:
+                if time.monotonic() > deadline:
+                    raise PeerUnreachableError(
+                        f"could not hand a {kind} message to the worker at {address} within "
+                        f"{self.peer_timeout:.0f} s: no connection to it from this worker (is it reachable "
+                        "from here, not only from the driver, and does it accept this worker's key?)"
+                    ) from None
+                sock.poll(100, zmq.POLLOUT)
 
     def close_peers(self) -> None:
         for sock in self._peers.values():
             sock.close(0)
         self._peers.clear()
+        self.peer_keys.clear()
 
     def close(self) -> None:
         self.close_peers()
@@ -101,6 +160,9 @@ class WorkerServer:
         device: where stages live, e.g. ``"cpu"`` or ``"cuda:0"``.
         allowed_prefixes: module prefixes (beyond ``torch.nn``) whose classes may be built.
         session_timeout: seconds of driver silence after which a session is dropped.
+        limits: bounds on what this worker accepts (message size, tensors, dims, layers per stage).
+        keys: this worker's CURVE key pair; with ``authorized_keys`` the worker only talks CURVE.
+        authorized_keys: directory of the public keys allowed to drive this worker.
     """
 
     def __init__(
@@ -110,9 +172,16 @@ class WorkerServer:
         allowed_prefixes: Sequence[str] = (),
         session_timeout: float = DEFAULT_SESSION_TIMEOUT,
         limits: protocol.Limits = protocol.DEFAULT_LIMITS,
+        keys: KeyPair | None = None,
+        authorized_keys: str | os.PathLike[str] | None = None,
     ) -> None:
         from lightning_remote_mp.spec import DEFAULT_ALLOWED_PREFIXES
 
+        if (keys is None) != (authorized_keys is None):
+            raise ValueError(
+                "CURVE needs both this worker's key pair (--secret-key) and the directory of the drivers' "
+                "public keys (--authorized-keys)"
+            )
         self.device = torch.device(device)
         if self.device.type == "cuda":
             if not torch.cuda.is_available():
@@ -121,19 +190,47 @@ class WorkerServer:
         self.allowed_prefixes = list(dict.fromkeys([*DEFAULT_ALLOWED_PREFIXES, *allowed_prefixes]))
         self.session_timeout = session_timeout
         self.limits = limits
-        self.sock, self.endpoint = transport.bind_router(bind)
-        self._stop = threading.Event()
-        self._tasks: queue.Queue[_Task | None] = queue.Queue()
-        self._inproc = f"inproc://lrmp-replies-{uuid.uuid4().hex}"
-        self._replies = transport.context().socket(zmq.PULL)
-        self._replies.bind(self._inproc)
+        self.keys = keys
         # I/O-thread state of the current session.
         self._session_id: str | None = None
         self._session_peer = ""
         self._last_seen = 0.0
         self._busy_since: float | None = None
+        self._session_peer_keys: dict[str, frozenset[bytes]] = {}  # session -> announced peer keys
+        # The authenticator must answer before the first client can complete a handshake.
+        self.auth = (
+            WorkerAuth(transport.context(), authorized_keys, self._current_peer_keys)
+            if keys is not None and authorized_keys is not None
+            else None
+        )
+        try:
+            self.sock, self.endpoint = transport.bind_router(bind, keys=keys, limits=limits)
+        except BaseException:
+            if self.auth is not None:
+                self.auth.stop()
+            raise
+        self._monitor = self.sock.get_monitor_socket(
+            zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+        )
+        self._throttle = Throttle(log)
+        self._stop = threading.Event()
+        self._tasks: queue.Queue[_Task | None] = queue.Queue()
+        self._inproc = f"inproc://lrmp-replies-{uuid.uuid4().hex}"
+        self._replies = transport.context().socket(zmq.PULL)
+        self._replies.bind(self._inproc)
         self._session: WorkerSession | None = None  # owned by the compute thread
         self.served = 0
+
+    @property
+    def secure(self) -> bool:
+        return self.auth is not None
+
+    def _current_peer_keys(self) -> frozenset[bytes]:
+        return self._session_peer_keys.get(self._session_id or "", frozenset())
+
+    def announce_peer_keys(self, session: str, keys: Sequence[bytes]) -> None:
+        """Called by the compute thread at SETUP: the keys of this session's other workers."""
+        self._session_peer_keys = {session: self._session_peer_keys.get(session, frozenset()) | frozenset(keys)}
 
     # --- I/O thread --------------------------------------------------------------------
     def serve_forever(self) -> None:
@@ -142,6 +239,7 @@ class WorkerServer:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self._replies, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
         try:
             while not self._stop.is_set():
                 # Sleep until a message or the session's expiry: an idle worker uses no CPU.
@@ -153,6 +251,8 @@ class WorkerServer:
                         frames = self._replies.recv_multipart(copy=False)
                         if len(frames) > 1:  # a lone frame only wakes the loop (stop)
                             self.sock.send_multipart(frames, copy=False)
+                    elif sock is self._monitor:
+                        self._on_monitor_event(self._monitor.recv_multipart())
                     else:
                         frames = self.sock.recv_multipart(copy=False)
                         try:
@@ -163,8 +263,12 @@ class WorkerServer:
         finally:
             self._tasks.put(None)
             compute.join(timeout=10)
+            self.sock.disable_monitor()
+            self._monitor.close(0)
             self.sock.close(0)
             self._replies.close(0)
+            if self.auth is not None:
+                self.auth.stop()
 
     def stop(self) -> None:
         """Stop serving (from any thread, or a signal handler)."""
@@ -175,6 +279,26 @@ class WorkerServer:
         wake.send(b"", zmq.NOBLOCK)
         wake.close()
 
+    def _on_monitor_event(self, frames: list[bytes]) -> None:
+        from zmq.utils.monitor import parse_monitor_message
+
+        event = parse_monitor_message(frames)
+        if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and (
+            event["value"] == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH
+        ):
+            if self.secure:
+                self._throttle.warning(
+                    "handshake", "a client without CURVE keys tried to connect; this worker only talks CURVE"
+                )
+            else:
+                self._throttle.warning(
+                    "handshake", "a client with CURVE keys tried to connect; this worker runs without --secret-key"
+                )
+        else:
+            self._throttle.warning(
+                "handshake", "a client failed the connection handshake (ZeroMQ event %s)", event["event"]
+            )
+
     def _reply(self, peer: bytes, kind: str, req_id: int, body: Any) -> None:
         try:
             frames = protocol.encode(kind, req_id, self._session_id or "", body)
@@ -182,19 +306,49 @@ class WorkerServer:
             frames = protocol.encode(protocol.ERROR, req_id, "", error_body(err))
         self.sock.send_multipart([peer, *frames], copy=False)
 
+    def _versions(self) -> dict[str, Any]:
+        return {"protocol": protocol.PROTOCOL_VERSION, "lrmp": __version__, "torch": torch.__version__}
+
     def _on_frames(self, frames: list[Any]) -> None:
         if len(frames) < 2:
             return  # not even an identity and a header: nothing to answer
         peer, payload = frames[0].bytes, frames[1:]
         try:
             msg = protocol.decode(payload, self.limits)
+        except ProtocolVersionError as err:
+            self._reply(
+                peer,
+                protocol.ERROR,
+                protocol.peek_id(payload),
+                {
+                    "type": "ProtocolVersionError",
+                    "message": f"this worker speaks lrmp wire protocol version {protocol.PROTOCOL_VERSION} "
+                    f"(lrmp {__version__}, torch {torch.__version__}), the message was version "
+                    f"{err.remote_version}: install the same lightning_remote_mp version on the driver and "
+                    "every worker",
+                    **self._versions(),
+                },
+            )
+            return
         except ProtocolError as err:
-            log.warning("dropped a malformed message from peer %s: %s", peer.hex()[:16], err)
-            self._reply(peer, protocol.ERROR, 0, error_body(err))
+            self._throttle.warning("malformed", "dropped a malformed message from peer %s: %s", peer.hex()[:16], err)
+            self._reply(peer, protocol.ERROR, protocol.peek_id(payload), error_body(err, trace=False))
             return
         if msg.kind not in protocol.REQUEST_KINDS:
+            err = ProtocolError(f"unexpected message kind {msg.kind!r:.40}")
+            self._reply(peer, protocol.ERROR, msg.id, error_body(err, trace=False))
+            return
+        from_peer = _from_peer(msg)
+        if self.auth is not None and not self._authorized(payload[0], msg, from_peer):
             self._reply(
-                peer, protocol.ERROR, msg.id, error_body(ProtocolError(f"unexpected message kind {msg.kind!r:.40}"))
+                peer,
+                protocol.ERROR,
+                msg.id,
+                {
+                    "type": "PermissionError",
+                    "message": "this connection's key belongs to a peer worker: it may only send pipelined "
+                    "forward/backward messages of its session",
+                },
             )
             return
         if msg.kind == protocol.PING:
@@ -206,7 +360,6 @@ class WorkerServer:
         if msg.kind == protocol.HELLO:
             self._on_hello(peer, msg)
             return
-        from_peer = msg.kind in _PIPELINE_KINDS and isinstance(msg.body, dict) and msg.body.get("from", -1) != -1
         if from_peer and msg.session != self._session_id:
             log.debug("dropped a peer message for session %s, which this worker does not serve", msg.session[:8])
             return
@@ -230,11 +383,42 @@ class WorkerServer:
             return
         self._tasks.put(_Task(peer, msg))
 
+    def _authorized(self, header: Any, msg: protocol.Message, from_peer: bool) -> bool:
+        """With CURVE: drivers may send anything; a peer worker's key only its session's pipeline."""
+        try:
+            user_id = header.get("User-Id")
+        except (zmq.ZMQError, AttributeError):
+            user_id = None
+        role = self.auth.role(user_id) if self.auth is not None else None
+        if role == DRIVER:
+            return True
+        if from_peer and user_id and msg.session == self._session_id:
+            return user_id.encode() in self._current_peer_keys()
+        return False
+
     def _on_hello(self, peer: bytes, msg: protocol.Message) -> None:
+        """Answered here, at once, so a driver hears back even while the compute thread is busy."""
         body = msg.body if isinstance(msg.body, dict) else {}
         driver = str(body.get("driver", "?"))[:200]
         if not msg.session:
-            self._reply(peer, protocol.ERROR, msg.id, error_body(ProtocolError("hello without a session id")))
+            self._reply(
+                peer, protocol.ERROR, msg.id, error_body(ProtocolError("hello without a session id"), trace=False)
+            )
+            return
+        theirs = body.get("protocol", protocol.PROTOCOL_VERSION)
+        if theirs != protocol.PROTOCOL_VERSION:
+            self._reply(
+                peer,
+                protocol.ERROR,
+                msg.id,
+                {
+                    "type": "ProtocolVersionError",
+                    "message": f"this worker speaks lrmp wire protocol version {protocol.PROTOCOL_VERSION} "
+                    f"(lrmp {__version__}, torch {torch.__version__}), the driver version {theirs!r:.20}: install "
+                    "the same lightning_remote_mp version on the driver and every worker",
+                    **self._versions(),
+                },
+            )
             return
         if self._session_id is not None and self._session_id != msg.session:
             self._reply(
@@ -252,13 +436,38 @@ class WorkerServer:
             self._session_id = msg.session
             self._session_peer = driver
             log.info("session %s started by %s", msg.session[:8], driver)
+            if (body.get("lrmp"), body.get("torch")) != (__version__, torch.__version__):
+                log.warning(
+                    "driver %s runs lrmp %s / torch %s; this worker runs lrmp %s / torch %s",
+                    driver,
+                    str(body.get("lrmp"))[:40],
+                    str(body.get("torch"))[:40],
+                    __version__,
+                    torch.__version__,
+                )
+            timeout = body.get("heartbeat_timeout")
+            peer_timeout = float(timeout) if isinstance(timeout, (int, float)) and 0 < timeout < 3600 else None
+            self._tasks.put(_Task(peer, protocol.Message(_NEW, 0, msg.session, peer_timeout)))
         self._last_seen = time.monotonic()
-        self._tasks.put(_Task(peer, msg))
+        self._reply(
+            peer,
+            protocol.OK,
+            msg.id,
+            {
+                **self._versions(),
+                "pid": os.getpid(),
+                "allowed_prefixes": self.allowed_prefixes,
+                "limits": self.limits.as_dict(),
+                "curve": self.secure,
+                **describe_device(self.device),
+            },
+        )
 
     def _end_session(self, why: str) -> None:
         if self._session_id is not None:
             log.info("session %s ended: %s", self._session_id[:8], why)
             self._tasks.put(_Task(b"", protocol.Message(_DROP, 0, self._session_id, None)))
+            self._session_peer_keys.pop(self._session_id, None)
             self._session_id = None
             self._session_peer = ""
 
@@ -270,7 +479,7 @@ class WorkerServer:
     def _compute_loop(self) -> None:
         out = transport.context().socket(zmq.PUSH)
         out.connect(self._inproc)
-        self._outbox = _Outbox(out)
+        self._outbox = _Outbox(out, self.keys)
         _warm_up()
         try:
             while (task := self._tasks.get()) is not None:
@@ -278,10 +487,10 @@ class WorkerServer:
                 if msg.kind == _DROP:
                     self._drop_session(msg.session)
                     continue
-                from_peer = (
-                    msg.kind in _PIPELINE_KINDS and isinstance(msg.body, dict) and msg.body.get("from", -1) != -1
-                )
-                if not from_peer:
+                if msg.kind == _NEW:
+                    self._new_session(msg.session, msg.body)
+                    continue
+                if not _from_peer(msg):
                     self._outbox.driver_peer = task.peer
                 self._outbox.session = msg.session
                 self._busy_since = time.monotonic()
@@ -292,7 +501,9 @@ class WorkerServer:
                     frames = protocol.encode(protocol.OK, msg.id, msg.session, body)
                 except Exception as err:  # every failure becomes an error reply; the worker stays up
                     if not isinstance(err, ProtocolError):
-                        log.warning("request %s failed: %s: %s", msg.kind, type(err).__name__, err)
+                        self._throttle.warning(
+                            "failed:" + msg.kind, "request %s failed: %s: %s", msg.kind, type(err).__name__, err
+                        )
                     error = error_body(err, self._session)
                     if msg.kind in _PIPELINE_KINDS:
                         # Pipelined work answers to the driver, whoever sent the message.
@@ -314,20 +525,20 @@ class WorkerServer:
             self._outbox.close()
             out.close(0)
 
+    def _new_session(self, session_id: str, peer_timeout: Any) -> None:
+        self._drop_session(None)
+        self._session = WorkerSession(
+            session_id,
+            self.device,
+            self.allowed_prefixes,
+            self._outbox,
+            limits=self.limits,
+            announce_peer_keys=lambda keys: self.announce_peer_keys(session_id, keys),
+        )
+        self._outbox.peer_timeout = peer_timeout if isinstance(peer_timeout, float) else DEFAULT_PEER_TIMEOUT
+        self.served += 1
+
     def _handle(self, msg: protocol.Message) -> Any:
-        if msg.kind == protocol.HELLO:
-            if self._session is None or self._session.id != msg.session:
-                self._drop_session(None)
-                self._session = WorkerSession(msg.session, self.device, self.allowed_prefixes, self._outbox)
-                self.served += 1
-            return {
-                "lrmp": __version__,
-                "torch": torch.__version__,
-                "protocol": protocol.PROTOCOL_VERSION,
-                "pid": os.getpid(),
-                "allowed_prefixes": self.allowed_prefixes,
-                **describe_device(self.device),
-            }
         if self._session is None or self._session.id != msg.session:
             raise ProtocolError("session expired")
         return self._session.handle(msg.kind, msg.body)

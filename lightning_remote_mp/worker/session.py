@@ -16,6 +16,7 @@ import torch
 
 from lightning_remote_mp import protocol
 from lightning_remote_mp.errors import ProtocolError, SpecError
+from lightning_remote_mp.keys import is_z85_key
 from lightning_remote_mp.spec import resolve_class
 from lightning_remote_mp.worker.collective import ReplicaGroup
 from lightning_remote_mp.worker.profile import profile_layers
@@ -34,6 +35,8 @@ class Outbox(Protocol):
 
     def to_peer(self, address: str, kind: str, body: Any) -> None: ...
 
+    def add_peer_keys(self, keys: dict[str, bytes]) -> None: ...
+
 
 log = logging.getLogger(__name__)
 
@@ -51,9 +54,20 @@ def _require(body: Any, field: str, kind: type | tuple[type, ...]) -> Any:
 
 
 class WorkerSession:
-    def __init__(self, session_id: str, device: torch.device, allowed_prefixes: Sequence[str], outbox: Outbox) -> None:
+    def __init__(
+        self,
+        session_id: str,
+        device: torch.device,
+        allowed_prefixes: Sequence[str],
+        outbox: Outbox,
+        *,
+        limits: protocol.Limits = protocol.DEFAULT_LIMITS,
+        announce_peer_keys: Callable[[list[bytes]], None] | None = None,
+    ) -> None:
         self.id = session_id
         self.outbox = outbox
+        self.limits = limits
+        self.announce_peer_keys = announce_peer_keys
         self.routes: dict[str, RoutedStage] = {}
         self.peers: dict[str, dict[int, str]] = {}
         self.device = device
@@ -102,7 +116,7 @@ class WorkerSession:
         key = _require(body, "key", str)
         index = _require(body, "stage", int)
         start = _require(body, "start", int)
-        entries = _require(body, "entries", list)
+        entries = self._entries(body)
         exports = _require(body, "exports", list)
         state = body.get("state")
         seed = body.get("init_seed")
@@ -126,11 +140,17 @@ class WorkerSession:
         for name, p in stage.named_parameters():
             if name in frozen:
                 p.requires_grad_(False)
-        self.stages[key] = stage
-        self.routes[key] = RoutedStage(stage, _require(body, "sources", list), _require(body, "targets", list))
-        self.routes[key].events = self.events
+        routed = RoutedStage(stage, _require(body, "sources", list), _require(body, "targets", list))
+        routed.events = self.events
         peers = _require(body, "peers", dict)
+        peer_keys = _peer_keys(body.get("peer_keys"), peers)
+        self.stages[key] = stage
+        self.routes[key] = routed
         self.peers[key] = {int(k): str(v) for k, v in peers.items() if isinstance(k, int) and isinstance(v, str)}
+        if peer_keys:
+            self.outbox.add_peer_keys(peer_keys)
+            if self.announce_peer_keys is not None:
+                self.announce_peer_keys(list(peer_keys.values()))
         params = sum(p.numel() for _, p in stage.named_parameters())
         log.info(
             "session %s: stage %d of %r holds layers %d-%d (%s parameters) on %s",
@@ -143,6 +163,16 @@ class WorkerSession:
             self.device,
         )
         return {"parameters": params}
+
+    def _entries(self, body: Any) -> list[Any]:
+        entries = _require(body, "entries", list)
+        if len(entries) > self.limits.max_layers:
+            raise protocol.LimitExceeded(
+                f"{len(entries)} layers in one stage; this worker accepts at most {self.limits.max_layers} "
+                "(its --max-layers)",
+                "max_layers",
+            )
+        return entries
 
     def forward(self, body: Any) -> Any:
         self._send(self.route(body).forward(body), protocol.FORWARD, protocol.RESULT)
@@ -277,7 +307,7 @@ class WorkerSession:
 
     def profile(self, body: Any) -> Any:
         """Seconds of forward plus backward of each layer of ``entries``, measured here."""
-        entries = _require(body, "entries", list)
+        entries = self._entries(body)
         repeats = min(max(int(body.get("repeats", 3)), 1), 50)
         return {"seconds": profile_layers(entries, self.device, self.allowed_prefixes, repeats)}
 
@@ -341,6 +371,21 @@ class WorkerSession:
         self.routes.clear()
         self.stages.clear()
         self.optimizers.clear()
+
+
+def _peer_keys(value: Any, peers: Mapping[Any, Any]) -> dict[str, bytes]:
+    """``{stage: Z85 public key}`` from a SETUP, as ``{address: key}`` for the stages in ``peers``."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ProtocolError("field 'peer_keys' must be a dict")
+    out = {}
+    for stage, key in value.items():
+        address = peers.get(stage)
+        if not isinstance(address, str) or not is_z85_key(key):
+            raise ProtocolError(f"peer_keys entry {stage!r:.20} is not a 40-character key of a stage in 'peers'")
+        out[address] = key.encode("ascii")
+    return out
 
 
 def describe_device(device: torch.device) -> Mapping[str, Any]:

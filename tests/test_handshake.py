@@ -1,0 +1,178 @@
+"""HELLO: both sides learn each other's protocol, lrmp and torch versions before anything else.
+
+A different wire protocol is an error naming both versions, raised at connect; a different lrmp or
+torch version is a warning on both sides (the protocol is what must match).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from typing import Any
+
+import msgpack
+import pytest
+import torch
+import zmq
+
+from lightning_remote_mp import ProtocolVersionError, __version__, protocol
+from lightning_remote_mp.driver import DriverSession
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class FakeWorker:
+    """A ROUTER on 127.0.0.1 that answers every request OK, with ``hello`` as its HELLO reply and
+    ``version`` as the protocol version in its headers."""
+
+    def __init__(self, hello: dict[str, Any], version: int = protocol.PROTOCOL_VERSION) -> None:
+        self.hello = hello
+        self.version = version
+        self.sock = zmq.Context.instance().socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.address = f"tcp://127.0.0.1:{self.sock.bind_to_random_port('tcp://127.0.0.1')}"
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if not self.sock.poll(50):
+                continue
+            peer, header, *_ = self.sock.recv_multipart()
+            _, kind, req_id, session, _, _ = msgpack.unpackb(header, raw=False)
+            body = self.hello if kind == protocol.HELLO else {"session_alive": True}
+            packed = msgpack.ExtType(0, msgpack.packb(body))
+            reply = msgpack.packb([self.version, protocol.OK, req_id, session, [], packed])
+            self.sock.send_multipart([peer, reply])
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self.sock.close(0)
+
+
+def _hello_body(**overrides: Any) -> dict[str, Any]:
+    body = {
+        "protocol": protocol.PROTOCOL_VERSION,
+        "lrmp": __version__,
+        "torch": torch.__version__,
+        "pid": 1,
+        "device": "cpu",
+        "device_name": "cpu",
+        "free_memory": 2**30,
+    }
+    body.update(overrides)
+    return body
+
+
+def test_a_worker_of_another_protocol_version_is_named_at_connect():
+    fake = FakeWorker(_hello_body(protocol=2, lrmp="9.0.0"), version=2)
+    try:
+        start = time.monotonic()
+        with pytest.raises(ProtocolVersionError) as info:
+            DriverSession([fake.address], connect_timeout=30)
+        assert time.monotonic() - start < 5
+        text = str(info.value)
+        assert fake.address in text and "version 2 (lrmp 9.0.0" in text
+        assert f"speaks version {protocol.PROTOCOL_VERSION} (lrmp {__version__})" in text
+        assert info.value.remote_version == 2
+    finally:
+        fake.close()
+
+
+def test_a_worker_that_admits_another_protocol_in_its_hello_is_refused():
+    # Same header version, but the worker says it speaks another protocol: refused as well.
+    fake = FakeWorker(_hello_body(protocol=7, lrmp="7.0.0"))
+    try:
+        with pytest.raises(ProtocolVersionError, match=r"version 7 \(lrmp 7.0.0\)"):
+            DriverSession([fake.address], connect_timeout=30)
+    finally:
+        fake.close()
+
+
+def test_other_lrmp_or_torch_versions_only_warn(caplog):
+    fake = FakeWorker(_hello_body(lrmp="0.0.1", torch="1.0.0"))
+    try:
+        with caplog.at_level(logging.WARNING, logger="lightning_remote_mp"):
+            session = DriverSession([fake.address], connect_timeout=30)
+            session.close()
+        assert any("lrmp 0.0.1 / torch 1.0.0" in r.getMessage() for r in caplog.records), caplog.text
+    finally:
+        fake.close()
+
+
+def test_a_real_worker_answers_a_driver_of_another_protocol_version(start_workers, tmp_path):
+    """What an older or newer driver hears from this worker: an error that echoes its request id and
+    names both versions, in a header whose first fields every version reads the same way."""
+    workers = start_workers(1)
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(workers.addresses[0])
+    try:
+        session = uuid.uuid4().hex
+        hello = {"driver": "future", "protocol": 2, "lrmp": "2.0.0"}
+        for header_version in (2, protocol.PROTOCOL_VERSION):  # the body always says 2
+            frames = protocol.encode(protocol.HELLO, 41, session, hello)
+            header = msgpack.unpackb(frames[0], raw=False)
+            header[0] = header_version
+            sock.send_multipart([msgpack.packb(header)])
+            assert sock.poll(5000), "no answer"
+            reply = sock.recv_multipart()
+            assert protocol.peek_id(reply) == 41
+            msg = protocol.decode(reply)
+            assert msg.kind == protocol.ERROR and msg.id == 41
+            assert msg.body["type"] == "ProtocolVersionError"
+            assert msg.body["protocol"] == protocol.PROTOCOL_VERSION and msg.body["lrmp"] == __version__
+            assert f"version {protocol.PROTOCOL_VERSION}" in msg.body["message"]
+            assert "2" in msg.body["message"]
+        # The worker did not start a session for it: a driver of this version is served.
+        session = DriverSession(workers.addresses, connect_timeout=30)
+        session.close()
+    finally:
+        sock.close(0)
+
+
+def test_the_worker_warns_about_a_driver_of_other_lrmp_and_torch_versions(tmp_path):
+    log = tmp_path / "worker.log"
+    with open(log, "w") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "lightning_remote_mp.worker", "--bind", "tcp://127.0.0.1:*", "--threads", "1"],
+            stdout=subprocess.PIPE,
+            stderr=err,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)},
+        )
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        from lightning_remote_mp.launch import LocalWorkers
+
+        address = LocalWorkers._wait_ready(proc, time.monotonic() + 60)
+        sock.connect(address)
+        session = uuid.uuid4().hex
+        body = {"driver": "old-driver", "protocol": protocol.PROTOCOL_VERSION, "lrmp": "0.0.1", "torch": "1.0"}
+        sock.send_multipart(protocol.encode(protocol.HELLO, 1, session, body))
+        assert sock.poll(5000)
+        assert protocol.decode(sock.recv_multipart()).kind == protocol.OK  # a warning, not a refusal
+        sock.send_multipart(protocol.encode(protocol.BYE, 2, session))
+        assert sock.poll(5000)
+        deadline = time.monotonic() + 5
+        while "lrmp 0.0.1 / torch 1.0" not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "driver old-driver runs lrmp 0.0.1 / torch 1.0" in log.read_text()
+    finally:
+        sock.close(0)
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
