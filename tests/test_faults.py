@@ -1,0 +1,313 @@
+"""Faults injected into real runs: workers killed (SIGKILL), hung (SIGSTOP) or cut off (a relay that
+drops everything) in each phase of training, a driver killed under a worker, a stage that cannot
+reach the next one; and a run that resumes from its last checkpoint on a replacement worker.
+
+Every lost worker must be reported as a WorkerLostError naming its address and stage within the
+heartbeat timeout (plus slack for a loaded 2-core machine), whatever the driver was waiting for.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+import lightning as L
+import pytest
+import torch
+import zmq
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lrmp_relay import Relay, wait_for
+from test_strategy import Net, assert_same_weights, data, residual_spec, trainer
+
+from lightning_remote_mp import RemoteModelParallelStrategy, WorkerError, WorkerLostError, protocol
+from lightning_remote_mp.driver import DriverSession
+from lightning_remote_mp.spec import SpecSequential
+
+pytestmark = pytest.mark.timeout(120)
+
+HEARTBEAT = 2.0
+SLACK = 4.0
+BALANCE = [4, 6]  # residual_spec(probe=False): 10 layers; res_1 crosses from stage 0 to stage 1
+
+#: Detection times measured by these tests (each also printed: run with -s to see them).
+DETECTED: dict[str, float] = {}
+
+
+def _record(name: str, seconds: float) -> None:
+    DETECTED[name] = seconds
+    print(f"\ndetected: {name}: {seconds:.2f} s")
+
+
+class _Inject(L.Callback):
+    """Runs ``action`` once, in Lightning hook ``hook``, at global step ``step``."""
+
+    def __init__(self, hook: str, action, step: int = 1) -> None:
+        self.action, self.step = action, step
+        self.at: float | None = None
+        setattr(self, hook, self._maybe)
+
+    def _maybe(self, trainer, *args, **kwargs):
+        if self.at is None and trainer.global_step >= self.step:
+            self.action()
+            self.at = time.monotonic()
+
+
+def _signal(pid: int, sig: int):
+    return lambda: os.kill(pid, sig)
+
+
+def _expect_lost(run, injected_at, *, address: str, stage: int, during: str, name: str) -> WorkerLostError:
+    with pytest.raises(WorkerLostError) as info:
+        run()
+    at = injected_at()
+    assert at is not None, "the fault was never injected"
+    elapsed = time.monotonic() - at
+    err = info.value
+    text = str(err)
+    assert err.address == address and err.stage == stage, text
+    assert address in text and f"stage {stage}" in text and f"during {during}" in text, text
+    # Detection, then Lightning's teardown (which tries to bring weights back from the others).
+    assert elapsed < HEARTBEAT + SLACK, f"{name}: {elapsed:.1f} s"
+    _record(name, elapsed)
+    return err
+
+
+@pytest.fixture
+def pair(start_workers):
+    """Two fresh workers; any that a test stopped is continued before they are stopped."""
+    workers = start_workers(2)
+    yield workers
+    for p in workers.procs:
+        if p.poll() is None:
+            os.kill(p.pid, signal.SIGCONT)
+
+
+def _fit(workers_or_hosts, callbacks, epochs: int = 2, spec=None, **kwargs):
+    hosts = workers_or_hosts if isinstance(workers_or_hosts, list) else workers_or_hosts.addresses
+    balance = kwargs.pop("balance", BALANCE)
+    strategy = RemoteModelParallelStrategy(hosts=hosts, balance=balance, heartbeat_timeout=HEARTBEAT)
+    model = Net(spec or residual_spec(probe=False))
+    return lambda: trainer(strategy, epochs=epochs, callbacks=callbacks, **kwargs).fit(model, data())
+
+
+def test_hung_worker_during_setup(pair, tmp_path):
+    marker = tmp_path / "building"
+    spec = residual_spec(probe=False)
+    gate = ("lrmp_testlayers.SetupGate", {"marker": str(marker), "driver_pid": os.getpid(), "seconds": 3}, (32, 16))
+    spec.insert(5, gate)  # stage 1 builds it
+    stopped: dict[str, float] = {}
+
+    def stop_when_building():
+        if wait_for(marker.exists, 60):
+            os.kill(pair.procs[1].pid, signal.SIGSTOP)
+            stopped["at"] = time.monotonic()
+
+    watcher = threading.Thread(target=stop_when_building, daemon=True)
+    watcher.start()
+    _expect_lost(
+        _fit(pair, [], spec=spec, balance=[4, 7]),
+        lambda: stopped.get("at"),
+        address=pair.addresses[1],
+        stage=1,
+        during="setup",
+        name="SIGSTOP during setup",
+    )
+    watcher.join(5)
+
+
+def test_killed_worker_during_backward(pair):
+    inject = _Inject("on_before_backward", _signal(pair.procs[1].pid, signal.SIGKILL))
+    _expect_lost(
+        _fit(pair, [inject]),
+        lambda: inject.at,
+        address=pair.addresses[1],
+        stage=1,
+        during="backward",
+        name="SIGKILL during backward",
+    )
+
+
+def test_hung_worker_during_optimizer_step(pair):
+    inject = _Inject("on_before_optimizer_step", _signal(pair.procs[0].pid, signal.SIGSTOP))
+    _expect_lost(
+        _fit(pair, [inject]),
+        lambda: inject.at,
+        address=pair.addresses[0],
+        stage=0,
+        during="optim_step",
+        name="SIGSTOP during optimizer step",
+    )
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "hung"])
+def test_lost_worker_during_checkpoint_save(pair, tmp_path, sig):
+    # Lightning runs ModelCheckpoint's epoch-end hook after every other callback's: the fault comes
+    # right before the checkpoint gathers the weights from the workers.
+    inject = _Inject("on_train_epoch_end", _signal(pair.procs[1].pid, sig))
+    ckpt = ModelCheckpoint(dirpath=tmp_path, save_last=True, every_n_epochs=1, save_on_train_epoch_end=True)
+    _expect_lost(
+        _fit(pair, [inject, ckpt], enable_checkpointing=True),
+        lambda: inject.at,
+        address=pair.addresses[1],
+        stage=1,
+        during=protocol.GET_STATE,
+        name=f"{'SIGKILL' if sig == signal.SIGKILL else 'SIGSTOP'} during checkpoint save",
+    )
+    assert not (tmp_path / "last.ckpt").exists()  # no checkpoint with stale weights was written
+
+
+def test_unreachable_worker_mid_training(pair):
+    relay = Relay(pair.addresses[1])  # every connection to stage 1 (the driver's, stage 0's) crosses it
+    try:
+        inject = _Inject("on_train_batch_start", relay.partition, step=2)
+        _expect_lost(
+            _fit([pair.addresses[0], relay.address], [inject]),
+            lambda: inject.at,
+            address=relay.address,
+            stage=1,
+            during="forward",
+            name="network partition during forward",
+        )
+    finally:
+        relay.close()
+
+
+def test_a_stage_that_cannot_reach_the_next_reports_it(start_workers):
+    """The driver reaches both workers, but stage 0 cannot reach stage 1 (here: a dead address):
+    stage 0 gives up after the driver's heartbeat timeout and the driver hears why."""
+    worker = start_workers(1).addresses[0]
+    dead = zmq.Context.instance().socket(zmq.ROUTER)
+    dead_address = f"tcp://127.0.0.1:{dead.bind_to_random_port('tcp://127.0.0.1')}"
+    dead.close(0)  # nobody listens there any more
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(worker)
+    session = uuid.uuid4().hex
+    try:
+        sock.send_multipart(protocol.encode(protocol.HELLO, 1, session, {"driver": "t", "heartbeat_timeout": 1.0}))
+        assert sock.poll(10_000) and protocol.decode(sock.recv_multipart()).kind == protocol.OK
+        setup = {
+            "key": "net",
+            "stage": 0,
+            "start": 0,
+            "entries": [["torch.nn.Identity", {}, [2]]],
+            "exports": [],
+            "init_seed": 0,
+            "sources": [[-1, []]],
+            "targets": [[1, []]],
+            "peers": {1: dead_address},
+        }
+        sock.send_multipart(protocol.encode(protocol.SETUP, 2, session, setup))
+        assert sock.poll(10_000) and protocol.decode(sock.recv_multipart()).kind == protocol.OK
+        forward = {"key": "net", "call": 1, "mb": 0, "from": -1, "x": torch.ones(2), "vars": {}, "grad": False}
+        start = time.monotonic()
+        sock.send_multipart(protocol.encode(protocol.FORWARD, 3, session, forward))
+        assert sock.poll(10_000), "no error within 10 s"
+        err = protocol.decode(sock.recv_multipart())
+        assert err.kind == protocol.ERROR and err.body["type"] == "PeerUnreachableError", err.body
+        assert dead_address in err.body["message"] and err.body["call"] == 1
+        assert 0.9 < time.monotonic() - start < 1.0 + SLACK
+        sock.send_multipart(protocol.encode(protocol.BYE, 4, session))
+        assert sock.poll(10_000)
+    finally:
+        sock.close(0)
+
+
+DRIVER_SCRIPT = """
+import sys, time, torch
+from lightning_remote_mp.driver import DriverSession
+from lightning_remote_mp.spec import SpecSequential
+session = DriverSession([sys.argv[1]], connect_timeout=30)
+net = SpecSequential([("torch.nn.Linear", {"in_features": 3, "out_features": 3}, (2, 3))] * 2)
+session.place("net", net)
+net(torch.ones(2, 3)).sum().backward()
+print("trained", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_worker_frees_itself_from_a_killed_driver(start_workers):
+    session_timeout = 2.0
+    worker = start_workers(1, extra_args=["--session-timeout", str(session_timeout)]).addresses[0]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    driver = subprocess.Popen([sys.executable, "-c", DRIVER_SCRIPT, worker], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert _read_line(driver, 60) == "trained"
+        driver.kill()
+        killed_at = time.monotonic()
+        driver.wait(10)
+        refusals = 0
+        admitted = None
+        while time.monotonic() - killed_at < session_timeout + 10:
+            try:
+                admitted = DriverSession([worker], connect_timeout=10)
+                break
+            except WorkerError as err:
+                assert err.remote_type == "WorkerBusy", err
+                refusals += 1
+                time.sleep(0.2)
+        assert admitted is not None, "the worker never dropped the dead driver's session"
+        waited = time.monotonic() - killed_at
+        _record("worker frees itself from a killed driver", waited)
+        assert refusals > 0  # the dead driver's session held the worker...
+        assert waited < session_timeout + 1.0 + SLACK  # ...until --session-timeout (plus one heartbeat)
+        try:
+            net = SpecSequential([("torch.nn.Linear", {"in_features": 3, "out_features": 3}, (2, 3))])
+            admitted.place("net", net)
+            assert net(torch.ones(2, 3)).shape == (2, 3)
+        finally:
+            admitted.close()
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait(10)
+        driver.stdout.close()
+
+
+def _read_line(proc: subprocess.Popen, timeout: float) -> str:
+    import selectors
+
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    try:
+        if sel.select(timeout):
+            return proc.stdout.readline().strip()
+        return ""
+    finally:
+        sel.close()
+
+
+def test_resume_from_the_last_checkpoint_on_a_replacement_worker(start_workers, tmp_path, twin):
+    pool = start_workers(3)
+    w0, w1, w2 = pool.addresses
+    torch.manual_seed(21)
+    base = Net(residual_spec(probe=False), local_head=True)
+    straight, interrupted, resumed = twin(base), twin(base), twin(base)
+    epochs = 3
+    strategy = RemoteModelParallelStrategy(hosts=[w0, w1], balance=BALANCE, heartbeat_timeout=HEARTBEAT)
+    trainer(strategy, epochs=epochs).fit(straight, data())  # the uninterrupted reference
+
+    def checkpoints():
+        return ModelCheckpoint(dirpath=tmp_path, save_last=True, every_n_epochs=1, save_on_train_epoch_end=True)
+
+    kill = _Inject("on_train_batch_start", _signal(pool.procs[1].pid, signal.SIGKILL), step=6)  # mid epoch 2
+    strategy = RemoteModelParallelStrategy(hosts=[w0, w1], balance=BALANCE, heartbeat_timeout=HEARTBEAT)
+    with pytest.raises(WorkerLostError, match=w1):
+        trainer(strategy, epochs=epochs, enable_checkpointing=True, callbacks=[kill, checkpoints()]).fit(
+            interrupted, data()
+        )
+    assert (tmp_path / "last.ckpt").exists()
+    # A new run, as a restarted script would make it: w2 replaces the dead worker, w0 is free again.
+    strategy = RemoteModelParallelStrategy(hosts=[w0, w2], balance=BALANCE, heartbeat_timeout=HEARTBEAT)
+    trainer(strategy, epochs=epochs, enable_checkpointing=True, callbacks=[checkpoints()]).fit(
+        resumed, data(), ckpt_path="last"
+    )
+    assert resumed.losses == straight.losses[-len(resumed.losses) :]
+    assert_same_weights(straight, resumed, tol=0.0)
+    for p, q in zip(straight.parameters(), resumed.parameters()):
+        assert torch.equal(p, q)
