@@ -40,7 +40,7 @@ DEFAULT_CONNECT_TIMEOUT = 30.0
 DEFAULT_HEARTBEAT_TIMEOUT = 10.0
 DEFAULT_HEARTBEAT_INTERVAL = 1.0
 _POLL_SLICE_MS = 50
-_VAGUE_FAILURE_WAIT = 0.5  # seconds a handshake failure without detail waits for a more telling one
+_VAGUE_FAILURE_WAIT = 2.0  # seconds a handshake failure without detail waits for a more telling one (a reconnect)
 
 
 def normalize_address(host: str) -> str:
@@ -110,9 +110,11 @@ def dealer(
     curve: Curve | None = None,
     immediate: bool = False,
     limits: protocol.Limits | None = None,
+    connect: bool = True,
 ) -> zmq.Socket:
     """A client socket. ``immediate``: queue messages only on a completed connection (and handshake),
-    so a send that cannot be delivered is seen as such instead of waiting in a queue."""
+    so a send that cannot be delivered is seen as such instead of waiting in a queue. With
+    ``connect=False`` the caller connects it (after attaching a monitor, say)."""
     sock = context().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     if immediate:
@@ -123,7 +125,8 @@ def dealer(
         sock.curve_secretkey = curve.keys.secret
         sock.curve_publickey = curve.keys.public
         sock.curve_serverkey = curve.server_key
-    sock.connect(address)
+    if connect:
+        sock.connect(address)
     return sock
 
 
@@ -285,8 +288,10 @@ class Connection:
         self.remote_limits: protocol.Limits | None = None
         self.is_alive = is_alive  # for workers this process started: returns why it died, or None
         self.curve = curve
-        self._sock = dealer(address, curve=curve, limits=limits)
+        self._sock = dealer(address, curve=curve, limits=limits, connect=False)
+        # Attached before connecting: a refused handshake is not retried, so its event must not be missed.
         self._monitor: zmq.Socket | None = self._sock.get_monitor_socket(_HANDSHAKE_EVENTS)
+        self._sock.connect(address)
         self._tcp_connected_at: float | None = None
         self._vague_failure: tuple[float, dict[str, Any]] | None = None
         self._heard = False

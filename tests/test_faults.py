@@ -30,7 +30,8 @@ from lightning_remote_mp.spec import SpecSequential
 
 pytestmark = pytest.mark.timeout(120)
 
-HEARTBEAT = 2.0
+#: The tests use a short heartbeat timeout to stay fast; LRMP_FAULT_HEARTBEAT=10 runs them with the default.
+HEARTBEAT = float(os.environ.get("LRMP_FAULT_HEARTBEAT", "2.0"))
 SLACK = 4.0
 BALANCE = [4, 6]  # residual_spec(probe=False): 10 layers; res_1 crosses from stage 0 to stage 1
 
@@ -78,24 +79,30 @@ def _expect_lost(run, injected_at, *, address: str, stage: int, during: str, nam
 
 
 @pytest.fixture
-def pair(start_workers):
-    """Two fresh workers; any that a test stopped is continued before they are stopped."""
-    workers = start_workers(2)
+def victim(start_workers):
+    """A fresh worker to kill, stop or cut off (continued at cleanup if it was stopped). Its partner
+    stage is one of the suite's shared workers, which the failed run's teardown releases."""
+    workers = start_workers(1)
     yield workers
-    for p in workers.procs:
-        if p.poll() is None:
-            os.kill(p.pid, signal.SIGCONT)
+    if workers.procs and workers.procs[0].poll() is None:
+        os.kill(workers.procs[0].pid, signal.SIGCONT)
 
 
-def _fit(workers_or_hosts, callbacks, epochs: int = 2, spec=None, **kwargs):
-    hosts = workers_or_hosts if isinstance(workers_or_hosts, list) else workers_or_hosts.addresses
+def _hosts(pool: list[str], victim, stage: int) -> list[str]:
+    hosts = [pool[0], pool[0]]
+    hosts[stage] = victim.addresses[0]
+    hosts[1 - stage] = pool[0]
+    return hosts
+
+
+def _fit(hosts: list[str], callbacks, epochs: int = 2, spec=None, **kwargs):
     balance = kwargs.pop("balance", BALANCE)
     strategy = RemoteModelParallelStrategy(hosts=hosts, balance=balance, heartbeat_timeout=HEARTBEAT)
     model = Net(spec or residual_spec(probe=False))
     return lambda: trainer(strategy, epochs=epochs, callbacks=callbacks, **kwargs).fit(model, data())
 
 
-def test_hung_worker_during_setup(pair, tmp_path):
+def test_hung_worker_during_setup(victim, pool, tmp_path):
     marker = tmp_path / "building"
     spec = residual_spec(probe=False)
     gate = ("lrmp_testlayers.SetupGate", {"marker": str(marker), "driver_pid": os.getpid(), "seconds": 3}, (32, 16))
@@ -104,15 +111,15 @@ def test_hung_worker_during_setup(pair, tmp_path):
 
     def stop_when_building():
         if wait_for(marker.exists, 60):
-            os.kill(pair.procs[1].pid, signal.SIGSTOP)
+            os.kill(victim.procs[0].pid, signal.SIGSTOP)
             stopped["at"] = time.monotonic()
 
     watcher = threading.Thread(target=stop_when_building, daemon=True)
     watcher.start()
     _expect_lost(
-        _fit(pair, [], spec=spec, balance=[4, 7]),
+        _fit(_hosts(pool, victim, 1), [], spec=spec, balance=[4, 7]),
         lambda: stopped.get("at"),
-        address=pair.addresses[1],
+        address=victim.addresses[0],
         stage=1,
         during="setup",
         name="SIGSTOP during setup",
@@ -120,24 +127,24 @@ def test_hung_worker_during_setup(pair, tmp_path):
     watcher.join(5)
 
 
-def test_killed_worker_during_backward(pair):
-    inject = _Inject("on_before_backward", _signal(pair.procs[1].pid, signal.SIGKILL))
+def test_killed_worker_during_backward(victim, pool):
+    inject = _Inject("on_before_backward", _signal(victim.procs[0].pid, signal.SIGKILL))
     _expect_lost(
-        _fit(pair, [inject]),
+        _fit(_hosts(pool, victim, 1), [inject]),
         lambda: inject.at,
-        address=pair.addresses[1],
+        address=victim.addresses[0],
         stage=1,
         during="backward",
         name="SIGKILL during backward",
     )
 
 
-def test_hung_worker_during_optimizer_step(pair):
-    inject = _Inject("on_before_optimizer_step", _signal(pair.procs[0].pid, signal.SIGSTOP))
+def test_hung_worker_during_optimizer_step(victim, pool):
+    inject = _Inject("on_before_optimizer_step", _signal(victim.procs[0].pid, signal.SIGSTOP))
     _expect_lost(
-        _fit(pair, [inject]),
+        _fit(_hosts(pool, victim, 0), [inject]),
         lambda: inject.at,
-        address=pair.addresses[0],
+        address=victim.addresses[0],
         stage=0,
         during="optim_step",
         name="SIGSTOP during optimizer step",
@@ -145,15 +152,15 @@ def test_hung_worker_during_optimizer_step(pair):
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "hung"])
-def test_lost_worker_during_checkpoint_save(pair, tmp_path, sig):
+def test_lost_worker_during_checkpoint_save(victim, pool, tmp_path, sig):
     # Lightning runs ModelCheckpoint's epoch-end hook after every other callback's: the fault comes
     # right before the checkpoint gathers the weights from the workers.
-    inject = _Inject("on_train_epoch_end", _signal(pair.procs[1].pid, sig))
+    inject = _Inject("on_train_epoch_end", _signal(victim.procs[0].pid, sig))
     ckpt = ModelCheckpoint(dirpath=tmp_path, save_last=True, every_n_epochs=1, save_on_train_epoch_end=True)
     _expect_lost(
-        _fit(pair, [inject, ckpt], enable_checkpointing=True),
+        _fit(_hosts(pool, victim, 1), [inject, ckpt], enable_checkpointing=True),
         lambda: inject.at,
-        address=pair.addresses[1],
+        address=victim.addresses[0],
         stage=1,
         during=protocol.GET_STATE,
         name=f"{'SIGKILL' if sig == signal.SIGKILL else 'SIGSTOP'} during checkpoint save",
@@ -161,12 +168,12 @@ def test_lost_worker_during_checkpoint_save(pair, tmp_path, sig):
     assert not (tmp_path / "last.ckpt").exists()  # no checkpoint with stale weights was written
 
 
-def test_unreachable_worker_mid_training(pair):
-    relay = Relay(pair.addresses[1])  # every connection to stage 1 (the driver's, stage 0's) crosses it
+def test_unreachable_worker_mid_training(victim, pool):
+    relay = Relay(victim.addresses[0])  # every connection to stage 1 (the driver's, stage 0's) crosses it
     try:
         inject = _Inject("on_train_batch_start", relay.partition, step=2)
         _expect_lost(
-            _fit([pair.addresses[0], relay.address], [inject]),
+            _fit([pool[0], relay.address], [inject]),
             lambda: inject.at,
             address=relay.address,
             stage=1,
@@ -177,10 +184,10 @@ def test_unreachable_worker_mid_training(pair):
         relay.close()
 
 
-def test_a_stage_that_cannot_reach_the_next_reports_it(start_workers):
+def test_a_stage_that_cannot_reach_the_next_reports_it(pool):
     """The driver reaches both workers, but stage 0 cannot reach stage 1 (here: a dead address):
     stage 0 gives up after the driver's heartbeat timeout and the driver hears why."""
-    worker = start_workers(1).addresses[0]
+    worker = pool[0]
     dead = zmq.Context.instance().socket(zmq.ROUTER)
     dead_address = f"tcp://127.0.0.1:{dead.bind_to_random_port('tcp://127.0.0.1')}"
     dead.close(0)  # nobody listens there any more
@@ -282,31 +289,30 @@ def _read_line(proc: subprocess.Popen, timeout: float) -> str:
         sel.close()
 
 
-def test_resume_from_the_last_checkpoint_on_a_replacement_worker(start_workers, tmp_path, twin):
-    pool = start_workers(3)
-    w0, w1, w2 = pool.addresses
+def test_resume_from_the_last_checkpoint_on_a_replacement_worker(victim, pool, tmp_path, twin):
+    """A worker is killed mid-epoch; the script runs again with ckpt_path="last" and another worker
+    in its place, and ends exactly where an uninterrupted run ends."""
+    w0, doomed, replacement = pool[0], victim.addresses[0], pool[1]
     torch.manual_seed(21)
     base = Net(residual_spec(probe=False), local_head=True)
     straight, interrupted, resumed = twin(base), twin(base), twin(base)
     epochs = 3
-    strategy = RemoteModelParallelStrategy(hosts=[w0, w1], balance=BALANCE, heartbeat_timeout=HEARTBEAT)
-    trainer(strategy, epochs=epochs).fit(straight, data())  # the uninterrupted reference
 
-    def checkpoints():
-        return ModelCheckpoint(dirpath=tmp_path, save_last=True, every_n_epochs=1, save_on_train_epoch_end=True)
+    def run(model, hosts, callbacks=(), **kwargs):
+        strategy = RemoteModelParallelStrategy(hosts=hosts, balance=BALANCE, heartbeat_timeout=HEARTBEAT)
+        checkpoints = ModelCheckpoint(dirpath=tmp_path, save_last=True, every_n_epochs=1, save_on_train_epoch_end=True)
+        t = trainer(strategy, epochs=epochs, enable_checkpointing=True, callbacks=[*callbacks, checkpoints])
+        t.fit(model, data(), **kwargs)
 
-    kill = _Inject("on_train_batch_start", _signal(pool.procs[1].pid, signal.SIGKILL), step=6)  # mid epoch 2
-    strategy = RemoteModelParallelStrategy(hosts=[w0, w1], balance=BALANCE, heartbeat_timeout=HEARTBEAT)
-    with pytest.raises(WorkerLostError, match=w1):
-        trainer(strategy, epochs=epochs, enable_checkpointing=True, callbacks=[kill, checkpoints()]).fit(
-            interrupted, data()
-        )
+    trainer(RemoteModelParallelStrategy(hosts=[w0, replacement], balance=BALANCE), epochs=epochs).fit(
+        straight, data()
+    )  # the uninterrupted reference
+    kill = _Inject("on_train_batch_start", _signal(victim.procs[0].pid, signal.SIGKILL), step=6)  # mid epoch 2
+    with pytest.raises(WorkerLostError, match=doomed):
+        run(interrupted, [w0, doomed], [kill])
     assert (tmp_path / "last.ckpt").exists()
-    # A new run, as a restarted script would make it: w2 replaces the dead worker, w0 is free again.
-    strategy = RemoteModelParallelStrategy(hosts=[w0, w2], balance=BALANCE, heartbeat_timeout=HEARTBEAT)
-    trainer(strategy, epochs=epochs, enable_checkpointing=True, callbacks=[checkpoints()]).fit(
-        resumed, data(), ckpt_path="last"
-    )
+    # A new run, as a restarted script would make it: w0 was released by the failed run's teardown.
+    run(resumed, [w0, replacement], ckpt_path="last")
     assert resumed.losses == straight.losses[-len(resumed.losses) :]
     assert_same_weights(straight, resumed, tol=0.0)
     for p, q in zip(straight.parameters(), resumed.parameters()):

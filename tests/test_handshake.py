@@ -107,13 +107,12 @@ def test_other_lrmp_or_torch_versions_only_warn(caplog):
         fake.close()
 
 
-def test_a_real_worker_answers_a_driver_of_another_protocol_version(start_workers, tmp_path):
+def test_a_real_worker_answers_a_driver_of_another_protocol_version(pool):
     """What an older or newer driver hears from this worker: an error that echoes its request id and
     names both versions, in a header whose first fields every version reads the same way."""
-    workers = start_workers(1)
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(workers.addresses[0])
+    sock.connect(pool[0])
     try:
         session = uuid.uuid4().hex
         hello = {"driver": "future", "protocol": 2, "lrmp": "2.0.0"}
@@ -132,7 +131,7 @@ def test_a_real_worker_answers_a_driver_of_another_protocol_version(start_worker
             assert f"version {protocol.PROTOCOL_VERSION}" in msg.body["message"]
             assert "2" in msg.body["message"]
         # The worker did not start a session for it: a driver of this version is served.
-        session = DriverSession(workers.addresses, connect_timeout=30)
+        session = DriverSession(pool[:1], connect_timeout=30)
         session.close()
     finally:
         sock.close(0)

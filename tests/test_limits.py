@@ -141,10 +141,9 @@ def test_the_worker_enforces_its_limits_on_raw_messages(limited):
         session.close()
 
 
-def test_the_driver_limits_what_workers_send_it(start_workers):
-    workers = start_workers(1)
+def test_the_driver_limits_what_workers_send_it(pool):
     # The driver accepts at most 1 KiB per message: a 4 KiB output is refused as it arrives.
-    session = DriverSession(workers.addresses, connect_timeout=30, limits=protocol.Limits(max_message_bytes=1024))
+    session = DriverSession(pool[:1], connect_timeout=30, limits=protocol.Limits(max_message_bytes=1024))
     try:
         net = _net(2)
         session.place("net", net)

@@ -7,8 +7,11 @@ checks that what crosses the network is ciphertext.
 
 from __future__ import annotations
 
+import copy
+import json
 import os
 import stat
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -99,7 +102,7 @@ def _check_serves(addresses: list[str], keyring: Keyring) -> None:
     session = DriverSession(
         addresses,
         keys=keyring.pair("driver"),
-        worker_keys=[keyring.public_key("w0"), keyring.public_key("w1")],
+        worker_keys=dict(zip(addresses, [keyring.public_key("w0"), keyring.public_key("w1")])),
         connect_timeout=20,
     )
     try:
@@ -116,13 +119,18 @@ def _check_serves(addresses: list[str], keyring: Keyring) -> None:
 
 
 def _dealer(address: str, curve: tuple[KeyPair, bytes] | None = None) -> zmq.Socket:
+    sock = _unconnected_dealer(curve)
+    sock.connect(address)
+    return sock
+
+
+def _unconnected_dealer(curve: tuple[KeyPair, bytes] | None = None) -> zmq.Socket:
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     if curve is not None:
         sock.curve_secretkey = curve[0].secret
         sock.curve_publickey = curve[0].public
         sock.curve_serverkey = curve[1]
-    sock.connect(address)
     return sock
 
 
@@ -171,7 +179,7 @@ def test_the_strategy_checks_its_key_arguments(keyring):
     shared = RemoteModelParallelStrategy(
         hosts=hosts, curve_secret_key=keyring.secret("driver"), worker_public_keys=[keyring.public("w0")]
     )
-    assert shared._worker_keys == [keyring.public_key("w0")] * 2
+    assert shared._worker_keys == {f"tcp://{h}": keyring.public_key("w0") for h in hosts}
 
 
 def test_binding_beyond_loopback_without_keys_warns():
@@ -184,17 +192,20 @@ def test_binding_beyond_loopback_without_keys_warns():
 # --- who may connect ----------------------------------------------------------------------------
 
 
-def test_refused_drivers_hear_why_at_once(curve_workers, keyring, start_workers):
+def test_refused_drivers_hear_why_at_once(curve_workers, keyring, pool):
     addresses = curve_workers.addresses
     worker_keys = [keyring.public_key("w0"), keyring.public_key("w1")]
     cases = {
         "a key the workers do not list": (
-            dict(keys=keyring.pair("stranger"), worker_keys=worker_keys),
+            dict(keys=keyring.pair("stranger"), worker_keys=dict(zip(addresses, worker_keys))),
             "refused this driver's public key " + keyring.public_key("stranger").decode(),
         ),
         "no key at all": (dict(), "requires CURVE encryption"),
         "a wrong idea of the worker's key": (
-            dict(keys=keyring.pair("driver"), worker_keys=[keyring.public_key("w2"), worker_keys[1]]),
+            dict(
+                keys=keyring.pair("driver"),
+                worker_keys=dict(zip(addresses, [keyring.public_key("w2"), worker_keys[1]])),
+            ),
             "is probably not the public key",
         ),
     }
@@ -207,9 +218,8 @@ def test_refused_drivers_hear_why_at_once(curve_workers, keyring, start_workers)
         assert expected in str(info.value), (case, str(info.value))
         assert info.value.address == addresses[0] and addresses[0] in str(info.value), case
     # A driver with keys meets a worker without: said so too.
-    plain = start_workers(1)
     with pytest.raises(AuthenticationError, match="does not use CURVE"):
-        DriverSession(plain.addresses, keys=keyring.pair("driver"), worker_keys=worker_keys[:1], connect_timeout=30)
+        DriverSession(pool[:1], keys=keyring.pair("driver"), worker_keys={pool[0]: worker_keys[0]}, connect_timeout=30)
     # Through the strategy, a refused key fails fit with the same error.
     strategy = RemoteModelParallelStrategy(
         hosts=addresses, curve_secret_key=keyring.secret("stranger"), worker_public_keys=[keyring.public("w0")]
@@ -225,13 +235,15 @@ def test_refused_drivers_hear_why_at_once(curve_workers, keyring, start_workers)
 def test_plaintext_and_unknown_keys_get_no_answer_at_all(curve_workers, keyring):
     address = curve_workers.addresses[0]
     server_key = keyring.public_key("w0")
+    plaintext = _unconnected_dealer()
+    monitor = plaintext.get_monitor_socket()  # before connecting: the handshake fails at once
+    plaintext.connect(address)
     socks = {
-        "plaintext": _dealer(address),
+        "plaintext": plaintext,
         "stranger": _dealer(address, (keyring.pair("stranger"), server_key)),
         "authorized": _dealer(address, (keyring.pair("driver"), server_key)),
     }
     try:
-        monitor = socks["plaintext"].get_monitor_socket()
         session = uuid.uuid4().hex
         for name in ("plaintext", "stranger"):  # both asked at once, both waited for 2 s
             socks[name].send_multipart(protocol.encode(protocol.HELLO, 1, session, {"driver": name}))
@@ -314,22 +326,28 @@ class _SessionId(L.Callback):
         self.id = trainer.strategy.session.id
 
 
+@pytest.fixture(scope="module")
+def local_run() -> tuple[Net, Net]:
+    """A model trained one epoch locally, and an untrained twin of it."""
+    torch.manual_seed(11)
+    local = Net(residual_spec(probe=False))
+    untrained = copy.deepcopy(local)
+    trainer(epochs=1).fit(local, data())
+    return local, untrained
+
+
 @pytest.mark.parametrize("secure", [True, False], ids=["curve", "plaintext-control"])
-def test_training_through_a_wiretap_equals_local_and_shows_no_plaintext(secure, keyring, twin):
+def test_training_through_a_wiretap_equals_local_and_shows_no_plaintext(
+    secure, keyring, curve_workers, pool, local_run
+):
     """Every connection (driver to workers, heartbeats, worker to worker) goes through a relay that
     records the bytes. With keys, nothing recognisable crosses it; the plaintext run shows the same
     check would see the data."""
-    kwargs = {}
-    if secure:
-        kwargs = dict(secret_keys=[keyring.secret("w0"), keyring.secret("w1")], authorized_keys=str(keyring.authorized))
-    workers = LocalWorkers(2, devices=["cpu"] * 2, threads=1, **kwargs)
-    workers.start()
-    relays = [Relay(a) for a in workers.addresses]
+    addresses = curve_workers.addresses if secure else pool[:2]
+    relays = [Relay(a) for a in addresses]
     try:
-        torch.manual_seed(11)
-        local = Net(residual_spec(probe=False))
-        remote = twin(local)
-        trainer(epochs=1).fit(local, data())
+        local, untrained = local_run
+        remote = copy.deepcopy(untrained)
         keys = {}
         if secure:
             keys = dict(
@@ -346,7 +364,6 @@ def test_training_through_a_wiretap_equals_local_and_shows_no_plaintext(secure, 
     finally:
         for r in relays:
             r.close()
-        workers.stop()
     assert sum(len(s) for s in streams) > 20_000  # the whole run crossed the relays
     first_batch = next(iter(data()))[0].numpy().tobytes()
     markers = {
@@ -382,3 +399,20 @@ def test_local_workers_get_fresh_keys_with_curve_secret_key(keyring):
     # It trained there: four steps, and every weight came back changed.
     assert len(remote.losses) == 4
     assert all(not torch.equal(before[k], v) for k, v in remote.state_dict().items()), "some weight did not train"
+
+
+def test_a_lightningcli_yaml_config_sets_the_keys(keyring, monkeypatch):
+    pytest.importorskip("jsonargparse", reason="LightningCLI needs jsonargparse: pip install -e '.[examples]'")
+    from test_examples import CONFIGS, load_example
+
+    monkeypatch.setattr(sys, "argv", ["cli.py"])
+    config = os.path.join(CONFIGS, "multi_machine_curve.yaml")
+    publics = [keyring.public("w0"), keyring.public("w1")]
+    args = ["--config", config, "--trainer.strategy.init_args.curve_secret_key", keyring.secret("driver")]
+    args += ["--trainer.strategy.init_args.worker_public_keys", json.dumps(publics)]
+    built = load_example("cli").main(args, run=False)  # builds the Trainer; contacts nobody
+    strategy = built.trainer.strategy
+    assert isinstance(strategy, RemoteModelParallelStrategy) and strategy.session is None
+    assert strategy._keys == keyring.pair("driver")
+    assert list(strategy._worker_keys.values()) == [keyring.public_key("w0"), keyring.public_key("w1")]
+    assert list(strategy._worker_keys) == ["tcp://10.0.0.5:5555", "tcp://10.0.0.6:5555"]
