@@ -13,7 +13,7 @@ dtypes and plain msgpack values: nothing that arrives can name a class or run co
 
 The first three header fields (``version``, ``kind``, ``id``) keep their place and meaning in every
 protocol version, so two sides of different versions can still tell which versions they speak and
-answer the request that failed (:class:`~lightning_remote_mp.errors.ProtocolVersionError`).
+answer the request that failed (`lightning_remote_mp.errors.ProtocolVersionError`).
 
 >>> frames = encode("forward", 7, "s1", {"x": torch.ones(2, 3), "shape": (2, 3)})
 >>> msg = decode(frames)
@@ -167,7 +167,7 @@ LIMIT_FLAGS = {
 
 
 class LimitExceeded(ProtocolError):
-    """A message is over one of the receiver's :class:`Limits` (``limit`` names which)."""
+    """A message is over one of the receiver's `Limits` (``limit`` names which)."""
 
     def __init__(self, message: str, limit: str) -> None:
         super().__init__(message)
@@ -205,7 +205,7 @@ def _tensor_frame(t: torch.Tensor) -> tuple[list[Any], memoryview]:
 def encode(kind: str, req_id: int, session: str, body: Any = None, limits: Limits | None = None) -> list[Any]:
     """Encode a message into ZeroMQ frames; tensors become zero-copy frames.
 
-    With ``limits`` (the receiver's), a message the receiver would refuse raises :class:`LimitExceeded`.
+    With ``limits`` (the receiver's), a message the receiver would refuse raises `LimitExceeded`.
     """
     metas: list[list[Any]] = []
     frames: list[Any] = []

@@ -263,7 +263,7 @@ class Connection:
 
     Replies echo the request id; a stale reply (to a request that was abandoned) is dropped. A
     monitor on the socket turns a failed handshake (a refused key, keys on one side only) into an
-    :class:`~lightning_remote_mp.errors.AuthenticationError` at once, instead of a silent timeout.
+    `lightning_remote_mp.errors.AuthenticationError` at once, instead of a silent timeout.
     """
 
     def __init__(

@@ -1,6 +1,6 @@
 """Who may connect to a worker that runs with CURVE keys, and what each may send.
 
-pyzmq's ZAP authenticator (``zmq.auth.thread.ThreadAuthenticator``) asks :meth:`WorkerAuth.callback`
+pyzmq's ZAP authenticator (``zmq.auth.thread.ThreadAuthenticator``) asks `WorkerAuth.callback`
 about every client's public key during the handshake. A key is accepted
 
 - as a **driver** when a ``*.key`` file in the ``--authorized-keys`` directory holds it (the

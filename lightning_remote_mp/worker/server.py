@@ -83,7 +83,7 @@ class _Outbox:
 
     Peer links are DEALER sockets with ``IMMEDIATE`` set, so a message only goes to a connected
     (and, with CURVE, authenticated) peer; one that cannot be handed over within ``peer_timeout``
-    fails the micro-batch with :class:`PeerUnreachableError` instead of waiting forever.
+    fails the micro-batch with `PeerUnreachableError` instead of waiting forever.
     """
 
     def __init__(self, to_io: zmq.Socket, keys: KeyPair | None = None) -> None:
