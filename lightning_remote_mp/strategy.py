@@ -248,6 +248,12 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
         balances = {key: self._balance_for(key, modules) for key in modules}  # fail before starting anything
         try:
             hosts, liveness, worker_keys = self._workers(modules)
+            if self._keys is not None and len(normalize_hosts(hosts)) > 1:
+                log.warning(
+                    "CURVE protects the links of the driver and of each pipeline, but replicas all-reduce their "
+                    "gradients through torch.distributed (gloo or NCCL), which is neither encrypted nor "
+                    "authenticated: run data parallel training on a trusted network only"
+                )
             self._session = DriverSession(
                 hosts,
                 heartbeat_timeout=self.heartbeat_timeout,
@@ -258,13 +264,6 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
                 worker_keys=worker_keys,
                 limits=self.limits,
             )
-            if self._keys is not None and self._session.replicas > 1:
-                log.warning(
-                    "CURVE protects the driver's and the pipelines' links, but replicas all-reduce their "
-                    "gradients through torch.distributed (%s), which is neither encrypted nor authenticated: "
-                    "run data parallel training on a trusted network only",
-                    "NCCL/gloo",
-                )
             for key, module in modules.items():
                 self._session.place(key, module, balances[key], self.microbatches)
             if fitting:
