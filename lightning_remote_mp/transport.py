@@ -40,7 +40,7 @@ DEFAULT_CONNECT_TIMEOUT = 30.0
 DEFAULT_HEARTBEAT_TIMEOUT = 10.0
 DEFAULT_HEARTBEAT_INTERVAL = 1.0
 _POLL_SLICE_MS = 50
-_VAGUE_FAILURE_WAIT = 2.0  # seconds a handshake failure without detail waits for a more telling one (a reconnect)
+_VAGUE_FAILURE_WAIT = 1.0  # seconds a handshake failure without detail waits for a more telling one (a reconnect)
 
 
 def normalize_address(host: str) -> str:

@@ -7,9 +7,6 @@ torch version is a warning on both sides (the protocol is what must match).
 from __future__ import annotations
 
 import logging
-import os
-import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -135,43 +132,3 @@ def test_a_real_worker_answers_a_driver_of_another_protocol_version(pool):
         session.close()
     finally:
         sock.close(0)
-
-
-def test_the_worker_warns_about_a_driver_of_other_lrmp_and_torch_versions(tmp_path):
-    log = tmp_path / "worker.log"
-    with open(log, "w") as err:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "lightning_remote_mp.worker", "--bind", "tcp://127.0.0.1:*", "--threads", "1"],
-            stdout=subprocess.PIPE,
-            stderr=err,
-            stdin=subprocess.DEVNULL,
-            text=True,
-            env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)},
-        )
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    try:
-        from lightning_remote_mp.launch import LocalWorkers
-
-        address = LocalWorkers._wait_ready(proc, time.monotonic() + 60)
-        sock.connect(address)
-        session = uuid.uuid4().hex
-        body = {"driver": "old-driver", "protocol": protocol.PROTOCOL_VERSION, "lrmp": "0.0.1", "torch": "1.0"}
-        sock.send_multipart(protocol.encode(protocol.HELLO, 1, session, body))
-        assert sock.poll(5000)
-        assert protocol.decode(sock.recv_multipart()).kind == protocol.OK  # a warning, not a refusal
-        sock.send_multipart(protocol.encode(protocol.BYE, 2, session))
-        assert sock.poll(5000)
-        deadline = time.monotonic() + 5
-        while "lrmp 0.0.1 / torch 1.0" not in log.read_text() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert "driver old-driver runs lrmp 0.0.1 / torch 1.0" in log.read_text()
-    finally:
-        sock.close(0)
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        proc.stdout.close()

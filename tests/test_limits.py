@@ -16,6 +16,7 @@ import zmq
 
 from lightning_remote_mp import ProtocolError, SpecError, protocol
 from lightning_remote_mp.driver import DriverSession
+from lightning_remote_mp.launch import LocalWorkers
 from lightning_remote_mp.protocol import LimitExceeded
 from lightning_remote_mp.spec import SpecSequential
 from lightning_remote_mp.worker.cli import parse_size
@@ -27,9 +28,13 @@ FLAGS = ["--max-message-bytes", "1MiB", "--max-header-bytes", "256KiB"]
 FLAGS += ["--max-tensors", "8", "--max-tensor-dims", "4", "--max-layers", "3"]
 
 
-@pytest.fixture
-def limited(start_workers):
-    return start_workers(1, extra_args=FLAGS).addresses[0]
+@pytest.fixture(scope="module")
+def limited():
+    """One worker started with small limits, shared by this module's tests (each ends its session)."""
+    workers = LocalWorkers(1, devices=["cpu"], threads=1, extra_args=FLAGS)
+    workers.start()
+    yield workers.addresses[0]
+    workers.stop()
 
 
 def _net(layers: int) -> SpecSequential:

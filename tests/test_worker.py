@@ -616,3 +616,20 @@ def test_unknown_sessions_get_an_error(worker, connect):
     assert err["type"] == "SessionError"
     owner.ok(protocol.BYE)
     worker.assert_alive()
+
+
+def test_a_driver_of_other_lrmp_and_torch_versions_is_served_with_a_warning(worker, connect):
+    client = connect(worker.address)
+    hello = {"driver": "old-driver", "protocol": protocol.PROTOCOL_VERSION, "lrmp": "0.0.1", "torch": "1.0"}
+    info = client.ok(protocol.HELLO, hello)  # a warning, not a refusal (only the protocol must match)
+    assert (info["lrmp"], info["torch"], info["protocol"]) == (
+        __version__,
+        torch.__version__,
+        protocol.PROTOCOL_VERSION,
+    )
+    client.ok(protocol.BYE)
+    expected = "driver old-driver runs lrmp 0.0.1 / torch 1.0; this worker runs lrmp"
+    deadline = time.monotonic() + 5
+    while expected not in worker.log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert expected in worker.log.read_text()
