@@ -352,3 +352,21 @@ def test_resume_from_the_last_checkpoint_on_a_replacement_worker(victim, pool, t
     assert_same_weights(straight, resumed, tol=0.0)
     for p, q in zip(straight.parameters(), resumed.parameters()):
         assert torch.equal(p, q)
+
+
+def test_a_listener_that_never_answers_fails_the_connect_after_the_heartbeat_timeout():
+    """Something accepts the TCP connection but never speaks (a stopped worker, another program):
+    the driver gives up after heartbeat_timeout, not after the longer connect_timeout."""
+    import socket
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    address = f"tcp://127.0.0.1:{listener.getsockname()[1]}"
+    try:
+        start = time.monotonic()
+        with pytest.raises(WorkerLostError, match="accepted the TCP connection") as info:
+            DriverSession([address], heartbeat_timeout=HEARTBEAT, connect_timeout=60)
+        elapsed = time.monotonic() - start
+        assert info.value.address == address and "is the worker hung" in str(info.value)
+        assert HEARTBEAT <= elapsed < HEARTBEAT + SLACK, elapsed
+    finally:
+        listener.close()
