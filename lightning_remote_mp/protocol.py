@@ -258,6 +258,10 @@ def encode(kind: str, req_id: int, session: str, body: Any = None, limits: Limit
         )
     except (TypeError, ValueError, OverflowError, RecursionError) as err:
         raise ProtocolError(f"cannot encode {kind!r} message: {err}") from err
+    finally:
+        # default and _pack refer to each other: break the cycle so that the frames (and the tensors
+        # they view) are freed when the message is sent, not at the next garbage collection.
+        default = _pack = None  # noqa: F841
     if limits is not None:
         _check_outgoing(kind, header, metas, frames, limits)
     return [header, *frames]
@@ -343,7 +347,7 @@ def _check_meta(meta: Any, frame_len: int, limits: Limits, index: int) -> tuple[
         )
     if not all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s < 2**62 for s in shape):
         raise ProtocolError(f"tensor {index}: invalid shape {shape!r:.80}")
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     if math.prod(max(s, 1) for s in shape) * itemsize >= 2**62:
         # Even with no elements (a zero in the shape), torch overflows computing such strides.
         raise ProtocolError(f"tensor {index}: shape {shape!r:.80} is too large")
@@ -449,4 +453,7 @@ def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Message:
         raise
     except Exception as err:
         raise ProtocolError(f"undecodable body: {err}") from None
+    finally:
+        # As in encode: no reference cycle may keep the received buffers alive until a collection.
+        ext_hook = _unpack = None  # noqa: F841
     return Message(kind=kind, id=req_id, session=session, body=body)

@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 #: How long the driver waits for a worker to answer its first message.
 DEFAULT_CONNECT_TIMEOUT = 30.0
 #: How long a worker may stay silent (no reply, no heartbeat) before it is declared lost.
-DEFAULT_HEARTBEAT_TIMEOUT = 10.0
+DEFAULT_HEARTBEAT_TIMEOUT = 9.0  # a lost worker is named within 10 s: the timeout plus one heartbeat poll
 DEFAULT_HEARTBEAT_INTERVAL = 1.0
 _POLL_SLICE_MS = 50
 _VAGUE_FAILURE_WAIT = 1.0  # seconds a handshake failure without detail waits for a more telling one (a reconnect)

@@ -605,3 +605,20 @@ def test_encoded_values_round_trip(value):
             assert type(b) is type(a) and b == a
 
     check(value, _roundtrip(value).body)
+
+
+def test_decoded_and_encoded_buffers_are_freed_without_the_garbage_collector():
+    import gc
+    import weakref
+
+    gc.disable()
+    try:
+        t = torch.ones(1024)
+        frames = encode("forward", 1, "s", {"x": t, "nested": (t, [t])})
+        ref_out = weakref.ref(t)
+        msg = decode(frames)
+        ref_in = weakref.ref(msg.body["x"])
+        del t, frames, msg
+        assert ref_out() is None and ref_in() is None
+    finally:
+        gc.enable()
