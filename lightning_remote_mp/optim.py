@@ -60,6 +60,7 @@ class OptimizerMirror:
         self.replicated = any(len(cs) > 1 for cs, _ in self.remote.values())
         self.grads_version = grads_version
         self._synced_version = grads_version()
+        self.allreduced_bytes = 0  # gradient bytes each stage's replicas summed, over the session
         self._handles: list[Any] = []
         self.cls = type(optimizer)
         self._create()
@@ -117,7 +118,9 @@ class OptimizerMirror:
         each replica saw a share of the batch, and the sum is the whole batch's gradient."""
         version = self.grads_version()
         if self.replicated and version != self._synced_version:
-            broadcast(self.conns, protocol.GRADS, {"index": self.index, "op": "allreduce"})
+            replies = broadcast(self.conns, protocol.GRADS, {"index": self.index, "op": "allreduce"})
+            primary = {id(c) for c in self.primary}
+            self.allreduced_bytes += sum(r["bytes"] for c, r in zip(self.conns, replies) if id(c) in primary)
         self._synced_version = version
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
