@@ -22,7 +22,7 @@ SEPARATOR = re.compile(r"^\|(-+\|)+\s*$", re.M)
 
 
 @pytest.mark.timeout(BOUND_S + 30)
-@pytest.mark.parametrize("script", ["throughput.py", "transport.py", "protocol_cycle.py"])
+@pytest.mark.parametrize("script", ["throughput.py", "transport.py", "protocol_cycle.py", "memory.py"])
 def test_quick_mode_prints_a_table(script, tmp_path):
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", script), "--quick", "--out", str(tmp_path)]
     start = time.monotonic()
