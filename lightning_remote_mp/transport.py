@@ -164,9 +164,12 @@ def handshake_failure(event: Mapping[str, Any], curve: Curve | None) -> str | No
         return f"the ZeroMQ handshake failed (protocol error {value:#x}): is this address an lrmp-worker?"
     if kind == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
         if curve is not None:
+            # libzmq reports a worker without CURVE this way too when the connection drops before the
+            # mechanism mismatch is read (a race), so both causes are named.
             return (
                 f"the CURVE handshake failed: the public key configured for this worker "
-                f"({curve.server_key.decode()}) is probably not the public key of the --secret-key it runs with"
+                f"({curve.server_key.decode()}) is probably not the public key of the --secret-key it runs with, "
+                "unless the worker does not use CURVE encryption at all (it runs without --secret-key)"
             )
         return "the ZeroMQ handshake failed: is this address an lrmp-worker?"
     return None
