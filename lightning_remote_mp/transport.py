@@ -219,7 +219,10 @@ class Heartbeat:
         wake = context().socket(zmq.PUSH)
         wake.setsockopt(zmq.LINGER, 1000)
         wake.connect(self._wake)
-        wake.send(b"", zmq.NOBLOCK)
+        try:
+            wake.send(b"", zmq.NOBLOCK)
+        except zmq.Again:  # the loop already closed its end: it is stopping anyway (or sees the flag soon)
+            pass
         wake.close()
         self._thread.join(timeout=5)
 

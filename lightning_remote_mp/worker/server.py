@@ -276,7 +276,10 @@ class WorkerServer:
         wake = transport.context().socket(zmq.PUSH)
         wake.setsockopt(zmq.LINGER, 1000)
         wake.connect(self._inproc)
-        wake.send(b"", zmq.NOBLOCK)
+        try:
+            wake.send(b"", zmq.NOBLOCK)
+        except zmq.Again:  # the loop already closed its end: it is stopping anyway (or sees the flag soon)
+            pass
         wake.close()
 
     def _on_monitor_event(self, frames: list[bytes]) -> None:
