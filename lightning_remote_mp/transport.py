@@ -83,6 +83,22 @@ class Curve:
     server_key: bytes
 
 
+def wake(endpoint: str) -> None:
+    """Wake a loop polling an inproc PULL socket bound at ``endpoint`` (from any thread).
+
+    A courtesy only: if the loop's end cannot take the message (it is already closing), the loop
+    still sees its stop flag within one poll interval.
+    """
+    sock = context().socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 1000)
+    sock.connect(endpoint)
+    try:
+        sock.send(b"", zmq.NOBLOCK)
+    except zmq.Again:
+        pass
+    sock.close()
+
+
 def bind_router(
     address: str, *, keys: KeyPair | None = None, limits: protocol.Limits = protocol.DEFAULT_LIMITS
 ) -> tuple[zmq.Socket, str]:
@@ -216,14 +232,7 @@ class Heartbeat:
 
     def close(self) -> None:
         self._stop.set()
-        wake = context().socket(zmq.PUSH)
-        wake.setsockopt(zmq.LINGER, 1000)
-        wake.connect(self._wake)
-        try:
-            wake.send(b"", zmq.NOBLOCK)
-        except zmq.Again:  # the loop already closed its end: it is stopping anyway (or sees the flag soon)
-            pass
-        wake.close()
+        wake(self._wake)
         self._thread.join(timeout=5)
 
     def _run(self) -> None:

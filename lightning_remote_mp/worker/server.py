@@ -273,14 +273,7 @@ class WorkerServer:
     def stop(self) -> None:
         """Stop serving (from any thread, or a signal handler)."""
         self._stop.set()
-        wake = transport.context().socket(zmq.PUSH)
-        wake.setsockopt(zmq.LINGER, 1000)
-        wake.connect(self._inproc)
-        try:
-            wake.send(b"", zmq.NOBLOCK)
-        except zmq.Again:  # the loop already closed its end: it is stopping anyway (or sees the flag soon)
-            pass
-        wake.close()
+        transport.wake(self._inproc)
 
     def _on_monitor_event(self, frames: list[bytes]) -> None:
         from zmq.utils.monitor import parse_monitor_message
