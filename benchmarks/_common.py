@@ -166,3 +166,29 @@ def exit_on_sigterm() -> None:
     import signal
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+
+def echo_until_quit(sock: Any, protocol: Any | None, idle_exit_s: float) -> None:
+    """Serve a ROUTER socket as an echo (raw frames, or decoded and re-encoded with ``protocol``)
+    until a ``quit`` frame, the parent's death, or ``idle_exit_s`` without a message. Prints the
+    ``ready ENDPOINT`` line the parent waits for, and closes the socket."""
+    import zmq
+
+    print(f"ready {sock.getsockopt(zmq.LAST_ENDPOINT).decode()}", flush=True)
+    parent, last = os.getppid(), time.monotonic()
+    try:
+        while time.monotonic() - last < idle_exit_s and os.getppid() == parent:
+            if not sock.poll(500, zmq.POLLIN):
+                continue
+            frames = sock.recv_multipart(copy=False)
+            last = time.monotonic()
+            if len(frames) == 2 and frames[1].bytes == b"quit":
+                break
+            if protocol is None:
+                sock.send_multipart(frames, copy=False)
+            else:
+                msg = protocol.decode(frames[1:])
+                reply = protocol.encode(protocol.OK, msg.id, msg.session, msg.body)
+                sock.send_multipart([frames[0], *reply], copy=False)
+    finally:
+        sock.close(0)

@@ -106,24 +106,7 @@ def serve(variant: str) -> int:
     sock = zmq.Context.instance().socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.bind("tcp://127.0.0.1:*")
-    print(f"ready {sock.getsockopt(zmq.LAST_ENDPOINT).decode()}", flush=True)
-    parent, last = os.getppid(), time.monotonic()
-    try:
-        while time.monotonic() - last < IDLE_EXIT_S and os.getppid() == parent:
-            if not sock.poll(500, zmq.POLLIN):
-                continue
-            frames = sock.recv_multipart(copy=False)
-            last = time.monotonic()
-            if len(frames) == 2 and frames[1].bytes == b"quit":
-                break
-            if protocol is None:
-                sock.send_multipart(frames, copy=False)
-            else:
-                msg = protocol.decode(frames[1:])
-                reply = protocol.encode(protocol.OK, msg.id, msg.session, msg.body)
-                sock.send_multipart([frames[0], *reply], copy=False)
-    finally:
-        sock.close(0)
+    _common.echo_until_quit(sock, protocol, IDLE_EXIT_S)
     return 0
 
 

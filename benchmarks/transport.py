@@ -51,33 +51,13 @@ def serve_zmq(kind: str) -> int:
     if kind == "lrmp":
         from lightning_remote_mp import protocol, transport
 
-        sock, endpoint = transport.bind_router("tcp://127.0.0.1:*")
+        sock, _ = transport.bind_router("tcp://127.0.0.1:*")
     else:
         protocol = None
         sock = zmq.Context.instance().socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.bind("tcp://127.0.0.1:*")
-        endpoint = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
-    parent = os.getppid()
-    print(f"ready {endpoint}", flush=True)
-    last = time.monotonic()
-    try:
-        while time.monotonic() - last < IDLE_EXIT_S and os.getppid() == parent:
-            if not sock.poll(500, zmq.POLLIN):
-                continue
-            frames = sock.recv_multipart(copy=False)
-            last = time.monotonic()
-            if len(frames) == 2 and frames[1].bytes == b"quit":
-                break
-            if protocol is None:
-                sock.send_multipart(frames, copy=False)
-            else:
-                msg = protocol.decode(frames[1:])
-                sock.send_multipart(
-                    [frames[0], *protocol.encode(protocol.OK, msg.id, msg.session, msg.body)], copy=False
-                )
-    finally:
-        sock.close(0)
+    _common.echo_until_quit(sock, protocol, IDLE_EXIT_S)
     return 0
 
 
