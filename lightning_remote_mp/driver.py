@@ -350,9 +350,17 @@ class DriverSession:
             counts = partition.check_balance(balance, n_layers, n_stages, what)
         return partition.plan_stages(counts, module.wiring)
 
-    def place(self, key: str, module: SpecSequential, balance: Balance = None, microbatches: int = 1) -> None:
+    def place(
+        self,
+        key: str,
+        module: SpecSequential,
+        balance: Balance = None,
+        microbatches: int = 1,
+        split_backward: bool = True,
+    ) -> None:
         """Ship ``module``'s layers to the workers and make its forward run there, splitting each
-        batch into ``microbatches`` that flow through the stages concurrently."""
+        batch into ``microbatches`` that flow through the stages concurrently; with
+        ``split_backward`` the workers defer linear layers' weight gradients (`worker.deferred_grads`)."""
         if key in self.placements:
             raise LrmpError(f"SpecSequential {key!r} is already placed")
         what = f"SpecSequential {key!r}"
@@ -403,6 +411,7 @@ class DriverSession:
                 },
                 "state": _meta_stage_state(module, stage) if meta else _placed_module_state(module, stage),
                 "init_seed": module.init_seed,
+                "split_backward": split_backward,
                 "frozen": [
                     f"{i}.{name}"
                     for i in stage.layer_indices

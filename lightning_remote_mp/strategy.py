@@ -87,6 +87,11 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
         microbatches: split each batch into this many micro-batches that flow through the stages
             concurrently (GPipe); results equal unsplit training unless layers couple the samples
             of a batch (BatchNorm in training mode sees micro-batch statistics).
+        split_backward: workers send each micro-batch's input gradient on before computing the
+            weight gradients of its linear layers (``F.linear``: ``nn.Linear``, ``WrappedLinear``),
+            which they compute once per batch after the last micro-batch, while the earlier stages
+            still work (the B/W split of zero-bubble schedules). Same gradients, less idle time and
+            less micro-batching overhead; ``False`` runs plain autograd on the workers.
         num_workers: how many local workers to start when ``hosts`` is ``None``.
         replicas: how many pipelines those local workers form (``num_workers / replicas`` stages each).
         worker_devices: devices of the local workers (default: CUDA round-robin if available, else CPU).
@@ -116,6 +121,7 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
         hosts: list[str] | list[list[str]] | None = None,
         balance: list[int] | dict[str, list[int] | str] | str | None = None,
         microbatches: int = 1,
+        split_backward: bool = True,
         num_workers: int = 2,
         replicas: int = 1,
         worker_devices: list[str] | None = None,
@@ -150,6 +156,7 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
         if microbatches < 1:
             raise LrmpError(f"microbatches must be at least 1, got {microbatches}")
         self.microbatches = microbatches
+        self.split_backward = split_backward
         self.num_workers = num_workers
         self.worker_devices = worker_devices
         self.worker_threads = worker_threads
@@ -265,7 +272,7 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
                 limits=self.limits,
             )
             for key, module in modules.items():
-                self._session.place(key, module, balances[key], self.microbatches)
+                self._session.place(key, module, balances[key], self.microbatches, self.split_backward)
             if fitting:
                 self.optimizers = self.optimizers  # mirrors them
                 self._patch_clipping()

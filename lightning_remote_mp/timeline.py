@@ -118,7 +118,8 @@ class TimelineCallback(pl.Callback):
                 else:
                     what, key, stage, call, mb, a, b = event
                     pid = self._pids.get((key, stage), 0)
-                    self._span(f"{what[0].upper()}{mb}", what, pid, 1, a - offset, b - offset, call=call)
+                    label = f"{what[0].upper()}{mb}" if mb >= 0 else what[0].upper()  # weights: whole batch
+                    self._span(label, what, pid, 1, a - offset, b - offset, call=call)
                     spans.append(((key, stage), a - offset, b - offset))
         self._span(f"step {trainer.global_step}", "step", 0, 1, self._step_start, end)
         self._idle(spans, self._step_start, end)

@@ -143,15 +143,17 @@ def test_residual_model_trains_remotely_as_it_does_locally(twin):
     assert remote.lr_schedulers is not None
 
 
-@pytest.mark.parametrize("microbatches", [1, 3])
-def test_residual_that_skips_a_whole_stage(twin, microbatches, pool):
+@pytest.mark.parametrize(("microbatches", "split_backward"), [(1, True), (3, True), (3, False)])
+def test_residual_that_skips_a_whole_stage(twin, microbatches, split_backward, pool):
     torch.manual_seed(2)
     local = Net(residual_spec())
     remote = twin(local)
     trainer().fit(local, data())
     # Stage 0: layers 0-4 (res_1 made at 4); stage 1: 5-7; stage 2: 8-11 (res_1 used at 9).
     # With micro-batches, the last batch (4 samples) splits unevenly: 2, 1, 1.
-    strategy = RemoteModelParallelStrategy(hosts=pool[:3], balance=[5, 3, 4], microbatches=microbatches)
+    strategy = RemoteModelParallelStrategy(
+        hosts=pool[:3], balance=[5, 3, 4], microbatches=microbatches, split_backward=split_backward
+    )
     trainer(strategy).fit(remote, data())
     assert_same_losses(local.losses, remote.losses)
     assert_same_weights(local, remote)
@@ -419,6 +421,8 @@ def test_timeline_records_every_stage_and_logs_the_bubble(tmp_path, twin, pool):
     # 4 steps x 2 micro-batches (the short last batch of 4 splits too) through 2 stages, both ways.
     assert sum(e["cat"] == "forward" for e in spans) == 4 * 2 * 2
     assert sum(e["cat"] == "backward" for e in spans) == 4 * 2 * 2
+    # Each stage's linear layers got their weight gradients once per step, after its last micro-batch.
+    assert sum(e["cat"] == "weights" for e in spans) == 4 * 2
     assert sum(e["cat"] == "transfer" for e in spans) >= 4 * 2 * 2  # stage to stage, both ways
     assert all(e["dur"] >= 0 for e in spans) and any(e["cat"] == "idle" for e in spans)
     bubble = t.callback_metrics["lrmp/bubble_fraction_epoch"].item()

@@ -188,6 +188,14 @@ class RoutedStage:
             outgoing.append((source, msg))
         return outgoing
 
+    def finish_backward(self, body: Mapping[str, Any]) -> None:
+        """After a backward's gradients left: once the call's last micro-batch is through this
+        stage, compute its deferred weight gradients (while the other stages work on theirs)."""
+        call = body.get("call")
+        started = time.time()
+        if isinstance(call, int) and self.stage.flush_weight_grads(call) and self.events is not None:
+            self.events.span("weights", self.stage.key, self.index, call, -1, started, time.time())
+
     def release(self, calls: Iterable[int]) -> None:
         drop = set(calls)
         self._released.extend(drop)

@@ -131,6 +131,7 @@ class WorkerSession:
             self.device,
             self.allowed_prefixes,
             init_seed=seed if state is None else None,
+            split_backward=body.get("split_backward") is True,
         )
         if state is not None:
             if not isinstance(state, dict):
@@ -179,8 +180,15 @@ class WorkerSession:
         return NO_REPLY
 
     def backward(self, body: Any) -> Any:
-        self._send(self.route(body).backward(body), protocol.BACKWARD, protocol.DONE)
+        route = self.route(body)
+        self._send(route.backward(body), protocol.BACKWARD, protocol.DONE)
+        route.finish_backward(body)
         return NO_REPLY
+
+    def _settle_grads(self) -> None:
+        """Make every ``.grad`` complete (deferred weight gradients added) before it is read."""
+        for stage in self.stages.values():
+            stage.flush_weight_grads()
 
     def _send(self, outgoing: list[tuple[int, dict[str, Any]]], peer_kind: str, driver_kind: str) -> None:
         for target, msg in outgoing:
@@ -258,6 +266,7 @@ class WorkerSession:
         opt = self._optimizer(body)
         if opt is None:
             return None
+        self._settle_grads()
         hparams = _require(body, "hparams", list)
         if len(hparams) != len(opt.param_groups):
             raise ProtocolError(
@@ -272,6 +281,7 @@ class WorkerSession:
     def zero_grad(self, body: Any) -> Any:
         opt = self._optimizer(body)
         if opt is not None:
+            self._settle_grads()
             opt.zero_grad(set_to_none=bool(body.get("set_to_none", True)))
         return None
 
@@ -315,6 +325,7 @@ class WorkerSession:
         """Gradient operations over one optimizer's parameters, for clipping across stages:
         ``norms`` returns each gradient's norm, ``scale`` multiplies them, ``clamp`` clips by value."""
         opt = self._optimizer(body)
+        self._settle_grads()
         grads = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None] if opt else []
         op = _require(body, "op", str)
         if op == "norms":
@@ -367,6 +378,9 @@ class WorkerSession:
         return None
 
     def close(self) -> None:
+        for stage in self.stages.values():
+            if stage.deferred is not None:
+                stage.deferred.discard()
         self.group = None
         self.routes.clear()
         self.stages.clear()

@@ -16,6 +16,7 @@ from torch import nn
 
 from lightning_remote_mp.errors import SpecError
 from lightning_remote_mp.spec import LayerEntry, build_layer, normalize_entry, run_layers
+from lightning_remote_mp.worker.deferred_grads import DeferredWeightGrads
 
 
 @dataclasses.dataclass
@@ -41,6 +42,9 @@ class StageExecutor:
         exports: variables this stage produces that later stages consume.
         device: where the layers live.
         allowed_prefixes: module prefixes classes may be built from.
+        init_seed: build the layers from this seed (the driver sends no weights).
+        split_backward: defer linear layers' weight gradients to `flush_weight_grads` (see
+            `deferred_grads`), so input gradients leave sooner.
     """
 
     def __init__(
@@ -53,6 +57,7 @@ class StageExecutor:
         device: torch.device,
         allowed_prefixes: Sequence[str],
         init_seed: int | None = None,
+        split_backward: bool = False,
     ) -> None:
         self.key = key
         self.index = index
@@ -73,6 +78,7 @@ class StageExecutor:
             }
         ).to(device)
         self._saved: dict[tuple[int, int], _Saved] = {}  # by (call, micro-batch)
+        self.deferred = DeferredWeightGrads(self.layers) if split_backward else None
 
     def layer_name(self, global_index: int) -> str:
         i = global_index - self.start
@@ -140,7 +146,8 @@ class StageExecutor:
         cast = contextlib.nullcontext()
         if autocast and autocast.get("enabled"):
             cast = torch.autocast(self.device.type, dtype=autocast.get("dtype"))
-        with torch.set_grad_enabled(grad), cast:
+        defer = self.deferred.recording() if self.deferred is not None and grad else contextlib.nullcontext()
+        with torch.set_grad_enabled(grad), cast, defer:
             y = run_layers(((int(k), m) for k, m in self.layers.items()), x, variables)
         if not isinstance(y, torch.Tensor):
             raise SpecError(
@@ -185,6 +192,15 @@ class StageExecutor:
         grad_x = saved.x.grad if saved.x.requires_grad else None
         grad_imports = {n: t.grad for n, t in saved.imports.items() if t.requires_grad and t.grad is not None}
         return grad_x, grad_imports
+
+    def flush_weight_grads(self, call: int | None = None) -> bool:
+        """Add the deferred weight gradients to ``.grad``: with ``call``, only once none of its
+        micro-batches awaits backward any more. Returns whether there was anything to add."""
+        if self.deferred is None or not self.deferred.waiting:
+            return False
+        if call is not None and any(k[0] == call for k in self._saved):
+            return False
+        return self.deferred.flush()
 
     def release(self, calls: Sequence[int]) -> None:
         """Drop what forwards of these calls (all their micro-batches) kept for backward."""

@@ -1,0 +1,163 @@
+"""Split backward: a stage sends input gradients on at once and computes linear layers' weight
+gradients later, once per batch.
+
+In a pipeline, the previous stage waits for nothing but the input gradient, so a stage that
+computes only ``grad_input = grad_output @ W`` per micro-batch, sends it, and leaves
+``grad_W = grad_outputᵀ @ input`` for later, hands the previous stage its work sooner and fills
+its own idle time at the end of the backward with the weight gradients (the "B/W split" of
+zero-bubble pipeline schedules). Doing the weight gradient of all micro-batches as one product
+also removes most of the cost of micro-batching: a ``[1024 x 64]ᵀ @ [64 x 1024]`` per micro-batch
+re-reads and re-writes the whole weight gradient each time, one product over the whole batch does
+it once. The gradients are the same sums, computed as local training computes them (over the whole
+batch).
+
+It applies to every ``torch.nn.functional.linear`` call (``nn.Linear``, ``WrappedLinear``, custom
+layers that call ``F.linear``) whose weight is a trainable parameter of the stage, outside autocast.
+Everything else goes through autograd as usual.
+
+>>> import torch
+>>> layer = torch.nn.Linear(3, 2)
+>>> deferred = DeferredWeightGrads(layer)
+>>> with deferred.recording():
+...     y = layer(torch.ones(4, 3))
+>>> y.sum().backward()
+>>> layer.weight.grad is None
+True
+>>> deferred.flush()
+True
+>>> layer.weight.grad
+tensor([[4., 4., 4.],
+        [4., 4., 4.]])
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+
+class _Pending:
+    """What one (weight, bias) pair's weight gradient still needs: each micro-batch's input and
+    output gradient, flattened to rows."""
+
+    __slots__ = ("weight", "bias", "inputs", "grads")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.weight = weight
+        self.bias = bias
+        self.inputs: list[torch.Tensor] = []
+        self.grads: list[torch.Tensor] = []
+
+
+class _LinearInputGrad(torch.autograd.Function):
+    """``F.linear`` whose backward returns only the input's gradient and files the rest."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pending: _Pending):
+        ctx.save_for_backward(x, weight)
+        ctx.pending = pending
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        grad_x = grad_out.matmul(weight) if ctx.needs_input_grad[0] else None
+        pending: _Pending = ctx.pending
+        pending.inputs.append(x.reshape(-1, x.shape[-1]))
+        pending.grads.append(grad_out.reshape(-1, grad_out.shape[-1]))
+        return grad_x, None, None, None
+
+
+class _Intercept(TorchFunctionMode):
+    def __init__(self, owner: DeferredWeightGrads) -> None:
+        super().__init__()
+        self.owner = owner
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear:
+            pending = self.owner._pending_for(*args, **kwargs)
+            if pending is not None:
+                x = args[0] if args else kwargs["input"]
+                return _LinearInputGrad.apply(x, pending.weight, pending.bias, pending)
+        return func(*args, **kwargs)
+
+
+class DeferredWeightGrads:
+    """Defers the weight (and bias) gradients of linear layers of ``module`` until `flush`.
+
+    Args:
+        module: whose parameters may defer (those it holds when `recording` starts: loading a
+            state dict with ``assign=True`` replaces them); frozen ones never do.
+    """
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+        self._params: set[int] = set()
+        self._pending: dict[tuple[int, int], _Pending] = {}
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[None]:
+        """Within this block, eligible ``F.linear`` calls under grad defer their weight gradients."""
+        if not torch.is_grad_enabled():
+            yield
+            return
+        self._params = {id(p) for p in self.module.parameters()}
+        with _Intercept(self):
+            yield
+
+    def _pending_for(
+        self, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> _Pending | None:
+        if (
+            id(weight) not in self._params
+            or not weight.requires_grad
+            or (bias is not None and (id(bias) not in self._params or not bias.requires_grad))
+            or torch.is_autocast_enabled(input.device.type)
+            or input.dtype != weight.dtype
+            or input.dim() == 0
+        ):
+            return None
+        key = (id(weight), id(bias))
+        pending = self._pending.get(key)
+        if pending is None:
+            pending = self._pending[key] = _Pending(weight, bias)
+        return pending
+
+    @property
+    def waiting(self) -> bool:
+        """Whether some backward filed weight gradients that `flush` has not added yet."""
+        return any(p.grads for p in self._pending.values())
+
+    @torch.no_grad()
+    def flush(self) -> bool:
+        """Add the filed weight and bias gradients to ``.grad``; returns whether there were any."""
+        flushed = False
+        for pending in self._pending.values():
+            if not pending.grads:
+                continue
+            grads = torch.cat(pending.grads) if len(pending.grads) > 1 else pending.grads[0]
+            inputs = torch.cat(pending.inputs) if len(pending.inputs) > 1 else pending.inputs[0]
+            pending.grads.clear()
+            pending.inputs.clear()
+            _accumulate(pending.weight, grads.t().mm(inputs))
+            if pending.bias is not None:
+                _accumulate(pending.bias, grads.sum(0))
+            flushed = True
+        return flushed
+
+    def discard(self) -> None:
+        """Forget filed gradients without adding them (the session is going away)."""
+        self._pending.clear()
+
+
+def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
+    if param.grad is None:
+        param.grad = grad
+    else:
+        param.grad.add_(grad)

@@ -1,0 +1,135 @@
+"""Split backward on the worker's real stage executor: weight gradients of linear layers wait for
+the call's last micro-batch, then equal what plain autograd gives."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_remote_mp.layers import WrappedLinear
+from lightning_remote_mp.worker.deferred_grads import DeferredWeightGrads
+from lightning_remote_mp.worker.stage import StageExecutor
+
+WIDTH = 8
+
+# Layers 3-8 of a residual model: a Linear, a WrappedLinear publishing "skip", a Linear without
+# bias, a Tanh, a WrappedLinear adding "skip" back, and a 3-d aware Linear at the end.
+ENTRIES = [
+    ["torch.nn.Linear", {"in_features": WIDTH, "out_features": WIDTH}, [4, WIDTH]],
+    [
+        "lightning_remote_mp.layers.WrappedLinear",
+        {"in_features": WIDTH, "out_features": WIDTH, "out_variables": ["skip"]},
+        [4, WIDTH],
+    ],
+    ["torch.nn.Linear", {"in_features": WIDTH, "out_features": WIDTH, "bias": False}, [4, WIDTH]],
+    ["torch.nn.Tanh", {}, [4, WIDTH]],
+    [
+        "lightning_remote_mp.layers.WrappedLinear",
+        {"in_features": WIDTH, "out_features": WIDTH, "dependencies": ["skip"]},
+        [[4, WIDTH], [4, WIDTH]],
+    ],
+    ["torch.nn.Linear", {"in_features": WIDTH, "out_features": 3}, [4, WIDTH]],
+]
+
+
+def executor(split: bool, seed: int = 0) -> StageExecutor:
+    torch.manual_seed(seed)
+    stage = StageExecutor(
+        "net", 1, 3, ENTRIES, [], torch.device("cpu"), ["torch.nn", "lightning_remote_mp"], split_backward=split
+    )
+    torch.manual_seed(seed + 1)
+    # As the driver's weights arrive at setup: new parameter objects replace the built ones.
+    stage.load_state_dict({k: torch.randn_like(v) for k, v in stage.state_dict().items()}, assign=True)
+    return stage
+
+
+def run_call(stage: StageExecutor, call: int, xs: list[torch.Tensor], grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Forward every micro-batch, then backward them in order; returns the input gradients."""
+    for mb, x in enumerate(xs):
+        stage.forward((call, mb), x, {}, grad=True, needs_grad={"x": True})
+    out = []
+    for mb, g in enumerate(grads):
+        grad_x, _ = stage.backward((call, mb), g, {})
+        out.append(grad_x)
+        stage.flush_weight_grads(call)
+    return out
+
+
+def grads_of(stage: StageExecutor) -> dict[str, torch.Tensor | None]:
+    return {n: (p.grad.clone() if p.grad is not None else None) for n, p in stage.named_parameters()}
+
+
+@pytest.mark.parametrize("shape", [(5, WIDTH), (5, 2, WIDTH)])
+def test_split_backward_gives_autograd_gradients_once_the_last_micro_batch_is_through(shape):
+    plain, split = executor(False), executor(True)
+    g = torch.Generator().manual_seed(3)
+    xs = [torch.randn(*shape, generator=g) for _ in range(3)]
+    outs = [torch.randn(*shape[:-1], 3, generator=g) for _ in range(3)]
+
+    expected_x = run_call(plain, 1, xs, outs)
+    for mb, x in enumerate(xs):
+        split.forward((1, mb), x, {}, grad=True, needs_grad={"x": True})
+    got_x = []
+    for mb, grad_out in enumerate(outs):
+        got_x.append(split.backward((1, mb), grad_out, {})[0])
+        flushed = split.flush_weight_grads(1)
+        # Input gradients leave at once; weight gradients wait for the call's last micro-batch.
+        assert flushed == (mb == 2)
+        weights = [p.grad for n, p in split.named_parameters() if n.endswith("weight")]
+        assert all((w is None) == (mb < 2) for w in weights), f"after micro-batch {mb}"
+
+    for a, b in zip(expected_x, got_x):
+        torch.testing.assert_close(b, a)
+    expected, got = grads_of(plain), grads_of(split)
+    assert expected.keys() == got.keys() and all(v is not None for v in expected.values())
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], msg=name)
+
+
+def test_gradients_accumulate_over_calls_and_frozen_parameters_stay_untouched():
+    plain, split = executor(False), executor(True)
+    for stage in (plain, split):
+        stage.layers["3"].weight.requires_grad_(False)  # frozen, as a driver's requires_grad=False sends it
+    g = torch.Generator().manual_seed(4)
+    for call in (1, 2):  # two backwards before a step: gradient accumulation
+        xs = [torch.randn(4, WIDTH, generator=g) for _ in range(2)]
+        outs = [torch.randn(4, 3, generator=g) for _ in range(2)]
+        run_call(plain, call, xs, outs)
+        run_call(split, call, xs, outs)
+    expected, got = grads_of(plain), grads_of(split)
+    assert got["3.weight"] is None and expected["3.weight"] is None
+    for name in expected:
+        if expected[name] is not None:
+            torch.testing.assert_close(got[name], expected[name], msg=name)
+
+
+def test_autocast_and_no_grad_take_the_plain_path():
+    layer = nn.Linear(4, 4)
+    deferred = DeferredWeightGrads(layer)
+    with deferred.recording(), torch.autocast("cpu", dtype=torch.bfloat16):
+        layer(torch.ones(2, 4)).float().sum().backward()
+    assert layer.weight.grad is not None and not deferred.waiting  # autograd did it, nothing deferred
+    with torch.no_grad(), deferred.recording():
+        layer(torch.ones(2, 4))
+    assert not deferred.waiting
+
+
+def test_a_weight_shared_with_another_op_gets_both_contributions():
+    torch.manual_seed(5)
+    plain = WrappedLinear(4, 4)
+    split = WrappedLinear(4, 4)
+    split.load_state_dict(plain.state_dict())
+    x = torch.randn(3, 4)
+
+    def loss(layer: nn.Module) -> torch.Tensor:
+        return (layer(x) ** 2).sum() + (layer.weight**3).sum()  # the weight also used outside F.linear
+
+    loss(plain).backward()
+    deferred = DeferredWeightGrads(split)
+    with deferred.recording():
+        total = loss(split)
+    total.backward()
+    assert deferred.flush()
+    torch.testing.assert_close(split.weight.grad, plain.weight.grad)
+    torch.testing.assert_close(split.bias.grad, plain.bias.grad)
