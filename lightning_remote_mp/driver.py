@@ -463,6 +463,9 @@ class DriverSession:
     # --- ending --------------------------------------------------------------------------
     def restore(self) -> None:
         """Bring weights and optimizer state back into the local objects and stop delegating."""
+        for conn in self.conns:
+            if not conn.closed and conn.lost_reason is None:
+                conn.settle()  # a failed last optimizer step is reported here, not lost
         failures = []
         for mirror in self.mirrors:
             try:

@@ -126,13 +126,15 @@ class OptimizerMirror:
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self.sync_grads()
         hparams = [_hparams(g) for g in optimizer.param_groups]
-        broadcast(self.conns, protocol.OPTIM_STEP, {"index": self.index, "hparams": hparams})
+        # Not awaited: Lightning's loop goes on (hooks, logging, the next batch) while the workers
+        # step; the next forward or backward waits for the replies first (RemoteSpec._settle).
+        for c in self.conns:
+            c.post(protocol.OPTIM_STEP, {"index": self.index, "hparams": hparams})
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        ids = [c.send(protocol.ZERO_GRAD, {"index": self.index, "set_to_none": set_to_none}) for c in self.conns]
+        for c in self.conns:
+            c.post(protocol.ZERO_GRAD, {"index": self.index, "set_to_none": set_to_none})
         self.cls.zero_grad(self.optimizer, set_to_none=set_to_none)
-        for c, i in zip(self.conns, ids):
-            c.recv(i, what=protocol.ZERO_GRAD)
 
     # --- gradients across stages ----------------------------------------------------
     def local_grads(self) -> list[torch.Tensor]:

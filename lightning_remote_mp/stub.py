@@ -131,9 +131,17 @@ class RemoteSpec:
         )
         return {(replica_of[id(c)], m.body["mb"]): m.body for c, m in got}
 
+    def _settle(self, what: str) -> None:
+        """Wait for the replies to requests posted without waiting (the optimizer step, zero_grad).
+        Each worker runs the driver's requests in order, but a micro-batch reaches a later stage
+        from another worker and could overtake a step the driver posted to that stage earlier."""
+        for conn in self.conns:
+            conn.settle(what=what)
+
     def forward(
         self, x: torch.Tensor, *, grad: bool, x_needs_grad: bool, autocast: dict[str, Any] | None
     ) -> tuple[torch.Tensor, int]:
+        self._settle("forward")
         self._flush_releases()
         call = next(self._ids)
         n = x.shape[0] if x.dim() > 0 else 1
@@ -170,6 +178,7 @@ class RemoteSpec:
         return y.to(x.device), call
 
     def backward(self, call: int, grad_y: torch.Tensor | None) -> torch.Tensor | None:
+        self._settle("backward")
         record = self._calls.pop(call)
         self.backwards += 1
         flat = [m for row in record.sizes for m in row]

@@ -311,6 +311,7 @@ class Connection:
         self._vague_failure: tuple[float, dict[str, Any]] | None = None
         self._heard = False
         self._next_id = 0
+        self._unanswered: dict[int, str] = {}  # posted requests whose reply has not been read: id -> what
         self.closed = False
         self.lost_reason: str | None = None
 
@@ -346,8 +347,24 @@ class Connection:
                 self._sock.poll(_POLL_SLICE_MS, zmq.POLLOUT)
                 self._check_alive(start, None if self.heartbeat else self.heartbeat_timeout, f"sending {kind}")
 
+    def post(self, kind: str, body: Any = None) -> None:
+        """Send a request without waiting for its reply. The worker runs requests in order, so what
+        is sent next sees its effect; a failure is raised by whichever later call reads the reply
+        (or by `settle`)."""
+        self._unanswered[self.send(kind, body)] = kind
+
+    def settle(self, timeout: float | None = None, what: str = "") -> None:
+        """Wait until every posted request has been answered (before ``what``); raise the first failure."""
+        start = time.monotonic()
+        while self._unanswered:
+            if self._sock.poll(_POLL_SLICE_MS, zmq.POLLIN):
+                self.read()
+            else:
+                self._check_alive(start, timeout, what)
+
     def read(self) -> protocol.Message:
-        """Read one waiting message (the socket must be readable)."""
+        """Read one waiting message (the socket must be readable). The reply to a posted request
+        is consumed here, and raised if it reports a failure."""
         try:
             msg = protocol.decode(self._sock.recv_multipart(copy=False), self.limits)
         except ProtocolVersionError as err:
@@ -365,6 +382,9 @@ class Connection:
         self._heard = True
         if self.heartbeat is not None:
             self.heartbeat.touch(self.address)
+        posted = self._unanswered.pop(msg.id, None) if msg.id else None
+        if posted is not None and msg.kind == protocol.ERROR:
+            raise self._remote_error(msg.body, f"{posted} (reported late: the driver does not wait for it)")
         return msg
 
     def recv(self, req_id: int, *, timeout: float | None = None, what: str = "") -> Any:
@@ -406,6 +426,8 @@ class Connection:
 
     def _check_alive(self, start: float, timeout: float | None, what: str) -> None:
         doing = f" during {what}" if what else ""
+        if self._unanswered:
+            doing += f" ({', '.join(dict.fromkeys(self._unanswered.values()))} still unanswered)"
         self._check_handshake()
         if self.is_alive is not None and (why := self.is_alive()):
             self._lost(f"{self.where()} died{doing}: {why}")

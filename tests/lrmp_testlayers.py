@@ -51,3 +51,20 @@ class SetupGate(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x
+
+
+class FailingSGD(torch.optim.SGD):
+    """SGD that refuses its ``fail_at``-th step (counting steps that had gradients): on a worker,
+    where the gradients are, while the driver's share (no gradients) steps fine."""
+
+    def __init__(self, params, lr: float = 0.1, fail_at: int = 0, **sgd) -> None:
+        super().__init__(params, lr=lr, **sgd)
+        self.defaults["fail_at"] = self.fail_at = fail_at  # defaults travel to the workers' copies
+        self.steps_with_grads = 0
+
+    def step(self, closure=None):
+        if any(p.grad is not None for g in self.param_groups for p in g["params"]):
+            self.steps_with_grads += 1
+            if self.steps_with_grads == self.fail_at:
+                raise RuntimeError(f"step {self.fail_at} refused")
+        return super().step(closure)

@@ -182,9 +182,30 @@ def test_hung_worker_during_optimizer_step(victim, pool):
         lambda: inject.at,
         address=victim.address,
         stage=0,
-        during="optim_step",
+        # The driver does not wait for the step: the next forward finds the worker silent.
+        during="forward (optim_step still unanswered)",
         name="SIGSTOP during optimizer step",
     )
+
+
+@pytest.mark.parametrize("fail_at", [2, 4])
+def test_failed_optimizer_step_is_reported_although_the_driver_did_not_wait(pool, fail_at):
+    from lrmp_testlayers import FailingSGD
+
+    class FailingNet(Net):
+        def configure_optimizers(self):
+            return FailingSGD(self.parameters(), lr=0.1, fail_at=fail_at)
+
+    # One epoch of 4 steps. Step 2 fails while the driver already sends step 3's forward; step 4,
+    # the last, fails while the driver already tears down: both are raised, naming the worker.
+    strategy = RemoteModelParallelStrategy(hosts=pool[:2], balance=[4, 6])
+    model = FailingNet(residual_spec(probe=False))
+    with pytest.raises(WorkerError) as info:
+        trainer(strategy, epochs=1).fit(model, data())
+    text = str(info.value)
+    assert f"step {fail_at} refused" in text and "optim_step" in text and "reported late" in text, text
+    assert info.value.address in pool[:2] and info.value.stage in (0, 1)
+    assert strategy.session is None  # cleaned up
 
 
 def test_killed_worker_during_checkpoint_save(victim, pool, tmp_path):
