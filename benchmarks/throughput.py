@@ -8,7 +8,8 @@ Configurations (all in the same run, interleaved round by round, median over rou
 
 (a) ``plain``: this process, a plain PyTorch loop (forward, loss, backward, step, zero_grad);
 (b) ``lrmp m=M``: Lightning's Trainer with RemoteModelParallelStrategy(balance=[8, 8],
-    microbatches=M) on two lrmp-worker processes (``LocalWorkers(2, threads=1)``, the same workers the
+    microbatches=M) (and, for comparison, ``split_backward=False``: plain autograd on the workers)
+    on two lrmp-worker processes (``LocalWorkers(2, threads=1)``, the same workers the
     strategy starts for ``hosts=None, worker_threads=1``; started once and reused by every fit so that
     the rounds can alternate), timed by a callback over the steps after the warm-up;
 (c) ``torch <Schedule> m=M``: torch.distributed.pipelining, ``PipelineStage`` built by hand on each of
@@ -16,9 +17,11 @@ Configurations (all in the same run, interleaved round by round, median over rou
 
 Two load-robust columns explain the results: "micro-batch CPU penalty" is the CPU time of one
 step of the whole model run as M micro-batches with gradient accumulation (this process, one
-thread) over that of one full batch -- compute that every M-micro-batch pipeline does -- and
-"2-core ceiling" is the best speed-up over (a) a 2-stage GPipe could reach on two idle cores,
-``2M / (M + 1) / penalty``. CPU ms per step (all processes, from /proc) shows what each
+thread) over that of one full batch -- compute that every M-micro-batch pipeline with a plain
+backward does -- and "GPipe ceiling" is the best speed-up over (a) such a 2-stage pipeline could
+reach on two idle cores, ``2M / (M + 1) / penalty`` (1F1B has the same bubble). lrmp's split
+backward is not bound by it: it pays the weight gradients once per batch, not per micro-batch,
+and computes them while the other stage still works. CPU ms per step (all processes, from /proc) shows what each
 configuration costs independently of how busy the machine is.
 
     python benchmarks/throughput.py            # full run (a few minutes)
@@ -119,7 +122,9 @@ def ceiling(m: int, penalty: float) -> float:
 
 
 # --- (b) lrmp through Lightning ------------------------------------------------------------------
-def run_lrmp(cfg: dict[str, Any], addresses: list[str], pids: list[int], m: int) -> tuple[float, list[float]]:
+def run_lrmp(
+    cfg: dict[str, Any], addresses: list[str], pids: list[int], m: int, split: bool = True
+) -> tuple[float, list[float]]:
     """Wall seconds, and CPU seconds of the driver and of each worker, of the steps after the warm-up."""
     import lightning as L
     from lightning.pytorch.callbacks import Callback
@@ -160,7 +165,9 @@ def run_lrmp(cfg: dict[str, Any], addresses: list[str], pids: list[int], m: int)
     total = cfg["warmup"] + cfg["steps"]
     torch.manual_seed(0)
     timer = StepTimer()
-    strategy = RemoteModelParallelStrategy(hosts=addresses, balance=[cfg["depth"], cfg["depth"]], microbatches=m)
+    strategy = RemoteModelParallelStrategy(
+        hosts=addresses, balance=[cfg["depth"], cfg["depth"]], microbatches=m, split_backward=split
+    )
     trainer = L.Trainer(
         max_steps=total,
         max_epochs=1,
@@ -306,6 +313,7 @@ class TorchPipeline:
 def configurations(args: argparse.Namespace) -> list[tuple[str, str, int]]:
     configs = [("plain", "", 1)]
     configs += [("lrmp", "", m) for m in args.lrmp_m]
+    configs += [("lrmp-nosplit", "", m) for m in args.lrmp_nosplit_m]
     configs += [("torch", s, m) for s in args.schedules for m in args.torch_m]
     return configs
 
@@ -315,6 +323,8 @@ def label(kind: str, schedule: str, m: int) -> str:
         return "(a) plain PyTorch, 1 process"
     if kind == "lrmp":
         return f"(b) lrmp + Lightning, m={m}"
+    if kind == "lrmp-nosplit":
+        return f"(b) lrmp, m={m}, split_backward=False"
     return f"(c) torch {schedule}, m={m}"
 
 
@@ -328,6 +338,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=15, help="timed steps per configuration per round")
     p.add_argument("--rounds", type=int, default=5, help="rounds; each runs every configuration once")
     p.add_argument("--lrmp-m", type=int, nargs="+", default=[1, 2, 4, 8])
+    p.add_argument("--lrmp-nosplit-m", type=int, nargs="*", default=[4], help="lrmp with split_backward=False")
     p.add_argument("--torch-m", type=int, nargs="+", default=[4, 8])
     p.add_argument("--schedules", nargs="+", default=["GPipe", "1F1B"], choices=["GPipe", "1F1B"])
     p.add_argument("--out", default=_common.RESULTS, help="folder for throughput.png and throughput.json")
@@ -337,7 +348,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.quick:
         args.width, args.batch, args.warmup, args.steps, args.rounds = 256, 64, 1, 3, 1
-        args.lrmp_m, args.torch_m = [1, 2], [2]
+        args.lrmp_m, args.lrmp_nosplit_m, args.torch_m = [1, 2], [2], [2]
     args.warmup = max(1, args.warmup)
     return args
 
@@ -389,8 +400,8 @@ def main(argv: list[str] | None = None) -> int:
                 kind, schedule, m = c
                 if kind == "plain":
                     s, cpu_s = run_plain(cfg)
-                elif kind == "lrmp":
-                    s, cpu_s = run_lrmp(cfg, addresses, pids, m)
+                elif kind.startswith("lrmp"):
+                    s, cpu_s = run_lrmp(cfg, addresses, pids, m, split=kind == "lrmp")
                 else:
                     assert pipeline is not None
                     s, cpu_s = pipeline.run(schedule, m, args.warmup, args.steps)
@@ -406,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
             base = this_round[configs[0]]
             for c in configs:
                 ratios[c].append(this_round[c] / base)
-            lrmp_best = max((v for c, v in this_round.items() if c[0] == "lrmp"), default=None)
+            lrmp_best = max((v for c, v in this_round.items() if c[0].startswith("lrmp")), default=None)
             torch_best = max((v for c, v in this_round.items() if c[0] == "torch"), default=None)
             if lrmp_best and torch_best:
                 best_vs_torch.append(lrmp_best / torch_best)
@@ -420,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
         rates = [args.steps * args.batch / s for s in seconds[c]]
         rate = _common.median(rates)
         pen = _common.median(penalty[c[2]])
-        ceil = ceiling(c[2], pen) if c[0] != "plain" else None
+        ceil = ceiling(c[2], pen) if c[0] in ("torch", "lrmp-nosplit") else None
         rows.append(
             [
                 label(*c),
@@ -455,7 +466,7 @@ def main(argv: list[str] | None = None) -> int:
                 "min-max",
                 "x (a), same round",
                 "micro-batch CPU penalty",
-                "2-core ceiling, x (a)",
+                "GPipe ceiling, x (a)",
                 "CPU ms/step, all processes",
             ],
             rows,
@@ -464,11 +475,11 @@ def main(argv: list[str] | None = None) -> int:
     split_rows = []
     for c in configs:
         per = [_common.median(v) * 1e3 for v in zip(*cpu_split[c])]
-        names = {"plain": ["process"], "lrmp": ["driver", "stage 0", "stage 1"], "torch": ["rank 0", "rank 1"]}[c[0]]
+        names = {"plain": ["process"], "torch": ["rank 0", "rank 1"]}.get(c[0], ["driver", "stage 0", "stage 1"])
         split_rows.append([label(*c), ", ".join(f"{n} {v:,.0f}" for n, v in zip(names, per))])
     print()
     print(_common.markdown_table(["configuration", "CPU ms per step, by process (median)"], split_rows))
-    lrmp_cfgs = [c for c in configs if c[0] == "lrmp"]
+    lrmp_cfgs = [c for c in configs if c[0].startswith("lrmp")]
     if lrmp_cfgs:
         best = max(lrmp_cfgs, key=lambda c: _common.median(ratios[c]))
         print(f"\nbest lrmp: {label(*best)} at {_common.median(ratios[best]):.2f}x (a) (target >= 1.25x)")
@@ -492,7 +503,7 @@ def plot(results: list[dict[str, Any]], args: argparse.Namespace, path: str) -> 
     plt = _common.pyplot()
     if plt is None:
         return
-    colors = {"plain": "tab:gray", "lrmp": "tab:blue", "torch": "tab:orange"}
+    colors = {"plain": "tab:gray", "lrmp": "tab:blue", "lrmp-nosplit": "tab:cyan", "torch": "tab:orange"}
     fig, ax = plt.subplots(figsize=(10, 5))
     names = [r["config"] for r in results]
     med = [_common.median(r["samples_per_s"]) for r in results]
@@ -504,7 +515,7 @@ def plot(results: list[dict[str, Any]], args: argparse.Namespace, path: str) -> 
     if ceil_x:
         ceil_y = [results[i]["ceiling_x_plain"] * med[0] for i in ceil_x]
         ax.scatter(ceil_x, ceil_y, marker="_", s=600, color="black", zorder=3)
-        ax.scatter([], [], marker="_", s=200, color="black", label="2-stage GPipe ceiling on 2 idle cores")
+        ax.scatter([], [], marker="_", s=200, color="black", label="GPipe ceiling (plain backward) on 2 idle cores")
     ax.axhline(med[0], color="tab:gray", linestyle="--", linewidth=1, label="(a) one process")
     ax.axhline(1.25 * med[0], color="tab:green", linestyle=":", linewidth=1, label="1.25 x (a)")
     ax.set_xticks(list(xs))
