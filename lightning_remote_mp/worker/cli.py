@@ -18,6 +18,7 @@ import sys
 from collections.abc import Sequence
 
 from lightning_remote_mp import protocol, transport
+from lightning_remote_mp.worker import allocator
 from lightning_remote_mp.worker.server import DEFAULT_SESSION_TIMEOUT, WorkerServer
 
 log = logging.getLogger("lightning_remote_mp.worker")
@@ -166,6 +167,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if args.threads > 0:
         torch.set_num_threads(args.threads)
+    allocator.keep_freed_memory()
     try:
         from lightning_remote_mp.keys import curve_available, load_keypair
 

@@ -26,6 +26,7 @@ import zmq
 from lightning_remote_mp import __version__, protocol, transport
 from lightning_remote_mp.errors import LrmpError, ProtocolError, ProtocolVersionError
 from lightning_remote_mp.keys import KeyPair
+from lightning_remote_mp.worker import allocator
 from lightning_remote_mp.worker.auth import DRIVER, WorkerAuth
 from lightning_remote_mp.worker.session import NO_REPLY, WorkerSession, describe_device
 from lightning_remote_mp.worker.throttle import Throttle
@@ -546,3 +547,4 @@ class WorkerServer:
             self._outbox.close_peers()
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
+            allocator.release()
