@@ -133,3 +133,29 @@ def test_a_weight_shared_with_another_op_gets_both_contributions():
     assert deferred.flush()
     torch.testing.assert_close(split.weight.grad, plain.weight.grad)
     torch.testing.assert_close(split.bias.grad, plain.bias.grad)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpointed_layers_keep_exact_gradients(reentrant):
+    from torch.utils.checkpoint import checkpoint
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return checkpoint(lambda t: self.b(torch.relu(self.a(t))), x, use_reentrant=reentrant)
+
+    torch.manual_seed(6)
+    plain, split = Block(), Block()
+    split.load_state_dict(plain.state_dict())
+    x = torch.randn(3, 4, requires_grad=True)
+    plain(x).sum().backward()
+    deferred = DeferredWeightGrads(split)
+    with deferred.recording():
+        y = split(x)
+    y.sum().backward()
+    deferred.flush()
+    for (name, p), q in zip(plain.named_parameters(), split.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, msg=name)

@@ -12,8 +12,9 @@ it once. The gradients are the same sums, computed as local training computes th
 batch).
 
 It applies to every ``torch.nn.functional.linear`` call (``nn.Linear``, ``WrappedLinear``, custom
-layers that call ``F.linear``) whose weight is a trainable parameter of the stage, outside autocast.
-Everything else goes through autograd as usual.
+layers that call ``F.linear``) whose weight is a trainable parameter of the stage, outside autocast
+and outside activation checkpointing (``torch.utils.checkpoint``, saved-tensor hooks). Everything
+else goes through autograd as usual.
 
 >>> import torch
 >>> layer = torch.nn.Linear(3, 2)
@@ -115,7 +116,9 @@ class DeferredWeightGrads:
         self, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     ) -> _Pending | None:
         if (
-            id(weight) not in self._params
+            not torch.is_grad_enabled()
+            or _saved_tensor_hooks_active()
+            or id(weight) not in self._params
             or not weight.requires_grad
             or (bias is not None and (id(bias) not in self._params or not bias.requires_grad))
             or torch.is_autocast_enabled(input.device.type)
@@ -154,6 +157,14 @@ class DeferredWeightGrads:
     def discard(self) -> None:
         """Forget filed gradients without adding them (the session is going away)."""
         self._pending.clear()
+
+
+def _saved_tensor_hooks_active() -> bool:
+    """Activation checkpointing (and offloading) pack what ops save for backward and recompute it
+    without this module's interception, so a deferred linear there would be matched with the wrong
+    recomputed tensors: such regions use plain autograd. If torch offers no way to tell, assume so."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return True if top is None else top(False) is not None
 
 
 def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
