@@ -463,14 +463,23 @@ class DriverSession:
     # --- ending --------------------------------------------------------------------------
     def restore(self) -> None:
         """Bring weights and optimizer state back into the local objects and stop delegating."""
+        failures: list[str] = []
+        # A posted request that failed (the last optimizer step, say) is raised at the end, once
+        # everything that can come back has.
+        late: WorkerError | None = None
         for conn in self.conns:
-            if not conn.closed and conn.lost_reason is None:
-                conn.settle()  # a failed last optimizer step is reported here, not lost
-        failures = []
+            while not conn.closed and conn.lost_reason is None:
+                try:
+                    conn.settle()
+                    break
+                except WorkerLostError as err:
+                    failures.append(str(err))
+                except WorkerError as err:  # one failed reply read; go on with the rest
+                    late = late or err
         for mirror in self.mirrors:
             try:
                 mirror.detach(restore_state=True)
-            except WorkerLostError as err:
+            except (WorkerError, WorkerLostError) as err:
                 mirror.detach(restore_state=False)
                 failures.append(str(err))
         self.mirrors.clear()
@@ -485,7 +494,7 @@ class DriverSession:
                     )
                 else:
                     pl.pull()
-            except WorkerLostError as err:
+            except (WorkerError, WorkerLostError) as err:
                 failures.append(f"{key}: {err}")
             pl.detach()
         self.placements.clear()
@@ -495,6 +504,8 @@ class DriverSession:
                 "keep the weights they had when they were last synced:\n  %s",
                 "\n  ".join(failures),
             )
+        if late is not None:
+            raise late
 
     def close(self) -> None:
         live = [c for c in self.conns if not c.closed and c.lost_reason is None]

@@ -178,12 +178,12 @@ class RemoteSpec:
         return y.to(x.device), call
 
     def backward(self, call: int, grad_y: torch.Tensor | None) -> torch.Tensor | None:
-        self._settle("backward")
         record = self._calls.pop(call)
         self.backwards += 1
         flat = [m for row in record.sizes for m in row]
         grads = iter(grad_y.split(flat, dim=0) if grad_y is not None else [None] * len(flat))
         try:
+            self._settle("backward")
             for r, row in enumerate(record.sizes):
                 for mb in range(len(row)):
                     self.replicas[r][-1].conn.send(

@@ -537,6 +537,8 @@ def gather(
             if want(conn, msg):
                 got.append((conn, msg))
                 progress = time.monotonic()
+            elif msg.kind == protocol.ERROR and msg.id == 0:
+                log.warning("%s: late error of an earlier call, dropped: %.300s", conn.where(), body.get("message"))
             else:
                 log.debug("%s: dropping stale %s message", conn.where(), msg.kind)
         for c in by_sock.values():

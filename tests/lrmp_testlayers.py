@@ -68,3 +68,22 @@ class FailingSGD(torch.optim.SGD):
             if self.steps_with_grads == self.fail_at:
                 raise RuntimeError(f"step {self.fail_at} refused")
         return super().step(closure)
+
+
+class BrokenWeightGradients(nn.Module):
+    """A linear layer whose input storage is freed as soon as its input gradient is computed: plain
+    autograd has the weight gradient by then; a worker that defers it fails when it computes it."""
+
+    def __init__(self, features: int = 16) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.eye(features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x * 1.0  # nothing else keeps h for backward
+        if h.requires_grad:
+
+            def free(grad: torch.Tensor) -> None:
+                h.untyped_storage().resize_(0)
+
+            h.register_hook(free)
+        return torch.nn.functional.linear(h, self.weight)

@@ -129,7 +129,8 @@ def test_a_weight_shared_with_another_op_gets_both_contributions():
     deferred = DeferredWeightGrads(split)
     with deferred.recording():
         total = loss(split)
-    total.backward()
+    with deferred.filing_backward():
+        total.backward()
     assert deferred.flush()
     torch.testing.assert_close(split.weight.grad, plain.weight.grad)
     torch.testing.assert_close(split.bias.grad, plain.bias.grad)
@@ -155,7 +156,58 @@ def test_checkpointed_layers_keep_exact_gradients(reentrant):
     deferred = DeferredWeightGrads(split)
     with deferred.recording():
         y = split(x)
-    y.sum().backward()
+    with deferred.filing_backward():
+        y.sum().backward()
     deferred.flush()
     for (name, p), q in zip(plain.named_parameters(), split.parameters()):
         torch.testing.assert_close(q.grad, p.grad, msg=name)
+
+
+class _GradientPenalty(nn.Module):
+    """Runs autograd inside its forward (as force fields or gradient penalties do)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.detach().requires_grad_(True) if not x.requires_grad else x
+        energy = self.b(torch.tanh(self.a(x))).pow(2).sum()
+        (force,) = torch.autograd.grad(energy, x, create_graph=True)
+        return force + self.a(x)
+
+
+def _compare(make: type[nn.Module], x: torch.Tensor, dtype: torch.dtype = torch.float32) -> None:
+    torch.manual_seed(7)
+    plain = make().to(dtype)
+    split = make().to(dtype)
+    split.load_state_dict(plain.state_dict())
+    plain(x).abs().sum().backward()
+    deferred = DeferredWeightGrads(split)
+    with deferred.recording():
+        y = split(x)
+    with deferred.filing_backward():
+        y.abs().sum().backward()
+    deferred.flush()
+    for (name, p), q in zip(plain.named_parameters(), split.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, msg=name)
+
+
+def test_autograd_inside_a_forward_sees_plain_weight_gradients():
+    _compare(_GradientPenalty, torch.randn(3, 4, requires_grad=True))
+
+
+def test_complex_linear_layers_keep_exact_gradients():
+    _compare(lambda: nn.Linear(4, 4), torch.randn(3, 4, dtype=torch.cfloat), dtype=torch.cfloat)
+
+
+def test_gradient_hooks_on_a_weight_see_its_gradient_during_backward():
+    mask = torch.zeros(4, 4)
+    mask[0] = 1
+
+    class Masked(nn.Linear):
+        def __init__(self) -> None:
+            super().__init__(4, 4)
+            self.weight.register_hook(lambda g: g * mask)  # prunes all but the first row
+
+    _compare(Masked, torch.randn(3, 4))

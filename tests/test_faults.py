@@ -205,7 +205,26 @@ def test_failed_optimizer_step_is_reported_although_the_driver_did_not_wait(pool
     text = str(info.value)
     assert f"step {fail_at} refused" in text and "optim_step" in text and "reported late" in text, text
     assert info.value.address in pool[:2] and info.value.stage in (0, 1)
-    assert strategy.session is None  # cleaned up
+    assert strategy.session is None  # cleaned up, and the model and optimizer are local again
+    assert not model.net.is_remote and type(model.trainer.optimizers[0]) is FailingSGD
+
+
+def test_failed_deferred_weight_gradients_fail_the_step(pool):
+    # Stage 1 computes its weight gradients after stage 0 has reported the backward done: the
+    # failure must still reach the driver (through the optimizer step), not vanish.
+    spec = residual_spec(probe=False)
+    spec.insert(5, ("lrmp_testlayers.BrokenWeightGradients", {"features": 16}, (32, 16)))
+    strategy = RemoteModelParallelStrategy(hosts=pool[:2], balance=[4, 7])
+    model = Net(spec)
+    with pytest.raises(WorkerError) as info:
+        trainer(strategy, epochs=1).fit(model, data())
+    text = str(info.value)
+    assert "weight gradients after the last backward failed" in text and "optim_step" in text, text
+    assert info.value.address == pool[1] and info.value.stage == 1
+    assert strategy.session is None and not model.net.is_remote
+    # The same model trains with split_backward=False, where autograd takes the weight gradient in time.
+    strategy = RemoteModelParallelStrategy(hosts=pool[:2], balance=[4, 7], split_backward=False)
+    trainer(strategy, epochs=1).fit(Net(spec), data())
 
 
 def test_killed_worker_during_checkpoint_save(victim, pool, tmp_path):

@@ -21,7 +21,8 @@ else goes through autograd as usual.
 >>> deferred = DeferredWeightGrads(layer)
 >>> with deferred.recording():
 ...     y = layer(torch.ones(4, 3))
->>> y.sum().backward()
+>>> with deferred.filing_backward():
+...     y.sum().backward()
 >>> layer.weight.grad is None
 True
 >>> deferred.flush()
@@ -46,9 +47,10 @@ class _Pending:
     """What one (weight, bias) pair's weight gradient still needs: each micro-batch's input and
     output gradient, flattened to rows."""
 
-    __slots__ = ("weight", "bias", "inputs", "grads")
+    __slots__ = ("owner", "weight", "bias", "inputs", "grads")
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, owner: DeferredWeightGrads, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.owner = owner
         self.weight = weight
         self.bias = bias
         self.inputs: list[torch.Tensor] = []
@@ -69,8 +71,17 @@ class _LinearInputGrad(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         grad_x = grad_out.matmul(weight) if ctx.needs_input_grad[0] else None
         pending: _Pending = ctx.pending
-        pending.inputs.append(x.reshape(-1, x.shape[-1]))
-        pending.grads.append(grad_out.reshape(-1, grad_out.shape[-1]))
+        rows = grad_out.reshape(-1, grad_out.shape[-1])
+        inputs = x.reshape(-1, x.shape[-1])
+        if not pending.owner.filing or torch.is_grad_enabled():
+            # Not the stage's own backward (autograd run inside a layer's forward, or a double
+            # backward): the weight gradients are due now, as plain autograd gives them.
+            grad_w = rows.t().mm(inputs) if ctx.needs_input_grad[1] else None
+            grad_b = rows.sum(0) if ctx.needs_input_grad[2] else None
+            return grad_x, grad_w, grad_b, None
+        pending.inputs.append(inputs)
+        # A copy: autograd may hand the same buffer on (as a parameter's .grad, say) and add to it later.
+        pending.grads.append(rows.clone())
         return grad_x, None, None, None
 
 
@@ -99,6 +110,7 @@ class DeferredWeightGrads:
 
     def __init__(self, module: torch.nn.Module) -> None:
         self.module = module
+        self.filing = False
         self._params: set[int] = set()
         self._pending: dict[tuple[int, int], _Pending] = {}
 
@@ -112,15 +124,28 @@ class DeferredWeightGrads:
         with _Intercept(self):
             yield
 
+    @contextlib.contextmanager
+    def filing_backward(self) -> Iterator[None]:
+        """The stage's backward runs in this block: only there are weight gradients filed for
+        `flush`; any other backward through a recorded linear gets them at once."""
+        self.filing = True
+        try:
+            yield
+        finally:
+            self.filing = False
+
     def _pending_for(
         self, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     ) -> _Pending | None:
         if (
             not torch.is_grad_enabled()
             or _saved_tensor_hooks_active()
+            or _functorch_active()
             or id(weight) not in self._params
             or not weight.requires_grad
-            or (bias is not None and (id(bias) not in self._params or not bias.requires_grad))
+            or not weight.is_floating_point()  # complex gradients need conjugates; plain autograd has them
+            or _has_grad_hooks(weight)
+            or (bias is not None and (id(bias) not in self._params or not bias.requires_grad or _has_grad_hooks(bias)))
             or torch.is_autocast_enabled(input.device.type)
             or input.dtype != weight.dtype
             or input.dim() == 0
@@ -129,7 +154,7 @@ class DeferredWeightGrads:
         key = (id(weight), id(bias))
         pending = self._pending.get(key)
         if pending is None:
-            pending = self._pending[key] = _Pending(weight, bias)
+            pending = self._pending[key] = _Pending(self, weight, bias)
         return pending
 
     @property
@@ -139,18 +164,22 @@ class DeferredWeightGrads:
 
     @torch.no_grad()
     def flush(self) -> bool:
-        """Add the filed weight and bias gradients to ``.grad``; returns whether there were any."""
+        """Add the filed weight and bias gradients to ``.grad``; returns whether there were any.
+        A layer's filed tensors are dropped only once its gradients are added: after a failure (out
+        of memory, say) the rest is still there, and a later flush adds it."""
         flushed = False
         for pending in self._pending.values():
             if not pending.grads:
                 continue
             grads = torch.cat(pending.grads) if len(pending.grads) > 1 else pending.grads[0]
             inputs = torch.cat(pending.inputs) if len(pending.inputs) > 1 else pending.inputs[0]
+            grad_w = grads.t().mm(inputs)
+            grad_b = grads.sum(0) if pending.bias is not None else None
+            _accumulate(pending.weight, grad_w)
+            if pending.bias is not None:
+                _accumulate(pending.bias, grad_b)
             pending.grads.clear()
             pending.inputs.clear()
-            _accumulate(pending.weight, grads.t().mm(inputs))
-            if pending.bias is not None:
-                _accumulate(pending.bias, grads.sum(0))
             flushed = True
         return flushed
 
@@ -165,6 +194,17 @@ def _saved_tensor_hooks_active() -> bool:
     recomputed tensors: such regions use plain autograd. If torch offers no way to tell, assume so."""
     top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
     return True if top is None else top(False) is not None
+
+
+def _functorch_active() -> bool:
+    """vmap, grad and the other torch.func transforms need autograd Functions with setup_context."""
+    active = getattr(torch._C, "_are_functorch_transforms_active", None)
+    return bool(active()) if active is not None else False
+
+
+def _has_grad_hooks(t: torch.Tensor) -> bool:
+    """Hooks on a parameter's gradient expect it during backward, as autograd computes it."""
+    return bool(getattr(t, "_backward_hooks", None)) or bool(getattr(t, "_post_accumulate_grad_hooks", None))
 
 
 def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:

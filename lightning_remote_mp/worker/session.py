@@ -95,6 +95,7 @@ class WorkerSession:
         }
         self.group: ReplicaGroup | None = None
         self.events: EventLog | None = None
+        self._deferred_failure: Exception | None = None
 
     def handle(self, kind: str, body: Any) -> Any:
         handler = self._handlers.get(kind)
@@ -182,11 +183,21 @@ class WorkerSession:
     def backward(self, body: Any) -> Any:
         route = self.route(body)
         self._send(route.backward(body), protocol.BACKWARD, protocol.DONE)
-        route.finish_backward(body)
+        try:
+            route.finish_backward(body)
+        except Exception as err:
+            # The micro-batch is reported done already and the driver may have moved on: the failure
+            # belongs to the next request that needs these gradients (step, clipping, zero_grad).
+            log.warning("stage %d: computing the deferred weight gradients failed: %s", route.index, err)
+            self._deferred_failure = err
         return NO_REPLY
 
     def _settle_grads(self) -> None:
-        """Make every ``.grad`` complete (deferred weight gradients added) before it is read."""
+        """Make every ``.grad`` complete (deferred weight gradients added) before it is read; a
+        failure of an earlier attempt is raised here, so it reaches the driver."""
+        failure, self._deferred_failure = self._deferred_failure, None
+        if failure is not None:
+            raise SpecError(f"computing the weight gradients after the last backward failed: {failure}") from failure
         for stage in self.stages.values():
             stage.flush_weight_grads()
 

@@ -188,7 +188,9 @@ class StageExecutor:
                 outputs.append(t)
                 grads.append(g.to(self.device, dtype=t.dtype))
         if outputs:
-            torch.autograd.backward(outputs, grads)
+            filing = self.deferred.filing_backward() if self.deferred is not None else contextlib.nullcontext()
+            with filing:
+                torch.autograd.backward(outputs, grads)
         grad_x = saved.x.grad if saved.x.requires_grad else None
         grad_imports = {n: t.grad for n, t in saved.imports.items() if t.requires_grad and t.grad is not None}
         return grad_x, grad_imports
