@@ -15,7 +15,7 @@ from typing import Any, Protocol
 import torch
 
 from lightning_remote_mp import protocol
-from lightning_remote_mp.errors import ProtocolError, SpecError
+from lightning_remote_mp.errors import LrmpError, ProtocolError, SpecError
 from lightning_remote_mp.keys import is_z85_key
 from lightning_remote_mp.spec import resolve_class
 from lightning_remote_mp.worker.collective import ReplicaGroup
@@ -197,7 +197,7 @@ class WorkerSession:
         failure of an earlier attempt is raised here, so it reaches the driver."""
         failure, self._deferred_failure = self._deferred_failure, None
         if failure is not None:
-            raise SpecError(f"computing the weight gradients after the last backward failed: {failure}") from failure
+            raise LrmpError(f"computing the weight gradients after the last backward failed: {failure}") from failure
         for stage in self.stages.values():
             stage.flush_weight_grads()
 
