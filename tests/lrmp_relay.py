@@ -15,9 +15,11 @@ class Relay:
     ``captured()`` returns the byte stream of each direction of each connection (up to ``max_capture``
     in all);
     ``partition()`` starts dropping everything; ``close()`` stops the thread and closes every socket.
+    ``delay`` holds back what the *first* client to connect sends by that many seconds (a slow link
+    for that client only; later clients' bytes pass at once).
     """
 
-    def __init__(self, target: str, max_capture: int = 64 * 1024 * 1024) -> None:
+    def __init__(self, target: str, max_capture: int = 64 * 1024 * 1024, delay: float = 0.0) -> None:
         host, _, port = target.removeprefix("tcp://").rpartition(":")
         self.target = (host, int(port))
         self.listener = socket.create_server(("127.0.0.1", 0))
@@ -30,6 +32,9 @@ class Relay:
         self._dropping = threading.Event()
         self._stop = threading.Event()
         self._socks: list[socket.socket] = []
+        self.delay = delay
+        self._slow: socket.socket | None = None  # the first client, whose bytes are held back
+        self._held: list[tuple[float, socket.socket, bytes]] = []  # (due, destination, bytes), in order
         self._thread = threading.Thread(target=self._run, name="test-relay", daemon=True)
         self._thread.start()
 
@@ -49,11 +54,14 @@ class Relay:
         sel.register(self.listener, selectors.EVENT_READ, None)
         try:
             while not self._stop.is_set():
-                for key, _ in sel.select(0.05):
+                for key, _ in sel.select(0.005 if self._held else 0.05):
                     if key.data is None:
                         self._accept(sel)
                     else:
                         self._forward(sel, key.fileobj, key.data)
+                while self._held and self._held[0][0] <= time.monotonic():
+                    _, dst, data = self._held.pop(0)
+                    self._send(dst, data)
         finally:
             sel.close()
             for s in [self.listener, *self._socks]:
@@ -73,6 +81,8 @@ class Relay:
             s.setblocking(True)
             s.settimeout(5)
         self._socks += [client, upstream]
+        if self.delay and self._slow is None:
+            self._slow = client
         sel.register(client, selectors.EVENT_READ, upstream)
         sel.register(upstream, selectors.EVENT_READ, client)
 
@@ -96,6 +106,13 @@ class Relay:
             if room > 0:
                 self._capture.setdefault((src.fileno(), dst.fileno()), bytearray()).extend(data[:room])
                 self._captured += min(room, len(data))
+        if src is self._slow:
+            self._held.append((time.monotonic() + self.delay, dst, data))
+        else:
+            self._send(dst, data)
+
+    @staticmethod
+    def _send(dst: socket.socket, data: bytes) -> None:
         try:
             dst.sendall(data)
         except OSError:

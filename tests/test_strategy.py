@@ -427,3 +427,23 @@ def test_timeline_records_every_stage_and_logs_the_bubble(tmp_path, twin, pool):
     assert all(e["dur"] >= 0 for e in spans) and any(e["cat"] == "idle" for e in spans)
     bubble = t.callback_metrics["lrmp/bubble_fraction_epoch"].item()
     assert 0.0 < bubble < 1.0
+
+
+def test_a_slow_driver_link_cannot_let_the_pipeline_overtake_the_optimizer_step(twin, pool):
+    # The driver does not wait for the optimizer step (it posts it), but stage 1 must not run the
+    # next forward, which reaches it from stage 0, before that step: everything the driver sends
+    # stage 1 arrives 50 ms late here, while stage 0's micro-batches reach it at once.
+    from lrmp_relay import Relay
+
+    torch.manual_seed(11)
+    local = Net(residual_spec(probe=False))
+    remote = twin(local)
+    trainer(epochs=1).fit(local, data())
+    relay = Relay(pool[1], delay=0.05)
+    try:
+        strategy = RemoteModelParallelStrategy(hosts=[pool[0], relay.address], balance=[4, 6], microbatches=2)
+        trainer(strategy, epochs=1).fit(remote, data())
+    finally:
+        relay.close()
+    assert_same_losses(local.losses, remote.losses)
+    assert_same_weights(local, remote)
