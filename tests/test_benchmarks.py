@@ -1,6 +1,7 @@
 """Smoke test of the benchmark scripts: each one's ``--quick`` mode runs in a subprocess, within a
-tight bound, and prints its markdown table. The numbers themselves are not checked (see
-benchmarks/README.md for real runs). Without matplotlib (the ``bench`` extra) the scripts skip the plot.
+bound of about twice its usual time on 2 cores, and prints its markdown table. The numbers
+themselves are not checked (see benchmarks/README.md for real runs). Without matplotlib (the
+``bench`` extra) the scripts skip the plot.
 
 ``LRMP_BENCH_SMOKE_TIMEOUT`` raises the bound on a machine that is busy with other work.
 """
@@ -17,25 +18,28 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BOUND_S = float(os.environ.get("LRMP_BENCH_SMOKE_TIMEOUT", "30"))
+# memory.py starts a fresh driver and two fresh workers per model size (six torch imports): ~23 s.
+BOUNDS = {"memory.py": 2 * BOUND_S}
 TABLE_ROW = re.compile(r"^\|.*\|\s*$", re.M)
 SEPARATOR = re.compile(r"^\|(-+\|)+\s*$", re.M)
 
 
-@pytest.mark.timeout(BOUND_S + 30)
+@pytest.mark.timeout(2 * BOUND_S + 30)
 @pytest.mark.parametrize("script", ["throughput.py", "transport.py", "protocol_cycle.py", "memory.py"])
 def test_quick_mode_prints_a_table(script, tmp_path):
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", script), "--quick", "--out", str(tmp_path)]
+    bound = BOUNDS.get(script, BOUND_S)
     start = time.monotonic()
     # start_new_session: on a timeout the whole group (the script and the processes it started) is killed.
     proc = subprocess.Popen(
         cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
     )
     try:
-        out, err = proc.communicate(timeout=BOUND_S)
+        out, err = proc.communicate(timeout=bound)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, 9)
         out, err = proc.communicate()
-        pytest.fail(f"{script} --quick took more than {BOUND_S:.0f} s\nstdout:\n{out[-3000:]}\nstderr:\n{err[-3000:]}")
+        pytest.fail(f"{script} --quick took more than {bound:.0f} s\nstdout:\n{out[-3000:]}\nstderr:\n{err[-3000:]}")
     elapsed = time.monotonic() - start
     assert proc.returncode == 0, f"{script} --quick failed ({elapsed:.0f} s):\n{out[-3000:]}\n{err[-3000:]}"
     rows = TABLE_ROW.findall(out)
