@@ -362,9 +362,9 @@ class Connection:
             else:
                 self._check_alive(start, timeout, what)
 
-    def read(self) -> protocol.Message:
+    def read(self) -> protocol.Message | None:
         """Read one waiting message (the socket must be readable). The reply to a posted request
-        is consumed here, and raised if it reports a failure."""
+        is consumed here (``None``), or raised if it reports a failure."""
         try:
             msg = protocol.decode(self._sock.recv_multipart(copy=False), self.limits)
         except ProtocolVersionError as err:
@@ -383,9 +383,11 @@ class Connection:
         if self.heartbeat is not None:
             self.heartbeat.touch(self.address)
         posted = self._unanswered.pop(msg.id, None) if msg.id else None
-        if posted is not None and msg.kind == protocol.ERROR:
+        if posted is None:
+            return msg
+        if msg.kind == protocol.ERROR:
             raise self._remote_error(msg.body, f"{posted} (reported late: the driver does not wait for it)")
-        return msg
+        return None
 
     def recv(self, req_id: int, *, timeout: float | None = None, what: str = "") -> Any:
         """Wait for the reply to ``req_id``; return its body or raise WorkerError / WorkerLostError."""
@@ -393,6 +395,8 @@ class Connection:
         while True:
             if self._sock.poll(_POLL_SLICE_MS, zmq.POLLIN):
                 msg = self.read()
+                if msg is None:
+                    continue
                 if msg.id != req_id:
                     log.debug("%s: dropping stale reply %s (waiting for %s)", self.where(), msg.id, req_id)
                     continue
@@ -531,6 +535,8 @@ def gather(
         for sock, _ in poller.poll(_POLL_SLICE_MS):
             conn = by_sock[id(sock)]
             msg = conn.read()
+            if msg is None:
+                continue
             body = msg.body if isinstance(msg.body, dict) else {}
             if msg.kind == protocol.ERROR and msg.id == 0 and body.get("call") in (call, None):
                 raise conn._remote_error(body, what)
