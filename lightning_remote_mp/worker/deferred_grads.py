@@ -183,10 +183,6 @@ class DeferredWeightGrads:
             flushed = True
         return flushed
 
-    def discard(self) -> None:
-        """Forget filed gradients without adding them (the session is going away)."""
-        self._pending.clear()
-
 
 def _saved_tensor_hooks_active() -> bool:
     """Activation checkpointing (and offloading) pack what ops save for backward and recompute it

@@ -389,9 +389,6 @@ class WorkerSession:
         return None
 
     def close(self) -> None:
-        for stage in self.stages.values():
-            if stage.deferred is not None:
-                stage.deferred.discard()
         self.group = None
         self.routes.clear()
         self.stages.clear()
