@@ -1,6 +1,8 @@
 """Starting ``lrmp-worker`` processes on this machine: the zero-config default of the strategy.
 
 Each worker binds ``tcp://127.0.0.1:*`` and prints the port it got, so there is no port race.
+What a worker writes afterwards (its log, a layer's ``print``) reaches this process's stderr, each
+line prefixed with the worker's index and address.
 
 >>> workers = LocalWorkers(1, threads=1)
 >>> addresses = workers.start()
@@ -11,17 +13,104 @@ Each worker binds ``tcp://127.0.0.1:*`` and prints the port it got, so there is 
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
-import selectors
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 
 log = logging.getLogger(__name__)
 
 _READY = "lrmp-worker ready on "
+_LINE_CAP = 64 * 1024  # a longer "line" (a progress bar's \r updates, say) is relayed in pieces
+_TAIL_LINES = 20  # lines quoted when a worker fails to start
+_RELAY_JOIN = 1.0  # seconds given to a relay to pass on the last words of a worker that ended
+_write_lock = threading.Lock()  # keeps lines of different workers whole on this process's stderr
+
+
+class WorkerOutput:
+    """Reads one local worker's output (stdout and stderr merged) on a daemon thread, until it ends.
+
+    Up to the ready line it is watched for the bound address; after it, every line goes to this
+    process's stderr, prefixed like ``[lrmp-worker 0 127.0.0.1:40101] ``. Someone must keep reading:
+    once the pipe's buffer (64 KiB on Linux) is full, a worker's next ``print`` blocks forever, while
+    its I/O thread still answers heartbeats, so the driver would wait forever too. The relay therefore
+    keeps draining even when writing to this process's stderr fails.
+
+    Args:
+        proc: a worker started with ``stdout=PIPE`` (``stderr=STDOUT`` to relay its log as well).
+        index: the worker's index among those started together, for the prefix.
+    """
+
+    def __init__(self, proc: subprocess.Popen, index: int = 0) -> None:
+        self.proc = proc
+        self.address: str | None = None
+        self.prefix = f"[lrmp-worker {index} pid {proc.pid}] "
+        self._index = index
+        self._tail: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
+        self._ready = threading.Event()  # set at the ready line, or when the output ends without it
+        self._thread = threading.Thread(target=self._run, name=f"lrmp-worker-{index}-output", daemon=True)
+        self._thread.start()
+
+    def wait_ready(self, deadline: float) -> str:
+        """The address the worker reports once it serves; raises `RuntimeError` (quoting its last
+        lines) if it exits first or ``deadline`` (a ``time.monotonic()`` value) passes."""
+        while not self._ready.wait(min(0.5, max(0.0, deadline - time.monotonic()))):
+            if self.proc.poll() is not None or time.monotonic() >= deadline:
+                break
+        if self.address is not None:
+            return self.address
+        self._thread.join(_RELAY_JOIN)  # the last lines explain the failure
+        try:
+            code = self.proc.wait(_RELAY_JOIN)  # its output has ended: it is exiting, or wedged
+        except subprocess.TimeoutExpired:
+            code = None
+        why = f"exited with code {code}" if code is not None else "did not report ready in time"
+        tail = "".join(f"\n  {line}" for line in self._tail) or " (no output)"
+        raise RuntimeError(f"local lrmp-worker {self._index} (pid {self.proc.pid}) {why}; its last output:{tail}")
+
+    def join(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for the output to end (it ends when the worker exits)."""
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        stream = self.proc.stdout
+        assert stream is not None
+        try:
+            while line := stream.readline(_LINE_CAP):
+                self._on_line(line.decode("utf-8", "replace") if isinstance(line, bytes) else line)
+        except (OSError, ValueError):  # the pipe was closed under us: the worker is gone
+            pass
+        finally:
+            self._ready.set()
+            try:
+                stream.close()
+            except (OSError, ValueError):
+                pass
+
+    def _on_line(self, line: str) -> None:
+        line = line.rstrip("\r\n")
+        if self.address is None:
+            if line.startswith(_READY):
+                self.address = line[len(_READY) :].split()[0]
+                self.prefix = f"[lrmp-worker {self._index} {self.address.removeprefix('tcp://')}] "
+                self._ready.set()
+                return
+            self._tail.append(line)
+        self._write(self.prefix + line + "\n")
+
+    @staticmethod
+    def _write(text: str) -> None:
+        # sys.stderr is looked up each time: whoever replaced it (pytest's capture, say) gets the line.
+        try:
+            with _write_lock:
+                sys.stderr.write(text)
+                sys.stderr.flush()
+        except Exception:  # nowhere to write to: drop the line, but keep draining the pipe
+            pass
 
 
 class LocalWorkers:
@@ -33,6 +122,7 @@ class LocalWorkers:
             when CUDA is available, else CPU.
         threads: torch threads per worker (default: this machine's cores shared among the workers).
         allow_modules: module prefixes the workers may build classes from, beyond the defaults.
+        log_level: the workers' log level; their log lines reach this process's stderr.
         secret_keys: with ``authorized_keys``, each worker's ``.key_secret`` file: the workers then
             talk CURVE only.
         authorized_keys: directory of the public keys allowed to drive the workers.
@@ -70,80 +160,81 @@ class LocalWorkers:
         self.threads = threads or max(1, (os.cpu_count() or 1) // n)
         self.allow_modules = list(allow_modules)
         self.log_level = log_level
-        self.procs: list[subprocess.Popen[str]] = []
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.outputs: list[WorkerOutput] = []
         self.addresses: list[str] = []
 
     def start(self, timeout: float = 120.0) -> list[str]:
         env = dict(os.environ)
         # Let the workers import what this process can (the user's layer modules, for example).
         env["PYTHONPATH"] = os.pathsep.join(p for p in [os.getcwd(), *sys.path] if p)
+        env["PYTHONUNBUFFERED"] = "1"  # a layer's print reaches the driver when printed, not at exit
         for i, device in enumerate(self.devices):
-            cmd = [
-                sys.executable,
-                "-m",
-                "lightning_remote_mp.worker",
-                "--bind",
-                "tcp://127.0.0.1:*",
-                "--device",
-                device,
-                "--threads",
-                str(self.threads),
-                "--log-level",
-                self.log_level,
-            ]
-            for prefix in self.allow_modules:
-                cmd += ["--allow-module", prefix]
-            if self.secret_keys is not None and self.authorized_keys is not None:
-                cmd += ["--secret-key", self.secret_keys[i], "--authorized-keys", self.authorized_keys]
-            cmd += self.extra_args
-            self.procs.append(
-                subprocess.Popen(cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, env=env, text=True)
+            proc = subprocess.Popen(
+                self._command(i, device),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
             )
+            self.procs.append(proc)
+            self.outputs.append(WorkerOutput(proc, i))
         try:
-            self.addresses = [self._wait_ready(p, time.monotonic() + timeout) for p in self.procs]
+            deadline = time.monotonic() + timeout
+            self.addresses = [out.wait_ready(deadline) for out in self.outputs]
         except BaseException:
             self.stop()
             raise
         log.info("started %d local lrmp-worker processes: %s", len(self.procs), ", ".join(self.addresses))
         return self.addresses
 
-    @staticmethod
-    def _wait_ready(proc: subprocess.Popen[str], deadline: float) -> str:
-        assert proc.stdout is not None
-        sel = selectors.DefaultSelector()
-        sel.register(proc.stdout, selectors.EVENT_READ)
-        try:
-            while (left := deadline - time.monotonic()) > 0:
-                if sel.select(min(left, 0.5)):
-                    line = proc.stdout.readline()
-                    if line.startswith(_READY):
-                        return line[len(_READY) :].split()[0]
-                    if not line and proc.poll() is not None:
-                        break
-                elif proc.poll() is not None:
-                    break
-        finally:
-            sel.close()
-        code = proc.poll()
-        why = f"exited with code {code}" if code is not None else "did not report ready in time"
-        raise RuntimeError(f"local lrmp-worker (pid {proc.pid}) {why}; its stderr above says why")
+    def _command(self, i: int, device: str) -> list[str]:
+        cmd = [
+            sys.executable,
+            "-m",
+            "lightning_remote_mp.worker",
+            "--bind",
+            "tcp://127.0.0.1:*",
+            "--device",
+            device,
+            "--threads",
+            str(self.threads),
+            "--log-level",
+            self.log_level,
+        ]
+        for prefix in self.allow_modules:
+            cmd += ["--allow-module", prefix]
+        if self.secret_keys is not None and self.authorized_keys is not None:
+            cmd += ["--secret-key", self.secret_keys[i], "--authorized-keys", self.authorized_keys]
+        return cmd + self.extra_args
 
     def why_dead(self, i: int) -> str | None:
         """``None`` while worker ``i`` runs, else how it ended."""
         code = self.procs[i].poll()
         return None if code is None else f"its process (pid {self.procs[i].pid}) exited with code {code}"
 
-    def stop(self, timeout: float = 10.0) -> None:
+    def stop(self, timeout: float = 2.0) -> None:
+        """SIGTERM every worker, give them ``timeout`` seconds together to exit, then SIGKILL the rest.
+
+        A worker exits within a fraction of a second of SIGTERM, even while a layer of its still
+        runs (it does not wait for the layer); what needs the kill is a worker that cannot run at
+        all (stopped with SIGSTOP, say).
+        """
         for p in self.procs:
             if p.poll() is None:
                 p.terminate()
         deadline = time.monotonic() + timeout
         for p in self.procs:
             try:
-                p.wait(max(0.1, deadline - time.monotonic()))
+                p.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
+                log.warning(
+                    "local lrmp-worker (pid %d) did not exit within %.1f s of SIGTERM: killed it", p.pid, timeout
+                )
                 p.kill()
                 p.wait()
-            if p.stdout is not None:
-                p.stdout.close()
+        deadline = time.monotonic() + _RELAY_JOIN
+        for out in self.outputs:
+            out.join(max(0.0, deadline - time.monotonic()))
         self.procs.clear()
+        self.outputs.clear()

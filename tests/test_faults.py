@@ -1,6 +1,7 @@
 """Faults injected into real runs: workers killed (SIGKILL), hung (SIGSTOP) or cut off (a relay that
 drops everything) in each phase of training, a driver killed under a worker, a stage that cannot
-reach the next one; and a run that resumes from its last checkpoint on a replacement worker.
+reach the next one, a layer that never returns (the worker still answers heartbeats: call_timeout);
+and a run that resumes from its last checkpoint on a replacement worker.
 
 Every lost worker must be reported as a WorkerLostError naming its address and stage within the
 heartbeat timeout (plus slack for a loaded 2-core machine), whatever the driver was waiting for.
@@ -410,3 +411,62 @@ def test_a_listener_that_never_answers_fails_the_connect_after_the_heartbeat_tim
         assert HEARTBEAT <= elapsed < HEARTBEAT + SLACK, elapsed
     finally:
         listener.close()
+
+
+def _stuck_worker_stops_quickly(workers: LocalWorkers) -> None:
+    start = time.monotonic()
+    workers.stop()
+    stopped = time.monotonic() - start
+    print(f"stop() with a worker stuck in a layer: {stopped:.2f} s")
+    assert stopped < 4.0, f"stop() took {stopped:.1f} s"
+
+
+def test_a_layer_that_never_returns_fails_the_pipeline_after_call_timeout(start_workers):
+    """Stage 1's layer sleeps for a minute while its worker answers every heartbeat: the forward
+    fails after call_timeout, naming that worker (the one computing), not stage 0."""
+    workers = start_workers(2)
+    net = SpecSequential(
+        [
+            ("torch.nn.Linear", {"in_features": 3, "out_features": 3}, (2, 3)),
+            ("lrmp_testlayers.SlowIdentity", {"seconds": 60}, (2, 3)),
+        ]
+    )
+    session = DriverSession(workers.addresses, heartbeat_timeout=HEARTBEAT, call_timeout=3)
+    try:
+        session.place("net", net, balance=[1, 1])
+        start = time.monotonic()
+        with pytest.raises(WorkerLostError) as info:
+            net(torch.ones(2, 3))
+        detected = time.monotonic() - start
+    finally:
+        session.close()
+    _record("a layer that never returns (call_timeout=3)", detected)
+    text = str(info.value)
+    assert info.value.address == workers.addresses[1] and info.value.stage == 1, text
+    assert f"worker {workers.addresses[1]} (stage 1)" in text and workers.addresses[0] not in text, text
+    assert "during forward" in text and "call_timeout=3 s" in text and "still computing" in text, text
+    assert "raise call_timeout=" in text, text
+    assert 3.0 <= detected < 20.0, detected
+    _stuck_worker_stops_quickly(workers)
+
+
+def test_a_request_that_never_returns_fails_after_call_timeout(start_workers, tmp_path):
+    """The same for one request (a stage whose layer takes 10 s to build): its reply is overdue."""
+    workers = start_workers(1)
+    gate = {"marker": str(tmp_path / "building"), "driver_pid": os.getpid(), "seconds": 10}
+    net = SpecSequential([("lrmp_testlayers.SetupGate", gate, (2, 3))])
+    session = DriverSession(workers.addresses, heartbeat_timeout=HEARTBEAT, call_timeout=3)
+    try:
+        start = time.monotonic()
+        with pytest.raises(WorkerLostError) as info:
+            session.place("net", net)
+        detected = time.monotonic() - start
+    finally:
+        session.close()
+    _record("a request that never returns (call_timeout=3)", detected)
+    text = str(info.value)
+    assert info.value.address == workers.addresses[0] and info.value.stage == 0, text
+    assert f"worker {workers.addresses[0]} (stage 0) has not answered during setup for 3 s" in text, text
+    assert "call_timeout=3 s" in text and "still computing" in text and "raise call_timeout=" in text, text
+    assert 3.0 <= detected < 20.0, detected
+    _stuck_worker_stops_quickly(workers)

@@ -13,6 +13,8 @@ import dataclasses
 import logging
 import os
 import queue
+import signal
+import socket
 import threading
 import time
 import traceback
@@ -37,6 +39,9 @@ DEFAULT_SESSION_TIMEOUT = 20.0
 #: How long a stage keeps trying to hand a message to the next stage before it reports that stage
 #: unreachable (the driver's heartbeat_timeout, when its HELLO says).
 DEFAULT_PEER_TIMEOUT = 10.0
+#: How long a stopping worker waits for a request that is still running (a layer stuck for good,
+#: say) before it leaves without it.
+_COMPUTE_GRACE = 0.5
 _DROP = "__drop__"
 _NEW = "__new__"
 
@@ -145,6 +150,56 @@ class _Outbox:
         self.close_peers()
 
 
+def describe_duration(seconds: float) -> str:
+    """``"0.4 s"``, ``"12 s"``, ``"3 min 12 s"``, ``"2 h 5 min"``: a span of time as people say it."""
+    seconds = max(0.0, seconds)
+    if seconds < 10:
+        return f"{seconds:.1f} s"
+    whole = round(seconds)
+    if whole < 60:
+        return f"{whole} s"
+    if whole < 3600:
+        return f"{whole // 60} min {whole % 60} s"
+    return f"{whole // 3600} h {whole % 3600 // 60} min"
+
+
+class _SignalWakeup:
+    """Makes the I/O thread's poll return when a signal arrives, whichever thread receives it.
+
+    Python runs signal handlers in the main thread only, between bytecodes, but the OS may deliver
+    SIGTERM to any thread that does not block it (the compute thread, torch's threads): a main
+    thread asleep in ``zmq_poll`` then never runs the handler. Stopping a worker after a session
+    took 10 s (and a SIGKILL) that way. `signal.set_wakeup_fd` writes a byte for every signal, from
+    any thread, to a socket that this poll watches.
+    """
+
+    def __init__(self) -> None:
+        self._rx, self._tx = socket.socketpair()
+        self._rx.setblocking(False)
+        self._tx.setblocking(False)
+        self._previous = signal.set_wakeup_fd(self._tx.fileno(), warn_on_full_buffer=False)
+
+    @classmethod
+    def install(cls) -> _SignalWakeup | None:
+        """A wake-up on the main thread (the only one that may install it), else ``None``."""
+        return cls() if threading.current_thread() is threading.main_thread() else None
+
+    def fileno(self) -> int:
+        return self._rx.fileno()
+
+    def drain(self) -> None:
+        try:
+            while self._rx.recv(4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def close(self) -> None:
+        signal.set_wakeup_fd(self._previous)
+        self._rx.close()
+        self._tx.close()
+
+
 def _warm_up() -> None:
     """The first ``torch.autograd.backward`` with explicit gradients in a process imports sympy
     (seconds on a small machine); pay that before the first session needs it."""
@@ -196,6 +251,7 @@ class WorkerServer:
         self._session_id: str | None = None
         self._session_peer = ""
         self._last_seen = 0.0
+        self._session_started = 0.0
         self._busy_since: float | None = None
         self._session_peer_keys: dict[str, frozenset[bytes]] = {}  # session -> announced peer keys
         # The authenticator must answer before the first client can complete a handshake.
@@ -241,6 +297,9 @@ class WorkerServer:
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self._replies, zmq.POLLIN)
         poller.register(self._monitor, zmq.POLLIN)
+        signals = _SignalWakeup.install()
+        if signals is not None:
+            poller.register(signals.fileno(), zmq.POLLIN)  # the poll reports it by that number
         try:
             while not self._stop.is_set():
                 # Sleep until a message or the session's expiry: an idle worker uses no CPU.
@@ -248,7 +307,9 @@ class WorkerServer:
                 if self._session_id is not None:
                     timeout = max(0.0, self.session_timeout - (time.monotonic() - self._last_seen)) * 1000 + 10
                 for sock, _ in poller.poll(timeout):
-                    if sock is self._replies:
+                    if signals is not None and sock == signals.fileno():
+                        signals.drain()  # the handler itself runs once this thread is back in Python
+                    elif sock is self._replies:
                         frames = self._replies.recv_multipart(copy=False)
                         if len(frames) > 1:  # a lone frame only wakes the loop (stop)
                             self.sock.send_multipart(frames, copy=False)
@@ -262,14 +323,27 @@ class WorkerServer:
                             log.exception("dropped a message that could not be handled")
                 self._expire_session()
         finally:
-            self._tasks.put(None)
-            compute.join(timeout=10)
+            if signals is not None:
+                signals.close()
+            self._stop_compute(compute)
             self.sock.disable_monitor()
             self._monitor.close(0)
             self.sock.close(0)
             self._replies.close(0)
             if self.auth is not None:
                 self.auth.stop()
+
+    def _stop_compute(self, compute: threading.Thread) -> None:
+        """Let the compute thread end, but do not wait long for a request that is still running: a
+        stopped worker must be gone at once, and the process exits without that thread anyway."""
+        self._tasks.put(None)
+        compute.join(timeout=_COMPUTE_GRACE)
+        busy_since = self._busy_since
+        if compute.is_alive() and busy_since is not None:
+            log.warning(
+                "stopping while a request still runs (for %s): not waiting for it",
+                describe_duration(time.monotonic() - busy_since),
+            )
 
     def stop(self) -> None:
         """Stop serving (from any thread, or a signal handler)."""
@@ -418,20 +492,12 @@ class WorkerServer:
             )
             return
         if self._session_id is not None and self._session_id != msg.session:
-            self._reply(
-                peer,
-                protocol.ERROR,
-                msg.id,
-                {
-                    "type": "WorkerBusy",
-                    "message": f"busy, serving {self._session_peer} (session {self._session_id[:8]}); "
-                    "try again when that run ends, or start another worker",
-                },
-            )
+            self._reply(peer, protocol.ERROR, msg.id, {"type": "WorkerBusy", "message": self._busy_message()})
             return
         if self._session_id is None:
             self._session_id = msg.session
             self._session_peer = driver
+            self._session_started = time.monotonic()
             log.info("session %s started by %s", msg.session[:8], driver)
             if (body.get("lrmp"), body.get("torch")) != (__version__, torch.__version__):
                 log.warning(
@@ -460,6 +526,21 @@ class WorkerServer:
             },
         )
 
+    def _busy_message(self) -> str:
+        """Why another driver is refused, with what it needs to decide whether to wait: how long the
+        running session has lasted, and when it would expire if its driver were gone."""
+        now = time.monotonic()
+        silent = now - self._last_seen
+        computing = ", computing now" if self._busy_since is not None else ""
+        return (
+            f"busy, serving {self._session_peer} (session {(self._session_id or '')[:8]}) for "
+            f"{describe_duration(now - self._session_started)}{computing}; its driver was last heard from "
+            f"{describe_duration(silent)} ago. A session is dropped after {describe_duration(self.session_timeout)} "
+            f"of driver silence (--session-timeout), so if that driver is gone this one ends within "
+            f"{describe_duration(self.session_timeout - silent)}; otherwise try again when its run ends, "
+            "or start another worker"
+        )
+
     def _end_session(self, why: str) -> None:
         if self._session_id is not None:
             log.info("session %s ended: %s", self._session_id[:8], why)
@@ -479,7 +560,7 @@ class WorkerServer:
         self._outbox = _Outbox(out, self.keys)
         _warm_up()
         try:
-            while (task := self._tasks.get()) is not None:
+            while (task := self._tasks.get()) is not None and not self._stop.is_set():
                 msg = task.msg
                 if msg.kind == _DROP:
                     self._drop_session(msg.session)
