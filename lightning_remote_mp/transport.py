@@ -39,6 +39,9 @@ DEFAULT_CONNECT_TIMEOUT = 30.0
 #: How long a worker may stay silent (no reply, no heartbeat) before it is declared lost.
 DEFAULT_HEARTBEAT_TIMEOUT = 9.0  # a lost worker is named within 10 s: the timeout plus one heartbeat poll
 DEFAULT_HEARTBEAT_INTERVAL = 1.0
+#: How long one call (a request, or a pipeline's wait for its next result) may go on while the worker
+#: answers heartbeats but makes no progress (a layer that never returns, a deadlock).
+DEFAULT_CALL_TIMEOUT = 300.0
 _POLL_SLICE_MS = 50
 _VAGUE_FAILURE_WAIT = 1.0  # seconds a handshake failure without detail waits for a more telling one (a reconnect)
 
@@ -187,7 +190,13 @@ def handshake_failure(event: Mapping[str, Any], curve: Curve | None) -> str | No
                 f"({curve.server_key.decode()}) is probably not the public key of the --secret-key it runs with, "
                 "unless the worker does not use CURVE encryption at all (it runs without --secret-key)"
             )
-        return "the ZeroMQ handshake failed: is this address an lrmp-worker?"
+        # A worker that requires CURVE drops a plaintext client; libzmq names the mismatch, or, when
+        # the connection drops first (a race), says nothing more than this.
+        return (
+            "the ZeroMQ handshake failed: the worker probably requires CURVE encryption and authentication "
+            "(it runs with --secret-key) while this driver has no keys (give the strategy curve_secret_key and "
+            "worker_public_keys), unless something other than an lrmp-worker listens at this address"
+        )
     return None
 
 
@@ -229,6 +238,10 @@ class Heartbeat:
     def idle_for(self, address: str) -> float:
         """How long the worker's heartbeats have found it not computing."""
         return time.monotonic() - self._last_busy.get(address, time.monotonic())
+
+    def busy(self, address: str) -> bool:
+        """Whether the worker's latest heartbeats found it computing (one may be in flight, hence two intervals)."""
+        return self.idle_for(address) <= 2 * self.interval
 
     def close(self) -> None:
         self._stop.set()
@@ -274,11 +287,14 @@ class Heartbeat:
 
 
 class Connection:
-    """Request/reply with one worker, bounded in time by the heartbeat.
+    """Request/reply with one worker, bounded in time by the heartbeat and by ``call_timeout``.
 
-    Replies echo the request id; a stale reply (to a request that was abandoned) is dropped. A
-    monitor on the socket turns a failed handshake (a refused key, keys on one side only) into an
-    `lightning_remote_mp.errors.AuthenticationError` at once, instead of a silent timeout.
+    The heartbeat catches a worker that died or hangs as a whole; ``call_timeout`` (seconds, ``None``
+    for no bound) one that answers heartbeats but never answers the call (a layer that never
+    returns, a deadlock). Replies echo the request id; a stale reply (to a request that was
+    abandoned) is dropped. A monitor on the socket turns a failed handshake (a refused key, keys on
+    one side only) into an `lightning_remote_mp.errors.AuthenticationError` at once, instead of a
+    silent timeout.
     """
 
     def __init__(
@@ -291,13 +307,17 @@ class Connection:
         limits: protocol.Limits = protocol.DEFAULT_LIMITS,
         is_alive: Callable[[], str | None] | None = None,
         curve: Curve | None = None,
+        call_timeout: float | None = DEFAULT_CALL_TIMEOUT,
     ) -> None:
+        if call_timeout is not None and not call_timeout > 0:
+            raise ValueError(f"call_timeout must be a positive number of seconds or None, got {call_timeout!r}")
         self.address = address
         self.stage = stage
         self.replica = replica  # set when stages are replicated (data parallel)
         self.session = ""
         self.heartbeat: Heartbeat | None = None
         self.heartbeat_timeout = heartbeat_timeout
+        self.call_timeout = call_timeout
         self.limits = limits
         #: The worker's limits (from its HELLO reply): what this side may send it.
         self.remote_limits: protocol.Limits | None = None
@@ -428,10 +448,34 @@ class Connection:
         self.lost_reason = f"{self.where()}: {why}"
         raise AuthenticationError(self.lost_reason, address=self.address, stage=self.stage)
 
-    def _check_alive(self, start: float, timeout: float | None, what: str) -> None:
+    def _doing(self, what: str) -> str:
         doing = f" during {what}" if what else ""
         if self._unanswered:
             doing += f" ({', '.join(dict.fromkeys(self._unanswered.values()))} still unanswered)"
+        return doing
+
+    def _check_alive(self, start: float, timeout: float | None, what: str) -> None:
+        """Raise `WorkerLostError` if the worker is gone, or the call begun at ``start`` went on too long."""
+        self._check_reachable(start, timeout, what)
+        if self.call_timeout is not None and time.monotonic() - start > self.call_timeout:
+            self._lost(self._overdue(time.monotonic() - start, what))
+
+    def _overdue(self, elapsed: float, what: str) -> str:
+        hb = self.heartbeat
+        if hb is not None and hb.busy(self.address):
+            state = "its heartbeat says it is still computing"
+        elif hb is not None:
+            state = f"its heartbeat says it has not been computing for {hb.idle_for(self.address):.0f} s"
+        else:
+            state = "it answers, but not to this call"
+        return (
+            f"{self.where()} has not answered{self._doing(what)} for {elapsed:.0f} s "
+            f"(call_timeout={self.call_timeout:g} s), and {state}. {_OVERDUE_CAUSES}"
+        )
+
+    def _check_reachable(self, start: float, timeout: float | None, what: str) -> None:
+        """Raise `WorkerLostError` if the worker died, went silent, or never answered within ``timeout``."""
+        doing = self._doing(what)
         self._check_handshake()
         if self.is_alive is not None and (why := self.is_alive()):
             self._lost(f"{self.where()} died{doing}: {why}")
@@ -497,6 +541,13 @@ class Connection:
             self._sock.close(0)
 
 
+_OVERDUE_CAUSES = (
+    "A layer that never returns, a deadlock, or a step slower than call_timeout: raise call_timeout=... "
+    "if it is legitimately slow (None waits forever); `kill -USR1 <worker pid>` prints where the worker's "
+    "threads are."
+)
+
+
 def _lrmp_version() -> str:
     from lightning_remote_mp import __version__
 
@@ -521,7 +572,8 @@ def gather(
     """Collect ``count`` unsolicited messages that ``want`` accepts, from any of ``conns``.
 
     An error a worker reports for this ``call`` is raised at once; leftovers of earlier calls are
-    dropped; a lost worker fails the wait like `Connection.recv` does.
+    dropped; a lost worker fails the wait like `Connection.recv` does. ``call_timeout`` bounds the
+    time between two accepted messages, not the whole wait: a long pipeline that moves is fine.
     """
     poller = zmq.Poller()
     by_sock = {}
@@ -548,8 +600,9 @@ def gather(
             else:
                 log.debug("%s: dropping stale %s message", conn.where(), msg.kind)
         for c in by_sock.values():
-            c._check_alive(start, None, what)
+            c._check_reachable(start, None, what)
         _check_stall(list(by_sock.values()), progress, what, count - len(got))
+        _check_overdue(list(by_sock.values()), progress, what, count - len(got))
     return got
 
 
@@ -567,3 +620,27 @@ def _check_stall(conns: Sequence[Connection], progress: float, what: str, missin
             f"the driver uses ({', '.join(c.address for c in conns)})? Activations travel worker to worker."
         )
         raise WorkerLostError(message, address=conns[0].address, stage=conns[0].stage)
+
+
+def _check_overdue(conns: Sequence[Connection], progress: float, what: str, missing: int) -> None:
+    """Nothing arrived for longer than ``call_timeout`` although every worker answers its heartbeat:
+    blame the ones still computing (all, if none is), and let no later call wait for them."""
+    limits = [c.call_timeout for c in conns if c.call_timeout is not None]
+    waited = time.monotonic() - progress
+    if not limits or waited <= min(limits):
+        return
+    hb = conns[0].heartbeat
+    busy = [c for c in conns if hb is not None and hb.busy(c.address)]
+    blamed = busy or list(conns)
+    if busy:
+        state = f"still computing (by {'its heartbeat' if len(busy) == 1 else 'their heartbeats'})"
+    else:
+        state = "answering heartbeats but computing nothing" if hb is not None else "not answering this call"
+    message = (
+        f"the pipeline made no progress during {what} for {waited:.0f} s (call_timeout={min(limits):g} s), with "
+        f"{missing} micro-batch result(s) missing: {', '.join(c.where() for c in blamed)} "
+        f"{'is' if len(blamed) == 1 else 'are'} {state}. {_OVERDUE_CAUSES}"
+    )
+    for c in busy:
+        c.lost_reason = message
+    raise WorkerLostError(message, address=blamed[0].address, stage=blamed[0].stage)

@@ -252,7 +252,9 @@ def test_plaintext_and_unknown_keys_get_no_answer_at_all(curve_workers, keyring)
         events = []
         while monitor.poll(0):
             events.append(recv_monitor_message(monitor)["event"])
-        assert zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL in events, events
+        # libzmq names the mechanism mismatch, or (when the connection drops first) gives no detail.
+        failures = {zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL}
+        assert failures & set(events), events
         # Control: the same request with the authorized key is answered.
         reply = _request(socks["authorized"], protocol.HELLO, session, {"driver": "authorized"})
         assert reply is not None and reply.kind == protocol.OK and reply.body["curve"] is True
