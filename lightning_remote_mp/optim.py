@@ -81,6 +81,12 @@ class OptimizerMirror:
                 f"optimizer {cls.__qualname__} is defined in __main__, which workers cannot import; "
                 "move it into a module and allow that module on the workers with --allow-module"
             )
+        if issubclass(cls, torch.optim.LBFGS):
+            raise LrmpError(
+                f"optimizer {self.index} ({cls.__qualname__}) cannot be mirrored: LBFGS re-evaluates the whole "
+                "model through its closure several times inside one step, which a worker holding one stage "
+                "cannot do. Use a first-order optimizer (SGD, Adam, AdamW...) with RemoteModelParallelStrategy."
+            )
         defaults = dict(self.optimizer.defaults)
         for conn in self.conns:
             groups = [

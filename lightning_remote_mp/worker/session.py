@@ -7,7 +7,9 @@ checkpoint entries without knowing the worker's internals.
 
 from __future__ import annotations
 
+import inspect
 import logging
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
@@ -17,7 +19,7 @@ import torch
 from lightning_remote_mp import protocol
 from lightning_remote_mp.errors import LrmpError, ProtocolError, SpecError
 from lightning_remote_mp.keys import is_z85_key
-from lightning_remote_mp.spec import resolve_class
+from lightning_remote_mp.spec import resolve_class, source_digest
 from lightning_remote_mp.worker.collective import ReplicaGroup
 from lightning_remote_mp.worker.profile import profile_layers
 from lightning_remote_mp.worker.route import DRIVER, RoutedStage
@@ -80,7 +82,6 @@ class WorkerSession:
             protocol.FORWARD: self.forward,
             protocol.BACKWARD: self.backward,
             protocol.RELEASE: self.release,
-            protocol.SET_MODE: self.set_mode,
             protocol.GET_STATE: self.get_state,
             protocol.LOAD_STATE: self.load_state,
             protocol.OPTIM_CREATE: self.optim_create,
@@ -138,6 +139,10 @@ class WorkerSession:
             if not isinstance(state, dict):
                 raise ProtocolError("field 'state' must be a dict")
             stage.load_state_dict(state, assign=True)
+        _check_code_versions(body.get("code_digests"))
+        rng_seed = body.get("seed")
+        if isinstance(rng_seed, int) and 0 <= rng_seed < 2**63:
+            torch.manual_seed(rng_seed)  # this stage's random stream (dropout), from the driver's generator
         frozen = set(body.get("frozen") or [])
         for name, p in stage.named_parameters():
             if name in frozen:
@@ -222,12 +227,6 @@ class WorkerSession:
                 self.routes[key].release(c for c in calls if isinstance(c, int))
         return None
 
-    def set_mode(self, body: Any) -> Any:
-        train = bool(_require(body, "train", bool))
-        for stage in self.stages.values():
-            stage.set_mode(train)
-        return None
-
     def _named_parameters(self) -> dict[str, torch.nn.Parameter]:
         return {f"{key}/{name}": p for key, stage in self.stages.items() for name, p in stage.named_parameters()}
 
@@ -264,9 +263,13 @@ class WorkerSession:
             self.optimizers.pop(index, None)
             return {"parameters": 0}
         try:
-            self.optimizers[index] = cls(param_groups, **defaults)
+            opt = cls(param_groups, **constructor_kwargs(cls, defaults))
         except Exception as err:
             raise SpecError(f"building optimizer {cls.__qualname__} with {defaults} failed: {err}") from err
+        # Defaults the constructor does not take (AdamW's decoupled_weight_decay) are still the
+        # driver's: every group carries them, and so do the defaults.
+        opt.defaults.update(defaults)
+        self.optimizers[index] = opt
         self._optim_params[index] = names
         return {"parameters": len(names)}
 
@@ -393,6 +396,36 @@ class WorkerSession:
         self.routes.clear()
         self.stages.clear()
         self.optimizers.clear()
+
+
+def _check_code_versions(digests: Any) -> None:
+    """Refuse a stage whose classes this (long-lived) worker imported in another version than the
+    driver has: Python keeps the first import, so an edited layer would silently run its old body."""
+    if not isinstance(digests, dict):
+        return
+    for name, theirs in digests.items():
+        if not isinstance(name, str) or not isinstance(theirs, str):
+            raise ProtocolError("code_digests must map module names to digests")
+        mine = source_digest(name, as_loaded=True)
+        if mine is not None and mine != theirs:
+            raise SpecError(
+                f"this worker runs another version of {name} than the driver has (it imported "
+                f"{getattr(sys.modules.get(name), '__file__', name)} before that file changed, or its copy differs): "
+                "restart this worker so that it imports the current code, and install the same version of "
+                f"{name.split('.')[0]} on the driver and every worker"
+            )
+
+
+def constructor_kwargs(cls: type, defaults: Mapping[str, Any]) -> dict[str, Any]:
+    """The entries of an optimizer's ``defaults`` its constructor accepts: torch keeps keys in
+    ``defaults`` that are no constructor argument (AdamW's ``decoupled_weight_decay``)."""
+    try:
+        params = inspect.signature(cls.__init__).parameters
+    except (TypeError, ValueError):
+        return dict(defaults)
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return dict(defaults)
+    return {k: v for k, v in defaults.items() if k in params}
 
 
 def _peer_keys(value: Any, peers: Mapping[Any, Any]) -> dict[str, bytes]:
