@@ -33,7 +33,7 @@ import torch
 
 from lightning_remote_mp.errors import ProtocolError, ProtocolVersionError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 # Message kinds, driver -> worker. Replies are OK or ERROR and echo the request id.
 HELLO = "hello"
@@ -44,7 +44,6 @@ RELEASE = "release"
 OPTIM_CREATE = "optim_create"
 OPTIM_STEP = "optim_step"
 ZERO_GRAD = "zero_grad"
-SET_MODE = "set_mode"
 GET_STATE = "get_state"
 LOAD_STATE = "load_state"
 GET_OPTIM_STATE = "get_optim_state"
@@ -70,7 +69,6 @@ REQUEST_KINDS = frozenset(
         OPTIM_CREATE,
         OPTIM_STEP,
         ZERO_GRAD,
-        SET_MODE,
         GET_STATE,
         LOAD_STATE,
         GET_OPTIM_STATE,

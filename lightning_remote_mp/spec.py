@@ -12,6 +12,17 @@ Residual variables cross layers (and machines) by name. A layer instance whose a
 attribute ``dependencies`` lists names receives those tensors as extra positional arguments
 after its main input, in that order.
 
+Dict entries can wire layers that know nothing of this convention (``torch.nn``, HuggingFace):
+
+- ``"dependencies": ["mask"]`` passes those variables as extra positional arguments, and
+  ``"dependencies": {"attention_mask": "mask"}`` as keyword arguments;
+- ``"out_variables": ["skip"]`` publishes the layer's output under those names (and passes it on);
+- ``"output": 0`` keeps one element of a layer that returns a tuple (or a key of a dict output);
+- a kwarg value ``{"class_path": "torch.nn.BatchNorm2d", "init_args": {...}}`` is built (an
+  instance) and ``{"class_ref": "torch.nn.BatchNorm2d"}`` is the class itself, both resolved through
+  the worker's allowlist, so constructor arguments such as ``norm_layer=`` or a config object stay
+  plain data (YAML for LightningCLI).
+
 This module imports no Lightning: the worker builds its stages with it.
 
 >>> import torch
@@ -34,9 +45,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import importlib
 import itertools
 import keyword
+import sys
 import types
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -60,6 +73,16 @@ class LayerEntry:
     layer: LayerRef
     kwargs: Mapping[str, Any]
     input_shape: Shape | tuple[Shape, ...]
+    #: Variables passed as extra positional arguments, declared by the entry (not the layer).
+    dependencies: tuple[str, ...] = ()
+    #: Variables passed as keyword arguments: ``(keyword, variable)`` pairs.
+    keyword_dependencies: tuple[tuple[str, str], ...] = ()
+    #: Names under which the entry publishes the layer's (selected) output.
+    out_variables: tuple[str, ...] = ()
+    #: Which element (int) or key (str) of a tuple or dict output to keep.
+    output: int | str | None = None
+    #: The dtype of the example input (``"int64"`` for token ids); default float32, int64 for embeddings.
+    input_dtype: str | None = None
 
     @property
     def path(self) -> str:
@@ -71,11 +94,53 @@ class LayerEntry:
         return self.path.rsplit(".", 1)[-1]
 
     @property
+    def wires(self) -> Wires | None:
+        """The wiring the entry declares for its layer (``None`` when the layer declares its own)."""
+        if not (self.dependencies or self.keyword_dependencies or self.out_variables or self.output is not None):
+            return None
+        return Wires(self.dependencies, self.out_variables, self.output, self.keyword_dependencies)
+
+    def to_wire(self) -> dict[str, Any]:
+        """The entry as plain data (what travels to a worker, and a YAML-able dict entry)."""
+        out: dict[str, Any] = {"layer": self.path, "kwargs": dict(self.kwargs), "input_shape": _shape_as_lists(self)}
+        for name in _OPTIONAL_KEYS:
+            value = getattr(self, name)
+            if value not in (None, ()):
+                out[name] = list(value) if isinstance(value, tuple) else value
+        if self.keyword_dependencies:
+            out["dependencies"] = dict(self.keyword_dependencies)
+        return out
+
+    @property
     def input_shapes(self) -> tuple[Shape, ...]:
         """The main input's shape first, then one per residual input."""
         if self.input_shape and isinstance(self.input_shape[0], tuple):
             return self.input_shape  # type: ignore[return-value]
         return (self.input_shape,)  # type: ignore[return-value]
+
+
+@dataclasses.dataclass(frozen=True)
+class Wires:
+    """Residual wiring a spec entry declares for a layer that does not speak the convention itself."""
+
+    dependencies: tuple[str, ...] = ()
+    out_variables: tuple[str, ...] = ()
+    output: int | str | None = None
+    #: ``(keyword argument, variable)`` pairs: variables passed by name (``attention_mask=``).
+    keyword_dependencies: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def names_in(self) -> list[str]:
+        return [*self.dependencies, *(name for _, name in self.keyword_dependencies)]
+
+
+_OPTIONAL_KEYS = ("dependencies", "out_variables", "output", "input_dtype")
+_ENTRY_KEYS = {"layer", "kwargs", "input_shape", *_OPTIONAL_KEYS}
+
+
+def _shape_as_lists(entry: LayerEntry) -> Any:
+    shape = entry.input_shape
+    return [list(s) for s in shape] if shape and isinstance(shape[0], tuple) else list(shape)
 
 
 def layer_path(cls: type) -> str:
@@ -95,11 +160,16 @@ def normalize_entry(entry: Any, index: int) -> LayerEntry:
     where = f"spec entry {index}"
     if isinstance(entry, LayerEntry):
         return entry
+    extra: dict[str, Any] = {}
     if isinstance(entry, Mapping):
-        unknown = set(entry) - {"layer", "kwargs", "input_shape"}
+        unknown = set(entry) - _ENTRY_KEYS
         if unknown or "layer" not in entry:
-            raise SpecError(f"{where}: a dict entry needs keys 'layer', 'kwargs', 'input_shape'; got {sorted(entry)}")
+            raise SpecError(
+                f"{where}: a dict entry takes keys 'layer', 'kwargs', 'input_shape' and optionally "
+                f"{', '.join(repr(k) for k in _OPTIONAL_KEYS)}; got {sorted(map(str, entry))}"
+            )
         layer, kwargs, shape = entry["layer"], entry.get("kwargs") or {}, entry.get("input_shape", ())
+        extra = _optional_fields(entry, where)
     elif isinstance(entry, (tuple, list)) and len(entry) == 3:
         layer, kwargs, shape = entry
         kwargs = kwargs or {}
@@ -115,7 +185,37 @@ def normalize_entry(entry: Any, index: int) -> LayerEntry:
         input_shape: Any = tuple(_as_shape(s, where) for s in shape)
     else:
         input_shape = _as_shape(shape, where)
-    return LayerEntry(layer=layer, kwargs=dict(kwargs), input_shape=input_shape)
+    return LayerEntry(layer=layer, kwargs=dict(kwargs), input_shape=input_shape, **extra)
+
+
+def _names(value: Any, key: str, where: str) -> tuple[str, ...]:
+    if not isinstance(value, (list, tuple)) or not all(isinstance(n, str) and n for n in value):
+        raise SpecError(f"{where}: {key!r} must be a list of non-empty variable names, got {value!r:.80}")
+    return tuple(value)
+
+
+def _optional_fields(entry: Mapping[str, Any], where: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    deps = entry.get("dependencies")
+    if isinstance(deps, Mapping):
+        if not all(isinstance(k, str) and k.isidentifier() for k in deps):
+            raise SpecError(f"{where}: 'dependencies' as a dict maps keyword arguments to variables, got {deps!r:.80}")
+        out["keyword_dependencies"] = tuple(zip(deps, _names(list(deps.values()), "dependencies", where)))
+    elif deps:
+        out["dependencies"] = _names(deps, "dependencies", where)
+    if entry.get("out_variables"):
+        out["out_variables"] = _names(entry["out_variables"], "out_variables", where)
+    output = entry.get("output")
+    if output is not None:
+        if isinstance(output, bool) or not isinstance(output, (int, str)):
+            raise SpecError(f"{where}: 'output' must be an index (int) or a key (str), got {output!r:.80}")
+        out["output"] = output
+    dtype = entry.get("input_dtype")
+    if dtype is not None:
+        if not isinstance(dtype, str) or not isinstance(getattr(torch, dtype, None), torch.dtype):
+            raise SpecError(f"{where}: 'input_dtype' must name a torch dtype like 'int64', got {dtype!r:.40}")
+        out["input_dtype"] = dtype
+    return out
 
 
 def normalize_spec(spec: Iterable[Any]) -> list[LayerEntry]:
@@ -176,7 +276,49 @@ def resolve_class(path: str, base: type, allowed_prefixes: Sequence[str] | None 
         raise SpecError(f"{path!r}: no module of this path can be imported")
     if not (isinstance(obj, type) and issubclass(obj, base)):
         raise SpecError(f"{path!r} is not a {base.__module__}.{base.__qualname__} subclass")
+    if allowed_prefixes is not None:  # a worker: remember the code it imported (see source_digest)
+        source_digest(obj.__module__, as_loaded=True)
     return obj
+
+
+#: Digests of modules' source files as this process first saw them: what it runs, even when the
+#: file has changed on disk since (a long-lived worker keeps the version it imported first).
+_LOADED_DIGESTS: dict[str, str | None] = {}
+
+
+def source_digest(module_name: str, *, as_loaded: bool = False) -> str | None:
+    """SHA-256 of the source file of an imported module (``None`` without one). ``as_loaded``
+    remembers the first answer, so that it describes the code this process imported."""
+    if as_loaded and module_name in _LOADED_DIGESTS:
+        return _LOADED_DIGESTS[module_name]
+    module = sys.modules.get(module_name)
+    path = getattr(module, "__file__", None)
+    digest = None
+    if isinstance(path, str) and path.endswith(".py"):
+        try:
+            with open(path, "rb") as f:
+                digest = hashlib.sha256(f.read()).hexdigest()
+        except OSError:
+            digest = None
+    if as_loaded and module is not None:
+        _LOADED_DIGESTS[module_name] = digest
+    return digest
+
+
+def user_code_modules(entries: Iterable[LayerEntry]) -> list[str]:
+    """Modules that define the entries' classes (nested ones too) outside torch and lrmp, whose
+    versions no version check covers."""
+    names = []
+    for entry in entries:
+        for path in [entry.path, *nested_class_paths(entry.kwargs)]:
+            try:
+                cls = resolve_class(path, object) if isinstance(path, str) else path
+            except (SpecError, ImportError):
+                continue
+            module = getattr(cls, "__module__", "")
+            if module.split(".")[0] not in ("torch", "lightning_remote_mp", "builtins"):
+                names.append(module)
+    return list(dict.fromkeys(names))
 
 
 def resolve_layer(layer: LayerRef, allowed_prefixes: Sequence[str] | None = None) -> type[nn.Module]:
@@ -197,24 +339,81 @@ def build_layer(
     layer's index (the CPU generator is seeded with ``init_seed + index`` around construction), so a
     worker that builds only this layer gets the same weights as a driver that builds them all."""
     cls = resolve_layer(entry.layer, allowed_prefixes)
+    where = f"layer {index} ({entry.name})"
     try:
         if init_seed is None:
             with torch.device(device) if device is not None else contextlib.nullcontext():
-                return cls(**entry.kwargs)
-        if device is not None and torch.device(device).type == "meta":
+                layer = cls(**construct_values(entry.kwargs, allowed_prefixes, where))
+        elif device is not None and torch.device(device).type == "meta":
             with torch.device("meta"):
-                return cls(**entry.kwargs)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(init_seed + index)
-            return cls(**entry.kwargs)
+                layer = cls(**construct_values(entry.kwargs, allowed_prefixes, where))
+        else:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(init_seed + index)
+                layer = cls(**construct_values(entry.kwargs, allowed_prefixes, where))
+    except (SpecError, RefusedClassError):
+        raise
     except Exception as err:
+        raise SpecError(f"{where}: constructing it with {dict(entry.kwargs)} failed: {err}") from err
+    if entry.wires is not None:
+        if any(variables_of(layer)):
+            raise SpecError(
+                f"{where} declares its own dependencies/out_variables; the spec entry may not declare them too"
+            )
+        layer._lrmp_wires = entry.wires  # type: ignore[assignment]
+    return layer
+
+
+def construct_values(value: Any, allowed_prefixes: Sequence[str] | None, where: str) -> Any:
+    """Build the ``{"class_path": ..., "init_args": {...}}`` (instance) and ``{"class_ref": ...}``
+    (class) values in ``value``, recursively; everything else is returned as it is.
+
+    >>> construct_values({"norm": {"class_ref": "torch.nn.LayerNorm"}, "n": 3}, ["torch.nn"], "layer 0")
+    {'norm': <class 'torch.nn.modules.normalization.LayerNorm'>, 'n': 3}
+    """
+    if isinstance(value, Mapping):
+        if "class_path" in value or "class_ref" in value:
+            return _construct(value, allowed_prefixes, where)
+        return {k: construct_values(v, allowed_prefixes, where) for k, v in value.items()}
+    if isinstance(value, list):
+        return [construct_values(v, allowed_prefixes, where) for v in value]
+    if isinstance(value, tuple):
+        return tuple(construct_values(v, allowed_prefixes, where) for v in value)
+    return value
+
+
+def _construct(value: Mapping[str, Any], allowed_prefixes: Sequence[str] | None, where: str) -> Any:
+    if "class_ref" in value:
+        if set(value) != {"class_ref"} or not isinstance(value["class_ref"], str):
+            raise SpecError(f"{where}: a class reference is {{'class_ref': 'dotted.Path'}} alone, got {value!r:.120}")
+        return resolve_class(value["class_ref"], object, allowed_prefixes)
+    path, init_args = value["class_path"], value.get("init_args") or {}
+    if set(value) - {"class_path", "init_args"} or not isinstance(path, str) or not isinstance(init_args, Mapping):
         raise SpecError(
-            f"layer {index} ({entry.name}): constructing it with {dict(entry.kwargs)} failed: {err}"
-        ) from err
+            f"{where}: a nested object is {{'class_path': 'dotted.Path', 'init_args': {{...}}}}, got {value!r:.120}"
+        )
+    cls = resolve_class(path, object, allowed_prefixes)
+    try:
+        return cls(**construct_values(init_args, allowed_prefixes, where))
+    except Exception as err:
+        raise SpecError(f"{where}: building {path} with {dict(init_args)} failed: {err}") from err
+
+
+def nested_class_paths(value: Any) -> list[str]:
+    """Every dotted path a kwarg value names through ``class_path`` / ``class_ref``."""
+    if isinstance(value, Mapping):
+        own = [v for k, v in value.items() if k in ("class_path", "class_ref") and isinstance(v, str)]
+        return own + [p for v in value.values() for p in nested_class_paths(v)]
+    if isinstance(value, (list, tuple)):
+        return [p for v in value for p in nested_class_paths(v)]
+    return []
 
 
 def variables_of(layer: nn.Module) -> tuple[list[str], list[str]]:
-    """The ``(dependencies, out_variables)`` lists a layer declares."""
+    """The ``(dependencies, out_variables)`` lists a layer (or its spec entry) declares."""
+    wires = getattr(layer, "_lrmp_wires", None)
+    if wires is not None:
+        return wires.names_in, list(wires.out_variables)
     deps = list(getattr(layer, "dependencies", None) or [])
     outs = list(getattr(layer, "out_variables", None) or [])
     return deps, outs
@@ -270,6 +469,17 @@ def _diagram(layers: Sequence[nn.Module], names: Sequence[str], highlight: int) 
 
 def call_layer(index: int, layer: nn.Module, x: Any, variables: dict[str, torch.Tensor]) -> Any:
     """Run one layer under the residual convention, updating ``variables`` with what it produces."""
+    wires = getattr(layer, "_lrmp_wires", None)
+    if wires is not None:
+        out = layer(
+            x,
+            *[variables[d] for d in wires.dependencies],
+            **{k: variables[v] for k, v in wires.keyword_dependencies},
+        )
+        if wires.output is not None:
+            out = _select(index, layer, out, wires.output)
+        variables.update((name, out) for name in wires.out_variables)
+        return out
     deps, outs = variables_of(layer)
     out = layer(x, *[variables[d] for d in deps])
     if outs:
@@ -290,6 +500,16 @@ def call_layer(index: int, layer: nn.Module, x: Any, variables: dict[str, torch.
             )
         variables.update(got)
     return out
+
+
+def _select(index: int, layer: nn.Module, out: Any, which: int | str) -> Any:
+    try:
+        return out[which]
+    except (IndexError, KeyError, TypeError) as err:
+        raise SpecError(
+            f"layer {index} ({type(layer).__name__}): 'output': {which!r} cannot be taken from its "
+            f"{type(out).__name__} output ({err})"
+        ) from None
 
 
 def run_layers(layers: Iterable[tuple[int, nn.Module]], x: Any, variables: dict[str, torch.Tensor]) -> Any:
@@ -388,14 +608,46 @@ class SpecSequential(nn.Module):
             return self._remote(x)
         return run_layers(enumerate(self.layers), x, {})
 
-    def train(self, mode: bool = True) -> SpecSequential:
-        super().train(mode)
-        if self._remote is not None:
-            self._remote.set_mode(mode)
-        return self
+    def modes(self) -> Modes:
+        """The train/eval flags of every layer and its submodules, as they are now.
+
+        Remote stages follow these at each call: Lightning switches modes by ``.train()``/``.eval()``
+        and also by setting ``.training`` directly (when it restores them after validation), so
+        the flags are read, not intercepted.
+        """
+        per_layer = [layer_modes(layer) for layer in self.layers]
+        first = per_layer[0]
+        if isinstance(first, bool) and all(m is first for m in per_layer):
+            return first
+        return per_layer
 
     def extra_repr(self) -> str:
         return f"remote={self._remote!r}" if self._remote is not None else ""
+
+
+#: Train/eval flags: one bool for every layer, or per layer a bool (for all its submodules) or a
+#: list of bools (one per ``layer.modules()`` entry, in that order).
+Modes = bool | list[bool | list[bool]]
+
+
+def layer_modes(layer: nn.Module) -> bool | list[bool]:
+    flags = [m.training for m in layer.modules()]
+    return flags[0] if all(f is flags[0] for f in flags) else flags
+
+
+def apply_modes(layers: Sequence[nn.Module], modes: Any, first_index: int) -> None:
+    """Set the flags of ``layers`` (global indices from ``first_index``) from a `Modes` value."""
+    for i, layer in enumerate(layers):
+        flags = modes if isinstance(modes, bool) else modes[first_index + i]
+        if isinstance(flags, bool):
+            for m in layer.modules():
+                m.training = flags
+            continue
+        subs = list(layer.modules())
+        if len(flags) != len(subs) or not all(isinstance(f, bool) for f in flags):
+            raise SpecError(f"layer {first_index + i}: {len(flags)} mode flags for {len(subs)} modules")
+        for m, f in zip(subs, flags):
+            m.training = f
 
 
 def _stash_state_for_meta(module: SpecSequential, state_dict: Any, prefix: str, *args: Any) -> None:
@@ -404,3 +656,9 @@ def _stash_state_for_meta(module: SpecSequential, state_dict: Any, prefix: str, 
         head = prefix + "layers."
         module._pending_state = {k[len(head) :]: v for k, v in state_dict.items() if k.startswith(head)}
         module._weights_left_on_workers = False
+        # What is loaded here is then meta too: the same no-op, without torch's warning per parameter
+        # ("copying from a non-meta parameter ... is a no-op"), which would alarm for nothing.
+        for name in module._pending_state:
+            value = state_dict[head + name]
+            if isinstance(value, torch.Tensor):
+                state_dict[head + name] = value.to("meta")

@@ -18,7 +18,7 @@ import collections
 import dataclasses
 import itertools
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -65,15 +65,24 @@ class RemoteSpec:
         key: the SpecSequential's name in the LightningModule (how workers tell stages apart).
         replicas: for each replica (data parallel), its stages in order; usually one replica.
         microbatches: how many micro-batches each replica's share of a batch is split into.
+        modes: returns the driver-side layers' train/eval flags (`lightning_remote_mp.spec.Modes`);
+            they travel with every forward, so the workers follow whatever Lightning set.
     """
 
-    def __init__(self, key: str, replicas: Sequence[Sequence[RemoteStage]], microbatches: int = 1) -> None:
+    def __init__(
+        self,
+        key: str,
+        replicas: Sequence[Sequence[RemoteStage]],
+        microbatches: int = 1,
+        modes: Callable[[], Any] = lambda: None,
+    ) -> None:
         if microbatches < 1:
             raise ValueError(f"microbatches must be at least 1, got {microbatches}")
         self.key = key
         self.replicas = [list(row) for row in replicas]
         self.stages = self.replicas[0]
         self.microbatches = microbatches
+        self.modes = modes
         self.conns = list({id(rs.conn): rs.conn for row in self.replicas for rs in row}.values())
         self.backwards = 0
         self._ids = itertools.count(1)
@@ -97,9 +106,6 @@ class RemoteSpec:
             return _RemoteSpecFunction.apply(self, _autocast_state(x.device.type), x, self._anchor)
         y, _ = self.forward(x, grad=False, x_needs_grad=False, autocast=_autocast_state(x.device.type))
         return y
-
-    def set_mode(self, train: bool) -> None:
-        broadcast(self.conns, protocol.SET_MODE, {"train": train})
 
     # --- forward / backward -------------------------------------------------------------
     def _flush_releases(self) -> None:
@@ -144,6 +150,7 @@ class RemoteSpec:
         self._settle("forward")
         self._flush_releases()
         call = next(self._ids)
+        modes = self.modes()
         n = x.shape[0] if x.dim() > 0 else 1
         sizes = [
             [m for m in _split(share, min(self.microbatches, share)) if m > 0] if share > 0 else []
@@ -165,6 +172,7 @@ class RemoteSpec:
                             "requires_grad": {"x": x_needs_grad},
                             "grad": grad,
                             "autocast": autocast,
+                            "modes": modes,
                         },
                     )
             results = self._collect(protocol.RESULT, -1, call, sum(map(len, sizes)), "forward")

@@ -87,3 +87,58 @@ class BrokenWeightGradients(nn.Module):
 
             h.register_hook(free)
         return torch.nn.functional.linear(h, self.weight)
+
+
+class SignSGD(torch.optim.Optimizer):
+    """A user-defined optimizer (not in torch.optim): steps by the sign of the gradient, with a
+    step counter in its state."""
+
+    def __init__(self, params, lr: float = 0.01) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    state = self.state[p]
+                    state["steps"] = state.get("steps", 0) + 1
+                    p.add_(p.grad.sign(), alpha=-group["lr"])
+        return None
+
+
+class SlowIdentity(nn.Module):
+    """Identity whose forward first sleeps ``seconds``: a layer that, for a test, never returns."""
+
+    def __init__(self, seconds: float = 60.0) -> None:
+        super().__init__()
+        self.seconds = float(seconds)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(self.seconds)
+        return x
+
+
+class ChattyIdentity(nn.Module):
+    """Identity that prints ``lines`` numbered lines of ``width`` characters per forward, each
+    starting with ``marker``: a layer whose output would fill (and block) an unread pipe."""
+
+    def __init__(self, marker: str = "chatty", lines: int = 2000, width: int = 100) -> None:
+        super().__init__()
+        self.marker, self.lines, self.width = marker, int(lines), int(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i in range(self.lines):
+            line = f"{self.marker} {i} "
+            print(line + "x" * max(0, self.width - len(line)))
+        return x
+
+
+class Explode(nn.Module):
+    """Identity on the meta device (so setup's dry run passes); raises on real data, as a layer with a
+    bug only real inputs reach would."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_meta:
+            return x
+        raise ValueError("exploded on purpose")

@@ -69,16 +69,17 @@ def _hello_body(**overrides: Any) -> dict[str, Any]:
 
 
 def test_a_worker_of_another_protocol_version_is_named_at_connect():
-    fake = FakeWorker(_hello_body(protocol=2, lrmp="9.0.0"), version=2)
+    other = protocol.PROTOCOL_VERSION + 1
+    fake = FakeWorker(_hello_body(protocol=other, lrmp="9.0.0"), version=other)
     try:
         start = time.monotonic()
         with pytest.raises(ProtocolVersionError) as info:
             DriverSession([fake.address], connect_timeout=30)
         assert time.monotonic() - start < 5
         text = str(info.value)
-        assert fake.address in text and "version 2 (lrmp 9.0.0" in text
+        assert fake.address in text and f"version {other} (lrmp 9.0.0" in text
         assert f"speaks version {protocol.PROTOCOL_VERSION} (lrmp {__version__})" in text
-        assert info.value.remote_version == 2
+        assert info.value.remote_version == other
     finally:
         fake.close()
 
@@ -112,8 +113,9 @@ def test_a_real_worker_answers_a_driver_of_another_protocol_version(pool):
     sock.connect(pool[0])
     try:
         session = uuid.uuid4().hex
-        hello = {"driver": "future", "protocol": 2, "lrmp": "2.0.0"}
-        for header_version in (2, protocol.PROTOCOL_VERSION):  # the body always says 2
+        future = protocol.PROTOCOL_VERSION + 1
+        hello = {"driver": "future", "protocol": future, "lrmp": "2.0.0"}
+        for header_version in (future, protocol.PROTOCOL_VERSION):  # the body always says the future one
             frames = protocol.encode(protocol.HELLO, 41, session, hello)
             header = msgpack.unpackb(frames[0], raw=False)
             header[0] = header_version
@@ -126,7 +128,7 @@ def test_a_real_worker_answers_a_driver_of_another_protocol_version(pool):
             assert msg.body["type"] == "ProtocolVersionError"
             assert msg.body["protocol"] == protocol.PROTOCOL_VERSION and msg.body["lrmp"] == __version__
             assert f"version {protocol.PROTOCOL_VERSION}" in msg.body["message"]
-            assert "2" in msg.body["message"]
+            assert str(future) in msg.body["message"]
         # The worker did not start a session for it: a driver of this version is served.
         session = DriverSession(pool[:1], connect_timeout=30)
         session.close()

@@ -57,7 +57,8 @@ def _with_header(frames, header: list, tensors=None) -> list:
     return [msgpack.packb(header, use_bin_type=True), *(frames[1:] if tensors is None else tensors)]
 
 
-def _raw(metas, body_bytes: bytes, frames=(), version=1, kind="forward", req_id=1, session="s") -> list:
+def _raw(metas, body_bytes: bytes, frames=(), version=None, kind="forward", req_id=1, session="s") -> list:
+    version = protocol.PROTOCOL_VERSION if version is None else version
     header = [version, kind, req_id, session, metas, msgpack.ExtType(0, body_bytes)]
     return [msgpack.packb(header, use_bin_type=True), *frames]
 
@@ -247,7 +248,7 @@ def test_truncated_header(valid):
             decode([valid[0][:cut], *valid[1:]])
 
 
-@pytest.mark.parametrize("version", [0, 2, 99, "1", None, [1]])
+@pytest.mark.parametrize("version", [0, 1, 99, "2", None, [2]])
 def test_wrong_version(valid, version):
     header = _header(valid)
     header[0] = version
@@ -540,7 +541,7 @@ _values = st.recursive(
 
 @FUZZ
 @given(
-    version=st.sampled_from([1, 1, 1, 2]),
+    version=st.sampled_from([protocol.PROTOCOL_VERSION] * 3 + [protocol.PROTOCOL_VERSION + 1]),
     kind=st.one_of(st.sampled_from(["forward", "ok"]), _values),
     req_id=st.one_of(st.integers(0, 10), _values),
     metas=st.one_of(
@@ -558,7 +559,7 @@ def test_structured_headers_decode_or_raise_protocol_error(version, kind, req_id
     header = [version, kind, req_id, "s", metas, msgpack.ExtType(0, msgpack.packb(body, use_bin_type=True))]
     msg = _decode_or_protocol_error([msgpack.packb(header, use_bin_type=True), *frames])
     if msg is not None:
-        assert version == 1
+        assert version == protocol.PROTOCOL_VERSION
         if isinstance(metas, list):
             assert len(metas) == len(frames)
 

@@ -159,8 +159,8 @@ def test_kwargs_are_copied_not_shared():
         (("torch.nn.Linear", {}, (2, -1)), "negative size"),
         (("torch.nn.Linear", {}, [(2, 3), (2, -3)]), "negative size"),
         (("torch.nn.Linear", {}, [(2, 3), "x"]), "input_shape must be"),
-        ({"layer": "torch.nn.Linear", "kwarg": {}}, "a dict entry needs keys"),
-        ({"kwargs": {}, "input_shape": (1,)}, "a dict entry needs keys"),
+        ({"layer": "torch.nn.Linear", "kwarg": {}}, "a dict entry takes keys"),
+        ({"kwargs": {}, "input_shape": (1,)}, "a dict entry takes keys"),
     ],
 )
 def test_malformed_entries_name_their_index(bad, match):
@@ -398,3 +398,14 @@ def test_is_allowed_matches_whole_components():
     assert not is_allowed("torch.Linear", ["torch.nn"])
     assert not is_allowed("torch.nn.Linear", [])
     assert is_allowed("a.b.C", ["x", "a"])
+
+
+def test_loading_into_a_meta_module_keeps_the_state_quietly(recwarn):
+    """Resuming a meta-device model: the weights wait for the workers, with no torch warning per parameter."""
+    spec = [("torch.nn.Linear", {"in_features": 3, "out_features": 3}, (2, 3))] * 2
+    state = SpecSequential(spec, init_seed=1).state_dict()
+    meta = SpecSequential(spec, init_seed=0, device="meta")
+    meta.load_state_dict(state)
+    assert not [w for w in recwarn if "meta parameter" in str(w.message)]
+    assert set(meta._pending_state) == {"0.weight", "0.bias", "1.weight", "1.bias"}
+    assert torch.equal(meta._pending_state["0.weight"], state["layers.0.weight"])

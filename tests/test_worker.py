@@ -11,6 +11,7 @@ import copy
 import os
 import pickle
 import random
+import re
 import subprocess
 import sys
 import time
@@ -27,8 +28,8 @@ import zmq
 from lightning_remote_mp import __version__, protocol
 from lightning_remote_mp.driver import DriverSession
 from lightning_remote_mp.errors import WorkerError
-from lightning_remote_mp.launch import LocalWorkers
-from lightning_remote_mp.spec import LayerEntry, SpecSequential
+from lightning_remote_mp.launch import WorkerOutput
+from lightning_remote_mp.spec import SpecSequential
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -92,7 +93,7 @@ def _workers(modules_dir, tmp_path_factory) -> Iterator[tuple[Worker, Worker]]:
     ]
     try:
         deadline = time.monotonic() + 120
-        addresses = [LocalWorkers._wait_ready(p, deadline) for p in procs]
+        addresses = [WorkerOutput(p, i).wait_ready(deadline) for i, p in enumerate(procs)]
         yield tuple(Worker(p, a, logs / n) for p, a, n in zip(procs, addresses, ["worker.log", "short_worker.log"]))
     finally:
         for p in procs:
@@ -314,16 +315,20 @@ def test_refused_classes_get_an_error_and_the_worker_keeps_serving(worker, conne
 
 
 def test_a_driver_hears_which_class_was_refused(worker):
-    net = _spec()
-    # What a driver sends for a layer its worker does not allow (the local build used another class).
-    net.entries[1] = LayerEntry(layer="collections.OrderedDict", kwargs={}, input_shape=(4, 2))
+    # A real layer class, from a module this worker does not allow.
+    net = SpecSequential(
+        [
+            ("torch.nn.Linear", {"in_features": 3, "out_features": 2}, (4, 3)),
+            ("torch.ao.nn.quantized.DeQuantize", {}, (4, 2)),
+        ]
+    )
     session = DriverSession([worker.address], connect_timeout=REPLY_TIMEOUT)
     try:
         with pytest.raises(WorkerError) as info:
             session.place("net", net)
         err = info.value
         assert err.remote_type == "RefusedClassError"
-        assert "'collections.OrderedDict'" in str(err) and "--allow-module collections" in str(err)
+        assert "'torch.ao.nn.quantized.DeQuantize'" in str(err) and "--allow-module torch.ao.nn.quantized" in str(err)
         assert err.address == worker.address and err.stage == 0
         assert not net.is_remote
         # The same session goes on: a model the worker may build is placed and runs.
@@ -404,7 +409,7 @@ def _bad_payloads(tmp_path: Path, session: str) -> list[tuple[str, list[bytes]]]
         ("tensor frames swapped", [good[0], bytes(good[2]), bytes(good[1])]),
         ("a tensor frame missing", [good[0], bytes(good[1])]),
         ("an extra tensor frame", [*good, b"\x00" * 8]),
-        ("wrong version", [msgpack.packb([2, *header[1:]]), *good[1:]]),
+        ("wrong version", [msgpack.packb([protocol.PROTOCOL_VERSION + 1, *header[1:]]), *good[1:]]),
         ("unknown dtype", [msgpack.packb([*header[:4], [["object", [4, 3]], header[4][1]], header[5]]), *good[1:]]),
         ("too many dims", [msgpack.packb([*header[:4], [["uint8", [1] * 40]], header[5]]), b"\x00"]),
         ("negative shape", [msgpack.packb([*header[:4], [["float32", [-4, -3]], header[4][1]], header[5]]), *good[1:]]),
@@ -414,12 +419,20 @@ def _bad_payloads(tmp_path: Path, session: str) -> list[tuple[str, list[bytes]]]
     for _ in range(1000):
         inner = msgpack.packb(msgpack.ExtType(2, msgpack.packb([msgpack.ExtType(2, inner)])))
     payloads.append(
-        ("tuples nested 2000 deep", [msgpack.packb([1, "forward", 1, session, [], msgpack.ExtType(0, inner)])])
+        (
+            "tuples nested 2000 deep",
+            [msgpack.packb([protocol.PROTOCOL_VERSION, "forward", 1, session, [], msgpack.ExtType(0, inner)])],
+        )
     )
     payloads.append(
         (
             "empty tensor of absurd size",
-            [msgpack.packb([1, "forward", 1, session, [["float32", [0, 2**61, 2**61]]], header[5]]), b""],
+            [
+                msgpack.packb(
+                    [protocol.PROTOCOL_VERSION, "forward", 1, session, [["float32", [0, 2**61, 2**61]]], header[5]]
+                ),
+                b"",
+            ],
         )
     )
     # Pickles whose unpickling would create a file: a worker must never unpickle anything.
@@ -509,6 +522,20 @@ def test_a_second_driver_is_refused_while_a_session_is_active(worker, connect):
     assert second.ok(protocol.GET_STATE) == {}
     assert first.error(protocol.GET_STATE)["type"] == "SessionError"
     second.ok(protocol.BYE)
+
+
+def test_the_busy_reply_says_how_long_the_session_ran_and_when_it_would_expire(short_worker, connect):
+    first, second = connect(short_worker.address), connect(short_worker.address)
+    first.ok(protocol.HELLO, {"driver": "first"})
+    time.sleep(1.2)
+    assert first.request(protocol.PING).body["session_alive"]  # heard from: the session lives on
+    message = second.error(protocol.HELLO, {"driver": "second"})["message"]
+    print(f"\nbusy reply: {message}")
+    assert re.search(r"serving first \(session \w{8}\) for (1\.[2-9]|[2-9]\.\d) s", message), message
+    assert re.search(r"last heard from \d\.\d s ago", message), message
+    assert f"dropped after {SHORT_TIMEOUT:.1f} s of driver silence (--session-timeout)" in message, message
+    assert re.search(r"ends within [0-2]\.\d s", message), message
+    first.ok(protocol.BYE)
 
 
 def test_a_new_session_starts_empty(worker, connect):

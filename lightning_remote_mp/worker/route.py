@@ -119,6 +119,7 @@ class RoutedStage:
         call, mb = int(first["call"]), int(first["mb"])
         grad = first.get("grad") is True
         autocast = first.get("autocast")
+        modes = first.get("modes")
         started = time.time()
         out = self.stage.forward(
             (call, mb),
@@ -127,6 +128,7 @@ class RoutedStage:
             grad=grad,
             needs_grad=needs,
             autocast=autocast if isinstance(autocast, dict) else None,
+            modes=modes if isinstance(modes, (bool, list)) else None,
         )
         if self.events is not None:
             self.events.span("forward", self.stage.key, self.index, call, mb, started, time.time())
@@ -141,6 +143,7 @@ class RoutedStage:
                 "from": self.index,
                 "grad": grad,
                 "autocast": autocast,
+                "modes": modes,
             }
             flags: dict[str, bool] = {}
             if target == self.x_to:

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from lightning_remote_mp.errors import SpecError
-from lightning_remote_mp.spec import LayerEntry, build_layer, normalize_entry, run_layers
+from lightning_remote_mp.spec import LayerEntry, apply_modes, build_layer, normalize_entry, run_layers
 from lightning_remote_mp.worker.deferred_grads import DeferredWeightGrads
 
 
@@ -78,6 +78,7 @@ class StageExecutor:
             }
         ).to(device)
         self._saved: dict[tuple[int, int], _Saved] = {}  # by (call, micro-batch)
+        self._modes: Any = None  # the train/eval flags last applied
         self.deferred = DeferredWeightGrads(self.layers) if split_backward else None
 
     def layer_name(self, global_index: int) -> str:
@@ -109,8 +110,16 @@ class StageExecutor:
                 if name in state:
                     tensor.copy_(state[name])
 
-    def set_mode(self, train: bool) -> None:
-        self.layers.train(train)
+    def apply_modes(self, modes: Any) -> None:
+        """Follow the driver's train/eval flags (a `lightning_remote_mp.spec.Modes` value), sent
+        with every forward; unchanged flags cost one comparison."""
+        if modes == self._modes:
+            return
+        if not isinstance(modes, bool):
+            if not isinstance(modes, list) or len(modes) < self.start + len(self.names):
+                raise SpecError(f"stage {self.index}: malformed train/eval flags")
+        apply_modes(list(self.layers.values()), modes, self.start)
+        self._modes = modes
 
     @property
     def pending_calls(self) -> int:
@@ -132,6 +141,7 @@ class StageExecutor:
         grad: bool,
         needs_grad: Mapping[str, bool],
         autocast: Mapping[str, Any] | None = None,
+        modes: Any = None,
     ) -> dict[str, Any]:
         """Run the stage. ``needs_grad`` says which inputs (``"x"`` and import names) the driver
         wants gradients for; ``grad`` whether autograd is on at all.
@@ -140,6 +150,8 @@ class StageExecutor:
         which outputs ``requires_grad``."""
         if not isinstance(x, torch.Tensor):
             raise SpecError(f"stage {self.index}: the input must be a tensor, got {type(x).__name__}")
+        if modes is not None:
+            self.apply_modes(modes)
         x = self._to_device(x, grad and bool(needs_grad.get("x")))
         variables = {n: self._to_device(t, grad and bool(needs_grad.get(n))) for n, t in imports.items()}
         imported = dict(variables)
