@@ -19,6 +19,7 @@ from __future__ import annotations
 import datetime
 import functools
 import logging
+import math
 import os
 import socket
 import uuid
@@ -31,9 +32,18 @@ from lightning_remote_mp import __version__, partition, protocol
 from lightning_remote_mp.errors import LrmpError, ProtocolVersionError, SpecError, WorkerError, WorkerLostError
 from lightning_remote_mp.keys import KeyPair
 from lightning_remote_mp.optim import OptimizerMirror
-from lightning_remote_mp.spec import DEFAULT_ALLOWED_PREFIXES, SpecSequential, is_allowed
+from lightning_remote_mp.preflight import Preflight, preflight
+from lightning_remote_mp.spec import (
+    DEFAULT_ALLOWED_PREFIXES,
+    SpecSequential,
+    is_allowed,
+    nested_class_paths,
+    source_digest,
+    user_code_modules,
+)
 from lightning_remote_mp.stub import RemoteSpec, RemoteStage
 from lightning_remote_mp.transport import (
+    DEFAULT_CALL_TIMEOUT,
     DEFAULT_CONNECT_TIMEOUT,
     DEFAULT_HEARTBEAT_TIMEOUT,
     Connection,
@@ -146,6 +156,9 @@ class DriverSession:
             list of such rows (replicas of the same stage layout), e.g. ``[["a:1", "b:1"], ["c:1", "d:1"]]``.
         heartbeat_timeout: seconds of silence after which a worker is declared lost.
         connect_timeout: seconds to wait for each worker's first answer.
+        call_timeout: seconds one call may go on without progress while its worker still answers
+            heartbeats (a layer that never returns, a deadlock) before it fails with WorkerLostError;
+            in a pipeline, the seconds between two results. ``None`` waits forever.
         liveness: optional per-address callables returning why a local worker process died (or None).
         store_host: the address workers reach this process at, for the rendezvous of replicas
             (default: this machine's address towards the first worker).
@@ -165,6 +178,7 @@ class DriverSession:
         keys: KeyPair | None = None,
         worker_keys: Mapping[str, bytes] | None = None,
         limits: protocol.Limits = protocol.DEFAULT_LIMITS,
+        call_timeout: float | None = DEFAULT_CALL_TIMEOUT,
     ) -> None:
         rows = normalize_hosts(hosts)
         addresses = [a for row in rows for a in row]
@@ -180,6 +194,9 @@ class DriverSession:
         curves = {a: Curve(keys, worker_keys[a]) for a in addresses} if keys and worker_keys else {}
         self.heartbeat_timeout = heartbeat_timeout
         self.id = uuid.uuid4().hex
+        # Drawn from this process's generator, so a run under seed_everything repeats bit for bit on
+        # the workers too (dropout masks), while each stage and replica draws its own stream.
+        self.seed = int(torch.randint(0, 2**62, ()).item())
         replicated = len(rows) > 1
         self.grid: list[list[Connection]] = []
         try:
@@ -195,6 +212,7 @@ class DriverSession:
                             is_alive=(liveness or {}).get(a),
                             curve=curves.get(a),
                             limits=limits,
+                            call_timeout=call_timeout,
                         )
                     )
         except BaseException:
@@ -317,18 +335,35 @@ class DriverSession:
 
     # --- placing stages --------------------------------------------------------------
     def plan(
-        self, module: SpecSequential, balance: Balance = None, what: str = "SpecSequential"
+        self,
+        module: SpecSequential,
+        balance: Balance = None,
+        what: str = "SpecSequential",
+        compute: Sequence[float] | None = None,
     ) -> list[partition.Stage]:
+        """Cut ``module`` into one stage per worker (see the strategy's ``balance``); refuse a split
+        whose stage cannot fit its worker's free memory. ``compute``: each layer's estimated cost
+        (from `preflight`), computed here when not given."""
         n_layers, n_stages = len(module.layers), self.num_stages
         if n_layers < n_stages:
             raise SpecError(f"{what} has {n_layers} layers but there are {n_stages} workers; each stage needs a layer")
+        layer_bytes = [partition.estimate_layer_bytes(e, m) for e, m in zip(module.entries, module.layers)]
+        free = self.stage_free_memory()
         if balance is None or balance == "memory":
-            costs = [partition.estimate_layer_bytes(e, m) for e, m in zip(module.entries, module.layers)]
-            free = {a: float(w.get("free_memory") or 1.0) for a, w in zip(self.addresses, self.workers)}
-            capacities = [min(free[row[s].address] for row in self.grid) for s in range(n_stages)]
-            counts = partition.split_contiguous(costs, capacities)
+            compute = list(compute) if compute is not None else checked_for_workers(module, what).compute
+            budgets = [f if f > 0 else math.inf for f in free]
+            try:
+                counts = partition.split_min_max([compute] * n_stages, memory=(layer_bytes, budgets))
+            except SpecError:
+                counts = partition.split_contiguous(layer_bytes, [f or 1.0 for f in free])
+            log.info(
+                "%s: balance='memory' keeps every stage within its worker's free memory and, among such "
+                "splits, evens out the estimated compute: %s GFLOP per forward at the example shapes",
+                what,
+                ", ".join(f"{t / 1e9:.3g}" for t in partition.stage_loads(counts, [compute] * n_stages)),
+            )
         elif balance == "time":
-            entries = [[e.path, dict(e.kwargs), _shape_for_wire(e.input_shape)] for e in module.entries]
+            entries = [e.to_wire() for e in module.entries]
             replies = broadcast(self.grid[0], protocol.PROFILE, {"entries": entries})
             times = [r["seconds"] for r in replies]
             counts = partition.split_min_max(times)
@@ -348,7 +383,30 @@ class DriverSession:
             )
         else:
             counts = partition.check_balance(balance, n_layers, n_stages, what)
+        self._check_memory(what, counts, layer_bytes, free)
         return partition.plan_stages(counts, module.wiring)
+
+    def stage_free_memory(self) -> list[float]:
+        """Free device memory (bytes) each stage may use: the least among its replicas' workers
+        (0 where a worker does not say)."""
+        free = {a: float(w.get("free_memory") or 0.0) for a, w in zip(self.addresses, self.workers)}
+        return [min(free[row[s].address] for row in self.grid) for s in range(self.num_stages)]
+
+    def _check_memory(
+        self, what: str, counts: Sequence[int], layer_bytes: Sequence[int], free: Sequence[float]
+    ) -> None:
+        start = 0
+        for s, n in enumerate(counts):
+            need = sum(layer_bytes[start : start + n])
+            if free[s] and need > free[s]:
+                raise SpecError(
+                    f"{what}, stage {s} (layers {start}-{start + n - 1}) needs about {_gib(need)} to train "
+                    f"(weights, gradients, two optimizer moments and activations at the example shapes), but "
+                    f"{self.grid[0][s].where()} has {_gib(free[s])} free. Add workers (more stages), give this "
+                    "stage fewer layers (balance=[...]), or use workers with more device memory; building the "
+                    "model on the meta device saves the driver's memory, not the workers'."
+                )
+            start += n
 
     def place(
         self,
@@ -364,13 +422,8 @@ class DriverSession:
         if key in self.placements:
             raise LrmpError(f"SpecSequential {key!r} is already placed")
         what = f"SpecSequential {key!r}"
-        for i, entry in enumerate(module.entries):
-            if entry.path.startswith("__main__."):
-                raise SpecError(
-                    f"{what}, layer {i} ({entry.name}) is defined in __main__, which a worker cannot import; "
-                    "move it into a module next to your script and, on remote workers, allow it with --allow-module"
-                )
-        stages = self.plan(module, balance, what)
+        checked = checked_for_workers(module, what)
+        stages = self.plan(module, balance, what, compute=checked.compute)
         for stage, conn in ((stage, row[stage.index]) for row in self.grid for stage in stages):
             cap = (conn.remote_limits or protocol.DEFAULT_LIMITS).max_layers
             if len(stage.layer_indices) > cap:
@@ -386,13 +439,11 @@ class DriverSession:
                 "(or load a state dict into the module) to continue from a checkpoint."
             )
         log.info("%s placed:\n%s", what, partition.describe(stages, module.entries, module.layers, self.row_addresses))
+        digests = {name: source_digest(name) for name in user_code_modules(module.entries)}
         ids = []
-        for row, stage in ((row, stage) for row in self.grid for stage in stages):
+        for r, row, stage in ((r, row, stage) for r, row in enumerate(self.grid) for stage in stages):
             conn = row[stage.index]
-            entries = [
-                [module.entries[i].path, dict(module.entries[i].kwargs), _shape_for_wire(module.entries[i].input_shape)]
-                for i in stage.layer_indices
-            ]
+            entries = [module.entries[i].to_wire() for i in stage.layer_indices]
             body = {
                 "key": key,
                 "stage": stage.index,
@@ -412,6 +463,8 @@ class DriverSession:
                 "state": _meta_stage_state(module, stage) if meta else _placed_module_state(module, stage),
                 "init_seed": module.init_seed,
                 "split_backward": split_backward,
+                "code_digests": {n: d for n, d in digests.items() if d is not None},
+                "seed": (self.seed + 1_000_003 * (r * self.num_stages + stage.index)) % 2**62,
                 "frozen": [
                     f"{i}.{name}"
                     for i in stage.layer_indices
@@ -431,11 +484,13 @@ class DriverSession:
             conn.recv(i, what="setup")
         module._pending_state = {}
         remote = RemoteSpec(
-            key, [[RemoteStage(key, s, row[s.index]) for s in stages] for row in self.grid], microbatches
+            key,
+            [[RemoteStage(key, s, row[s.index]) for s in stages] for row in self.grid],
+            microbatches,
+            modes=module.modes,
         )
         module._remote = remote
         self.placements[key] = _Placement(key, module, remote)
-        remote.set_mode(module.training)
 
     def remote_parameters(self) -> dict[int, tuple[list[Connection], str]]:
         """For every placed parameter (by ``id``): the connections of the workers holding it (replica 0
@@ -553,8 +608,16 @@ def _address_towards(address: str) -> str:
         return s.getsockname()[0]
 
 
-def _shape_for_wire(shape: Any) -> Any:
-    return [list(s) for s in shape] if shape and isinstance(shape[0], tuple) else list(shape)
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def checked_for_workers(module: SpecSequential, what: str) -> Preflight:
+    """`preflight` with errors that name the SpecSequential too."""
+    try:
+        return preflight(module)
+    except SpecError as err:
+        raise SpecError(f"{what}, {err}") from err.__cause__
 
 
 def allow_modules_for(
@@ -564,9 +627,10 @@ def allow_modules_for(
     prefixes = []
     for module in modules.values():
         for entry in module.entries:
-            mod = entry.path.rsplit(".", 1)[0]
-            if not is_allowed(entry.path, DEFAULT_ALLOWED_PREFIXES) and mod != "__main__":
-                prefixes.append(mod)
+            for path in [entry.path, *nested_class_paths(entry.kwargs)]:
+                mod = path.rsplit(".", 1)[0]
+                if not is_allowed(path, DEFAULT_ALLOWED_PREFIXES) and mod != "__main__":
+                    prefixes.append(mod)
     for opt in optimizers:
         mod = type(opt).__module__
         if not is_allowed(mod, ("torch.optim",)) and mod != "__main__":

@@ -122,15 +122,22 @@ def split_contiguous(costs: Sequence[float], capacities: Sequence[float]) -> lis
     return split_min_max([costs] * len(capacities), capacities)
 
 
-def split_min_max(stage_costs: Sequence[Sequence[float]], capacities: Sequence[float] | None = None) -> list[int]:
+def split_min_max(
+    stage_costs: Sequence[Sequence[float]],
+    capacities: Sequence[float] | None = None,
+    memory: tuple[Sequence[float], Sequence[float]] | None = None,
+) -> list[int]:
     """Cut layers into one non-empty contiguous run per stage, minimising the slowest stage.
 
     ``stage_costs[s][i]`` is what layer ``i`` costs on stage ``s``'s worker (time measured there,
     or memory); a stage's load is its layers' total cost divided by its worker's capacity (default 1).
-    Ties prefer the most even layer counts.
+    With ``memory = (layer_bytes, stage_budgets)`` only splits whose stages fit their budget count
+    (`SpecError` if none does). Ties prefer the most even layer counts.
 
     >>> split_min_max([[1, 1, 1, 1], [2, 2, 2, 2]])  # the second worker is twice as slow
     [3, 1]
+    >>> split_min_max([[1, 1, 1, 1]] * 2, memory=([1, 1, 1, 1], [1, 3]))  # only one layer fits on stage 0
+    [1, 3]
     """
     k = len(stage_costs)
     n = len(stage_costs[0]) if k else 0
@@ -144,8 +151,13 @@ def split_min_max(stage_costs: Sequence[Sequence[float]], capacities: Sequence[f
         prefix.append(row)
 
     caps = [float(c) for c in capacities] if capacities is not None else [1.0] * k
+    mem_prefix = [0.0]
+    for b in memory[0] if memory is not None else []:
+        mem_prefix.append(mem_prefix[-1] + float(b))
 
     def load(s: int, j: int, i: int) -> float:  # layers j:i on stage s (1-based)
+        if memory is not None and mem_prefix[i] - mem_prefix[j] > memory[1][s - 1]:
+            return math.inf
         return (prefix[s - 1][i] - prefix[s - 1][j]) / caps[s - 1]
 
     # Two exact min-max passes: a single pass on (load, spread) pairs can keep, for a prefix, a
@@ -158,6 +170,8 @@ def split_min_max(stage_costs: Sequence[Sequence[float]], capacities: Sequence[f
             for j in range(s - 1, i):
                 worst[s][i] = min(worst[s][i], max(worst[s - 1][j], load(s, j, i)))
     limit = worst[k][n]
+    if limit == math.inf:
+        raise SpecError(f"no split of {n} layers into {k} stages fits every stage into its worker's memory")
     # spread[s][i]: the smallest layer-count spread among such placements within ``limit``.
     spread = [[math.inf] * (n + 1) for _ in range(k + 1)]
     cut = [[0] * (n + 1) for _ in range(k + 1)]

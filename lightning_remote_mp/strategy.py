@@ -24,15 +24,15 @@ from lightning.pytorch.strategies import SingleDeviceStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_remote_mp import protocol
-from lightning_remote_mp.driver import DriverSession, allow_modules_for, normalize_hosts
-from lightning_remote_mp.errors import LrmpError
+from lightning_remote_mp.driver import DriverSession, allow_modules_for, checked_for_workers, normalize_hosts
+from lightning_remote_mp.errors import LrmpError, SpecError
 from lightning_remote_mp.keys import KeyPair, generate_keypair, load_keypair, load_public_key, write_public_key
 from lightning_remote_mp.launch import LocalWorkers
 from lightning_remote_mp.optim import mirror_of
 from lightning_remote_mp.spec import SpecSequential
 from lightning_remote_mp.summary import RemoteModelSummary
 from lightning_remote_mp.timeline import TimelineCallback
-from lightning_remote_mp.transport import DEFAULT_CONNECT_TIMEOUT, DEFAULT_HEARTBEAT_TIMEOUT
+from lightning_remote_mp.transport import DEFAULT_CALL_TIMEOUT, DEFAULT_CONNECT_TIMEOUT, DEFAULT_HEARTBEAT_TIMEOUT
 
 log = logging.getLogger(__name__)
 
@@ -79,10 +79,11 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
             layout: each batch is split across the replicas and each stage's replicas all-reduce their
             gradients (torch.distributed) before the optimizer steps. ``None`` starts ``num_workers``
             local workers on loopback and stops them at teardown.
-        balance: layers per stage (e.g. ``[5, 4]``); ``"memory"`` (the default) splits by estimated
-            training memory in proportion to each worker's free device memory; ``"parameters"`` evens out
-            parameter counts; ``"time"`` times each layer (forward and backward at its example input shape) on
-            every worker and minimises the slowest stage, logging the predicted stage times. With several
+        balance: layers per stage (e.g. ``[5, 4]``); ``"memory"`` (the default) keeps every stage within
+            its worker's free device memory and, among such splits, evens out the estimated compute
+            (FLOPs from a dry run on the meta device); ``"parameters"`` evens out parameter counts;
+            ``"time"`` times each layer (forward and backward at its example input shape) on every
+            worker and minimises the slowest stage, logging the predicted stage times. With several
             SpecSequentials, a dict from their names to one of these.
         microbatches: split each batch into this many micro-batches that flow through the stages
             concurrently (GPipe); results equal unsplit training unless layers couple the samples
@@ -101,6 +102,9 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
         heartbeat_timeout: seconds of silence after which a worker is declared lost (the run fails
             with an error naming it).
         connect_timeout: seconds to wait for each worker's first answer.
+        call_timeout: seconds a worker may compute one request (in a pipeline: the time between two
+            results) while it still answers heartbeats, before the run fails naming it: a layer that
+            never returns, a deadlock. ``None`` waits as long as the worker lives.
         store_host: with replicas, the address workers reach this machine at for their rendezvous
             (default: this machine's address on the route to the first worker).
         curve_secret_key: path of this driver's CURVE key pair (``NAME.key_secret`` from
@@ -129,6 +133,7 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
         timeline: str | None = None,
         heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT,
         connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+        call_timeout: float | None = DEFAULT_CALL_TIMEOUT,
         store_host: str | None = None,
         curve_secret_key: str | None = None,
         worker_public_keys: list[str] | None = None,
@@ -163,6 +168,7 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
         self.timeline = timeline
         self.heartbeat_timeout = heartbeat_timeout
         self.connect_timeout = connect_timeout
+        self.call_timeout = call_timeout
         self.curve_secret_key = curve_secret_key
         self.worker_public_keys = worker_public_keys
         self._keys, self._worker_keys = self._load_keys(hosts, curve_secret_key, worker_public_keys)
@@ -252,7 +258,10 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
             log.warning("RemoteModelParallelStrategy: the LightningModule has no SpecSequential; nothing runs remotely")
             return
         fitting = trainer.state.fn == TrainerFn.FITTING
-        balances = {key: self._balance_for(key, modules) for key in modules}  # fail before starting anything
+        # Fail before any worker is started or contacted.
+        balances = {key: self._balance_for(key, modules) for key in modules}
+        for key, module in modules.items():
+            self._check_before_workers(key, module)
         try:
             hosts, liveness, worker_keys = self._workers(modules)
             if self._keys is not None and len(normalize_hosts(hosts)) > 1:
@@ -265,6 +274,7 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
                 hosts,
                 heartbeat_timeout=self.heartbeat_timeout,
                 connect_timeout=self.connect_timeout,
+                call_timeout=self.call_timeout,
                 liveness=liveness,
                 store_host=self.store_host,
                 keys=self._keys,
@@ -281,6 +291,22 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
         except BaseException:
             self._close()
             raise
+
+    @property
+    def num_stages(self) -> int:
+        """Stages per pipeline: workers per row of ``hosts``, or local workers per replica."""
+        if self.hosts is None:
+            return self.num_workers // self.replicas
+        return len(normalize_hosts(self.hosts)[0])
+
+    def _check_before_workers(self, key: str, module: SpecSequential) -> None:
+        what = f"SpecSequential {key!r}"
+        if len(module.layers) < self.num_stages:
+            raise SpecError(
+                f"{what} has {len(module.layers)} layers but there are {self.num_stages} stages (one per worker "
+                "of a pipeline); each stage needs at least one layer: use fewer workers"
+            )
+        checked_for_workers(module, what)
 
     def _workers(
         self, modules: dict[str, SpecSequential]

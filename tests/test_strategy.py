@@ -268,15 +268,15 @@ def test_worker_exception_reaches_driver_with_layer_and_stage(pool):
     spec = [
         ("torch.nn.Linear", {"in_features": 1, "out_features": 8}, (32, 1)),
         ("torch.nn.ReLU", {}, (32, 8)),
-        ("torch.nn.Linear", {"in_features": 5, "out_features": 1}, (32, 5)),  # wrong: gets 8 features
-        ("torch.nn.Sigmoid", {}, (32, 1)),
+        ("lrmp_testlayers.Explode", {}, (32, 8)),
+        ("torch.nn.Sigmoid", {}, (32, 8)),
     ]
     strategy = RemoteModelParallelStrategy(hosts=workers.addresses, balance=[2, 2])
     with pytest.raises(WorkerError) as info:
         trainer(strategy).fit(Net(spec), data())
     err = info.value
     assert err.stage == 1 and err.layer == 2 and err.address == workers.addresses[1]
-    assert "layer 2 (Linear)" in str(err) and "stage 1" in str(err) and "mat1" in err.remote_message
+    assert "layer 2 (Explode)" in str(err) and "stage 1" in str(err) and "exploded on purpose" in err.remote_message
     # Both workers stay up and train a correct model right after.
     good = Net(residual_spec(probe=False))
     trainer(RemoteModelParallelStrategy(hosts=workers.addresses), epochs=1).fit(good, data())
@@ -447,3 +447,29 @@ def test_a_slow_driver_link_cannot_let_the_pipeline_overtake_the_optimizer_step(
         relay.close()
     assert_same_losses(local.losses, remote.losses)
     assert_same_weights(local, remote)
+
+
+def test_the_strategy_name_works_whatever_the_import_order():
+    """``import lightning_remote_mp`` before ``import lightning`` used to leave "remote_mp" unregistered;
+    the worker's own imports must still not pull Lightning in."""
+    import subprocess
+    import sys
+
+    program = (
+        "import lightning_remote_mp, sys\n"
+        "assert 'lightning' not in sys.modules\n"
+        "import lightning as L\n"
+        "t = L.Trainer(strategy='remote_mp', logger=False, enable_progress_bar=False)\n"
+        "print(type(t.strategy).__name__)\n"
+        "import lightning_remote_mp.worker.server\n"
+    )
+    out = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "RemoteModelParallelStrategy"
+    worker = subprocess.run(
+        [sys.executable, "-c", "import lightning_remote_mp.worker.cli, sys; print('lightning' in sys.modules)"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert worker.stdout.strip() == "False", worker.stderr

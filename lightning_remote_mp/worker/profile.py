@@ -38,7 +38,10 @@ def _sync(device: torch.device) -> None:
 def time_layer(layer: torch.nn.Module, entry: LayerEntry, index: int, device: torch.device, repeats: int) -> float:
     """Median seconds of one forward plus backward of ``layer`` on inputs of its example shape."""
     deps, outs = variables_of(layer)
-    for floating in (True, False):  # integer inputs (an Embedding's indices) when floats are refused
+    kinds = (True, False)  # integer inputs (an Embedding's indices) when floats are refused
+    if entry.input_dtype is not None:
+        kinds = (getattr(torch, entry.input_dtype).is_floating_point,)
+    for floating in kinds:
         try:
             x, variables = _inputs(entry, deps, device, floating)
             runs = []
@@ -55,7 +58,7 @@ def time_layer(layer: torch.nn.Module, entry: LayerEntry, index: int, device: to
                 runs.append(time.perf_counter() - start)
             return statistics.median(runs[1:])
         except (RuntimeError, TypeError):
-            if not floating:
+            if floating is kinds[-1]:
                 raise
     raise AssertionError("unreachable")
 

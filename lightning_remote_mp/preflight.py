@@ -1,0 +1,202 @@
+"""What the driver checks of a SpecSequential before any worker is contacted, and what it learns.
+
+Going remote makes mistakes fail late and far away: a kwarg that cannot travel used to be refused
+by the encoder after the workers had started, a wrong ``input_shape`` surfaced as a dtype error in
+the profiler, a layer returning a tuple broke the next layer on another machine. `preflight` runs
+on the driver in milliseconds (nothing is allocated: the layers run on the meta device) and names
+the layer, its class and the kwarg:
+
+- every class can be imported by a worker (none from ``__main__``);
+- every kwarg is plain data that travels (or a ``class_path``/``class_ref`` value);
+- no parameter is shared (tied weights would silently untie across workers);
+- one forward at the declared input shapes: every layer accepts what the previous one produces,
+  its output matches the next layer's declared ``input_shape``, and its FLOPs are counted, so that
+  stages can be balanced by compute.
+
+>>> from lightning_remote_mp.spec import SpecSequential
+>>> net = SpecSequential([
+...     ("torch.nn.Linear", {"in_features": 4, "out_features": 8}, (32, 4)),
+...     ("torch.nn.Linear", {"in_features": 16, "out_features": 2}, (32, 16)),
+... ])
+>>> preflight(net)  # doctest: +ELLIPSIS
+Traceback (most recent call last):
+...
+lightning_remote_mp.errors.SpecError: layer 1 (Linear) declares input_shape (32, 16), but ... produces (32, 8) ...
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from lightning_remote_mp import protocol
+from lightning_remote_mp.errors import SpecError
+from lightning_remote_mp.spec import LayerEntry, SpecSequential, build_layer, call_layer, nested_class_paths
+
+log = logging.getLogger(__name__)
+
+_TRAVEL_HINT = (
+    "kwargs travel to workers as plain data (numbers, strings, lists, dicts, tuples, torch dtypes, tensors); "
+    "spell an object as {'class_path': 'dotted.Path', 'init_args': {...}} and a class as "
+    "{'class_ref': 'dotted.Path'}"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Preflight:
+    """What the checks learnt: per layer, an estimate of its forward compute (FLOPs, plus one per
+    output element so that layers without matrix products are not free) and whether the dry run
+    reached it (``False`` past a layer the meta device cannot run)."""
+
+    compute: list[float]
+    checked: list[bool]
+
+
+def preflight(module: SpecSequential) -> Preflight:
+    """Check that ``module`` can go to workers (see the module docstring); raise `SpecError` naming the
+    layer otherwise."""
+    for i, entry in enumerate(module.entries):
+        _check_importable(i, entry)
+        _check_kwargs_travel(i, entry)
+    _check_untied(module)
+    return _dry_run(module.entries)
+
+
+def _check_importable(index: int, entry: LayerEntry) -> None:
+    for path in [entry.path, *nested_class_paths(entry.kwargs)]:
+        if path.startswith("__main__."):
+            raise SpecError(
+                f"layer {index} ({entry.name}) uses {path.removeprefix('__main__.')}, defined in __main__, which "
+                "a worker cannot import; move it into a module next to your script and, on remote workers, "
+                "allow that module with --allow-module"
+            )
+
+
+def _check_kwargs_travel(index: int, entry: LayerEntry) -> None:
+    for name, value in entry.kwargs.items():
+        try:
+            protocol.encode(protocol.SETUP, 0, "", value)
+        except protocol.ProtocolError as err:
+            raise SpecError(
+                f"layer {index} ({entry.name}): kwarg {name!r} = {value!r:.80} cannot travel to a worker ({err}). "
+                + _TRAVEL_HINT
+            ) from None
+
+
+def _check_untied(module: SpecSequential) -> None:
+    owner: dict[int, str] = {}
+    for i, layer in enumerate(module.layers):
+        for name, p in layer.named_parameters(remove_duplicate=False):
+            here = f"layer {i} ({module.entries[i].name}) {name!r}"
+            if id(p) in owner:
+                raise SpecError(
+                    f"{owner[id(p)]} and {here} are the same parameter (tied weights, e.g. an embedding and an "
+                    "LM head). lrmp cannot keep a parameter tied across workers or through a worker's state "
+                    "loading; give each its own parameter (untie them), or keep the tied layers outside the "
+                    "SpecSequential, on the driver."
+                )
+            owner[id(p)] = here
+
+
+def example_input(entry: LayerEntry, layer_cls: type, device: str | torch.device = "meta") -> torch.Tensor:
+    """A tensor of the entry's declared main input shape: ``input_dtype``, or int64 ids for
+    embeddings, else float32."""
+    if entry.input_dtype is not None:
+        dtype = getattr(torch, entry.input_dtype)
+    elif issubclass(layer_cls, (nn.Embedding, nn.EmbeddingBag)):
+        dtype = torch.int64
+    else:
+        dtype = torch.float32
+    shape = entry.input_shapes[0]
+    if dtype.is_floating_point:
+        return torch.empty(shape, dtype=dtype, device=device)
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
+def _meta_limitation(err: BaseException) -> bool:
+    """Failures that say nothing about the spec: the meta device cannot run everything (data-dependent
+    ops, layers that make tensors on a fixed device)."""
+    text = str(err).lower()
+    return isinstance(err, NotImplementedError) or "meta" in text or "device" in text
+
+
+def _shape_text(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return str(tuple(value.shape))
+    return f"a {type(value).__name__}"
+
+
+def _dry_run(entries: Sequence[LayerEntry]) -> Preflight:
+    compute = [0.0] * len(entries)
+    checked = [False] * len(entries)
+    variables: dict[str, torch.Tensor] = {}
+    x: Any = None
+    for i, entry in enumerate(entries):
+        layer = build_layer(entry, i, device="meta")
+        if i == 0:
+            x = example_input(entry, type(layer))
+        else:
+            _check_declared_shape(entries, i, x)
+        counter = FlopCounterMode(display=False)
+        try:
+            with counter, torch.no_grad():
+                y = call_layer(i, layer, x, variables)
+        except SpecError:
+            raise
+        except Exception as err:
+            if _meta_limitation(err):
+                log.debug("preflight stops at layer %d (%s): %s", i, entry.name, err)
+                break
+            came = "its declared input_shape" if i == 0 else f"what layer {i - 1} ({entries[i - 1].name}) returns"
+            raise SpecError(
+                f"layer {i} ({entry.name}) fails on {_shape_text(x)}, {came}: {type(err).__name__}: {err}"
+                + (
+                    f". Layer {i - 1} returns a {type(x).__name__}: pick one element with 'output': 0 in its entry"
+                    if i > 0 and not isinstance(x, torch.Tensor)
+                    else ""
+                )
+            ) from err
+        compute[i] = float(counter.get_total_flops()) + (float(y.numel()) if isinstance(y, torch.Tensor) else 0.0)
+        checked[i] = True
+        x = y
+    else:
+        if not isinstance(x, torch.Tensor):
+            last = len(entries) - 1
+            raise SpecError(
+                f"layer {last} ({entries[last].name}), the last, returns a {type(x).__name__}; a SpecSequential "
+                "must end with a tensor: pick one element with 'output': 0 in its entry"
+            )
+    compute = [c if done else _fallback_compute(e) for c, done, e in zip(compute, checked, entries)]
+    return Preflight(compute=compute, checked=checked)
+
+
+def _check_declared_shape(entries: Sequence[LayerEntry], i: int, x: Any) -> None:
+    declared = entries[i].input_shapes[0]
+    if not isinstance(x, torch.Tensor) or not declared:
+        return
+    got = tuple(x.shape)
+    # The batch dimension is free: input_shape never fixes the batch size.
+    if len(got) != len(declared) or got[1:] != tuple(declared[1:]):
+        raise SpecError(
+            f"layer {i} ({entries[i].name}) declares input_shape {tuple(declared)}, but layer {i - 1} "
+            f"({entries[i - 1].name}) produces {got} from the shapes declared before it; fix one of the two "
+            "input_shapes."
+        )
+
+
+def _fallback_compute(entry: LayerEntry) -> float:
+    """Without a dry run: two FLOPs per parameter per row of the input (what a linear layer costs)."""
+    shape = entry.input_shapes[0]
+    rows = math.prod(shape[:-1]) if len(shape) > 1 else 1
+    try:
+        layer = build_layer(entry, 0, device="meta")
+    except Exception:
+        return float(rows)
+    return 2.0 * rows * sum(p.numel() for p in layer.parameters()) + rows
