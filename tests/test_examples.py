@@ -122,3 +122,12 @@ def test_demo_trains_and_its_loss_falls(monkeypatch, capsys, restore_lrmp_log_le
     assert len(losses) == 2, out
     assert losses[-1] < losses[0], losses
     assert "training accuracy of the returned model" in out
+
+
+@pytest.mark.timeout(120)
+def test_char_gpt_learns_on_four_workers(pool):
+    char_gpt = load_example("char_gpt")
+    model, sample = char_gpt.main(steps=24, hosts=pool[:4])
+    first, last = sum(model.losses[:4]) / 4, sum(model.losses[-4:]) / 4
+    assert last < first - 0.5, model.losses
+    assert sample.startswith("def ") and len(sample) == 4 + 120

@@ -1,0 +1,117 @@
+"""The model zoo: small real architectures trained through real Trainers on real workers, each
+compared step by step with the same model trained locally."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+from lrmp_zoo import (
+    Classifier,
+    causal_lm_spec,
+    cnn_spec,
+    gpt2_spec,
+    image_data,
+    resnet_spec,
+    token_data,
+)
+from test_strategy import assert_same_losses, assert_same_weights
+
+from lightning_remote_mp import RemoteModelParallelStrategy
+
+TOL = 2e-5
+
+
+def fit(model: Classifier, data_fn, strategy=None, epochs: int = 2, **kwargs) -> Classifier:
+    kwargs.setdefault("num_sanity_val_steps", 2)  # Lightning's default: validation before the first step
+    L.Trainer(
+        max_epochs=epochs,
+        strategy=strategy or "auto",
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        **kwargs,
+    ).fit(model, data_fn(), data_fn(seed=1))
+    return model
+
+
+def remote_equals_local(make, data_fn, twin, strategy, **kwargs) -> tuple[Classifier, Classifier]:
+    torch.manual_seed(0)
+    local = make()
+    remote = twin(local)
+    fit(local, data_fn, **kwargs)
+    fit(remote, data_fn, strategy, **kwargs)
+    assert_same_losses(local.losses, remote.losses, TOL)
+    assert_same_losses(local.val_losses, remote.val_losses, TOL)
+    assert_same_weights(local, remote, TOL)
+    return local, remote
+
+
+def test_causal_transformer_lm_on_four_workers_with_microbatches(twin, pool):
+    """Integer tokens in, a causal mask made on stage 0 and used on every later stage. SGD, not
+    Adam: the key projection's bias has a zero gradient in exact arithmetic, and Adam turns the
+    rounding noise of summing it over micro-batches into full-size steps."""
+    remote_equals_local(
+        lambda: Classifier(causal_lm_spec(blocks=2), optimizer="SGD", lr=0.1),
+        token_data,
+        twin,
+        RemoteModelParallelStrategy(hosts=pool[:4], microbatches=4),
+    )
+
+
+def test_cnn_with_batchnorm_follows_lightning_train_and_eval_switches(twin, pool):
+    """Sanity check, validation every epoch: BatchNorm must normalise by batch statistics in
+    training and by running statistics in validation, on every worker, at every step. Lightning
+    restores training mode after validation by setting ``.training`` directly."""
+    local, remote = remote_equals_local(
+        lambda: Classifier(cnn_spec(dropout=0.0), optimizer="Adam"),
+        image_data,
+        twin,
+        RemoteModelParallelStrategy(hosts=pool[:2]),
+    )
+    assert len(remote.val_losses) == 2 + 2 * 3  # the sanity check, then every epoch
+    for k, v in local.state_dict().items():
+        if "running_mean" in k:
+            torch.testing.assert_close(remote.state_dict()[k], v, atol=TOL, rtol=0)
+
+
+def test_residual_cnn_with_downsampling_blocks(twin, pool):
+    remote_equals_local(
+        lambda: Classifier(resnet_spec(), optimizer="SGD", lr=0.05),
+        image_data,
+        twin,
+        RemoteModelParallelStrategy(hosts=pool[:3]),
+    )
+
+
+def test_dropout_is_seeded_from_the_driver_and_off_in_validation(pool):
+    """Remote dropout masks differ from local ones, but a seeded run repeats bit for bit, and
+    validation (eval mode) computes exactly what the trained weights give locally."""
+
+    def run() -> Classifier:
+        L.seed_everything(0, verbose=False)
+        model = Classifier(cnn_spec(dropout=0.5), optimizer="Adam")
+        return fit(model, image_data, RemoteModelParallelStrategy(hosts=pool[:2]), epochs=1, num_sanity_val_steps=0)
+
+    first, second = run(), run()
+    assert first.losses == second.losses
+    assert first.val_losses == second.val_losses
+    # After fit the LightningModule holds the trained weights: validate them locally, in eval mode.
+    first.val_losses.clear()
+    L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False).validate(first, image_data(seed=1))
+    assert_same_losses(first.val_losses, second.val_losses, TOL)
+
+
+def test_huggingface_gpt2_blocks(twin):
+    """GPT2Blocks built on the workers from plain data (the config is a nested class_path value),
+    the causal mask passed by keyword; local workers are allowed transformers automatically."""
+    pytest.importorskip("transformers")
+    remote_equals_local(
+        lambda: Classifier(gpt2_spec(blocks=2), optimizer="SGD", lr=0.1),
+        token_data,
+        twin,
+        RemoteModelParallelStrategy(microbatches=2),
+        epochs=1,
+    )
