@@ -6,6 +6,8 @@ used, so ``lrmp-worker`` starts fast.
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.machinery
 import sys
 from typing import Any
 
@@ -46,6 +48,41 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-# A program that already uses Lightning gets the strategy registered as "remote_mp" right away.
-if "lightning" in sys.modules or "pytorch_lightning" in sys.modules:
+_LIGHTNING = ("lightning.pytorch",)  # the strategy is a lightning.pytorch Strategy
+
+
+class _RegisterWithLightning(importlib.abc.MetaPathFinder):
+    """Registers the strategy as "remote_mp" as soon as ``lightning.pytorch`` finishes importing,
+    whether a program imports it before or after this package; ``lrmp-worker`` never imports it."""
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        if fullname not in _LIGHTNING:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                spec.loader = _RegisteringLoader(spec.loader)
+                return spec
+        return None
+
+
+class _RegisteringLoader(importlib.abc.Loader):
+    def __init__(self, loader: importlib.abc.Loader) -> None:
+        self.loader = loader
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> Any:
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        self.loader.exec_module(module)  # type: ignore[attr-defined]
+        if module.__name__ == "lightning.pytorch":
+            from lightning_remote_mp.strategy import RemoteModelParallelStrategy  # noqa: F401  (registers it)
+
+
+if any(name in sys.modules for name in _LIGHTNING):
+    # A program that already uses Lightning gets the strategy registered right away.
     from lightning_remote_mp.strategy import RemoteModelParallelStrategy  # noqa: E402,F401
+elif not any(isinstance(f, _RegisterWithLightning) for f in sys.meta_path):
+    sys.meta_path.insert(0, _RegisterWithLightning())
