@@ -78,7 +78,16 @@ class _RegisteringLoader(importlib.abc.Loader):
     def exec_module(self, module: Any) -> None:
         self.loader.exec_module(module)  # type: ignore[attr-defined]
         if module.__name__ == "lightning.pytorch":
-            from lightning_remote_mp.strategy import RemoteModelParallelStrategy  # noqa: F401  (registers it)
+            try:
+                from lightning_remote_mp.strategy import RemoteModelParallelStrategy  # noqa: F401  (registers it)
+            except Exception as err:  # never break `import lightning` itself
+                import warnings
+
+                warnings.warn(f"lightning_remote_mp could not register strategy 'remote_mp': {err}", stacklevel=2)
+
+    def __getattr__(self, name: str) -> Any:
+        # Resource readers, get_data, get_source...: what the real loader offers.
+        return getattr(self.loader, name)
 
 
 if any(name in sys.modules for name in _LIGHTNING):

@@ -88,8 +88,8 @@ class Add(nn.Module):
     """The join of a residual block: ``x + projection(sum(residuals))``.
 
     The residuals come from ``"dependencies"`` in the spec entry. ``projection`` (e.g. a strided
-    1x1 ``Conv2d`` for a downsampling block, spelled ``{"class_path": "torch.nn.Conv2d", "init_args":
-    {...}}`` in a spec) maps the skip path to the block's output shape; by default it is the identity.
+    1x1 ``Conv2d`` for a downsampling block, spelled ``{"object": "torch.nn.Conv2d", "kwargs": {...}}``
+    in a spec) maps the skip path to the block's output shape; by default it is the identity.
     """
 
     def __init__(self, projection: nn.Module | None = None) -> None:

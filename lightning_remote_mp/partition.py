@@ -22,7 +22,7 @@ from torch import nn
 from lightning_remote_mp.errors import SpecError
 from lightning_remote_mp.spec import LayerEntry, Wiring
 
-#: Bytes kept per parameter while training: the weight, its gradient and two optimizer moments.
+#: Bytes kept per float32 parameter while training: the weight, its gradient and two optimizer moments.
 TRAINING_BYTES_PER_PARAM_ELEMENT = 4 * 4
 
 
@@ -106,12 +106,14 @@ def check_balance(balance: Sequence[int], num_layers: int, num_stages: int, what
     return balance
 
 
-def estimate_layer_bytes(entry: LayerEntry, layer: nn.Module) -> int:
-    """Memory a layer needs while training: parameters with gradients and optimizer state, plus
-    the activations it keeps for backward, estimated from its example input shape(s)."""
-    params = sum(p.numel() for p in layer.parameters())
-    activations = sum(math.prod(shape) for shape in entry.input_shapes if shape)
-    return params * TRAINING_BYTES_PER_PARAM_ELEMENT + activations * 4
+def estimate_layer_bytes(entry: LayerEntry, layer: nn.Module, training: bool = True) -> int:
+    """Memory a layer needs: its weights and buffers at their own dtypes and, when ``training``, a
+    gradient and two optimizer moments (Adam's) per trainable parameter, plus the float32 activations
+    it keeps for backward at its example input shape(s)."""
+    weights = sum(t.numel() * t.element_size() for t in (*layer.parameters(), *layer.buffers()))
+    trainable = sum(p.numel() * p.element_size() for p in layer.parameters() if p.requires_grad)
+    activations = sum(math.prod(shape) for shape in entry.input_shapes if shape) * 4 if training else 0
+    return weights + (3 * trainable if training else 0) + activations
 
 
 def split_contiguous(costs: Sequence[float], capacities: Sequence[float]) -> list[int]:

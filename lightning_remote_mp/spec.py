@@ -18,10 +18,10 @@ Dict entries can wire layers that know nothing of this convention (``torch.nn``,
   ``"dependencies": {"attention_mask": "mask"}`` as keyword arguments;
 - ``"out_variables": ["skip"]`` publishes the layer's output under those names (and passes it on);
 - ``"output": 0`` keeps one element of a layer that returns a tuple (or a key of a dict output);
-- a kwarg value ``{"class_path": "torch.nn.BatchNorm2d", "init_args": {...}}`` is built (an
-  instance) and ``{"class_ref": "torch.nn.BatchNorm2d"}`` is the class itself, both resolved through
-  the worker's allowlist, so constructor arguments such as ``norm_layer=`` or a config object stay
-  plain data (YAML for LightningCLI).
+- a kwarg value ``{"object": "torch.nn.BatchNorm2d", "kwargs": {...}}`` is built (an instance) and
+  ``{"class": "torch.nn.BatchNorm2d"}`` is the class itself, both resolved through the worker's
+  allowlist, so constructor arguments such as ``norm_layer=`` or a config object stay plain data
+  (YAML; LightningCLI's own ``class_path`` spelling would be built by jsonargparse on the driver).
 
 This module imports no Lightning: the worker builds its stages with it.
 
@@ -212,7 +212,7 @@ def _optional_fields(entry: Mapping[str, Any], where: str) -> dict[str, Any]:
         out["output"] = output
     dtype = entry.get("input_dtype")
     if dtype is not None:
-        if not isinstance(dtype, str) or not isinstance(getattr(torch, dtype, None), torch.dtype):
+        if not isinstance(dtype, str) or not isinstance(vars(torch).get(dtype), torch.dtype):
             raise SpecError(f"{where}: 'input_dtype' must name a torch dtype like 'int64', got {dtype!r:.40}")
         out["input_dtype"] = dtype
     return out
@@ -276,8 +276,16 @@ def resolve_class(path: str, base: type, allowed_prefixes: Sequence[str] | None 
         raise SpecError(f"{path!r}: no module of this path can be imported")
     if not (isinstance(obj, type) and issubclass(obj, base)):
         raise SpecError(f"{path!r} is not a {base.__module__}.{base.__qualname__} subclass")
-    if allowed_prefixes is not None:  # a worker: remember the code it imported (see source_digest)
-        source_digest(obj.__module__, as_loaded=True)
+    if allowed_prefixes is not None:  # a worker
+        home = f"{obj.__module__}.{obj.__qualname__}"
+        if not is_allowed(home, allowed_prefixes):
+            # Allowed modules import classes from elsewhere (subprocess.Popen, itertools.repeat...):
+            # what counts is where the class is defined.
+            raise RefusedClassError(
+                f"class {path!r} is {home}, defined outside this worker's allowlist {list(allowed_prefixes)}; "
+                f"start the worker with --allow-module {obj.__module__} to permit it"
+            )
+        source_digest(obj.__module__, as_loaded=True)  # remember the code it imported (see source_digest)
     return obj
 
 
@@ -364,45 +372,65 @@ def build_layer(
     return layer
 
 
-def construct_values(value: Any, allowed_prefixes: Sequence[str] | None, where: str) -> Any:
-    """Build the ``{"class_path": ..., "init_args": {...}}`` (instance) and ``{"class_ref": ...}``
-    (class) values in ``value``, recursively; everything else is returned as it is.
+#: Nested objects one entry may build: a bound on what a spec can make a worker construct.
+MAX_NESTED_OBJECTS = 1024
 
-    >>> construct_values({"norm": {"class_ref": "torch.nn.LayerNorm"}, "n": 3}, ["torch.nn"], "layer 0")
+
+def construct_values(value: Any, allowed_prefixes: Sequence[str] | None, where: str) -> Any:
+    """Build the ``{"object": ..., "kwargs": {...}}`` (instance) and ``{"class": ...}`` (class)
+    values in ``value``, recursively; everything else is returned as it is.
+
+    >>> construct_values({"norm": {"class": "torch.nn.LayerNorm"}, "n": 3}, ["torch.nn"], "layer 0")
     {'norm': <class 'torch.nn.modules.normalization.LayerNorm'>, 'n': 3}
     """
+    budget = [MAX_NESTED_OBJECTS]
+    return _construct_tree(value, allowed_prefixes, where, budget)
+
+
+def _construct_tree(value: Any, allowed: Sequence[str] | None, where: str, budget: list[int]) -> Any:
     if isinstance(value, Mapping):
-        if "class_path" in value or "class_ref" in value:
-            return _construct(value, allowed_prefixes, where)
-        return {k: construct_values(v, allowed_prefixes, where) for k, v in value.items()}
+        if _is_nested_object(value):
+            budget[0] -= 1
+            if budget[0] < 0:
+                raise SpecError(f"{where}: more than {MAX_NESTED_OBJECTS} nested objects in its kwargs")
+            return _construct(value, allowed, where, budget)
+        return {k: _construct_tree(v, allowed, where, budget) for k, v in value.items()}
     if isinstance(value, list):
-        return [construct_values(v, allowed_prefixes, where) for v in value]
+        return [_construct_tree(v, allowed, where, budget) for v in value]
     if isinstance(value, tuple):
-        return tuple(construct_values(v, allowed_prefixes, where) for v in value)
+        return tuple(_construct_tree(v, allowed, where, budget) for v in value)
     return value
 
 
-def _construct(value: Mapping[str, Any], allowed_prefixes: Sequence[str] | None, where: str) -> Any:
-    if "class_ref" in value:
-        if set(value) != {"class_ref"} or not isinstance(value["class_ref"], str):
-            raise SpecError(f"{where}: a class reference is {{'class_ref': 'dotted.Path'}} alone, got {value!r:.120}")
-        return resolve_class(value["class_ref"], object, allowed_prefixes)
-    path, init_args = value["class_path"], value.get("init_args") or {}
-    if set(value) - {"class_path", "init_args"} or not isinstance(path, str) or not isinstance(init_args, Mapping):
+def _is_nested_object(value: Mapping[str, Any]) -> bool:
+    return ("object" in value and set(value) <= {"object", "kwargs"}) or ("class" in value and set(value) == {"class"})
+
+
+def _construct(value: Mapping[str, Any], allowed: Sequence[str] | None, where: str, budget: list[int]) -> Any:
+    if "class" in value:
+        if not isinstance(value["class"], str):
+            raise SpecError(f"{where}: a class is {{'class': 'dotted.Path'}}, got {value!r:.120}")
+        return resolve_class(value["class"], object, allowed)
+    path, kwargs = value["object"], value.get("kwargs") or {}
+    if not isinstance(path, str) or not isinstance(kwargs, Mapping):
         raise SpecError(
-            f"{where}: a nested object is {{'class_path': 'dotted.Path', 'init_args': {{...}}}}, got {value!r:.120}"
+            f"{where}: a nested object is {{'object': 'dotted.Path', 'kwargs': {{...}}}}, got {value!r:.120}"
         )
-    cls = resolve_class(path, object, allowed_prefixes)
+    cls = resolve_class(path, object, allowed)
     try:
-        return cls(**construct_values(init_args, allowed_prefixes, where))
+        return cls(**_construct_tree(kwargs, allowed, where, budget))
+    except SpecError:
+        raise
     except Exception as err:
-        raise SpecError(f"{where}: building {path} with {dict(init_args)} failed: {err}") from err
+        raise SpecError(f"{where}: building {path} with {dict(kwargs)} failed: {err}") from err
 
 
 def nested_class_paths(value: Any) -> list[str]:
-    """Every dotted path a kwarg value names through ``class_path`` / ``class_ref``."""
+    """Every dotted path a kwarg value names through ``object`` / ``class``."""
     if isinstance(value, Mapping):
-        own = [v for k, v in value.items() if k in ("class_path", "class_ref") and isinstance(v, str)]
+        own = []
+        if _is_nested_object(value):
+            own = [v for k, v in value.items() if k in ("object", "class") and isinstance(v, str)]
         return own + [p for v in value.values() for p in nested_class_paths(v)]
     if isinstance(value, (list, tuple)):
         return [p for v in value for p in nested_class_paths(v)]
@@ -636,7 +664,12 @@ def layer_modes(layer: nn.Module) -> bool | list[bool]:
 
 
 def apply_modes(layers: Sequence[nn.Module], modes: Any, first_index: int) -> None:
-    """Set the flags of ``layers`` (global indices from ``first_index``) from a `Modes` value."""
+    """Set the flags of ``layers`` (global indices from ``first_index``) from a `Modes` value; the
+    flag counts are checked first, so that a malformed value changes nothing."""
+    for i, layer in enumerate(layers):
+        flags = modes if isinstance(modes, bool) else modes[first_index + i]
+        if not isinstance(flags, bool) and len(flags) != sum(1 for _ in layer.modules()):
+            raise SpecError(f"layer {first_index + i}: {len(flags)} mode flags for its modules")
     for i, layer in enumerate(layers):
         flags = modes if isinstance(modes, bool) else modes[first_index + i]
         if isinstance(flags, bool):
@@ -644,7 +677,7 @@ def apply_modes(layers: Sequence[nn.Module], modes: Any, first_index: int) -> No
                 m.training = flags
             continue
         subs = list(layer.modules())
-        if len(flags) != len(subs) or not all(isinstance(f, bool) for f in flags):
+        if len(flags) != len(subs):
             raise SpecError(f"layer {first_index + i}: {len(flags)} mode flags for {len(subs)} modules")
         for m, f in zip(subs, flags):
             m.training = f

@@ -282,7 +282,9 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
                 limits=self.limits,
             )
             for key, module in modules.items():
-                self._session.place(key, module, balances[key], self.microbatches, self.split_backward)
+                self._session.place(
+                    key, module, balances[key], self.microbatches, self.split_backward, training=fitting
+                )
             if fitting:
                 self.optimizers = self.optimizers  # mirrors them
                 self._patch_clipping()

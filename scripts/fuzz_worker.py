@@ -237,6 +237,7 @@ class Fuzzer:
                 "requires_grad": {"x": r.random() < 0.5, "res": r.random() < 0.5},
                 "grad": r.random() < 0.5,
                 "autocast": r.choice([None, None, {"enabled": True, "dtype": torch.bfloat16}, {"enabled": "x"}]),
+                "modes": self.modes(),
             }
         else:
             body = {
@@ -256,13 +257,51 @@ class Fuzzer:
         self.stats["pipeline"] += 1
         return protocol.encode(kind, r.randint(0, 2**40), self.session_id(), body)
 
+    def modes(self) -> Any:
+        """Train/eval flags, well-formed or not."""
+        r = self.rng
+        return r.choice(
+            [True, False, 1, None, [], [True], [True] * 8, [[True, "x"]] * 8, [torch.ones(1)], [[True] * 99] * 8]
+        )
+
+    def entry(self) -> Any:
+        """A layer entry a hostile driver might write: refused classes, class values reached through
+        imports, odd wiring fields, dtype names that would import modules."""
+        r = self.rng
+        nested = r.choice(
+            [
+                {"object": "torch.nn.modules.utils.repeat", "kwargs": {"object": 1}},
+                {"class": "torch.nn.attention._fa3.Library"},
+                {"object": "os.system", "kwargs": {"command": "true"}},
+                {"object": "torch.nn.Identity", "kwargs": {"x": {"object": "torch.nn.Identity"}}},
+                {"class": 5},
+            ]
+        )
+        entry = {
+            "layer": r.choice(["os.system", "torch.nn.Nope", "x", "", "torch.nn.Identity"]),
+            "kwargs": r.choice([{}, {"x": nested}]),
+            "input_shape": [1],
+        }
+        for field, values in {
+            "dependencies": [{"1bad": "v"}, {"k": 3}, ["v"], "v", [None]],
+            "out_variables": [["a", "a"], [""], 7],
+            "output": [0, "k", True, 1.5, [0]],
+            "input_dtype": ["_inductor", "float32", "nope", 3],
+        }.items():
+            if r.random() < 0.3:
+                entry[field] = r.choice(values)
+        return entry if r.random() < 0.8 else [entry["layer"], entry["kwargs"], [1]]
+
     def request_kinds(self) -> list[Any]:
         """Any request kind with a random body (never a valid layer to build: that is a driver's right)."""
         r = self.rng
         kind = r.choice(KINDS)
         body: Any = self.value()
         if kind in (protocol.SETUP, protocol.PROFILE) and isinstance(body, dict):
-            body["entries"] = [[r.choice(["os.system", "torch.nn.Nope", "x", ""]), {}, [1]]]
+            body["entries"] = [self.entry()]
+            if r.random() < 0.5:
+                body["code_digests"] = r.choice([{"x": "y"}, {"torch": "0" * 64}, [1], {1: 2}, self.value()])
+                body["seed"] = r.choice([True, -1, 2**63, 2**64 - 1, 0, "7", None])
         if kind == protocol.HELLO and r.random() < 0.5:
             body = {"driver": "fuzz", "protocol": r.choice([1, 2, "1", None])}
         self.stats["requests"] += 1

@@ -43,8 +43,8 @@ def gpt2_spec(blocks: int = 2, batch: int = 8) -> list:
     the causal mask passed as the ``attention_mask`` keyword."""
     shape = (batch, SEQ, DIM)
     config = {
-        "class_path": "transformers.GPT2Config",
-        "init_args": {
+        "object": "transformers.GPT2Config",
+        "kwargs": {
             "n_embd": DIM,
             "n_head": 2,
             "n_layer": blocks,
@@ -129,8 +129,8 @@ def resnet_spec(batch: int = 16) -> list:
             "layer": "lightning_remote_mp.layers.Add",
             "kwargs": {
                 "projection": {
-                    "class_path": "torch.nn.Conv2d",
-                    "init_args": {"in_channels": 8, "out_channels": 16, "kernel_size": 1, "stride": 2, "bias": False},
+                    "object": "torch.nn.Conv2d",
+                    "kwargs": {"in_channels": 8, "out_channels": 16, "kernel_size": 1, "stride": 2, "bias": False},
                 }
             },
             "input_shape": [(b, 16, 4, 4), (b, 8, 8, 8)],

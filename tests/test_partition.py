@@ -6,6 +6,7 @@ import itertools
 import math
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from lrmp_testlayers import ScaleBy
@@ -260,6 +261,10 @@ def test_estimate_layer_bytes():
     assert estimate_layer_bytes(e[1], m[1]) == 1 * TRAINING_BYTES_PER_PARAM_ELEMENT + 32 * 8 * 4
     assert estimate_layer_bytes(e[2], m[2]) == 1 * TRAINING_BYTES_PER_PARAM_ELEMENT + 2 * 32 * 8 * 4
     assert estimate_layer_bytes(e[3], m[3]) == 0
+    # Without training: the weights alone. A frozen bf16 weight: 2 bytes an element, nothing else.
+    assert estimate_layer_bytes(e[0], m[0], training=False) == 40 * 4
+    m[0].to(torch.bfloat16).requires_grad_(False)
+    assert estimate_layer_bytes(e[0], m[0]) == 40 * 2 + 32 * 4 * 4
 
 
 def test_describe_lists_layers_parameters_and_variables():

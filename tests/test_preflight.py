@@ -60,7 +60,7 @@ def test_a_kwarg_that_cannot_travel_is_named_before_workers_are_contacted():
     err = _refused_at_setup(SpecSequential(spec))
     text = str(err)
     assert "SpecSequential 'net', layer 1 (Add): kwarg 'projection'" in text
-    assert "class_path" in text and "init_args" in text
+    assert "{'object': 'dotted.Path', 'kwargs'" in text
 
 
 def test_the_same_kwarg_as_plain_data_is_built_on_both_sides():
@@ -68,7 +68,7 @@ def test_the_same_kwarg_as_plain_data_is_built_on_both_sides():
         ("torch.nn.Linear", {"in_features": 4, "out_features": 4}, (2, 4)),
         (
             "lightning_remote_mp.layers.Add",
-            {"projection": {"class_path": "torch.nn.Linear", "init_args": {"in_features": 4, "out_features": 4}}},
+            {"projection": {"object": "torch.nn.Linear", "kwargs": {"in_features": 4, "out_features": 4}}},
             (2, 4),
         ),
     ]

@@ -291,6 +291,32 @@ REFUSED = [
 ]
 
 
+@pytest.mark.parametrize(
+    "nested",
+    [
+        # itertools.repeat, imported into torch.nn.modules.utils: endless, it hung the worker's setup.
+        {"object": "torch.nn.modules.utils.repeat", "kwargs": {"object": 1}},
+        # torch.library.Library, imported into an allowed module: it registers operators.
+        {"class": "torch.nn.attention._fa3.Library"},
+    ],
+    ids=["repeat", "Library"],
+)
+def test_nested_objects_come_only_from_classes_defined_under_the_allowlist(worker, connect, nested):
+    """A kwarg value {"object": ...} / {"class": ...} names a class by a path under an allowed prefix,
+    but what counts is where the class is defined."""
+    client = connect(worker.address)
+    client.ok(protocol.HELLO, {"driver": "pytest"})
+    body = {
+        **_stage_body(),
+        "entries": [{"layer": "torch.nn.Identity", "kwargs": {"x": nested}, "input_shape": [4, 3]}],
+    }
+    body["state"] = {}
+    err = client.error(protocol.SETUP, body)
+    assert err["type"] == "RefusedClassError" and "defined outside this worker's allowlist" in err["message"], err
+    assert client.ok(protocol.GET_STATE) == {}  # the worker answers: not stuck, nothing kept
+    client.ok(protocol.BYE)
+
+
 def test_refused_classes_get_an_error_and_the_worker_keeps_serving(worker, connect, modules_dir):
     client = connect(worker.address)
     client.ok(protocol.HELLO, {"driver": "pytest"})
@@ -533,7 +559,7 @@ def test_the_busy_reply_says_how_long_the_session_ran_and_when_it_would_expire(s
     print(f"\nbusy reply: {message}")
     assert re.search(r"serving first \(session \w{8}\) for (1\.[2-9]|[2-9]\.\d) s", message), message
     assert re.search(r"last heard from \d\.\d s ago", message), message
-    assert f"dropped after {SHORT_TIMEOUT:.1f} s of driver silence (--session-timeout)" in message, message
+    assert f"dropped after {SHORT_TIMEOUT:.1f} s of driver silence (--session-timeout;" in message, message
     assert re.search(r"ends within [0-2]\.\d s", message), message
     first.ok(protocol.BYE)
 

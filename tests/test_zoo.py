@@ -105,7 +105,7 @@ def test_dropout_is_seeded_from_the_driver_and_off_in_validation(pool):
 
 
 def test_huggingface_gpt2_blocks(twin):
-    """GPT2Blocks built on the workers from plain data (the config is a nested class_path value),
+    """GPT2Blocks built on the workers from plain data (the config is a nested object value),
     the causal mask passed by keyword; local workers are allowed transformers automatically."""
     pytest.importorskip("transformers")
     remote_equals_local(

@@ -124,6 +124,7 @@ class WorkerSession:
         seed = body.get("init_seed")
         if state is None and not isinstance(seed, int):
             raise ProtocolError("setup needs the stage's state or an init_seed")
+        _check_code_versions(body.get("code_digests"))  # before building runs any stale code
         stage = StageExecutor(
             key,
             index,
@@ -419,13 +420,20 @@ def _check_code_versions(digests: Any) -> None:
 def constructor_kwargs(cls: type, defaults: Mapping[str, Any]) -> dict[str, Any]:
     """The entries of an optimizer's ``defaults`` its constructor accepts: torch keeps keys in
     ``defaults`` that are no constructor argument (AdamW's ``decoupled_weight_decay``)."""
-    try:
-        params = inspect.signature(cls.__init__).parameters
-    except (TypeError, ValueError):
-        return dict(defaults)
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return dict(defaults)
-    return {k: v for k, v in defaults.items() if k in params}
+    accepted: set[str] = set()
+    for klass in cls.__mro__:  # a subclass's **kwargs go to its bases' constructors
+        if "__init__" not in vars(klass):
+            continue
+        try:
+            params = inspect.signature(vars(klass)["__init__"]).parameters
+        except (TypeError, ValueError):
+            return dict(defaults)
+        accepted.update(n for n, p in params.items() if p.kind is not inspect.Parameter.VAR_KEYWORD)
+        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+            break
+        if klass is torch.optim.Optimizer:
+            break
+    return {k: v for k, v in defaults.items() if k in accepted}
 
 
 def _peer_keys(value: Any, peers: Mapping[Any, Any]) -> dict[str, bytes]:

@@ -27,6 +27,17 @@ class _Saved:
     exports: dict[str, torch.Tensor]
 
 
+def _well_formed_modes(modes: Any, layers: int) -> bool:
+    """A `lightning_remote_mp.spec.Modes` value: a bool, or one bool or list of bools per layer."""
+    if isinstance(modes, bool):
+        return True
+    return (
+        isinstance(modes, list)
+        and len(modes) >= layers
+        and all(isinstance(m, bool) or (isinstance(m, list) and all(isinstance(f, bool) for f in m)) for m in modes)
+    )
+
+
 def _floating(t: torch.Tensor) -> bool:
     return t.is_floating_point() or t.is_complex()
 
@@ -113,11 +124,11 @@ class StageExecutor:
     def apply_modes(self, modes: Any) -> None:
         """Follow the driver's train/eval flags (a `lightning_remote_mp.spec.Modes` value), sent
         with every forward; unchanged flags cost one comparison."""
+        if not _well_formed_modes(modes, self.start + len(self.names)):
+            raise SpecError(f"stage {self.index}: malformed train/eval flags")
         if modes == self._modes:
             return
-        if not isinstance(modes, bool):
-            if not isinstance(modes, list) or len(modes) < self.start + len(self.names):
-                raise SpecError(f"stage {self.index}: malformed train/eval flags")
+        self._modes = None  # unknown until every layer has its flags
         apply_modes(list(self.layers.values()), modes, self.start)
         self._modes = modes
 
