@@ -22,6 +22,7 @@ import logging
 import math
 import os
 import socket
+import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -196,7 +197,8 @@ class DriverSession:
         self.id = uuid.uuid4().hex
         # Drawn from this process's generator, so a run under seed_everything repeats bit for bit on
         # the workers too (dropout masks), while each stage and replica draws its own stream.
-        self.seed = int(torch.randint(0, 2**62, ()).item())
+        with torch.random.fork_rng(devices=[]):  # the draw leaves the driver's stream (data order) as it was
+            self.seed = int(torch.randint(0, 2**62, ()).item())
         replicated = len(rows) > 1
         self.grid: list[list[Connection]] = []
         try:
@@ -304,15 +306,26 @@ class DriverSession:
             "torch": torch.__version__,
             "heartbeat_timeout": float(self.heartbeat_timeout),
         }
-        ids = [c.send(protocol.HELLO, hello) for c in self.conns]
-        infos = []
-        for c, i in zip(self.conns, ids):
-            try:
-                infos.append(c.recv(i, timeout=timeout, what="connect"))
-            except WorkerError as err:
-                if err.remote_type == "ProtocolVersionError":
-                    raise ProtocolVersionError(str(err)) from None
-                raise
+        deadline = time.monotonic() + timeout
+        pending = {id(c): (c, c.send(protocol.HELLO, hello)) for c in self.conns}
+        replies: dict[int, dict[str, Any]] = {}
+        while pending:
+            waits = []
+            for key, (c, i) in list(pending.items()):
+                try:
+                    replies[key] = c.recv(i, timeout=max(0.0, deadline - time.monotonic()), what="connect")
+                    del pending[key]
+                except WorkerError as err:
+                    if err.remote_type == "ProtocolVersionError":
+                        raise ProtocolVersionError(str(err)) from None
+                    wait = _wait_for_silent_session(c, err, deadline)
+                    if wait is None:
+                        raise
+                    waits.append(wait)
+            if pending:  # held by sessions of a driver that is gone: ask again once they are dropped
+                time.sleep(max(waits))
+                pending = {key: (c, c.send(protocol.HELLO, hello)) for key, (c, _) in pending.items()}
+        infos = [replies[id(c)] for c in self.conns]
         for c, info in zip(self.conns, infos):
             if info.get("protocol") != protocol.PROTOCOL_VERSION:
                 raise ProtocolVersionError(
@@ -340,14 +353,15 @@ class DriverSession:
         balance: Balance = None,
         what: str = "SpecSequential",
         compute: Sequence[float] | None = None,
+        training: bool = True,
     ) -> list[partition.Stage]:
         """Cut ``module`` into one stage per worker (see the strategy's ``balance``); refuse a split
-        whose stage cannot fit its worker's free memory. ``compute``: each layer's estimated cost
-        (from `preflight`), computed here when not given."""
+        whose stage cannot fit its worker's free memory (``training``: with gradients and optimizer
+        state). ``compute``: each layer's estimated cost (from `preflight`), computed here when not given."""
         n_layers, n_stages = len(module.layers), self.num_stages
         if n_layers < n_stages:
             raise SpecError(f"{what} has {n_layers} layers but there are {n_stages} workers; each stage needs a layer")
-        layer_bytes = [partition.estimate_layer_bytes(e, m) for e, m in zip(module.entries, module.layers)]
+        layer_bytes = [partition.estimate_layer_bytes(e, m, training) for e, m in zip(module.entries, module.layers)]
         free = self.stage_free_memory()
         if balance is None or balance == "memory":
             compute = list(compute) if compute is not None else checked_for_workers(module, what).compute
@@ -383,26 +397,33 @@ class DriverSession:
             )
         else:
             counts = partition.check_balance(balance, n_layers, n_stages, what)
-        self._check_memory(what, counts, layer_bytes, free)
+        self._check_memory(what, counts, layer_bytes, free, training)
         return partition.plan_stages(counts, module.wiring)
+
+    def _free_of(self, address: str) -> float:
+        return float(self.workers[self.addresses.index(address)].get("free_memory") or 0.0)
 
     def stage_free_memory(self) -> list[float]:
         """Free device memory (bytes) each stage may use: the least among its replicas' workers
         (0 where a worker does not say)."""
-        free = {a: float(w.get("free_memory") or 0.0) for a, w in zip(self.addresses, self.workers)}
-        return [min(free[row[s].address] for row in self.grid) for s in range(self.num_stages)]
+        return [min(self._free_of(row[s].address) for row in self.grid) for s in range(self.num_stages)]
 
     def _check_memory(
-        self, what: str, counts: Sequence[int], layer_bytes: Sequence[int], free: Sequence[float]
+        self, what: str, counts: Sequence[int], layer_bytes: Sequence[int], free: Sequence[float], training: bool
     ) -> None:
         start = 0
         for s, n in enumerate(counts):
             need = sum(layer_bytes[start : start + n])
             if free[s] and need > free[s]:
+                tightest = min((row[s] for row in self.grid), key=lambda c: self._free_of(c.address))
+                needs = (
+                    "to train (weights, gradients, two optimizer moments and activations at the example shapes)"
+                    if training
+                    else "for its weights"
+                )
                 raise SpecError(
-                    f"{what}, stage {s} (layers {start}-{start + n - 1}) needs about {_gib(need)} to train "
-                    f"(weights, gradients, two optimizer moments and activations at the example shapes), but "
-                    f"{self.grid[0][s].where()} has {_gib(free[s])} free. Add workers (more stages), give this "
+                    f"{what}, stage {s} (layers {start}-{start + n - 1}) needs about {_gib(need)} {needs}, but "
+                    f"{tightest.where()} has {_gib(free[s])} free. Add workers (more stages), give this "
                     "stage fewer layers (balance=[...]), or use workers with more device memory; building the "
                     "model on the meta device saves the driver's memory, not the workers'."
                 )
@@ -415,15 +436,17 @@ class DriverSession:
         balance: Balance = None,
         microbatches: int = 1,
         split_backward: bool = True,
+        training: bool = True,
     ) -> None:
         """Ship ``module``'s layers to the workers and make its forward run there, splitting each
         batch into ``microbatches`` that flow through the stages concurrently; with
-        ``split_backward`` the workers defer linear layers' weight gradients (`worker.deferred_grads`)."""
+        ``split_backward`` the workers defer linear layers' weight gradients (`worker.deferred_grads`).
+        ``training``: the stages must fit their workers with gradients and optimizer state."""
         if key in self.placements:
             raise LrmpError(f"SpecSequential {key!r} is already placed")
         what = f"SpecSequential {key!r}"
         checked = checked_for_workers(module, what)
-        stages = self.plan(module, balance, what, compute=checked.compute)
+        stages = self.plan(module, balance, what, compute=checked.compute, training=training)
         for stage, conn in ((stage, row[stage.index]) for row in self.grid for stage in stages):
             cap = (conn.remote_limits or protocol.DEFAULT_LIMITS).max_layers
             if len(stage.layer_indices) > cap:
@@ -606,6 +629,35 @@ def _address_towards(address: str) -> str:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.connect((host, 9))
         return s.getsockname()[0]
+
+
+#: A session whose driver has been silent this long (seconds) is taken for one whose driver is gone:
+#: a live driver pings every second.
+_SILENT_SESSION = 2.0
+#: A worker that will drop its session within this many seconds saw its connection close.
+_DROPPED_SOON = 3.5
+
+
+def _wait_for_silent_session(conn: Connection, err: WorkerError, deadline: float) -> float | None:
+    """Seconds to wait before asking a busy worker again, when its session's driver has gone silent
+    and the worker will drop that session before ``deadline``; ``None`` to give up (a live session)."""
+    if err.remote_type != "WorkerBusy":
+        return None
+    silent, expires = err.details.get("silent_for"), err.details.get("expires_in")
+    if not isinstance(silent, (int, float)) or not isinstance(expires, (int, float)):
+        return None
+    # Silent for a while, or about to be dropped because its connection closed (a killed driver).
+    if silent < _SILENT_SESSION and expires > _DROPPED_SOON:
+        return None
+    if time.monotonic() + expires > deadline:
+        return None
+    log.info(
+        "%s still holds a session whose driver has been silent for %.1f s (gone?); it drops it within %.1f s: waiting",
+        conn.where(),
+        silent,
+        expires,
+    )
+    return min(expires + 0.2, max(0.0, deadline - time.monotonic()))
 
 
 def _gib(n: float) -> str:

@@ -42,6 +42,7 @@ class WorkerError(LrmpError):
         layer: global index of the layer that failed, when the failure is inside a layer.
         remote_type: the exception's class name on the worker.
         remote_message: the exception's message on the worker.
+        details: further fields of the worker's error reply, e.g. a busy worker's ``expires_in``.
     """
 
     def __init__(
@@ -54,6 +55,7 @@ class WorkerError(LrmpError):
         remote_type: str = "",
         remote_message: str = "",
         remote_traceback: str = "",
+        details: dict | None = None,
     ) -> None:
         super().__init__(message)
         self.address = address
@@ -62,6 +64,8 @@ class WorkerError(LrmpError):
         self.remote_type = remote_type
         self.remote_message = remote_message
         self.remote_traceback = remote_traceback
+        #: Further fields of the worker's error reply (plain values), e.g. a busy worker's ``expires_in``.
+        self.details = dict(details or {})
 
 
 class WorkerLostError(LrmpError):

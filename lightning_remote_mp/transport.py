@@ -528,6 +528,9 @@ class Connection:
             remote_type=rtype,
             remote_message=rmsg,
             remote_traceback=str(body.get("traceback", "")),
+            details={
+                k: v for k, v in body.items() if k not in _ERROR_FIELDS and isinstance(v, (int, float, str, bool))
+            },
         )
         return err
 
@@ -540,6 +543,8 @@ class Connection:
                 self._monitor = None
             self._sock.close(0)
 
+
+_ERROR_FIELDS = frozenset({"type", "message", "traceback", "layer", "layer_name"})
 
 _OVERDUE_CAUSES = (
     "A layer that never returns, a deadlock, or a step slower than call_timeout: raise call_timeout=... "

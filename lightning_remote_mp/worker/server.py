@@ -39,6 +39,9 @@ DEFAULT_SESSION_TIMEOUT = 20.0
 #: How long a stage keeps trying to hand a message to the next stage before it reports that stage
 #: unreachable (the driver's heartbeat_timeout, when its HELLO says).
 DEFAULT_PEER_TIMEOUT = 10.0
+#: Seconds of driver silence, after one of the session's connections closed, before the session is
+#: dropped (a killed driver's kernel closes its connections; a live driver pings every second).
+DISCONNECT_GRACE = 3.0
 #: How long a stopping worker waits for a request that is still running (a layer stuck for good,
 #: say) before it leaves without it.
 _COMPUTE_GRACE = 0.5
@@ -267,8 +270,9 @@ class WorkerServer:
                 self.auth.stop()
             raise
         self._monitor = self.sock.get_monitor_socket(
-            zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+            zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_DISCONNECTED
         )
+        self._disconnected_at: float | None = None  # a connection closed during the session: its driver's?
         self._throttle = Throttle(log)
         self._stop = threading.Event()
         self._tasks: queue.Queue[_Task | None] = queue.Queue()
@@ -305,7 +309,7 @@ class WorkerServer:
                 # Sleep until a message or the session's expiry: an idle worker uses no CPU.
                 timeout = None
                 if self._session_id is not None:
-                    timeout = max(0.0, self.session_timeout - (time.monotonic() - self._last_seen)) * 1000 + 10
+                    timeout = max(0.0, self._expires_in()) * 1000 + 10
                 for sock, _ in poller.poll(timeout):
                     if signals is not None and sock == signals.fileno():
                         signals.drain()  # the handler itself runs once this thread is back in Python
@@ -354,6 +358,10 @@ class WorkerServer:
         from zmq.utils.monitor import parse_monitor_message
 
         event = parse_monitor_message(frames)
+        if event["event"] == zmq.EVENT_DISCONNECTED:
+            if self._session_id is not None and self._disconnected_at is None:
+                self._disconnected_at = time.monotonic()
+            return
         if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and (
             event["value"] == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH
         ):
@@ -492,7 +500,13 @@ class WorkerServer:
             )
             return
         if self._session_id is not None and self._session_id != msg.session:
-            self._reply(peer, protocol.ERROR, msg.id, {"type": "WorkerBusy", "message": self._busy_message()})
+            busy = {
+                "type": "WorkerBusy",
+                "message": self._busy_message(),
+                "silent_for": time.monotonic() - self._last_seen,
+                "expires_in": max(0.0, self._expires_in()),
+            }
+            self._reply(peer, protocol.ERROR, msg.id, busy)
             return
         if self._session_id is None:
             self._session_id = msg.session
@@ -536,12 +550,13 @@ class WorkerServer:
             f"busy, serving {self._session_peer} (session {(self._session_id or '')[:8]}) for "
             f"{describe_duration(now - self._session_started)}{computing}; its driver was last heard from "
             f"{describe_duration(silent)} ago. A session is dropped after {describe_duration(self.session_timeout)} "
-            f"of driver silence (--session-timeout), so if that driver is gone this one ends within "
-            f"{describe_duration(self.session_timeout - silent)}; otherwise try again when its run ends, "
-            "or start another worker"
+            f"of driver silence (--session-timeout; {describe_duration(DISCONNECT_GRACE)} once its connection "
+            f"closed), so if that driver is gone this one ends within {describe_duration(self._expires_in())}; "
+            "otherwise try again when its run ends, or start another worker"
         )
 
     def _end_session(self, why: str) -> None:
+        self._disconnected_at = None
         if self._session_id is not None:
             log.info("session %s ended: %s", self._session_id[:8], why)
             self._tasks.put(_Task(b"", protocol.Message(_DROP, 0, self._session_id, None)))
@@ -549,9 +564,30 @@ class WorkerServer:
             self._session_id = None
             self._session_peer = ""
 
+    def _expires_in(self) -> float:
+        """Seconds until the current session is dropped unless its driver is heard from.
+
+        A killed driver's connections are closed by its kernel: once a connection closes, a session
+        whose driver stays silent for `DISCONNECT_GRACE` (three of its heartbeats) is dropped then,
+        not after the whole --session-timeout. A live driver pings every second, so a connection of
+        somebody else closing (a refused driver, a scanner) cannot end its session.
+        """
+        now = time.monotonic()
+        left = self.session_timeout - (now - self._last_seen)
+        if self._disconnected_at is not None:
+            if self._last_seen > self._disconnected_at:
+                self._disconnected_at = None  # the driver spoke since: not its connection
+            else:
+                left = min(left, DISCONNECT_GRACE - (now - self._disconnected_at))
+        return left
+
     def _expire_session(self) -> None:
-        if self._session_id is not None and time.monotonic() - self._last_seen > self.session_timeout:
+        if self._session_id is None or self._expires_in() > 0:
+            return
+        if time.monotonic() - self._last_seen > self.session_timeout:
             self._end_session(f"driver silent for more than {self.session_timeout:.0f} s")
+        else:
+            self._end_session(f"a connection closed and the driver has been silent for {DISCONNECT_GRACE:.0f} s since")
 
     # --- compute thread ------------------------------------------------------------------
     def _compute_loop(self) -> None:
