@@ -1,12 +1,20 @@
-"""Peak memory of the driver and the workers for a 50 MB and a 2 GB model built on the meta device.
+"""Peak memory of the driver and the workers for a 50 MB and a 2 GB model built on the meta device,
+and each stage's peak memory and step time under each activation recomputation mode.
 
 The driver never materialises the SpecSequential's weights (``SpecSequential(spec, init_seed=0,
 device="meta")``): each worker initialises its own layers. Each size runs in a fresh driver process
 with two fresh local workers; the driver trains a few SGD steps through ``DriverSession`` (no
 Lightning, so the figure is lrmp's own), then reports its peak RSS and each worker's.
 
-    python benchmarks/memory.py            # 50 MB and 2 GB
-    python benchmarks/memory.py --quick    # 5 MB and 50 MB
+The second table trains a deep MLP (Linear + ReLU blocks, 2 stages, 8 micro-batches) with
+``checkpoint="never"``, ``"except_last"`` and ``"always"``, with ``split_backward`` on and off (it
+keeps linear layers' inputs for the whole batch), on the same two workers; each worker's peak
+RSS is reset (``/proc/PID/clear_refs``) once its stage is placed, and the table shows how far it rose
+above that during a warm-up step and the timed steps: the activations a stage keeps, plus what
+backward allocates.
+
+    python benchmarks/memory.py            # 50 MB and 2 GB; an MLP of 32 x 512-wide layers, batch 4096
+    python benchmarks/memory.py --quick    # 32 MB and 64 MB; a small MLP
 """
 
 from __future__ import annotations
@@ -67,14 +75,112 @@ def driver(layers: int, steps: int) -> None:
     print(json.dumps({"params": params, "driver": driver_peak, "workers": worker_peaks}))
 
 
+def _rss_of(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _reset_peak(pid: int) -> None:
+    with open(f"/proc/{pid}/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current RSS
+
+
+CHECKPOINT_MODES = ("never", "except_last", "always")
+
+
+def recompute_driver(width: int, blocks: int, batch: int, steps: int) -> None:
+    """Runs in its own process: prints one JSON line per recomputation mode."""
+    import time
+
+    import torch
+
+    from lightning_remote_mp.driver import DriverSession
+    from lightning_remote_mp.launch import LocalWorkers
+    from lightning_remote_mp.spec import SpecSequential
+
+    torch.set_num_threads(1)
+    spec = []
+    for _ in range(blocks):
+        spec.append(("torch.nn.Linear", {"in_features": width, "out_features": width}, (batch, width)))
+        spec.append(("torch.nn.ReLU", {}, (batch, width)))
+    workers = LocalWorkers(2, devices=["cpu"] * 2, threads=1)
+    addresses = workers.start()
+    x = torch.randn(batch, width)
+    try:
+        for mode, split in [(m, split) for split in (True, False) for m in CHECKPOINT_MODES]:
+            net = SpecSequential(spec, init_seed=0)
+            opt = torch.optim.SGD(net.parameters(), lr=1e-4)
+            session = DriverSession(addresses)
+            try:
+                session.place(
+                    "net", net, balance=[blocks, blocks], microbatches=8, split_backward=split, checkpoint=mode
+                )
+                session.mirror_optimizer(0, opt)
+
+                def step(net: SpecSequential = net, opt: torch.optim.Optimizer = opt) -> None:
+                    net(x).square().mean().backward()
+                    opt.step()
+                    opt.zero_grad()
+
+                # The previous mode's session ended with a malloc_trim on the workers: measured from here,
+                # the rise is this mode's (the warm-up step included: workers keep freed memory for reuse).
+                base = [_rss_of(p.pid) for p in workers.procs]
+                for p in workers.procs:
+                    _reset_peak(p.pid)
+                step()
+                start = time.perf_counter()
+                for _ in range(steps):
+                    step()
+                seconds = (time.perf_counter() - start) / steps
+                rise = [_peak_rss_of(p.pid) - b for p, b in zip(workers.procs, base)]
+                session.restore()
+            finally:
+                session.close()
+            print(json.dumps({"mode": mode, "split": split, "rise": rise, "step_s": seconds}), flush=True)
+    finally:
+        workers.stop()
+
+
+def recompute_table(quick: bool) -> None:
+    width, blocks, batch, steps = (256, 4, 1024, 2) if quick else (512, 16, 4096, 3)
+    cmd = [sys.executable, os.path.abspath(__file__), "--_recompute", str(width), str(blocks), str(batch), str(steps)]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip().splitlines()
+    results = [json.loads(line) for line in out if line.startswith("{")]
+    mib = 1024**2
+    activations = 2 * blocks * batch * width * 4 / mib  # Linear input and ReLU input per block, float32
+    rows = [
+        [r["mode"], str(r["split"]), *(f"{v / mib:,.0f}" for v in r["rise"]), f"{r['step_s'] * 1e3:,.0f}"]
+        for r in results
+    ]
+    print()
+    print(
+        f"activation recomputation: {2 * blocks} x (Linear({width},{width}) + ReLU) over 2 stages, batch {batch} "
+        f"in 8 micro-batches, SGD, {steps} timed steps; a stage's activations for the whole batch are "
+        f"about {activations:,.0f} MiB"
+    )
+    print(
+        markdown_table(
+            ["checkpoint", "split_backward", "stage 0 peak rise MiB", "stage 1 peak rise MiB", "step ms"],
+            rows,
+        )
+    )
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", default=None, help="ignored; kept for the smoke test's interface")
     p.add_argument("--_driver", nargs=2, type=int, help=argparse.SUPPRESS)
+    p.add_argument("--_recompute", nargs=4, type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args._driver:
         driver(*args._driver)
+        return
+    if args._recompute:
+        recompute_driver(*args._recompute)
         return
     sizes = [(2, "32 MB"), (4, "64 MB")] if args.quick else [(3, "50 MB"), (128, "2 GB")]
     rows, results = [], []
@@ -111,6 +217,7 @@ def main(argv=None) -> None:
         f"driver peak, largest model over smallest: {big / small:.3f}x "
         f"for {results[-1]['params'] / results[0]['params']:.0f}x the parameters"
     )
+    recompute_table(args.quick)
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ from lightning_remote_mp.spec import (
     source_digest,
     user_code_modules,
 )
-from lightning_remote_mp.stub import RemoteSpec, RemoteStage
+from lightning_remote_mp.stub import CHECKPOINT_MODES, RemoteSpec, RemoteStage
 from lightning_remote_mp.transport import (
     DEFAULT_CALL_TIMEOUT,
     DEFAULT_CONNECT_TIMEOUT,
@@ -437,13 +437,17 @@ class DriverSession:
         microbatches: int = 1,
         split_backward: bool = True,
         training: bool = True,
+        checkpoint: str = "never",
     ) -> None:
         """Ship ``module``'s layers to the workers and make its forward run there, splitting each
         batch into ``microbatches`` that flow through the stages concurrently; with
         ``split_backward`` the workers defer linear layers' weight gradients (`worker.deferred_grads`).
-        ``training``: the stages must fit their workers with gradients and optimizer state."""
+        ``training``: the stages must fit their workers with gradients and optimizer state.
+        ``checkpoint``: activation recomputation (`stub.CHECKPOINT_MODES`)."""
         if key in self.placements:
             raise LrmpError(f"SpecSequential {key!r} is already placed")
+        if checkpoint not in CHECKPOINT_MODES:
+            raise LrmpError(f"checkpoint must be one of {CHECKPOINT_MODES}, got {checkpoint!r}")
         what = f"SpecSequential {key!r}"
         checked = checked_for_workers(module, what)
         stages = self.plan(module, balance, what, compute=checked.compute, training=training)
@@ -511,6 +515,7 @@ class DriverSession:
             [[RemoteStage(key, s, row[s.index]) for s in stages] for row in self.grid],
             microbatches,
             modes=module.modes,
+            checkpoint=checkpoint,
         )
         module._remote = remote
         self.placements[key] = _Placement(key, module, remote)

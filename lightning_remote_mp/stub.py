@@ -27,6 +27,9 @@ from lightning_remote_mp import protocol
 from lightning_remote_mp.partition import DRIVER, Stage
 from lightning_remote_mp.transport import Connection, broadcast, gather
 
+#: Activation recomputation choices (torchgpipe's names).
+CHECKPOINT_MODES = ("never", "except_last", "always")
+
 
 @dataclasses.dataclass
 class RemoteStage:
@@ -67,6 +70,9 @@ class RemoteSpec:
         microbatches: how many micro-batches each replica's share of a batch is split into.
         modes: returns the driver-side layers' train/eval flags (`lightning_remote_mp.spec.Modes`);
             they travel with every forward, so the workers follow whatever Lightning set.
+        checkpoint: activation recomputation, as torchgpipe names it: ``"never"``; ``"always"``
+            (every stage keeps only each micro-batch's inputs and recomputes its forward at
+            backward); ``"except_last"`` (all micro-batches but the last, whose backward comes first).
     """
 
     def __init__(
@@ -75,9 +81,13 @@ class RemoteSpec:
         replicas: Sequence[Sequence[RemoteStage]],
         microbatches: int = 1,
         modes: Callable[[], Any] = lambda: None,
+        checkpoint: str = "never",
     ) -> None:
         if microbatches < 1:
             raise ValueError(f"microbatches must be at least 1, got {microbatches}")
+        if checkpoint not in CHECKPOINT_MODES:
+            raise ValueError(f"checkpoint must be one of {CHECKPOINT_MODES}, got {checkpoint!r}")
+        self.checkpoint = checkpoint
         self.key = key
         self.replicas = [list(row) for row in replicas]
         self.stages = self.replicas[0]
@@ -173,6 +183,7 @@ class RemoteSpec:
                             "grad": grad,
                             "autocast": autocast,
                             "modes": modes,
+                            "checkpoint": grad and self._recomputed(mb, len(row)),
                         },
                     )
             results = self._collect(protocol.RESULT, -1, call, sum(map(len, sizes)), "forward")
@@ -184,6 +195,9 @@ class RemoteSpec:
         if grad:
             self._calls[call] = _Call(sizes=sizes, x_grad=x_needs_grad)
         return y.to(x.device), call
+
+    def _recomputed(self, mb: int, count: int) -> bool:
+        return self.checkpoint == "always" or (self.checkpoint == "except_last" and mb < count - 1)
 
     def backward(self, call: int, grad_y: torch.Tensor | None) -> torch.Tensor | None:
         record = self._calls.pop(call)

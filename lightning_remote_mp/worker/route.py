@@ -129,6 +129,7 @@ class RoutedStage:
             needs_grad=needs,
             autocast=autocast if isinstance(autocast, dict) else None,
             modes=modes if isinstance(modes, (bool, list)) else None,
+            recompute=first.get("checkpoint") is True,
         )
         if self.events is not None:
             self.events.span("forward", self.stage.key, self.index, call, mb, started, time.time())
@@ -144,6 +145,7 @@ class RoutedStage:
                 "grad": grad,
                 "autocast": autocast,
                 "modes": modes,
+                "checkpoint": first.get("checkpoint") is True,
             }
             flags: dict[str, bool] = {}
             if target == self.x_to:

@@ -23,8 +23,18 @@ from lightning_remote_mp.worker.deferred_grads import DeferredWeightGrads
 class _Saved:
     x: torch.Tensor
     imports: dict[str, torch.Tensor]
-    y: torch.Tensor
+    y: torch.Tensor | None  # None when the forward is to be recomputed at backward
     exports: dict[str, torch.Tensor]
+    recompute: _Recompute | None = None
+
+
+@dataclasses.dataclass
+class _Recompute:
+    """What re-running a forward at backward needs to compute exactly what the first run did."""
+
+    rng: torch.Tensor
+    device_rng: torch.Tensor | None
+    autocast: Mapping[str, Any] | None
 
 
 def _well_formed_modes(modes: Any, layers: int) -> bool:
@@ -56,6 +66,10 @@ class StageExecutor:
         init_seed: build the layers from this seed (the driver sends no weights).
         split_backward: defer linear layers' weight gradients to `flush_weight_grads` (see
             `deferred_grads`), so input gradients leave sooner.
+
+    A forward may be *recomputed* (activation checkpointing, per micro-batch as the driver asks):
+    it then keeps only its inputs and runs again, with grad, at backward, with the random state
+    and buffers (BatchNorm's running statistics) of the first run, so the result is the same.
     """
 
     def __init__(
@@ -153,9 +167,11 @@ class StageExecutor:
         needs_grad: Mapping[str, bool],
         autocast: Mapping[str, Any] | None = None,
         modes: Any = None,
+        recompute: bool = False,
     ) -> dict[str, Any]:
         """Run the stage. ``needs_grad`` says which inputs (``"x"`` and import names) the driver
-        wants gradients for; ``grad`` whether autograd is on at all.
+        wants gradients for; ``grad`` whether autograd is on at all; ``recompute``: keep only the
+        inputs and run again at backward (activation checkpointing).
 
         Returns the output ``y``, the ``exports``, whether state was ``saved`` for backward, and
         which outputs ``requires_grad``."""
@@ -166,10 +182,46 @@ class StageExecutor:
         x = self._to_device(x, grad and bool(needs_grad.get("x")))
         variables = {n: self._to_device(t, grad and bool(needs_grad.get(n))) for n, t in imports.items()}
         imported = dict(variables)
+        replay = self._recording_state(autocast) if grad and recompute else None
+        y = self._run(x, variables, grad=grad and replay is None, autocast=autocast)
+        exports = self._exports(variables)
+        if replay is not None:
+            # No graph was kept: whether outputs need gradients is what a graph would have said, an
+            # over-estimate at worst (an output that turns out not to need one gets none).
+            trainable = any(p.requires_grad for p in self.layers.parameters())
+            flag = trainable or any(t.requires_grad for t in [x, *imported.values()])
+            requires_grad = {"y": flag, **{n: flag for n in exports}}
+        else:
+            requires_grad = {"y": y.requires_grad, **{n: t.requires_grad for n, t in exports.items()}}
+        saved = grad and any(requires_grad.values())
+        if saved:
+            kept_y, kept_exports = (None, {}) if replay is not None else (y, exports)
+            self._saved[call_id] = _Saved(x, imported, kept_y, kept_exports, replay)
+        return {
+            "y": y.detach(),
+            "exports": {n: t.detach() for n, t in exports.items()},
+            "saved": saved,
+            "requires_grad": requires_grad,
+        }
+
+    def _recording_state(self, autocast: Mapping[str, Any] | None) -> _Recompute:
+        device_rng = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
+        return _Recompute(torch.get_rng_state(), device_rng, autocast)
+
+    def _run(
+        self,
+        x: torch.Tensor,
+        variables: dict[str, torch.Tensor],
+        *,
+        grad: bool,
+        autocast: Mapping[str, Any] | None,
+        split: bool = True,
+    ) -> torch.Tensor:
         cast = contextlib.nullcontext()
         if autocast and autocast.get("enabled"):
             cast = torch.autocast(self.device.type, dtype=autocast.get("dtype"))
-        defer = self.deferred.recording() if self.deferred is not None and grad else contextlib.nullcontext()
+        deferring = self.deferred is not None and grad and split
+        defer = self.deferred.recording() if deferring else contextlib.nullcontext()
         with torch.set_grad_enabled(grad), cast, defer:
             y = run_layers(((int(k), m) for k, m in self.layers.items()), x, variables)
         if not isinstance(y, torch.Tensor):
@@ -177,20 +229,37 @@ class StageExecutor:
                 f"stage {self.index}: layer {self.start + len(self.names) - 1} returned {type(y).__name__}; "
                 "the output of a stage must be a tensor"
             )
+        return y
+
+    def _exports(self, variables: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         missing = [n for n in self.exports if n not in variables]
         if missing:
             raise SpecError(f"stage {self.index} should export {missing}, but its layers did not produce them")
-        exports = {n: variables[n] for n in self.exports}
-        requires_grad = {"y": y.requires_grad, **{n: t.requires_grad for n, t in exports.items()}}
-        saved = grad and any(requires_grad.values())
-        if saved:
-            self._saved[call_id] = _Saved(x, imported, y, exports)
-        return {
-            "y": y.detach(),
-            "exports": {n: t.detach() for n, t in exports.items()},
-            "saved": saved,
-            "requires_grad": requires_grad,
-        }
+        return {n: variables[n] for n in self.exports}
+
+    def _rerun(self, saved: _Saved) -> None:
+        """Recompute a checkpointed forward with grad, as the first run went: the same random state,
+        and buffers that the first run already updated (BatchNorm's running statistics) left as they
+        are: the rerun updates copies of them, which its graph keeps."""
+        replay = saved.recompute
+        assert replay is not None
+        owners = [(m, name, b) for m in self.layers.modules() for name, b in m._buffers.items() if b is not None]
+        for m, name, b in owners:
+            m._buffers[name] = b.clone()
+        variables = dict(saved.imports)
+        devices = [self.device] if self.device.type == "cuda" else []
+        try:
+            with torch.random.fork_rng(devices=devices):
+                torch.set_rng_state(replay.rng)
+                if replay.device_rng is not None:
+                    torch.cuda.set_rng_state(replay.device_rng, self.device)
+                # Plain autograd: deferring the weight gradients would keep every linear layer's input
+                # for the whole batch, the memory that recomputing is asked to save.
+                saved.y = self._run(saved.x, variables, grad=True, autocast=replay.autocast, split=False)
+        finally:
+            for m, name, b in owners:
+                m._buffers[name] = b
+        saved.exports = self._exports(variables)
 
     def backward(
         self, call_id: tuple[int, int], grad_y: torch.Tensor | None, grad_exports: Mapping[str, torch.Tensor]
@@ -201,6 +270,9 @@ class StageExecutor:
                 f"stage {self.index}: no saved forward for call {call_id} (backward ran twice, or the forward "
                 "ran without grad)"
             )
+        if saved.recompute is not None:
+            self._rerun(saved)
+        assert saved.y is not None
         outputs, grads = [], []
         if grad_y is not None and saved.y.requires_grad:
             outputs.append(saved.y)
