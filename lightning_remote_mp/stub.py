@@ -57,8 +57,14 @@ def _autocast_state(device_type: str) -> dict[str, Any] | None:
 
 
 def _split(n: int, parts: int) -> list[int]:
-    """Sizes of ``torch.tensor_split`` of ``n`` rows into ``parts`` (some may be 0)."""
-    return [len(r) for r in torch.arange(n).tensor_split(parts)]
+    """Sizes of ``torch.tensor_split`` of ``n`` rows into ``parts`` (some may be 0): the first
+    ``n % parts`` parts get one row more. Arithmetic, not a tensor: this runs at every forward.
+
+    >>> _split(10, 4), _split(2, 3)
+    ([3, 3, 2, 2], [1, 1, 0])
+    """
+    base, extra = divmod(n, parts)
+    return [base + 1 if i < extra else base for i in range(parts)]
 
 
 class RemoteSpec:
@@ -166,7 +172,8 @@ class RemoteSpec:
             [m for m in _split(share, min(self.microbatches, share)) if m > 0] if share > 0 else []
             for share in _split(n, len(self.replicas))
         ]
-        chunks = iter(x.split([m for row in sizes for m in row], dim=0)) if x.dim() > 0 else iter([x])
+        flat = [m for row in sizes for m in row]
+        chunks = iter(x.split(flat, dim=0) if x.dim() > 0 and len(flat) > 1 else [x])
         try:
             for r, row in enumerate(sizes):
                 for mb in range(len(row)):
