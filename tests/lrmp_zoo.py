@@ -24,6 +24,12 @@ def causal_lm_spec(blocks: int = 2, batch: int = 8) -> list:
         "input_shape": [shape, (SEQ, SEQ)],
         "dependencies": ["mask"],
     }
+    return _language_model([block] * blocks, batch)
+
+
+def _language_model(blocks: list, batch: int) -> list:
+    """Token embedding, learned positions and the causal mask; ``blocks``; a norm and the head."""
+    shape = (batch, SEQ, DIM)
     return [
         {
             "layer": "torch.nn.Embedding",
@@ -32,7 +38,7 @@ def causal_lm_spec(blocks: int = 2, batch: int = 8) -> list:
         },
         ("lightning_remote_mp.layers.PositionalEmbedding", {"max_len": SEQ, "dim": DIM}, shape),
         ("lightning_remote_mp.layers.CausalMask", {}, shape),
-        *[block] * blocks,
+        *blocks,
         ("torch.nn.LayerNorm", {"normalized_shape": DIM}, shape),
         ("torch.nn.Linear", {"in_features": DIM, "out_features": VOCAB}, shape),
     ]
@@ -58,26 +64,16 @@ def gpt2_spec(blocks: int = 2, batch: int = 8) -> list:
             "attn_implementation": "eager",
         },
     }
-    return [
+    gpt2_blocks = [
         {
-            "layer": "torch.nn.Embedding",
-            "kwargs": {"num_embeddings": VOCAB, "embedding_dim": DIM},
-            "input_shape": [batch, SEQ],
-        },
-        ("lightning_remote_mp.layers.PositionalEmbedding", {"max_len": SEQ, "dim": DIM}, shape),
-        ("lightning_remote_mp.layers.CausalMask", {}, shape),
-        *[
-            {
-                "layer": "transformers.models.gpt2.modeling_gpt2.GPT2Block",
-                "kwargs": {"config": config, "layer_idx": i},
-                "input_shape": [shape, (SEQ, SEQ)],
-                "dependencies": {"attention_mask": "mask"},
-            }
-            for i in range(blocks)
-        ],
-        ("torch.nn.LayerNorm", {"normalized_shape": DIM}, shape),
-        ("torch.nn.Linear", {"in_features": DIM, "out_features": VOCAB}, shape),
+            "layer": "transformers.models.gpt2.modeling_gpt2.GPT2Block",
+            "kwargs": {"config": config, "layer_idx": i},
+            "input_shape": [shape, (SEQ, SEQ)],
+            "dependencies": {"attention_mask": "mask"},
+        }
+        for i in range(blocks)
     ]
+    return _language_model(gpt2_blocks, batch)
 
 
 def cnn_spec(dropout: float, batch: int = 16) -> list:

@@ -92,6 +92,7 @@ def data(n: int = 100, batch_size: int = 32) -> DataLoader:
 
 def trainer(strategy=None, epochs: int = 2, **kwargs) -> L.Trainer:
     kwargs.setdefault("enable_checkpointing", False)
+    kwargs.setdefault("num_sanity_val_steps", 0)
     return L.Trainer(
         max_epochs=epochs,
         strategy=strategy or "auto",
@@ -99,7 +100,6 @@ def trainer(strategy=None, epochs: int = 2, **kwargs) -> L.Trainer:
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        num_sanity_val_steps=0,
         **kwargs,
     )
 

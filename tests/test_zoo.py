@@ -15,7 +15,7 @@ from lrmp_zoo import (
     resnet_spec,
     token_data,
 )
-from test_strategy import assert_same_losses, assert_same_weights
+from test_strategy import assert_same_losses, assert_same_weights, trainer
 
 from lightning_remote_mp import RemoteModelParallelStrategy
 
@@ -24,16 +24,7 @@ TOL = 2e-5
 
 def fit(model: Classifier, data_fn, strategy=None, epochs: int = 2, **kwargs) -> Classifier:
     kwargs.setdefault("num_sanity_val_steps", 2)  # Lightning's default: validation before the first step
-    L.Trainer(
-        max_epochs=epochs,
-        strategy=strategy or "auto",
-        accelerator="cpu",
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        **kwargs,
-    ).fit(model, data_fn(), data_fn(seed=1))
+    trainer(strategy, epochs, **kwargs).fit(model, data_fn(), data_fn(seed=1))
     return model
 
 
