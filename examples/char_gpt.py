@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import logging
 import textwrap
 import warnings
 from collections.abc import Sequence
@@ -139,8 +138,6 @@ if __name__ == "__main__":
     parser.add_argument("--workers", type=int, default=4, help="local workers to start without --hosts")
     parser.add_argument("--steps", type=int, default=200)
     args = parser.parse_args()
-    logging.basicConfig(format="%(message)s")
-    logging.getLogger("lightning_remote_mp").setLevel(logging.INFO)  # show where the layers went
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
     warnings.filterwarnings("ignore", ".*LeafSpec.*")
     model, sample = main(steps=args.steps, hosts=args.hosts, workers=args.workers, progress_bar=True)

@@ -60,10 +60,10 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=512, help="training examples (batches of 32)")
     args = parser.parse_args()
 
-    # Show where the layers went; keep Lightning's banner quiet.
-    logging.basicConfig(format="%(message)s")
-    logging.getLogger("lightning_remote_mp").setLevel(logging.INFO)
+    # Keep Lightning's banner quiet, and still show where lrmp put the layers (its logger takes
+    # Lightning's level unless it has its own).
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+    logging.getLogger("lightning_remote_mp").setLevel(logging.INFO)
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
     warnings.filterwarnings("ignore", ".*LeafSpec.*")  # a Lightning/torch deprecation notice, not ours
 

@@ -128,9 +128,8 @@ if __name__ == "__main__":
     parser.add_argument("--hosts", nargs="+", metavar="ADDR", help="worker addresses (default: 2 local workers)")
     parser.add_argument("--epochs", type=int, default=15)
     args = parser.parse_args()
-    logging.basicConfig(format="%(message)s")
-    logging.getLogger("lightning_remote_mp").setLevel(logging.INFO)  # show where the layers went
-    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)  # Lightning's banner, but
+    logging.getLogger("lightning_remote_mp").setLevel(logging.INFO)  # still where the layers went
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
     warnings.filterwarnings("ignore", ".*LeafSpec.*")
     metrics = main(epochs=args.epochs, hosts=args.hosts, progress_bar=True)

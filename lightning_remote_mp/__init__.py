@@ -11,10 +11,11 @@ import importlib.machinery
 import sys
 from typing import Any
 
-__version__ = "0.1.0"
+__version__ = "0.1.0"  # the one place it is written: pyproject.toml reads it from here
 
 from lightning_remote_mp.errors import (  # noqa: E402
     AuthenticationError,
+    ConfigurationError,
     LrmpError,
     ProtocolError,
     ProtocolVersionError,
@@ -27,6 +28,7 @@ from lightning_remote_mp.spec import SpecSequential  # noqa: E402
 
 __all__ = [
     "AuthenticationError",
+    "ConfigurationError",
     "LrmpError",
     "ProtocolError",
     "ProtocolVersionError",
@@ -77,7 +79,8 @@ class _RegisteringLoader(importlib.abc.Loader):
 
     def exec_module(self, module: Any) -> None:
         self.loader.exec_module(module)  # type: ignore[attr-defined]
-        if module.__name__ == "lightning.pytorch":
+        # The strategy module registers itself when it finishes; it may be what imports Lightning now.
+        if module.__name__ == "lightning.pytorch" and "lightning_remote_mp.strategy" not in sys.modules:
             try:
                 from lightning_remote_mp.strategy import RemoteModelParallelStrategy  # noqa: F401  (registers it)
             except Exception as err:  # never break `import lightning` itself

@@ -11,6 +11,11 @@ class SpecError(LrmpError, ValueError):
     """A layer spec is malformed: a bad entry, an unknown class or a broken residual wiring."""
 
 
+class ConfigurationError(LrmpError, ValueError):
+    """The strategy's arguments cannot work together; raised at construction, before any file is
+    read or worker contacted, naming the arguments and what to change."""
+
+
 class ProtocolError(LrmpError):
     """A message could not be encoded or decoded (malformed, truncated, over a limit)."""
 
@@ -39,6 +44,7 @@ class WorkerError(LrmpError):
     Attributes:
         address: the worker's address.
         stage: the stage number the worker holds (``None`` before stages are assigned).
+        replica: the data-parallel replica the worker belongs to (``None`` without replicas).
         layer: global index of the layer that failed, when the failure is inside a layer.
         remote_type: the exception's class name on the worker.
         remote_message: the exception's message on the worker.
@@ -51,6 +57,7 @@ class WorkerError(LrmpError):
         *,
         address: str,
         stage: int | None = None,
+        replica: int | None = None,
         layer: int | None = None,
         remote_type: str = "",
         remote_message: str = "",
@@ -60,6 +67,7 @@ class WorkerError(LrmpError):
         super().__init__(message)
         self.address = address
         self.stage = stage
+        self.replica = replica
         self.layer = layer
         self.remote_type = remote_type
         self.remote_message = remote_message
@@ -69,12 +77,19 @@ class WorkerError(LrmpError):
 
 
 class WorkerLostError(LrmpError):
-    """A worker died, stopped answering, or could not be reached in time."""
+    """A worker died, stopped answering, or could not be reached in time.
 
-    def __init__(self, message: str, *, address: str, stage: int | None = None) -> None:
+    Attributes:
+        address: the worker's address.
+        stage: the stage number the worker holds (``None`` before stages are assigned).
+        replica: the data-parallel replica the worker belongs to (``None`` without replicas).
+    """
+
+    def __init__(self, message: str, *, address: str, stage: int | None = None, replica: int | None = None) -> None:
         super().__init__(message)
         self.address = address
         self.stage = stage
+        self.replica = replica
 
 
 class AuthenticationError(LrmpError):
@@ -83,9 +98,11 @@ class AuthenticationError(LrmpError):
     Attributes:
         address: the worker's address.
         stage: the stage number the worker holds (``None`` before stages are assigned).
+        replica: the data-parallel replica the worker belongs to (``None`` without replicas).
     """
 
-    def __init__(self, message: str, *, address: str, stage: int | None = None) -> None:
+    def __init__(self, message: str, *, address: str, stage: int | None = None, replica: int | None = None) -> None:
         super().__init__(message)
         self.address = address
         self.stage = stage
+        self.replica = replica

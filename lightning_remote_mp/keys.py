@@ -32,6 +32,8 @@ log = logging.getLogger(__name__)
 
 PUBLIC_SUFFIX = ".key"
 SECRET_SUFFIX = ".key_secret"
+#: Where ``lrmp-worker keygen`` writes without a directory, as ssh-keygen writes into ~/.ssh.
+DEFAULT_KEY_DIR = "~/.lrmp"
 
 
 class KeyFileError(LrmpError, ValueError):
@@ -74,7 +76,7 @@ def _check_key(key: bytes | None, what: str, path: Path) -> bytes:
 def _read(path: str | os.PathLike[str], what: str) -> tuple[Path, bytes | None, bytes | None]:
     p = Path(path).expanduser()
     if not p.is_file():
-        raise KeyFileError(f"{what} file {p} does not exist (create one with `lrmp-worker keygen DIR --name NAME`)")
+        raise KeyFileError(f"{what} file {p} does not exist (create one with `lrmp-worker keygen --name NAME`)")
     try:
         public, secret = zmq.auth.load_certificate(p)
     except (OSError, ValueError) as err:
@@ -126,11 +128,15 @@ def write_public_key(path: str | os.PathLike[str], public: bytes) -> Path:
 
 
 def generate_keypair(directory: str | os.PathLike[str], name: str, *, overwrite: bool = False) -> tuple[Path, Path]:
-    """Write ``NAME.key`` (public) and ``NAME.key_secret`` (owner-only) into ``directory``."""
+    """Write ``NAME.key`` (public) and ``NAME.key_secret`` (owner-only) into ``directory``.
+
+    A directory that does not exist yet is created readable by its owner only (as ``~/.ssh``): it
+    holds secret keys. An existing one keeps its permissions.
+    """
     d = Path(directory).expanduser()
     if not name or "/" in name or name.startswith("."):
         raise KeyFileError(f"key name {name!r} must be a plain file name, like 'worker1'")
-    d.mkdir(parents=True, exist_ok=True)
+    d.mkdir(mode=0o700, parents=True, exist_ok=True)
     public_file, secret_file = d / (name + PUBLIC_SUFFIX), d / (name + SECRET_SUFFIX)
     existing = [str(f) for f in (public_file, secret_file) if f.exists()]
     if existing and not overwrite:

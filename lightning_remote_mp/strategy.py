@@ -15,7 +15,7 @@ import logging
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -25,11 +25,13 @@ from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_remote_mp import protocol
 from lightning_remote_mp.driver import DriverSession, allow_modules_for, checked_for_workers, normalize_hosts
-from lightning_remote_mp.errors import LrmpError, SpecError
+from lightning_remote_mp.errors import ConfigurationError, LrmpError, SpecError
 from lightning_remote_mp.keys import KeyPair, generate_keypair, load_keypair, load_public_key, write_public_key
 from lightning_remote_mp.launch import LocalWorkers
+from lightning_remote_mp.logs import follow_lightning
 from lightning_remote_mp.optim import mirror_of
 from lightning_remote_mp.spec import SpecSequential
+from lightning_remote_mp.stub import CHECKPOINT_MODES
 from lightning_remote_mp.summary import RemoteModelSummary
 from lightning_remote_mp.timeline import TimelineCallback
 from lightning_remote_mp.transport import DEFAULT_CALL_TIMEOUT, DEFAULT_CONNECT_TIMEOUT, DEFAULT_HEARTBEAT_TIMEOUT
@@ -59,6 +61,30 @@ try:  # Lightning >= 2.5
     )
 except ImportError:  # pragma: no cover
     pass
+
+
+def _check_plaintext_allreduce(
+    hosts: list[str] | list[list[str]] | None, replicas: int, curve_secret_key: str | None, allowed: bool
+) -> None:
+    """Refuse CURVE keys with replicas unless ``allowed``: CURVE covers every ZeroMQ link, but not the
+    replicas' gradient all-reduce (torch.distributed), which would be the one link in the clear."""
+    rows = len(normalize_hosts(hosts)) if hosts is not None else replicas
+    if curve_secret_key is None or rows < 2:
+        return
+    if not allowed:
+        given = f"hosts has {rows} rows (replicas)" if hosts is not None else f"replicas={rows}"
+        raise ConfigurationError(
+            f"curve_secret_key is set and {given}, but the replicas' gradient all-reduce goes through "
+            "torch.distributed (gloo or NCCL), which CURVE does not cover: anyone on the network between the "
+            "workers could read every stage's gradients and alter them. Train one pipeline (one row of hosts, "
+            "replicas=1), or pass allow_plaintext_allreduce=True if every host on that network is trusted."
+        )
+    log.warning(
+        "allow_plaintext_allreduce=True: CURVE encrypts and authenticates the driver's and the pipelines' "
+        "links, but the %d replicas all-reduce their gradients through torch.distributed (gloo or NCCL) in the "
+        "clear and unauthenticated: anyone on the network between the workers can read and alter them",
+        rows,
+    )
 
 
 def find_spec_modules(module: torch.nn.Module) -> dict[str, SpecSequential]:
@@ -93,6 +119,11 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
             which they compute once per batch after the last micro-batch, while the earlier stages
             still work (the B/W split of zero-bubble schedules). Same gradients, less idle time and
             less micro-batching overhead; ``False`` runs plain autograd on the workers.
+        checkpoint: activation recomputation on the workers, as torchgpipe names it: ``"never"``
+            (keep every micro-batch's activations until its backward); ``"always"`` (keep only each
+            micro-batch's stage inputs and recompute the forward at backward: activation memory of one
+            micro-batch per stage, for about a third more compute); ``"except_last"`` (all but the
+            last micro-batch, whose backward comes first). Results are the same.
         num_workers: how many local workers to start when ``hosts`` is ``None``.
         replicas: how many pipelines those local workers form (``num_workers / replicas`` stages each).
         worker_devices: devices of the local workers (default: CUDA round-robin if available, else CPU).
@@ -113,6 +144,11 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
             ``hosts``, the local workers get fresh key pairs of their own.
         worker_public_keys: paths of the workers' public key files (``NAME.key``), one per host in
             ``hosts`` order, or a single one when every worker runs with the same key pair.
+        allow_plaintext_allreduce: with ``curve_secret_key`` and several replicas, let the replicas
+            all-reduce their gradients through torch.distributed (gloo or NCCL), which CURVE does not
+            cover: that traffic is neither encrypted nor authenticated, so whoever is on the network
+            between the workers can read every stage's gradients and alter them. Without it, that
+            combination is refused at construction. Only for a network whose hosts are all trusted.
         max_message_bytes: the most tensor data this driver accepts in one message from a worker
             (and, for local workers, what they accept); default 16 GiB.
         device: the driver's device for layers outside any SpecSequential (default: follows the accelerator).
@@ -126,6 +162,7 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
         balance: list[int] | dict[str, list[int] | str] | str | None = None,
         microbatches: int = 1,
         split_backward: bool = True,
+        checkpoint: Literal["never", "except_last", "always"] = "never",
         num_workers: int = 2,
         replicas: int = 1,
         worker_devices: list[str] | None = None,
@@ -137,6 +174,7 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
         store_host: str | None = None,
         curve_secret_key: str | None = None,
         worker_public_keys: list[str] | None = None,
+        allow_plaintext_allreduce: bool = False,
         max_message_bytes: int | None = None,
         device: str | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
@@ -162,6 +200,9 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
             raise LrmpError(f"microbatches must be at least 1, got {microbatches}")
         self.microbatches = microbatches
         self.split_backward = split_backward
+        if checkpoint not in CHECKPOINT_MODES:
+            raise LrmpError(f"checkpoint must be one of {', '.join(map(repr, CHECKPOINT_MODES))}, got {checkpoint!r}")
+        self.checkpoint = checkpoint
         self.num_workers = num_workers
         self.worker_devices = worker_devices
         self.worker_threads = worker_threads
@@ -171,6 +212,8 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
         self.call_timeout = call_timeout
         self.curve_secret_key = curve_secret_key
         self.worker_public_keys = worker_public_keys
+        self.allow_plaintext_allreduce = allow_plaintext_allreduce
+        _check_plaintext_allreduce(hosts, replicas, curve_secret_key, allow_plaintext_allreduce)
         self._keys, self._worker_keys = self._load_keys(hosts, curve_secret_key, worker_public_keys)
         self.limits = (
             protocol.Limits(max_message_bytes=max_message_bytes) if max_message_bytes else protocol.DEFAULT_LIMITS
@@ -264,12 +307,6 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
             self._check_before_workers(key, module)
         try:
             hosts, liveness, worker_keys = self._workers(modules)
-            if self._keys is not None and len(normalize_hosts(hosts)) > 1:
-                log.warning(
-                    "CURVE protects the links of the driver and of each pipeline, but replicas all-reduce their "
-                    "gradients through torch.distributed (gloo or NCCL), which is neither encrypted nor "
-                    "authenticated: run data parallel training on a trusted network only"
-                )
             self._session = DriverSession(
                 hosts,
                 heartbeat_timeout=self.heartbeat_timeout,
@@ -283,7 +320,13 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
             )
             for key, module in modules.items():
                 self._session.place(
-                    key, module, balances[key], self.microbatches, self.split_backward, training=fitting
+                    key,
+                    module,
+                    balances[key],
+                    self.microbatches,
+                    self.split_backward,
+                    training=fitting,
+                    checkpoint=self.checkpoint,
                 )
             if fitting:
                 self.optimizers = self.optimizers  # mirrors them
@@ -431,3 +474,4 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
 
 if RemoteModelParallelStrategy.strategy_name not in StrategyRegistry:
     RemoteModelParallelStrategy.register_strategies(StrategyRegistry)
+follow_lightning()  # lrmp's messages show where Lightning's do, with no logging set-up

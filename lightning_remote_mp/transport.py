@@ -341,11 +341,15 @@ class Connection:
             parts.append(f"replica {self.replica}")
         return f"worker {self.address}" + (f" ({', '.join(parts)})" if parts else "")
 
+    def located(self) -> dict[str, Any]:
+        """Where this worker is (address, stage, replica): the keyword arguments of the errors about it."""
+        return {"address": self.address, "stage": self.stage, "replica": self.replica}
+
     def send(self, kind: str, body: Any = None) -> int:
         if self.lost_reason is not None:
-            raise WorkerLostError(self.lost_reason, address=self.address, stage=self.stage)
+            raise WorkerLostError(self.lost_reason, **self.located())
         if self.closed:
-            raise WorkerLostError(f"{self.where()}: connection already closed", address=self.address, stage=self.stage)
+            raise WorkerLostError(f"{self.where()}: connection already closed", **self.located())
         self._next_id += 1
         try:
             frames = protocol.encode(kind, self._next_id, self.session, body, self.remote_limits)
@@ -446,7 +450,7 @@ class Connection:
 
     def _refused(self, why: str) -> None:
         self.lost_reason = f"{self.where()}: {why}"
-        raise AuthenticationError(self.lost_reason, address=self.address, stage=self.stage)
+        raise AuthenticationError(self.lost_reason, **self.located())
 
     def _doing(self, what: str) -> str:
         doing = f" during {what}" if what else ""
@@ -508,7 +512,7 @@ class Connection:
 
     def _lost(self, message: str) -> None:
         self.lost_reason = message
-        raise WorkerLostError(message, address=self.address, stage=self.stage)
+        raise WorkerLostError(message, **self.located())
 
     def _remote_error(self, body: Any, what: str) -> WorkerError:
         body = body if isinstance(body, dict) else {}
@@ -522,8 +526,7 @@ class Connection:
         doing = f" during {what}" if what else ""
         err = WorkerError(
             f"{where} raised {rtype}{doing}: {rmsg}",
-            address=self.address,
-            stage=self.stage,
+            **self.located(),
             layer=layer,
             remote_type=rtype,
             remote_message=rmsg,
@@ -624,7 +627,7 @@ def _check_stall(conns: Sequence[Connection], progress: float, what: str, missin
             f"{missing} micro-batch result(s) missing. Can the workers reach each other at the addresses "
             f"the driver uses ({', '.join(c.address for c in conns)})? Activations travel worker to worker."
         )
-        raise WorkerLostError(message, address=conns[0].address, stage=conns[0].stage)
+        raise WorkerLostError(message, **conns[0].located())
 
 
 def _check_overdue(conns: Sequence[Connection], progress: float, what: str, missing: int) -> None:
@@ -648,4 +651,4 @@ def _check_overdue(conns: Sequence[Connection], progress: float, what: str, miss
     )
     for c in busy:
         c.lost_reason = message
-    raise WorkerLostError(message, address=blamed[0].address, stage=blamed[0].stage)
+    raise WorkerLostError(message, **blamed[0].located())

@@ -63,6 +63,7 @@ def test_lost_replica_worker_is_named_with_its_replica(start_workers):
     with pytest.raises(WorkerLostError) as info:
         trainer(strategy, epochs=1, callbacks=[killer]).fit(Net(residual_spec(probe=False)), data())
     assert a[1] in str(info.value) and "stage 0, replica 1" in str(info.value)
+    assert (info.value.address, info.value.stage, info.value.replica) == (a[1], 0, 1)
 
 
 def test_local_default_can_run_replicas(twin):

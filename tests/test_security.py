@@ -25,7 +25,13 @@ from lrmp_relay import Relay
 from test_strategy import Net, assert_same_losses, assert_same_weights, data, residual_spec, trainer
 from zmq.utils.monitor import recv_monitor_message
 
-from lightning_remote_mp import AuthenticationError, LrmpError, RemoteModelParallelStrategy, protocol
+from lightning_remote_mp import (
+    AuthenticationError,
+    ConfigurationError,
+    LrmpError,
+    RemoteModelParallelStrategy,
+    protocol,
+)
 from lightning_remote_mp.driver import DriverSession
 from lightning_remote_mp.keys import KeyPair, load_keypair, load_public_key
 from lightning_remote_mp.launch import LocalWorkers
@@ -160,6 +166,21 @@ def test_keygen_writes_a_private_key_pair_and_never_overwrites(keyring, capsys):
     # A public key file where a secret one is expected is a clear error.
     with pytest.raises(ValueError, match="holds only a public key"):
         load_keypair(keyring.public("w0"))
+
+
+def test_keygen_without_a_directory_writes_into_a_private_lrmp_in_home(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert cli.main(["keygen", "--name", "gpu1"]) == 0
+    home = tmp_path / ".lrmp"
+    assert stat.S_IMODE(home.stat().st_mode) == 0o700  # as ssh-keygen's ~/.ssh: it holds secret keys
+    assert stat.S_IMODE((home / "gpu1.key_secret").stat().st_mode) == 0o600
+    assert load_keypair(home / "gpu1.key_secret").public == load_public_key(home / "gpu1.key")
+    out = capsys.readouterr().out
+    assert f"wrote a key pair into {home}" in out and str(home / "gpu1.key_secret") in out
+    # An explicit directory still works, and the default directory keeps what it holds.
+    assert keygen(tmp_path / "elsewhere", "gpu2") == 0
+    assert (tmp_path / "elsewhere" / "gpu2.key").is_file() and not (home / "gpu2.key").exists()
+    assert cli.main(["keygen"]) == 0 and (home / "worker.key").is_file() and (home / "gpu1.key").is_file()
 
 
 def test_the_strategy_checks_its_key_arguments(keyring):
@@ -382,11 +403,35 @@ def test_training_through_a_wiretap_equals_local_and_shows_no_plaintext(
         assert seen == set(markers), f"the wiretap missed {sorted(set(markers) - seen)}"
 
 
-def test_local_workers_get_fresh_keys_with_curve_secret_key(keyring):
+def test_replicas_with_keys_are_refused_unless_the_plaintext_allreduce_is_allowed():
+    # Refused before any file is read: the key file named here does not exist.
+    missing = "/nonexistent/driver.key_secret"
+    rows = [["127.0.0.1:1", "127.0.0.1:2"], ["127.0.0.1:3", "127.0.0.1:4"]]
+    with pytest.raises(ConfigurationError, match="allow_plaintext_allreduce=True") as info:
+        RemoteModelParallelStrategy(hosts=rows, curve_secret_key=missing, worker_public_keys=["w.key"])
+    assert isinstance(info.value, ValueError)
+    assert "curve_secret_key is set and hosts has 2 rows" in str(info.value) and "gradients" in str(info.value)
+    with pytest.raises(ConfigurationError, match=r"curve_secret_key is set and replicas=2, .*allow_plaintext"):
+        RemoteModelParallelStrategy(curve_secret_key=missing, num_workers=2, replicas=2)
+    # One pipeline, or no keys, needs no opt-in; the opt-in gets as far as reading the key file.
+    with pytest.raises(LrmpError, match="does not exist"):
+        RemoteModelParallelStrategy(hosts=rows[0], curve_secret_key=missing, worker_public_keys=["w.key"])
+    RemoteModelParallelStrategy(hosts=rows)
+    with pytest.raises(LrmpError, match="does not exist"):
+        RemoteModelParallelStrategy(
+            hosts=rows, curve_secret_key=missing, worker_public_keys=["w.key"], allow_plaintext_allreduce=True
+        )
+
+
+def test_local_workers_get_fresh_keys_with_curve_secret_key(keyring, caplog):
     torch.manual_seed(12)
     remote = Net(residual_spec(probe=False))
+    local = copy.deepcopy(remote)
     before = {k: v.clone() for k, v in remote.state_dict().items()}
-    strategy = RemoteModelParallelStrategy(curve_secret_key=keyring.secret("driver"), num_workers=1)
+    # Two one-stage replicas: their all-reduce is the one link CURVE does not cover, allowed here.
+    strategy = RemoteModelParallelStrategy(
+        curve_secret_key=keyring.secret("driver"), num_workers=2, replicas=2, allow_plaintext_allreduce=True
+    )
     seen = {}
 
     class Check(L.Callback):
@@ -396,11 +441,16 @@ def test_local_workers_get_fresh_keys_with_curve_secret_key(keyring):
             seen["dir"] = s._local_keys_dir
 
     trainer(strategy, epochs=1, callbacks=[Check()]).fit(remote, data())
-    assert seen["curve"] == [True]
+    assert seen["curve"] == [True, True]
     assert seen["dir"] and not os.path.exists(seen["dir"])  # the generated keys are gone with the workers
-    # It trained there: four steps, and every weight came back changed.
+    # It trained there: four steps, every weight came back changed, and as a local run would.
     assert len(remote.losses) == 4
     assert all(not torch.equal(before[k], v) for k, v in remote.state_dict().items()), "some weight did not train"
+    trainer(epochs=1).fit(local, data())
+    assert_same_losses(local.losses, remote.losses)
+    assert_same_weights(local, remote)
+    warned = [r for r in caplog.records if "allow_plaintext_allreduce=True" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].levelname == "WARNING", caplog.text
 
 
 def test_a_lightningcli_yaml_config_sets_the_keys(keyring, monkeypatch):

@@ -3,7 +3,8 @@
 lrmp-worker --bind tcp://0.0.0.0:5555 --device cuda:0 --allow-module mypackage.layers \\
     --secret-key keys/worker1.key_secret --authorized-keys keys/drivers
 
-``lrmp-worker keygen DIR --name NAME`` writes a CURVE key pair (``NAME.key``, ``NAME.key_secret``).
+``lrmp-worker keygen [DIR] --name NAME`` writes a CURVE key pair (``NAME.key``, ``NAME.key_secret``),
+into ``~/.lrmp`` without ``DIR``.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="lrmp-worker",
         description="Serve model stages to a lightning_remote_mp driver over ZeroMQ. "
-        "`lrmp-worker keygen DIR --name NAME` writes a CURVE key pair instead.",
+        "`lrmp-worker keygen [DIR] --name NAME` writes a CURVE key pair instead.",
     )
     p.add_argument(
         "--bind",
@@ -136,14 +137,20 @@ def insecure_bind_warning(endpoint: str, secure: bool) -> str | None:
 
 
 def keygen(argv: Sequence[str]) -> int:
-    from lightning_remote_mp.keys import KeyFileError, generate_keypair
+    from lightning_remote_mp.keys import DEFAULT_KEY_DIR, KeyFileError, generate_keypair
 
     p = argparse.ArgumentParser(
         prog="lrmp-worker keygen",
         description="Write a CURVE key pair: NAME.key (public: give it to the other side) and NAME.key_secret "
         "(private, readable by you only).",
     )
-    p.add_argument("dir", help="directory to write the two files into (created if missing)")
+    p.add_argument(
+        "dir",
+        nargs="?",
+        default=DEFAULT_KEY_DIR,
+        help=f"directory to write the two files into (default {DEFAULT_KEY_DIR}; created readable by you only "
+        "if missing)",
+    )
     p.add_argument("--name", default="worker", help="base name of the files (default: worker)")
     p.add_argument("--force", action="store_true", help="replace existing files of that name")
     args = p.parse_args(argv)
@@ -152,6 +159,7 @@ def keygen(argv: Sequence[str]) -> int:
     except (KeyFileError, OSError) as err:
         print(f"lrmp-worker keygen: {err}", file=sys.stderr)
         return 2
+    print(f"wrote a key pair into {public_file.parent}")
     print(f"public key: {public_file}")
     print(f"secret key: {secret_file} (keep it private)")
     return 0
