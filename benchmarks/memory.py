@@ -91,7 +91,7 @@ def _reset_peak(pid: int) -> None:
 CHECKPOINT_MODES = ("never", "except_last", "always")
 
 
-def recompute_driver(width: int, blocks: int, batch: int, steps: int) -> None:
+def recompute_driver(width: int, blocks: int, batch: int, steps: int, every_config: int = 1) -> None:
     """Runs in its own process: prints one JSON line per recomputation mode."""
     import time
 
@@ -110,7 +110,10 @@ def recompute_driver(width: int, blocks: int, batch: int, steps: int) -> None:
     addresses = workers.start()
     x = torch.randn(batch, width)
     try:
-        for mode, split in [(m, split) for split in (True, False) for m in CHECKPOINT_MODES]:
+        configs = [(m, split) for split in (True, False) for m in CHECKPOINT_MODES]
+        if not every_config:  # --quick: the two ends
+            configs = [("never", True), ("always", True)]
+        for mode, split in configs:
             net = SpecSequential(spec, init_seed=0)
             opt = torch.optim.SGD(net.parameters(), lr=1e-4)
             session = DriverSession(addresses)
@@ -146,7 +149,8 @@ def recompute_driver(width: int, blocks: int, batch: int, steps: int) -> None:
 
 def recompute_table(quick: bool) -> None:
     width, blocks, batch, steps = (256, 4, 1024, 2) if quick else (512, 16, 4096, 3)
-    cmd = [sys.executable, os.path.abspath(__file__), "--_recompute", str(width), str(blocks), str(batch), str(steps)]
+    sizes = [str(v) for v in (width, blocks, batch, steps, 0 if quick else 1)]
+    cmd = [sys.executable, os.path.abspath(__file__), "--_recompute", *sizes]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip().splitlines()
     results = [json.loads(line) for line in out if line.startswith("{")]
     mib = 1024**2
@@ -174,7 +178,7 @@ def main(argv=None) -> None:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", default=None, help="ignored; kept for the smoke test's interface")
     p.add_argument("--_driver", nargs=2, type=int, help=argparse.SUPPRESS)
-    p.add_argument("--_recompute", nargs=4, type=int, help=argparse.SUPPRESS)
+    p.add_argument("--_recompute", nargs=5, type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args._driver:
         driver(*args._driver)

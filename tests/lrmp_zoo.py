@@ -44,6 +44,12 @@ def _language_model(blocks: list, batch: int) -> list:
     ]
 
 
+def _gpt2_block_returns_tuple() -> bool:
+    import transformers
+
+    return int(transformers.__version__.split(".")[0]) < 5
+
+
 def gpt2_spec(blocks: int = 2, batch: int = 8) -> list:
     """The same LM with HuggingFace GPT2Blocks: their config built on the worker from plain data,
     the causal mask passed as the ``attention_mask`` keyword."""
@@ -70,6 +76,8 @@ def gpt2_spec(blocks: int = 2, batch: int = 8) -> list:
             "kwargs": {"config": config, "layer_idx": i},
             "input_shape": [shape, (SEQ, SEQ)],
             "dependencies": {"attention_mask": "mask"},
+            # transformers 4 returns (hidden_states, ...), 5 the tensor alone
+            **({"output": 0} if _gpt2_block_returns_tuple() else {}),
         }
         for i in range(blocks)
     ]
