@@ -122,7 +122,7 @@ class _Placement:
     def fetch(self) -> dict[str, torch.Tensor]:
         """The workers' weights and buffers, named ``"<layer index>.<name>"``."""
         out: dict[str, torch.Tensor] = {}
-        for reply in broadcast([rs.conn for rs in self.remote.stages], protocol.GET_STATE):  # replica 0
+        for reply in broadcast([rs.conn for rs in self.remote.stages], protocol.GET_STATE, bounded=False):  # replica 0
             out.update(reply.get(self.key, {}))
         return out
 
@@ -141,7 +141,7 @@ class _Placement:
             if mine:
                 ids.append((rs.conn, rs.conn.send(protocol.LOAD_STATE, {"state": {self.key: mine}})))
         for conn, i in ids:
-            conn.recv(i, what=protocol.LOAD_STATE)
+            conn.recv(i, what=protocol.LOAD_STATE, bounded=False)
 
     def detach(self) -> None:
         for h in self.hooks:
@@ -378,7 +378,7 @@ class DriverSession:
             )
         elif balance == "time":
             entries = [e.to_wire() for e in module.entries]
-            replies = broadcast(self.grid[0], protocol.PROFILE, {"entries": entries})
+            replies = broadcast(self.grid[0], protocol.PROFILE, {"entries": entries}, bounded=False)
             times = [r["seconds"] for r in replies]
             counts = partition.split_min_max(times)
             predicted = partition.stage_loads(counts, times)
@@ -508,7 +508,7 @@ class DriverSession:
                     f"{what}, stage {stage.index}: a layer's kwargs cannot be sent to a worker: {err}"
                 ) from None
         for conn, i in zip((row[stage.index] for row in self.grid for stage in stages), ids):
-            conn.recv(i, what="setup")
+            conn.recv(i, what="setup", bounded=False)
         module._pending_state = {}
         remote = RemoteSpec(
             key,

@@ -413,8 +413,11 @@ class Connection:
             raise self._remote_error(msg.body, f"{posted} (reported late: the driver does not wait for it)")
         return None
 
-    def recv(self, req_id: int, *, timeout: float | None = None, what: str = "") -> Any:
-        """Wait for the reply to ``req_id``; return its body or raise WorkerError / WorkerLostError."""
+    def recv(self, req_id: int, *, timeout: float | None = None, what: str = "", bounded: bool = True) -> Any:
+        """Wait for the reply to ``req_id``; return its body or raise WorkerError / WorkerLostError.
+        ``bounded=False`` exempts the call from ``call_timeout``: moving a stage's weights (setup,
+        checkpoints) or profiling it takes as long as the stage is large and the network slow, and
+        the heartbeat still catches a worker that dies or hangs meanwhile."""
         start = time.monotonic()
         while True:
             if self._sock.poll(_POLL_SLICE_MS, zmq.POLLIN):
@@ -427,7 +430,10 @@ class Connection:
                 if msg.kind == protocol.ERROR:
                     raise self._remote_error(msg.body, what)
                 return msg.body
-            self._check_alive(start, timeout, what)
+            if bounded:
+                self._check_alive(start, timeout, what)
+            else:
+                self._check_reachable(start, timeout, what)
 
     def request(self, kind: str, body: Any = None, *, timeout: float | None = None) -> Any:
         return self.recv(self.send(kind, body), timeout=timeout, what=kind)
@@ -562,11 +568,12 @@ def _lrmp_version() -> str:
     return __version__
 
 
-def broadcast(conns: Iterable[Connection], kind: str, body: Any = None) -> list[Any]:
-    """Send one request to several workers at once, then collect every reply."""
+def broadcast(conns: Iterable[Connection], kind: str, body: Any = None, *, bounded: bool = True) -> list[Any]:
+    """Send one request to several workers at once, then collect every reply (``bounded``: see
+    `Connection.recv`)."""
     conns = list(conns)
     ids = [c.send(kind, body) for c in conns]
-    return [c.recv(i, what=kind) for c, i in zip(conns, ids)]
+    return [c.recv(i, what=kind, bounded=bounded) for c, i in zip(conns, ids)]
 
 
 def gather(

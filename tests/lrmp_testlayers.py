@@ -115,7 +115,8 @@ class SlowIdentity(nn.Module):
         self.seconds = float(seconds)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        time.sleep(self.seconds)
+        if not x.is_meta:  # the driver's setup check runs every layer once on the meta device
+            time.sleep(self.seconds)
         return x
 
 
@@ -142,3 +143,18 @@ class Explode(nn.Module):
         if x.is_meta:
             return x
         raise ValueError("exploded on purpose")
+
+
+class SlowStepSGD(torch.optim.SGD):
+    """SGD whose step takes ``seconds`` in any process but ``driver_pid``: a worker's optimizer step
+    that makes no progress for a while."""
+
+    def __init__(self, params, lr: float = 0.1, driver_pid: int = 0, seconds: float = 10.0) -> None:
+        super().__init__(params, lr=lr)
+        self.defaults["driver_pid"], self.defaults["seconds"] = driver_pid, seconds  # travel to the workers
+        self.driver_pid, self.seconds = driver_pid, seconds
+
+    def step(self, closure=None):
+        if os.getpid() != self.driver_pid:
+            time.sleep(self.seconds)
+        return super().step(closure)

@@ -19,6 +19,7 @@ import time
 import uuid
 
 import lightning as L
+import lrmp_testlayers
 import pytest
 import torch
 import zmq
@@ -452,22 +453,33 @@ def test_a_layer_that_never_returns_fails_the_pipeline_after_call_timeout(start_
 
 
 def test_a_request_that_never_returns_fails_after_call_timeout(start_workers, tmp_path):
-    """The same for one request (a stage whose layer takes 10 s to build): its reply is overdue."""
+    """The same for one request (an optimizer step that takes 10 s on the worker): its reply is
+    overdue. Moving weights is exempt: a setup that takes longer than call_timeout still succeeds."""
     workers = start_workers(1)
-    gate = {"marker": str(tmp_path / "building"), "driver_pid": os.getpid(), "seconds": 10}
-    net = SpecSequential([("lrmp_testlayers.SetupGate", gate, (2, 3))])
+    gate = {"marker": str(tmp_path / "building"), "driver_pid": os.getpid(), "seconds": 4}
+    spec = [
+        ("lrmp_testlayers.SetupGate", gate, (2, 3)),
+        ("torch.nn.Linear", {"in_features": 3, "out_features": 3}, (2, 3)),
+    ]
+    net = SpecSequential(spec)
     session = DriverSession(workers.addresses, heartbeat_timeout=HEARTBEAT, call_timeout=3)
     try:
+        session.place("net", net)  # 4 s to build, more than call_timeout: setup is not bounded by it
+        opt = lrmp_testlayers.SlowStepSGD(net.parameters(), driver_pid=os.getpid(), seconds=10)
+        session.mirror_optimizer(0, opt)
+        net(torch.ones(2, 3)).sum().backward()
+        opt.step()  # posted: the next forward waits for its reply
         start = time.monotonic()
         with pytest.raises(WorkerLostError) as info:
-            session.place("net", net)
+            net(torch.ones(2, 3))
         detected = time.monotonic() - start
     finally:
         session.close()
     _record("a request that never returns (call_timeout=3)", detected)
     text = str(info.value)
     assert info.value.address == workers.addresses[0] and info.value.stage == 0, text
-    assert f"worker {workers.addresses[0]} (stage 0) has not answered during setup for 3 s" in text, text
+    assert f"worker {workers.addresses[0]} (stage 0) has not answered during forward" in text, text
+    assert "optim_step still unanswered" in text, text
     assert "call_timeout=3 s" in text and "still computing" in text and "raise call_timeout=" in text, text
     assert 3.0 <= detected < 20.0, detected
     _stuck_worker_stops_quickly(workers)
