@@ -16,6 +16,7 @@ __version__ = "0.1.0"  # the one place it is written: pyproject.toml reads it fr
 from lightning_remote_mp.errors import (  # noqa: E402
     AuthenticationError,
     ConfigurationError,
+    KeyFileError,
     LrmpError,
     ProtocolError,
     ProtocolVersionError,
@@ -23,12 +24,14 @@ from lightning_remote_mp.errors import (  # noqa: E402
     SpecError,
     WorkerError,
     WorkerLostError,
+    WorkerStartError,
 )
 from lightning_remote_mp.spec import SpecSequential  # noqa: E402
 
 __all__ = [
     "AuthenticationError",
     "ConfigurationError",
+    "KeyFileError",
     "LrmpError",
     "ProtocolError",
     "ProtocolVersionError",
@@ -38,6 +41,7 @@ __all__ = [
     "SpecSequential",
     "WorkerError",
     "WorkerLostError",
+    "WorkerStartError",
     "__version__",
 ]
 

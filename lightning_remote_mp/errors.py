@@ -1,4 +1,5 @@
-"""Exceptions raised by lrmp, each carrying where the problem is (layer, stage, worker)."""
+"""Every exception lrmp raises on purpose, each carrying where the problem is (layer, stage,
+replica, worker address). Errors about the user's own input are also ``ValueError``s."""
 
 from __future__ import annotations
 
@@ -106,3 +107,16 @@ class AuthenticationError(LrmpError):
         self.address = address
         self.stage = stage
         self.replica = replica
+
+
+class KeyFileError(LrmpError, ValueError):
+    """A key file or key directory is missing, unreadable or malformed."""
+
+
+class WorkerStartError(LrmpError):
+    """A local ``lrmp-worker`` process exited, or never said it was ready, while starting."""
+
+
+class PeerUnreachableError(LrmpError):
+    """A stage could not hand a message to the worker of another stage in time (raised on the worker,
+    reported to the driver as a `WorkerError`)."""

@@ -26,7 +26,7 @@ import zmq
 import zmq.auth
 from zmq.utils import z85
 
-from lightning_remote_mp.errors import LrmpError
+from lightning_remote_mp.errors import KeyFileError, LrmpError  # noqa: F401  (KeyFileError: re-exported)
 
 log = logging.getLogger(__name__)
 
@@ -34,10 +34,6 @@ PUBLIC_SUFFIX = ".key"
 SECRET_SUFFIX = ".key_secret"
 #: Where ``lrmp-worker keygen`` writes without a directory, as ssh-keygen writes into ~/.ssh.
 DEFAULT_KEY_DIR = "~/.lrmp"
-
-
-class KeyFileError(LrmpError, ValueError):
-    """A key file or key directory is missing, unreadable or malformed."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,6 +22,8 @@ import threading
 import time
 from collections.abc import Sequence
 
+from lightning_remote_mp.errors import ConfigurationError, WorkerStartError
+
 log = logging.getLogger(__name__)
 
 _READY = "lrmp-worker ready on "
@@ -70,7 +72,7 @@ class WorkerOutput:
             code = None
         why = f"exited with code {code}" if code is not None else "did not report ready in time"
         tail = "".join(f"\n  {line}" for line in self._tail) or " (no output)"
-        raise RuntimeError(f"local lrmp-worker {self._index} (pid {self.proc.pid}) {why}; its last output:{tail}")
+        raise WorkerStartError(f"local lrmp-worker {self._index} (pid {self.proc.pid}) {why}; its last output:{tail}")
 
     def join(self, timeout: float) -> None:
         """Wait up to ``timeout`` seconds for the output to end (it ends when the worker exits)."""
@@ -141,11 +143,11 @@ class LocalWorkers:
         extra_args: Sequence[str] = (),
     ) -> None:
         if n < 1:
-            raise ValueError(f"num_workers must be at least 1, got {n}")
+            raise ConfigurationError(f"num_workers must be at least 1, got {n}")
         if (secret_keys is None) != (authorized_keys is None):
-            raise ValueError("secret_keys and authorized_keys go together")
+            raise ConfigurationError("secret_keys and authorized_keys go together")
         if secret_keys is not None and len(secret_keys) != n:
-            raise ValueError(f"{len(secret_keys)} secret keys given for {n} local workers")
+            raise ConfigurationError(f"{len(secret_keys)} secret keys given for {n} local workers")
         self.secret_keys = [str(k) for k in secret_keys] if secret_keys is not None else None
         self.authorized_keys = str(authorized_keys) if authorized_keys is not None else None
         self.extra_args = list(extra_args)
@@ -155,7 +157,7 @@ class LocalWorkers:
             count = torch.cuda.device_count() if torch.cuda.is_available() else 0
             devices = [f"cuda:{i % count}" for i in range(n)] if count else ["cpu"] * n
         if len(devices) != n:
-            raise ValueError(f"{len(devices)} devices given for {n} local workers")
+            raise ConfigurationError(f"{len(devices)} devices given for {n} local workers")
         self.devices = list(devices)
         self.threads = threads or max(1, (os.cpu_count() or 1) // n)
         self.allow_modules = list(allow_modules)

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from lightning_remote_mp import protocol
+from lightning_remote_mp.errors import ConfigurationError
 from lightning_remote_mp.partition import DRIVER, Stage
 from lightning_remote_mp.transport import Connection, broadcast, gather
 
@@ -90,9 +91,9 @@ class RemoteSpec:
         checkpoint: str = "never",
     ) -> None:
         if microbatches < 1:
-            raise ValueError(f"microbatches must be at least 1, got {microbatches}")
+            raise ConfigurationError(f"microbatches must be at least 1, got {microbatches}")
         if checkpoint not in CHECKPOINT_MODES:
-            raise ValueError(f"checkpoint must be one of {CHECKPOINT_MODES}, got {checkpoint!r}")
+            raise ConfigurationError(f"checkpoint must be one of {CHECKPOINT_MODES}, got {checkpoint!r}")
         self.checkpoint = checkpoint
         self.key = key
         self.replicas = [list(row) for row in replicas]

@@ -25,6 +25,7 @@ from zmq.utils.monitor import parse_monitor_message
 from lightning_remote_mp import protocol
 from lightning_remote_mp.errors import (
     AuthenticationError,
+    ConfigurationError,
     ProtocolError,
     ProtocolVersionError,
     WorkerError,
@@ -49,17 +50,17 @@ _VAGUE_FAILURE_WAIT = 1.0  # seconds a handshake failure without detail waits fo
 def normalize_address(host: str) -> str:
     """``"host:port"`` becomes ``"tcp://host:port"``; ``tcp://``, ``ipc://`` and ``inproc://`` pass."""
     if not isinstance(host, str) or not host.strip():
-        raise ValueError(f"worker address must be a non-empty string like 'tcp://10.0.0.5:5555', got {host!r}")
+        raise ConfigurationError(f"worker address must be a non-empty string like 'tcp://10.0.0.5:5555', got {host!r}")
     host = host.strip()
     if "://" not in host:
         host = "tcp://" + host
     scheme, rest = host.split("://", 1)
     if scheme not in ("tcp", "ipc", "inproc"):
-        raise ValueError(f"worker address {host!r}: unsupported scheme {scheme!r}; use tcp://host:port")
+        raise ConfigurationError(f"worker address {host!r}: unsupported scheme {scheme!r}; use tcp://host:port")
     if scheme == "tcp":
         hostname, sep, port = rest.rpartition(":")
         if not sep or not hostname or not (port.isdigit() or port == "*"):
-            raise ValueError(f"worker address {host!r} needs a port, like tcp://10.0.0.5:5555")
+            raise ConfigurationError(f"worker address {host!r} needs a port, like tcp://10.0.0.5:5555")
     return host
 
 
@@ -84,6 +85,20 @@ class Curve:
 
     keys: KeyPair
     server_key: bytes
+
+
+def inproc_pull(endpoint: str) -> zmq.Socket:
+    """The receiving end of an in-process channel between threads (bound here)."""
+    sock = context().socket(zmq.PULL)
+    sock.bind(endpoint)
+    return sock
+
+
+def inproc_push(endpoint: str) -> zmq.Socket:
+    """The sending end of an in-process channel between threads (connected here)."""
+    sock = context().socket(zmq.PUSH)
+    sock.connect(endpoint)
+    return sock
 
 
 def wake(endpoint: str) -> None:
@@ -224,8 +239,7 @@ class Heartbeat:
         self.lost: dict[str, str] = {}
         self._stop = threading.Event()
         self._wake = f"inproc://lrmp-heartbeat-{id(self)}-{time.monotonic_ns()}"
-        self._wake_rx = context().socket(zmq.PULL)  # used by the thread only; created here so close() can't race
-        self._wake_rx.bind(self._wake)
+        self._wake_rx = inproc_pull(self._wake)  # used by the thread only; created here so close() can't race
         self._thread = threading.Thread(target=self._run, name="lrmp-heartbeat", daemon=True)
         self._thread.start()
 
@@ -310,7 +324,7 @@ class Connection:
         call_timeout: float | None = DEFAULT_CALL_TIMEOUT,
     ) -> None:
         if call_timeout is not None and not call_timeout > 0:
-            raise ValueError(f"call_timeout must be a positive number of seconds or None, got {call_timeout!r}")
+            raise ConfigurationError(f"call_timeout must be a positive number of seconds or None, got {call_timeout!r}")
         self.address = address
         self.stage = stage
         self.replica = replica  # set when stages are replicated (data parallel)

@@ -697,6 +697,7 @@ def test_worker_allocator_reuses_freed_memory_without_page_faults():
     # steps below fault depends on what the process did before; pinned, they show the difference.
     script = f"""
 import importlib.util, resource, sys, torch
+torch.set_num_threads(1)  # one thread allocates: no per-thread arena's first use inside the timed steps
 spec = importlib.util.spec_from_file_location("allocator", {allocator.__file__!r})
 allocator = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(allocator)
@@ -723,5 +724,7 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
         )
         for mode in ("keep", "default")
     }
-    # With glibc's initial settings every step maps its 16 MiB afresh: ~4,000 faults a step.
-    assert faults["keep"] < 100 < faults["default"], faults
+    # With glibc's initial settings every step maps its 16 MiB afresh: ~4,000 faults a step. Kept,
+    # none on a quiet machine; a loaded CI machine has shown ~250 a step (a reclaimed page here and
+    # there), still a sixteenth of the default: the ratio is what this asserts.
+    assert faults["keep"] * 10 < faults["default"] and faults["default"] > 20 * 1000, faults

@@ -26,7 +26,7 @@ import torch
 import zmq
 
 from lightning_remote_mp import __version__, protocol, transport
-from lightning_remote_mp.errors import LrmpError, ProtocolError, ProtocolVersionError
+from lightning_remote_mp.errors import PeerUnreachableError, ProtocolError, ProtocolVersionError
 from lightning_remote_mp.keys import KeyPair
 from lightning_remote_mp.worker import allocator
 from lightning_remote_mp.worker.auth import DRIVER, WorkerAuth
@@ -47,10 +47,6 @@ DISCONNECT_GRACE = 3.0
 _COMPUTE_GRACE = 0.5
 _DROP = "__drop__"
 _NEW = "__new__"
-
-
-class PeerUnreachableError(LrmpError):
-    """A stage could not hand a message to the worker of another stage in time."""
 
 
 @dataclasses.dataclass
@@ -277,8 +273,7 @@ class WorkerServer:
         self._stop = threading.Event()
         self._tasks: queue.Queue[_Task | None] = queue.Queue()
         self._inproc = f"inproc://lrmp-replies-{uuid.uuid4().hex}"
-        self._replies = transport.context().socket(zmq.PULL)
-        self._replies.bind(self._inproc)
+        self._replies = transport.inproc_pull(self._inproc)
         self._session: WorkerSession | None = None  # owned by the compute thread
         self.served = 0
 
@@ -591,8 +586,7 @@ class WorkerServer:
 
     # --- compute thread ------------------------------------------------------------------
     def _compute_loop(self) -> None:
-        out = transport.context().socket(zmq.PUSH)
-        out.connect(self._inproc)
+        out = transport.inproc_push(self._inproc)
         self._outbox = _Outbox(out, self.keys)
         _warm_up()
         try:
