@@ -42,7 +42,7 @@ from lightning_remote_mp.spec import (
     source_digest,
     user_code_modules,
 )
-from lightning_remote_mp.stub import CHECKPOINT_MODES, RemoteSpec, RemoteStage
+from lightning_remote_mp.stub import RemoteSpec, RemoteStage, check_checkpoint_mode
 from lightning_remote_mp.transport import (
     DEFAULT_CALL_TIMEOUT,
     DEFAULT_CONNECT_TIMEOUT,
@@ -438,18 +438,20 @@ class DriverSession:
         split_backward: bool = True,
         training: bool = True,
         checkpoint: str = "never",
+        checked: Preflight | None = None,
     ) -> None:
         """Ship ``module``'s layers to the workers and make its forward run there, splitting each
         batch into ``microbatches`` that flow through the stages concurrently; with
         ``split_backward`` the workers defer linear layers' weight gradients (`worker.deferred_grads`).
         ``training``: the stages must fit their workers with gradients and optimizer state.
-        ``checkpoint``: activation recomputation (`stub.CHECKPOINT_MODES`)."""
+        ``checkpoint``: activation recomputation (`stub.CHECKPOINT_MODES`). ``checked``: what
+        `preflight` found for ``module`` if the caller ran it already (it runs here otherwise)."""
         if key in self.placements:
             raise LrmpError(f"SpecSequential {key!r} is already placed")
-        if checkpoint not in CHECKPOINT_MODES:
-            raise LrmpError(f"checkpoint must be one of {CHECKPOINT_MODES}, got {checkpoint!r}")
+        check_checkpoint_mode(checkpoint)
         what = f"SpecSequential {key!r}"
-        checked = checked_for_workers(module, what)
+        if checked is None:
+            checked = checked_for_workers(module, what)
         stages = self.plan(module, balance, what, compute=checked.compute, training=training)
         for stage, conn in ((stage, row[stage.index]) for row in self.grid for stage in stages):
             cap = (conn.remote_limits or protocol.DEFAULT_LIMITS).max_layers

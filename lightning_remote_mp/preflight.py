@@ -191,7 +191,7 @@ def _dry_run(entries: Sequence[LayerEntry]) -> Preflight:
             key is not None
             and isinstance(x, torch.Tensor)
             and all(isinstance(v, torch.Tensor) for v in variables.values())
-        ):  # noqa: E501
+        ):
             published = tuple((n, tuple(v.shape), v.dtype) for n, v in variables.items())
             replays[key] = _Ran(compute[i], _signature(x), published)
     else:

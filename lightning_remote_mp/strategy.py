@@ -30,8 +30,9 @@ from lightning_remote_mp.keys import KeyPair, generate_keypair, load_keypair, lo
 from lightning_remote_mp.launch import LocalWorkers
 from lightning_remote_mp.logs import follow_lightning
 from lightning_remote_mp.optim import mirror_of
+from lightning_remote_mp.preflight import Preflight
 from lightning_remote_mp.spec import SpecSequential
-from lightning_remote_mp.stub import CHECKPOINT_MODES
+from lightning_remote_mp.stub import check_checkpoint_mode
 from lightning_remote_mp.summary import RemoteModelSummary
 from lightning_remote_mp.timeline import TimelineCallback
 from lightning_remote_mp.transport import DEFAULT_CALL_TIMEOUT, DEFAULT_CONNECT_TIMEOUT, DEFAULT_HEARTBEAT_TIMEOUT
@@ -200,9 +201,7 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
             raise LrmpError(f"microbatches must be at least 1, got {microbatches}")
         self.microbatches = microbatches
         self.split_backward = split_backward
-        if checkpoint not in CHECKPOINT_MODES:
-            raise LrmpError(f"checkpoint must be one of {', '.join(map(repr, CHECKPOINT_MODES))}, got {checkpoint!r}")
-        self.checkpoint = checkpoint
+        self.checkpoint = check_checkpoint_mode(checkpoint)
         self.num_workers = num_workers
         self.worker_devices = worker_devices
         self.worker_threads = worker_threads
@@ -303,8 +302,7 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
         fitting = trainer.state.fn == TrainerFn.FITTING
         # Fail before any worker is started or contacted.
         balances = {key: self._balance_for(key, modules) for key in modules}
-        for key, module in modules.items():
-            self._check_before_workers(key, module)
+        checks = {key: self._check_before_workers(key, module) for key, module in modules.items()}
         try:
             hosts, liveness, worker_keys = self._workers(modules)
             self._session = DriverSession(
@@ -327,6 +325,7 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
                     self.split_backward,
                     training=fitting,
                     checkpoint=self.checkpoint,
+                    checked=checks[key],
                 )
             if fitting:
                 self.optimizers = self.optimizers  # mirrors them
@@ -344,14 +343,14 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
             return self.num_workers // self.replicas
         return len(normalize_hosts(self.hosts)[0])
 
-    def _check_before_workers(self, key: str, module: SpecSequential) -> None:
+    def _check_before_workers(self, key: str, module: SpecSequential) -> Preflight:
         what = f"SpecSequential {key!r}"
         if len(module.layers) < self.num_stages:
             raise SpecError(
                 f"{what} has {len(module.layers)} layers but there are {self.num_stages} stages (one per worker "
                 "of a pipeline); each stage needs at least one layer: use fewer workers"
             )
-        checked_for_workers(module, what)
+        return checked_for_workers(module, what)
 
     def _workers(
         self, modules: dict[str, SpecSequential]

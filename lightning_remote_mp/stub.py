@@ -32,6 +32,15 @@ from lightning_remote_mp.transport import Connection, broadcast, gather
 CHECKPOINT_MODES = ("never", "except_last", "always")
 
 
+def check_checkpoint_mode(checkpoint: str) -> str:
+    """``checkpoint`` if it is one of `CHECKPOINT_MODES`, else `ConfigurationError`."""
+    if checkpoint not in CHECKPOINT_MODES:
+        raise ConfigurationError(
+            f"checkpoint must be one of {', '.join(map(repr, CHECKPOINT_MODES))}, got {checkpoint!r}"
+        )
+    return checkpoint
+
+
 @dataclasses.dataclass
 class RemoteStage:
     """One stage of one SpecSequential, held by the worker behind ``conn``."""
@@ -92,9 +101,7 @@ class RemoteSpec:
     ) -> None:
         if microbatches < 1:
             raise ConfigurationError(f"microbatches must be at least 1, got {microbatches}")
-        if checkpoint not in CHECKPOINT_MODES:
-            raise ConfigurationError(f"checkpoint must be one of {CHECKPOINT_MODES}, got {checkpoint!r}")
-        self.checkpoint = checkpoint
+        self.checkpoint = check_checkpoint_mode(checkpoint)
         self.key = key
         self.replicas = [list(row) for row in replicas]
         self.stages = self.replicas[0]

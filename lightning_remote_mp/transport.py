@@ -107,9 +107,8 @@ def wake(endpoint: str) -> None:
     A courtesy only: if the loop's end cannot take the message (it is already closing), the loop
     still sees its stop flag within one poll interval.
     """
-    sock = context().socket(zmq.PUSH)
+    sock = inproc_push(endpoint)
     sock.setsockopt(zmq.LINGER, 1000)
-    sock.connect(endpoint)
     try:
         sock.send(b"", zmq.NOBLOCK)
     except zmq.Again:

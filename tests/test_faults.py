@@ -423,6 +423,15 @@ def _stuck_worker_stops_quickly(workers: LocalWorkers) -> None:
     assert stopped < 4.0, f"stop() took {stopped:.1f} s"
 
 
+def _assert_overdue(err: WorkerLostError, address: str, stage: int, detected: float) -> str:
+    """What every call_timeout failure says: the computing worker, the bound, what to do; in time."""
+    text = str(err)
+    assert err.address == address and err.stage == stage, text
+    assert "call_timeout=3 s" in text and "still computing" in text and "raise call_timeout=" in text, text
+    assert 3.0 <= detected < 20.0, detected
+    return text
+
+
 def test_a_layer_that_never_returns_fails_the_pipeline_after_call_timeout(start_workers):
     """Stage 1's layer sleeps for a minute while its worker answers every heartbeat: the forward
     fails after call_timeout, naming that worker (the one computing), not stage 0."""
@@ -443,12 +452,9 @@ def test_a_layer_that_never_returns_fails_the_pipeline_after_call_timeout(start_
     finally:
         session.close()
     _record("a layer that never returns (call_timeout=3)", detected)
-    text = str(info.value)
-    assert info.value.address == workers.addresses[1] and info.value.stage == 1, text
+    text = _assert_overdue(info.value, workers.addresses[1], 1, detected)
     assert f"worker {workers.addresses[1]} (stage 1)" in text and workers.addresses[0] not in text, text
-    assert "during forward" in text and "call_timeout=3 s" in text and "still computing" in text, text
-    assert "raise call_timeout=" in text, text
-    assert 3.0 <= detected < 20.0, detected
+    assert "during forward" in text, text
     _stuck_worker_stops_quickly(workers)
 
 
@@ -476,12 +482,9 @@ def test_a_request_that_never_returns_fails_after_call_timeout(start_workers, tm
     finally:
         session.close()
     _record("a request that never returns (call_timeout=3)", detected)
-    text = str(info.value)
-    assert info.value.address == workers.addresses[0] and info.value.stage == 0, text
+    text = _assert_overdue(info.value, workers.addresses[0], 0, detected)
     assert f"worker {workers.addresses[0]} (stage 0) has not answered during forward" in text, text
     assert "optim_step still unanswered" in text, text
-    assert "call_timeout=3 s" in text and "still computing" in text and "raise call_timeout=" in text, text
-    assert 3.0 <= detected < 20.0, detected
     _stuck_worker_stops_quickly(workers)
 
 

@@ -140,7 +140,7 @@ class WorkerSession:
             if not isinstance(state, dict):
                 raise ProtocolError("field 'state' must be a dict")
             stage.load_state_dict(state, assign=True)
-        _check_code_versions(body.get("code_digests"))
+        _check_code_versions(body.get("code_digests"))  # and modules first imported by this build: another copy?
         rng_seed = body.get("seed")
         if isinstance(rng_seed, int) and 0 <= rng_seed < 2**63:
             torch.manual_seed(rng_seed)  # this stage's random stream (dropout), from the driver's generator
