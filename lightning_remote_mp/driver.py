@@ -94,11 +94,12 @@ class _Placement:
         self.remote = remote
         self.meta = module.is_meta
         self._loaded: dict[str, torch.Tensor] = {}
+        owner = module.state_owner  # whose state_dict keys hold the layers' tensors
         self.hooks = [
-            module.register_state_dict_pre_hook(self._before_state_dict),
-            module.register_state_dict_post_hook(functools.partial(_Placement._after_state_dict, self)),
-            module._register_load_state_dict_pre_hook(self._before_load_state_dict, with_module=True),
-            module.register_load_state_dict_post_hook(self._after_load_state_dict),
+            owner.register_state_dict_pre_hook(self._before_state_dict),
+            owner.register_state_dict_post_hook(functools.partial(_Placement._after_state_dict, self)),
+            owner._register_load_state_dict_pre_hook(self._before_load_state_dict, with_module=True),
+            owner.register_load_state_dict_post_hook(self._after_load_state_dict),
         ]
 
     def _before_state_dict(self, module: Any, prefix: str, keep_vars: bool) -> None:
@@ -111,9 +112,7 @@ class _Placement:
                 state_dict[f"{prefix}layers.{name}"] = t
 
     def _before_load_state_dict(self, module: Any, state_dict: Any, prefix: str, *args: Any) -> None:
-        self._loaded = {
-            k[len(prefix) + len("layers.") :]: v for k, v in state_dict.items() if k.startswith(prefix + "layers.")
-        }
+        self._loaded = self.module.layer_state(state_dict, prefix)
 
     def _after_load_state_dict(self, module: Any, incompatible: Any) -> None:
         loaded, self._loaded = self._loaded, {}
@@ -449,7 +448,7 @@ class DriverSession:
         if key in self.placements:
             raise LrmpError(f"SpecSequential {key!r} is already placed")
         check_checkpoint_mode(checkpoint)
-        what = f"SpecSequential {key!r}"
+        what = f"{module.kind} {key!r}"
         if checked is None:
             checked = checked_for_workers(module, what)
         stages = self.plan(module, balance, what, compute=checked.compute, training=training)
@@ -518,6 +517,7 @@ class DriverSession:
             microbatches,
             modes=module.modes,
             checkpoint=checkpoint,
+            batched=module.batched,
         )
         module._remote = remote
         self.placements[key] = _Placement(key, module, remote)

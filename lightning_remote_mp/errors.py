@@ -39,6 +39,16 @@ class RefusedClassError(LrmpError):
     """A worker was asked to build a class outside its allowlist."""
 
 
+class RefusedOperatorError(RefusedClassError):
+    """A traced graph that arrived calls an operator outside the worker's allowlist (ATen and prims
+    operators, and a few Python operators on shapes); nothing of it was run."""
+
+
+class TraceError(LrmpError, ValueError):
+    """An ``nn.Module`` could not be traced into stages: ``torch.export`` failed on it, or its graph
+    cannot be cut the way it was asked. The message names the module and what to change."""
+
+
 class WorkerError(LrmpError):
     """An exception raised on a worker, relayed to the driver.
 

@@ -109,7 +109,18 @@ class OptimizerMirror:
                 raise LrmpError(
                     f"optimizer {self.index} ({cls.__qualname__}) cannot be mirrored on {conn.where()}: {err}"
                 ) from None
-        # The workers own the remote share of the state from now on.
+        # State the optimizer already has for parameters that are now remote (a checkpoint loaded
+        # before a traced module was placed at its first call) goes to the workers, which own the
+        # remote share of the state from now on.
+        held = {
+            self.remote[id(p)][1]: self.optimizer.state[p]
+            for g in self.optimizer.param_groups
+            for p in g["params"]
+            if id(p) in self.remote and self.optimizer.state.get(p)
+        }
+        if held:
+            self._incoming = held
+            self._load_state_dict_post(self.optimizer)
         self._drop_local_state()
 
     def _drop_local_state(self) -> None:

@@ -63,7 +63,7 @@ Shape = tuple[int, ...]
 LayerRef = type[nn.Module] | str
 
 #: Module prefixes every worker may build classes from.
-DEFAULT_ALLOWED_PREFIXES: tuple[str, ...] = ("torch.nn", "lightning_remote_mp.layers")
+DEFAULT_ALLOWED_PREFIXES: tuple[str, ...] = ("torch.nn", "lightning_remote_mp.layers", "lightning_remote_mp.graph")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -635,6 +635,23 @@ class SpecSequential(nn.Module):
         if self._remote is not None:
             return self._remote(x)
         return run_layers(enumerate(self.layers), x, {})
+
+    @property
+    def state_owner(self) -> nn.Module:
+        """The module whose ``state_dict`` holds the layers' tensors (this one, for a spec)."""
+        return self
+
+    #: What errors and logs call it.
+    kind = "SpecSequential"
+
+    #: For a pipeline of tuples (a traced model): which input and output elements carry the batch.
+    batched: tuple[list[bool], list[bool]] | None = None
+
+    def layer_state(self, state_dict: Mapping[str, Any], prefix: str) -> dict[str, Any]:
+        """The entries of ``state_owner``'s ``state_dict`` (under ``prefix``) that belong to the layers,
+        named ``"<layer index>.<name>"``."""
+        head = prefix + "layers."
+        return {k[len(head) :]: v for k, v in state_dict.items() if k.startswith(head)}
 
     def modes(self) -> Modes:
         """The train/eval flags of every layer and its submodules, as they are now.

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import shutil
 import tempfile
@@ -35,6 +36,7 @@ from lightning_remote_mp.spec import SpecSequential
 from lightning_remote_mp.stub import check_checkpoint_mode
 from lightning_remote_mp.summary import RemoteModelSummary
 from lightning_remote_mp.timeline import TimelineCallback
+from lightning_remote_mp.trace import TracedForward, TracedSequential, find_modules
 from lightning_remote_mp.transport import DEFAULT_CALL_TIMEOUT, DEFAULT_CONNECT_TIMEOUT, DEFAULT_HEARTBEAT_TIMEOUT
 
 log = logging.getLogger(__name__)
@@ -152,6 +154,12 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
             combination is refused at construction. Only for a network whose hosts are all trusted.
         max_message_bytes: the most tensor data this driver accepts in one message from a worker
             (and, for local workers, what they accept); default 16 GiB.
+        split: names of the LightningModule's submodules (dotted paths allowed, e.g. ``["model"]``)
+            to trace with ``torch.export`` at their first call and split across the workers,
+            unchanged: any ``nn.Module`` whose forward torch.export can trace (see docs/tracing.md).
+            Workers then need none of its code. ``balance`` cuts them at module boundaries as it
+            cuts specs, or at given submodule names: ``{"model": ["transformer.h.6"]}`` starts
+            stage 1 there. Default: none (every SpecSequential is split, as always).
         device: the driver's device for layers outside any SpecSequential (default: follows the accelerator).
     """
 
@@ -177,6 +185,7 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
         worker_public_keys: list[str] | None = None,
         allow_plaintext_allreduce: bool = False,
         max_message_bytes: int | None = None,
+        split: list[str] | None = None,
         device: str | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         checkpoint_io: Any = None,
@@ -217,6 +226,12 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
         self.limits = (
             protocol.Limits(max_message_bytes=max_message_bytes) if max_message_bytes else protocol.DEFAULT_LIMITS
         )
+        if split is not None and not (
+            isinstance(split, (list, tuple)) and all(isinstance(n, str) and n for n in split)
+        ):
+            raise ConfigurationError(f"split must be a list of submodule names, e.g. ['model'], got {split!r}")
+        self.split = list(split) if split else []
+        self._traced: list[TracedForward] = []
         self._device_given = device is not None
         self._local: LocalWorkers | None = None
         self._local_keys_dir: str | None = None
@@ -296,12 +311,16 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
         super().setup(trainer)
         assert self.lightning_module is not None
         modules = find_spec_modules(self.lightning_module)
-        if not modules:
-            log.warning("RemoteModelParallelStrategy: the LightningModule has no SpecSequential; nothing runs remotely")
+        traced = find_modules(self.lightning_module, self.split)
+        if not modules and not traced:
+            log.warning(
+                "RemoteModelParallelStrategy: the LightningModule has no SpecSequential and split= names no "
+                "submodule; nothing runs remotely"
+            )
             return
         fitting = trainer.state.fn == TrainerFn.FITTING
         # Fail before any worker is started or contacted.
-        balances = {key: self._balance_for(key, modules) for key in modules}
+        balances = {key: self._balance_for(key, {**modules, **traced}) for key in {**modules, **traced}}
         checks = {key: self._check_before_workers(key, module) for key, module in modules.items()}
         try:
             hosts, liveness, worker_keys = self._workers(modules)
@@ -327,6 +346,9 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
                     checkpoint=self.checkpoint,
                     checked=checks[key],
                 )
+            for key, sub in traced.items():
+                place = functools.partial(self._place_traced, key, balances[key], fitting)
+                self._traced.append(TracedForward(key, sub, place))
             if fitting:
                 self.optimizers = self.optimizers  # mirrors them
                 self._patch_clipping()
@@ -335,6 +357,26 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
         except BaseException:
             self._close()
             raise
+
+    def _place_traced(self, key: str, balance: Any, fitting: bool, module: TracedSequential) -> None:
+        """Ship a module traced at its first call; its optimizers are mirrored from then on."""
+        session = self._session
+        if session is None:
+            raise LrmpError(f"module {key!r} was first called outside a session with the workers")
+        if isinstance(balance, list) and all(isinstance(b, str) for b in balance):
+            balance = module.counts_at(balance, self.num_stages)
+        session.place(
+            key,
+            module,
+            balance,
+            self.microbatches,
+            self.split_backward,
+            training=fitting,
+            checkpoint=self.checkpoint,
+            checked=Preflight(compute=module.compute, checked=[True] * len(module.layers)),
+        )
+        if fitting:
+            self.optimizers = self.optimizers  # mirrors them over the newly remote parameters
 
     @property
     def num_stages(self) -> int:
@@ -393,7 +435,9 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
         if isinstance(self.balance, dict):
             unknown = set(self.balance) - set(modules)
             if unknown:
-                raise LrmpError(f"balance names {sorted(unknown)}, but the SpecSequentials are {sorted(modules)}")
+                raise LrmpError(
+                    f"balance names {sorted(unknown)}, but the SpecSequentials and split modules are {sorted(modules)}"
+                )
             return self.balance.get(key)
         if isinstance(self.balance, list) and len(modules) > 1:
             raise LrmpError(
@@ -449,6 +493,9 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
 
     def _close(self) -> None:
         self._unpatch_clipping()
+        for forward in self._traced:
+            forward.detach()
+        self._traced.clear()
         session, self._session = self._session, None
         try:
             if session is not None:

@@ -54,10 +54,20 @@ class RemoteStage:
         return self.conn.address
 
 
+#: What a pipeline takes and returns: a tensor, or a tuple of tensors (a traced model's values).
+Main = torch.Tensor | tuple[torch.Tensor, ...]
+
+
+def _to(value: Any, device: torch.device) -> Any:
+    if isinstance(value, tuple):
+        return tuple(_to(v, device) for v in value)
+    return value.to(device) if isinstance(value, torch.Tensor) else value
+
+
 @dataclasses.dataclass
 class _Call:
     sizes: list[list[int]]  # per replica, the micro-batch sizes along dim 0 (empty: no share)
-    x_grad: bool
+    x_grad: bool | list[bool]
 
 
 def _autocast_state(device_type: str) -> dict[str, Any] | None:
@@ -89,6 +99,9 @@ class RemoteSpec:
         checkpoint: activation recomputation, as torchgpipe names it: ``"never"``; ``"always"``
             (every stage keeps only each micro-batch's inputs and recomputes its forward at
             backward); ``"except_last"`` (all micro-batches but the last, whose backward comes first).
+        batched: for a pipeline whose input and output are tuples of tensors (a traced model),
+            which elements of each have the batch along dim 0 (split into micro-batches and
+            concatenated back); the others go whole to every micro-batch.
     """
 
     def __init__(
@@ -98,6 +111,7 @@ class RemoteSpec:
         microbatches: int = 1,
         modes: Callable[[], Any] = lambda: None,
         checkpoint: str = "never",
+        batched: tuple[Sequence[bool], Sequence[bool]] | None = None,
     ) -> None:
         if microbatches < 1:
             raise ConfigurationError(f"microbatches must be at least 1, got {microbatches}")
@@ -107,6 +121,7 @@ class RemoteSpec:
         self.stages = self.replicas[0]
         self.microbatches = microbatches
         self.modes = modes
+        self.batched_in, self.batched_out = (list(batched[0]), list(batched[1])) if batched else (None, None)
         self.conns = list({id(rs.conn): rs.conn for row in self.replicas for rs in row}.values())
         self.backwards = 0
         self._ids = itertools.count(1)
@@ -121,7 +136,13 @@ class RemoteSpec:
             "[" + ", ".join(f"stage {rs.stage.index} @ {rs.address}" for rs in row) + "]" for row in self.replicas
         )
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: Main) -> Main:
+        if isinstance(x, tuple) and x and all(isinstance(t, torch.Tensor) for t in x):
+            autocast = _autocast_state(x[0].device.type)
+            if torch.is_grad_enabled():
+                return _RemoteTupleFunction.apply(self, autocast, self._anchor, *x)
+            y, _ = self.forward(x, grad=False, x_needs_grad=False, autocast=autocast)
+            return y
         if not isinstance(x, torch.Tensor):
             raise TypeError(
                 f"SpecSequential {self.key!r}: a remote SpecSequential takes one tensor, got {type(x).__name__}"
@@ -169,19 +190,19 @@ class RemoteSpec:
             conn.settle(what=what)
 
     def forward(
-        self, x: torch.Tensor, *, grad: bool, x_needs_grad: bool, autocast: dict[str, Any] | None
-    ) -> tuple[torch.Tensor, int]:
+        self, x: Main, *, grad: bool, x_needs_grad: bool | list[bool], autocast: dict[str, Any] | None
+    ) -> tuple[Main, int]:
         self._settle("forward")
         self._flush_releases()
         call = next(self._ids)
         modes = self.modes()
-        n = x.shape[0] if x.dim() > 0 else 1
+        n = self._batch_size(x)
         sizes = [
             [m for m in _split(share, min(self.microbatches, share)) if m > 0] if share > 0 else []
             for share in _split(n, len(self.replicas))
         ]
         flat = [m for row in sizes for m in row]
-        chunks = iter(x.split(flat, dim=0) if x.dim() > 0 and len(flat) > 1 else [x])
+        chunks = iter(self._chunks(x, flat))
         try:
             for r, row in enumerate(sizes):
                 for mb in range(len(row)):
@@ -206,19 +227,65 @@ class RemoteSpec:
             self._abandon(call)
             raise
         outputs = [results[(r, mb)]["x"] for r, row in enumerate(sizes) for mb in range(len(row))]
-        y = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
+        device = (x[0] if isinstance(x, tuple) else x).device
+        y = self._joined(outputs, self.batched_out, "output")
         if grad:
             self._calls[call] = _Call(sizes=sizes, x_grad=x_needs_grad)
-        return y.to(x.device), call
+        return _to(y, device), call
+
+    def _batch_size(self, x: Main) -> int:
+        if not isinstance(x, tuple):
+            return x.shape[0] if x.dim() > 0 else 1
+        flags = self.batched_in or [True] * len(x)
+        first = next((t for t, f in zip(x, flags) if f and t.dim() > 0), None)
+        return first.shape[0] if first is not None else 1
+
+    def _chunks(self, x: Main, flat: list[int]) -> list[Main]:
+        """``x`` split into micro-batches along dim 0 (for a tuple, its batched elements; the
+        others go whole to each)."""
+        if not isinstance(x, tuple):
+            return list(x.split(flat, dim=0)) if x.dim() > 0 and len(flat) > 1 else [x]
+        flags = self.batched_in or [True] * len(x)
+        per = [
+            t.split(flat, dim=0) if f and t.dim() > 0 and len(flat) > 1 else [t] * len(flat) for t, f in zip(x, flags)
+        ]
+        return [tuple(parts) for parts in zip(*per)] if flat else [x]
+
+    def _joined(self, parts: list[Any], batched: list[bool] | None, what: str) -> Any:
+        """Micro-batch results back into one batch (for a tuple, element by element)."""
+        if not isinstance(parts[0], tuple):
+            if any(p is None for p in parts):
+                return None
+            return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+        if len(parts) == 1:
+            return parts[0]
+        flags = batched or [True] * len(parts[0])
+        out = []
+        for i, f in enumerate(flags):
+            items = [p[i] for p in parts]
+            if all(t is None for t in items):
+                out.append(None)
+            elif not f:
+                raise ConfigurationError(
+                    f"{self.key!r}: {what} {i} has no batch dimension (a loss or a statistic of the whole batch?), "
+                    "so micro-batches cannot be joined back; compute it outside the split module, or use "
+                    "microbatches=1"
+                )
+            else:
+                out.append(torch.cat(items, dim=0))
+        return tuple(out)
 
     def _recomputed(self, mb: int, count: int) -> bool:
         return self.checkpoint == "always" or (self.checkpoint == "except_last" and mb < count - 1)
 
-    def backward(self, call: int, grad_y: torch.Tensor | None) -> torch.Tensor | None:
+    def backward(self, call: int, grad_y: Main | None) -> Main | None:
         record = self._calls.pop(call)
         self.backwards += 1
         flat = [m for row in record.sizes for m in row]
-        grads = iter(grad_y.split(flat, dim=0) if grad_y is not None else [None] * len(flat))
+        if isinstance(grad_y, tuple):
+            grads = iter(self._grad_chunks(grad_y, flat))
+        else:
+            grads = iter(grad_y.split(flat, dim=0) if grad_y is not None else [None] * len(flat))
         try:
             self._settle("backward")
             for r, row in enumerate(record.sizes):
@@ -231,12 +298,20 @@ class RemoteSpec:
         except BaseException:
             self._abandon(call)
             raise
-        if not record.x_grad:
+        if not (any(record.x_grad) if isinstance(record.x_grad, list) else record.x_grad):
             return None
         parts = [done[(r, mb)].get("grad_out") for r, row in enumerate(record.sizes) for mb in range(len(row))]
         if any(p is None for p in parts):
             return None
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+        return self._joined(parts, self.batched_in, "input")
+
+    def _grad_chunks(self, grad_y: tuple, flat: list[int]) -> list[tuple]:
+        flags = self.batched_out or [True] * len(grad_y)
+        per = [
+            [None] * len(flat) if g is None else (g.split(flat, dim=0) if f and len(flat) > 1 else [g] * len(flat))
+            for g, f in zip(grad_y, flags)
+        ]
+        return [tuple(parts) for parts in zip(*per)]
 
     def release_later(self, call: int) -> None:
         self._to_release.append(call)
@@ -270,3 +345,33 @@ class _RemoteSpecFunction(torch.autograd.Function):
         else:
             grad_x = None
         return None, None, grad_x, None
+
+
+class _RemoteTupleFunction(torch.autograd.Function):
+    """`_RemoteSpecFunction` for a tuple of inputs and outputs (a traced model's values)."""
+
+    @staticmethod
+    def forward(ctx: Any, spec: RemoteSpec, autocast: dict[str, Any] | None, anchor: torch.Tensor, *xs: torch.Tensor):
+        ctx.set_materialize_grads(False)
+        needs = [bool(ctx.needs_input_grad[3 + i]) and _floating(t) for i, t in enumerate(xs)]
+        y, call = spec.forward(tuple(xs), grad=True, x_needs_grad=needs, autocast=autocast)
+        ctx.spec, ctx.call = spec, call
+        ctx.guard = _CallGuard(spec, call)
+        ctx.inputs = [(t.dtype, t.device) for t in xs]
+        ctx.mark_non_differentiable(*[t for t in y if not _floating(t)])
+        return tuple(y)
+
+    @staticmethod
+    def backward(ctx: Any, *grad_ys: torch.Tensor):
+        ctx.guard.done()
+        grads = ctx.spec.backward(ctx.call, tuple(grad_ys))
+        out: list[Any] = [None] * len(ctx.inputs)
+        if isinstance(grads, tuple):
+            for i, (g, (dtype, device)) in enumerate(zip(grads, ctx.inputs)):
+                if g is not None and ctx.needs_input_grad[3 + i]:
+                    out[i] = g.to(device=device, dtype=dtype)
+        return (None, None, None, *out)
+
+
+def _floating(t: torch.Tensor) -> bool:
+    return t.is_floating_point() or t.is_complex()

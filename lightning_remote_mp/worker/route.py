@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from lightning_remote_mp.errors import ProtocolError
-from lightning_remote_mp.worker.stage import StageExecutor
+from lightning_remote_mp.worker.stage import StageExecutor, is_main
 from lightning_remote_mp.worker.timeline import EventLog
 
 DRIVER = -1
@@ -47,6 +47,23 @@ def _routes(value: Any, field: str) -> dict[int, tuple[str, ...]]:
             raise ProtocolError(f"malformed {field} entry")
         out[item[0]] = tuple(str(n) for n in item[1])
     return out
+
+
+def _main_flags(x: Any, flags: Any) -> bool | list[bool]:
+    """The main input's requires-grad flags: one bool for a tensor, one per element of a tuple."""
+    if isinstance(x, tuple):
+        per = flags if isinstance(flags, list) and len(flags) == len(x) else [False] * len(x)
+        return [f is True for f in per]
+    return flags is True
+
+
+def _wanted(grad_x: Any, flags: bool | list[bool]) -> Any:
+    """The main input's gradient, where its sender asked for one."""
+    if isinstance(flags, list):
+        if not any(flags) or not isinstance(grad_x, tuple):
+            return None
+        return tuple(g if f else None for g, f in zip(grad_x, flags))
+    return grad_x if flags else None
 
 
 class RoutedStage:
@@ -104,10 +121,10 @@ class RoutedStage:
             return []
         first = parts[self.x_from]
         x = first.get("x")
-        if not isinstance(x, torch.Tensor):
+        if not is_main(x):
             raise ProtocolError(f"stage {self.index}: the main input is missing")
         imports: dict[str, torch.Tensor] = {}
-        needs: dict[str, bool] = {"x": _mapping(first.get("requires_grad")).get("x") is True}
+        needs: dict[str, Any] = {"x": _main_flags(x, _mapping(first.get("requires_grad")).get("x"))}
         for sender, msg in parts.items():
             variables = _mapping(msg.get("vars"))
             flags = _mapping(msg.get("requires_grad"))
@@ -180,7 +197,7 @@ class RoutedStage:
         started = time.time()
         if meta["saved"]:
             grad_x, grad_imports = self.stage.backward(
-                (call, mb), grad_y if isinstance(grad_y, torch.Tensor) else None, grad_exports
+                (call, mb), grad_y if isinstance(grad_y, (torch.Tensor, tuple)) else None, grad_exports
             )
         if self.events is not None:
             self.events.span("backward", self.stage.key, self.index, call, mb, started, time.time())
@@ -188,7 +205,7 @@ class RoutedStage:
         for source, names in self.sources.items():
             msg: dict[str, Any] = {"key": self.stage.key, "call": call, "mb": mb, "from": self.index}
             if source == self.x_from:
-                msg["grad_out"] = grad_x if meta["x_grad"] else None
+                msg["grad_out"] = _wanted(grad_x, meta["x_grad"])
             msg["grads"] = {n: grad_imports.get(n) for n in names if meta["var_grad"].get(n)}
             outgoing.append((source, msg))
         return outgoing

@@ -18,12 +18,34 @@ from lightning_remote_mp.errors import SpecError
 from lightning_remote_mp.spec import LayerEntry, apply_modes, build_layer, normalize_entry, run_layers
 from lightning_remote_mp.worker.deferred_grads import DeferredWeightGrads
 
+#: What flows from stage to stage: a tensor, or for a traced model a tuple of tensors (its live values).
+Main = torch.Tensor | tuple[torch.Tensor, ...]
+
+
+def is_main(value: Any) -> bool:
+    """Whether ``value`` is a `Main`: a tensor or a non-empty tuple of tensors."""
+    if isinstance(value, tuple):
+        return bool(value) and all(isinstance(t, torch.Tensor) for t in value)
+    return isinstance(value, torch.Tensor)
+
+
+def _elements(value: Main) -> tuple[torch.Tensor, ...]:
+    return value if isinstance(value, tuple) else (value,)
+
+
+def _pairs(y: Main, grad: Any) -> list[tuple[torch.Tensor, Any]]:
+    """(output, its gradient or None) pairs, for a tensor or a tuple."""
+    if isinstance(y, tuple):
+        grads = grad if isinstance(grad, tuple) and len(grad) == len(y) else (None,) * len(y)
+        return [(t, g if isinstance(g, torch.Tensor) else None) for t, g in zip(y, grads)]
+    return [(y, grad if isinstance(grad, torch.Tensor) else None)]
+
 
 @dataclasses.dataclass
 class _Saved:
-    x: torch.Tensor
+    x: Main
     imports: dict[str, torch.Tensor]
-    y: torch.Tensor | None  # None when the forward is to be recomputed at backward
+    y: Main | None  # None when the forward is to be recomputed at backward
     exports: dict[str, torch.Tensor]
     recompute: _Recompute | None = None
 
@@ -160,26 +182,29 @@ class StageExecutor:
     def forward(
         self,
         call_id: tuple[int, int],
-        x: torch.Tensor,
+        x: Main,
         imports: Mapping[str, torch.Tensor],
         *,
         grad: bool,
-        needs_grad: Mapping[str, bool],
+        needs_grad: Mapping[str, Any],
         autocast: Mapping[str, Any] | None = None,
         modes: Any = None,
         recompute: bool = False,
     ) -> dict[str, Any]:
-        """Run the stage. ``needs_grad`` says which inputs (``"x"`` and import names) the driver
-        wants gradients for; ``grad`` whether autograd is on at all; ``recompute``: keep only the
-        inputs and run again at backward (activation checkpointing).
+        """Run the stage. ``x`` is a tensor, or a tuple of them (a traced model's live values);
+        ``needs_grad`` says which inputs (``"x"``, one flag per element for a tuple, and import names)
+        the driver wants gradients for; ``grad`` whether autograd is on at all; ``recompute``: keep
+        only the inputs and run again at backward (activation checkpointing).
 
         Returns the output ``y``, the ``exports``, whether state was ``saved`` for backward, and
-        which outputs ``requires_grad``."""
-        if not isinstance(x, torch.Tensor):
-            raise SpecError(f"stage {self.index}: the input must be a tensor, got {type(x).__name__}")
+        which outputs ``requires_grad`` (for a tuple ``y``, a list of flags)."""
+        if not is_main(x):
+            raise SpecError(
+                f"stage {self.index}: the input must be a tensor or a tuple of tensors, got {type(x).__name__}"
+            )
         if modes is not None:
             self.apply_modes(modes)
-        x = self._to_device(x, grad and bool(needs_grad.get("x")))
+        x = self._main_to_device(x, needs_grad.get("x") if grad else False)
         variables = {n: self._to_device(t, grad and bool(needs_grad.get(n))) for n, t in imports.items()}
         imported = dict(variables)
         replay = self._recording_state(autocast) if grad and recompute else None
@@ -189,20 +214,28 @@ class StageExecutor:
             # No graph was kept: whether outputs need gradients is what a graph would have said, an
             # over-estimate at worst (an output that turns out not to need one gets none).
             trainable = any(p.requires_grad for p in self.layers.parameters())
-            flag = trainable or any(t.requires_grad for t in [x, *imported.values()])
-            requires_grad = {"y": flag, **{n: flag for n in exports}}
+            flag = trainable or any(t.requires_grad for t in [*_elements(x), *imported.values()])
+            y_flags: Any = [flag and _floating(t) for t in y] if isinstance(y, tuple) else flag
+            requires_grad = {"y": y_flags, **{n: flag for n in exports}}
         else:
-            requires_grad = {"y": y.requires_grad, **{n: t.requires_grad for n, t in exports.items()}}
-        saved = grad and any(requires_grad.values())
+            y_flags = [t.requires_grad for t in y] if isinstance(y, tuple) else y.requires_grad
+            requires_grad = {"y": y_flags, **{n: t.requires_grad for n, t in exports.items()}}
+        saved = grad and any(any(f) if isinstance(f, list) else f for f in requires_grad.values())
         if saved:
             kept_y, kept_exports = (None, {}) if replay is not None else (y, exports)
             self._saved[call_id] = _Saved(x, imported, kept_y, kept_exports, replay)
         return {
-            "y": y.detach(),
+            "y": tuple(t.detach() for t in y) if isinstance(y, tuple) else y.detach(),
             "exports": {n: t.detach() for n, t in exports.items()},
             "saved": saved,
             "requires_grad": requires_grad,
         }
+
+    def _main_to_device(self, x: Main, flags: Any) -> Main:
+        if isinstance(x, tuple):
+            per = flags if isinstance(flags, list) and len(flags) == len(x) else [flags is True] * len(x)
+            return tuple(self._to_device(t, f is True) for t, f in zip(x, per))
+        return self._to_device(x, flags is True)
 
     def _recording_state(self, autocast: Mapping[str, Any] | None) -> _Recompute:
         device_rng = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
@@ -210,13 +243,13 @@ class StageExecutor:
 
     def _run(
         self,
-        x: torch.Tensor,
+        x: Main,
         variables: dict[str, torch.Tensor],
         *,
         grad: bool,
         autocast: Mapping[str, Any] | None,
         split: bool = True,
-    ) -> torch.Tensor:
+    ) -> Main:
         cast = contextlib.nullcontext()
         if autocast and autocast.get("enabled"):
             cast = torch.autocast(self.device.type, dtype=autocast.get("dtype"))
@@ -224,10 +257,10 @@ class StageExecutor:
         defer = self.deferred.recording() if deferring else contextlib.nullcontext()
         with torch.set_grad_enabled(grad), cast, defer:
             y = run_layers(((int(k), m) for k, m in self.layers.items()), x, variables)
-        if not isinstance(y, torch.Tensor):
+        if not is_main(y):
             raise SpecError(
                 f"stage {self.index}: layer {self.start + len(self.names) - 1} returned {type(y).__name__}; "
-                "the output of a stage must be a tensor"
+                "the output of a stage must be a tensor (or a tuple of tensors, for a traced model)"
             )
         return y
 
@@ -262,8 +295,8 @@ class StageExecutor:
         saved.exports = self._exports(variables)
 
     def backward(
-        self, call_id: tuple[int, int], grad_y: torch.Tensor | None, grad_exports: Mapping[str, torch.Tensor]
-    ) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+        self, call_id: tuple[int, int], grad_y: Any, grad_exports: Mapping[str, torch.Tensor]
+    ) -> tuple[Main | None, dict[str, torch.Tensor]]:
         saved = self._saved.pop(call_id, None)
         if saved is None:
             raise SpecError(
@@ -274,9 +307,10 @@ class StageExecutor:
             self._rerun(saved)
         assert saved.y is not None
         outputs, grads = [], []
-        if grad_y is not None and saved.y.requires_grad:
-            outputs.append(saved.y)
-            grads.append(grad_y.to(self.device, dtype=saved.y.dtype))
+        for y, g in _pairs(saved.y, grad_y):
+            if g is not None and y.requires_grad:
+                outputs.append(y)
+                grads.append(g.to(self.device, dtype=y.dtype))
         for name, g in grad_exports.items():
             t = saved.exports.get(name)
             if t is not None and t.requires_grad and g is not None:
@@ -286,7 +320,10 @@ class StageExecutor:
             filing = self.deferred.filing_backward() if self.deferred is not None else contextlib.nullcontext()
             with filing:
                 torch.autograd.backward(outputs, grads)
-        grad_x = saved.x.grad if saved.x.requires_grad else None
+        if isinstance(saved.x, tuple):
+            grad_x: Main | None = tuple(t.grad if t.requires_grad else None for t in saved.x)  # type: ignore[misc]
+        else:
+            grad_x = saved.x.grad if saved.x.requires_grad else None
         grad_imports = {n: t.grad for n, t in saved.imports.items() if t.requires_grad and t.grad is not None}
         return grad_x, grad_imports
 

@@ -1,0 +1,367 @@
+"""Traced programs as plain data, checked against an operator allowlist, and the layer that runs them.
+
+A program is one piece of a model traced by ``torch.export`` (see `lightning_remote_mp.trace`): a
+list of steps, each calling one operator on earlier values, with its weights named. It travels as
+msgpack data inside an ordinary spec entry for `GraphLayer`, so stages of traced models are placed,
+checkpointed, pipelined and mirrored exactly like layers of a spec; the worker needs no user code.
+
+What a worker accepts, checked before anything runs (`load_program`):
+
+- ATen and prims operators (``torch.ops.aten.*``, ``torch.ops.prims.*``) by namespace, name and
+  overload, except those that reach outside the process (`DENIED_OPERATORS`: ``from_file`` reads
+  files);
+- a few Python operators on shapes and tuples (`PYTHON_OPERATORS`: ``getitem``, integer arithmetic);
+- argument values that are numbers, strings, dtypes, lists and tuples of them, references to earlier
+  steps, and a device/layout/memory-format marker. Nothing names a class, a module or a function
+  outside those tables, so a received program cannot run code that came with it.
+
+>>> import torch
+>>> program = {
+...     "inputs": ["x"], "tensors": {"w": "weight"},
+...     "steps": [["y", ["aten", "mm", "default"], [{"ref": "x"}, {"ref": "w"}], {}],
+...               ["z", ["aten", "relu", "default"], [{"ref": "y"}], {}]],
+...     "outputs": ["z"],
+... }
+>>> layer = GraphLayer({"train": program}, {"weight": {"shape": [2, 2], "dtype": torch.float32}})
+>>> with torch.no_grad():
+...     _ = layer.weight.copy_(torch.eye(2))
+>>> layer((torch.tensor([[1.0, -1.0]]),))
+(tensor([[1., 0.]]),)
+>>> load_program({**program, "steps": [["y", ["aten", "from_file", "default"], ["/etc/passwd"], {}]]}, "unit 0")
+Traceback (most recent call last):
+...
+lightning_remote_mp.errors.RefusedOperatorError: unit 0, step 'y': operator aten.from_file.default is not ...
+"""  # noqa: E501
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_remote_mp.errors import RefusedOperatorError, SpecError
+
+#: Operator namespaces whose operators a traced program may call.
+ALLOWED_NAMESPACES = ("aten", "prims")
+#: ATen operators refused although in an allowed namespace: they reach outside the process.
+DENIED_OPERATORS = frozenset({"from_file", "_from_file"})
+#: Steps dropped on load: shape and metadata assertions the tracer inserts, which would pin the
+#: trace's device (a CUDA worker runs a program traced on a CPU driver) or re-check its guards.
+DROPPED_OPERATORS = frozenset(
+    {"_assert_tensor_metadata", "_assert_scalar", "sym_constrain_range_for_size", "sym_constrain_range"}
+)
+#: Python callables a traced program may use, by the name they travel under.
+PYTHON_OPERATORS: dict[str, Callable[..., Any]] = {
+    "getitem": operator.getitem,
+    "add": operator.add,
+    "sub": operator.sub,
+    "mul": operator.mul,
+    "floordiv": operator.floordiv,
+    "truediv": operator.truediv,
+    "mod": operator.mod,
+    "neg": operator.neg,
+    "pow": operator.pow,
+    "eq": operator.eq,
+    "ne": operator.ne,
+    "lt": operator.lt,
+    "le": operator.le,
+    "gt": operator.gt,
+    "ge": operator.ge,
+    "sym_max": torch.sym_max,
+    "sym_min": torch.sym_min,
+    "sym_not": torch.sym_not,
+    "sym_int": torch.sym_int,
+    "sym_float": torch.sym_float,
+}
+_MARKERS = {
+    "layout": {"strided": torch.strided, "sparse_coo": torch.sparse_coo},
+    "memory_format": {
+        "contiguous_format": torch.contiguous_format,
+        "channels_last": torch.channels_last,
+        "channels_last_3d": torch.channels_last_3d,
+        "preserve_format": torch.preserve_format,
+    },
+}
+#: Values a step's arguments may hold besides references and markers.
+_PLAIN = (bool, int, float, str, type(None), torch.dtype)
+_MAX_DEPTH = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ref:
+    name: str
+
+
+class _Device:
+    """Stands for the device the layer runs on (a program traced on the driver's CPU runs on a GPU)."""
+
+
+_DEVICE = _Device()
+
+
+def resolve_operator(target: Any, where: str) -> Callable[..., Any] | None:
+    """The callable a step names (``[namespace, name, overload]`` or ``["python", name]``), or
+    ``None`` for a step to drop; `RefusedOperatorError` for anything outside the allowlist."""
+    if not (isinstance(target, list) and all(isinstance(t, str) for t in target) and len(target) in (2, 3)):
+        raise SpecError(f"{where}: malformed operator {target!r:.120}")
+    if target[0] == "python" and len(target) == 2:
+        fn = PYTHON_OPERATORS.get(target[1])
+        if fn is None:
+            raise RefusedOperatorError(f"{where}: Python operator {target[1]!r} is not allowed on a worker")
+        return fn
+    if len(target) != 3:
+        raise SpecError(f"{where}: malformed operator {target!r:.120}")
+    namespace, name, overload = target
+    shown = ".".join(target)
+    if namespace not in ALLOWED_NAMESPACES:
+        raise RefusedOperatorError(
+            f"{where}: operator {shown} is not allowed on a worker; only {', '.join(ALLOWED_NAMESPACES)} operators "
+            "are (custom operators and other namespaces are refused)"
+        )
+    if name in DENIED_OPERATORS:
+        raise RefusedOperatorError(
+            f"{where}: operator {shown} is not allowed on a worker (it reaches outside the process)"
+        )
+    if not all(part.isidentifier() and not part.startswith("__") for part in (name, overload)):
+        raise RefusedOperatorError(f"{where}: {shown!r} is not an operator name")
+    if name in DROPPED_OPERATORS:
+        return None
+    try:
+        op = getattr(getattr(getattr(torch.ops, namespace), name), overload)
+    except (AttributeError, RuntimeError):
+        raise SpecError(f"{where}: this worker's torch {torch.__version__} has no operator {shown}") from None
+    if not isinstance(op, torch._ops.OpOverload):
+        raise RefusedOperatorError(f"{where}: {shown} is not an operator")
+    return op
+
+
+def _nothing(*args: Any, **kwargs: Any) -> None:
+    """What a dropped step (an assertion) computes."""
+
+
+def _decode_value(value: Any, known: set[str], where: str, depth: int = 0) -> Any:
+    if depth > _MAX_DEPTH:
+        raise SpecError(f"{where}: arguments nested deeper than {_MAX_DEPTH} levels")
+    if isinstance(value, _PLAIN):
+        return value
+    if isinstance(value, (list, tuple)):
+        items = [_decode_value(v, known, where, depth + 1) for v in value]
+        return tuple(items) if isinstance(value, tuple) else items
+    if isinstance(value, dict) and len(value) == 1:
+        ((tag, item),) = value.items()
+        if tag == "ref":
+            if item not in known:
+                raise SpecError(f"{where}: refers to {item!r}, which no earlier step or input defines")
+            return _Ref(item)
+        if tag == "device":
+            return _DEVICE
+        if tag in _MARKERS and item in _MARKERS[tag]:
+            return _MARKERS[tag][item]
+    raise SpecError(f"{where}: argument {value!r:.120} is not a value a program may hold")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Step:
+    name: str
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    drop: tuple[str, ...]  # values no later step or output needs
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """A checked program: run it with `run`."""
+
+    inputs: tuple[str, ...]
+    scalar_inputs: frozenset[str]
+    tensors: dict[str, str]  # value name -> the layer's attribute holding it
+    steps: tuple[_Step, ...]
+    outputs: tuple[str, ...]
+    scalar_outputs: frozenset[str]
+
+
+def _names(value: Any, field: str, where: str) -> list[str]:
+    if not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+        raise SpecError(f"{where}: {field} must be a list of names")
+    return value
+
+
+def load_program(data: Any, where: str) -> Program:
+    """Check a program that arrived (see the module docstring) and resolve its operators."""
+    if not isinstance(data, dict):
+        raise SpecError(f"{where}: a program is a dict, got {type(data).__name__}")
+    inputs = _names(data.get("inputs"), "inputs", where)
+    tensors = data.get("tensors", {})
+    if not (isinstance(tensors, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in tensors.items())):
+        raise SpecError(f"{where}: tensors must map value names to attribute names")
+    known = set(inputs) | set(tensors)
+    if len(known) != len(inputs) + len(tensors):
+        raise SpecError(f"{where}: input and tensor names must be unique")
+    raw_steps = data.get("steps")
+    if not isinstance(raw_steps, list):
+        raise SpecError(f"{where}: steps must be a list")
+    resolved = []
+    for raw in raw_steps:
+        if not (isinstance(raw, list) and len(raw) == 4 and isinstance(raw[0], str) and isinstance(raw[3], dict)):
+            raise SpecError(f"{where}: malformed step {raw!r:.120}")
+        name, target, args, kwargs = raw
+        at = f"{where}, step {name!r}"
+        if name in known:
+            raise SpecError(f"{at}: the name is defined twice")
+        fn = resolve_operator(target, at)
+        if not isinstance(args, (list, tuple)) or not all(isinstance(k, str) for k in kwargs):
+            raise SpecError(f"{at}: malformed arguments")
+        decoded_args = tuple(_decode_value(a, known, at) for a in args)
+        decoded_kwargs = {k: _decode_value(v, known, at) for k, v in kwargs.items()}
+        known.add(name)
+        resolved.append((name, fn or _nothing, decoded_args, decoded_kwargs))
+    outputs = _names(data.get("outputs"), "outputs", where)
+    for name in outputs:
+        if name not in known:
+            raise SpecError(f"{where}: output {name!r} is not defined")
+    scalar_inputs = set(_names(data.get("scalar_inputs", []), "scalar_inputs", where))
+    scalar_outputs = set(_names(data.get("scalar_outputs", []), "scalar_outputs", where))
+    if not scalar_inputs <= set(inputs) or not scalar_outputs <= set(outputs):
+        raise SpecError(f"{where}: scalar inputs and outputs must be inputs and outputs")
+    return Program(
+        tuple(inputs),
+        frozenset(scalar_inputs),
+        dict(tensors),
+        _with_drops(resolved, outputs),
+        tuple(outputs),
+        frozenset(scalar_outputs),
+    )
+
+
+def _refs(value: Any) -> list[str]:
+    if isinstance(value, _Ref):
+        return [value.name]
+    if isinstance(value, (list, tuple)):
+        return [n for v in value for n in _refs(v)]
+    if isinstance(value, dict):
+        return [n for v in value.values() for n in _refs(v)]
+    return []
+
+
+def _with_drops(
+    steps: Sequence[tuple[str, Callable[..., Any], tuple[Any, ...], dict[str, Any]]], outputs: Sequence[str]
+):
+    last_use: dict[str, int] = {}
+    for i, (_, _, args, kwargs) in enumerate(steps):
+        for name in _refs(args) + _refs(kwargs):
+            last_use[name] = i
+    keep = set(outputs)
+    drops: dict[int, list[str]] = {}
+    for name, i in last_use.items():
+        if name not in keep:
+            drops.setdefault(i, []).append(name)
+    return tuple(_Step(n, fn, a, k, tuple(drops.get(i, ()))) for i, (n, fn, a, k) in enumerate(steps))
+
+
+def _fill(value: Any, env: Mapping[str, Any], device: torch.device) -> Any:
+    if isinstance(value, _Ref):
+        return env[value.name]
+    if value is _DEVICE:
+        return device
+    if isinstance(value, list):
+        return [_fill(v, env, device) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_fill(v, env, device) for v in value)
+    return value
+
+
+def run(program: Program, inputs: Sequence[Any], tensors: Mapping[str, torch.Tensor], device: torch.device) -> tuple:
+    """Run ``program`` on ``inputs`` with its weights from ``tensors`` (by attribute name)."""
+    if len(inputs) != len(program.inputs):
+        raise SpecError(f"the program takes {len(program.inputs)} inputs, got {len(inputs)}")
+    env: dict[str, Any] = {}
+    for name, value in zip(program.inputs, inputs):
+        env[name] = value.item() if name in program.scalar_inputs and isinstance(value, torch.Tensor) else value
+    for name, attr in program.tensors.items():
+        env[name] = tensors[attr]
+    for step in program.steps:
+        env[step.name] = step.fn(
+            *_fill(step.args, env, device), **{k: _fill(v, env, device) for k, v in step.kwargs.items()}
+        )
+        for name in step.drop:
+            env.pop(name, None)
+    return tuple(
+        torch.tensor(env[n], device=device) if n in program.scalar_outputs else env[n] for n in program.outputs
+    )
+
+
+def _dtype(value: Any, where: str) -> torch.dtype:
+    if isinstance(value, torch.dtype):
+        return value
+    if isinstance(value, str) and isinstance(getattr(torch, value, None), torch.dtype):
+        return getattr(torch, value)
+    raise SpecError(f"{where}: {value!r:.60} is not a dtype")
+
+
+class GraphLayer(nn.Module):
+    """A piece of a traced model: runs a program (one for train mode, one for eval) on a tuple of
+    values and returns a tuple of values.
+
+    Args:
+        programs: ``{"train": program, "eval": program}`` as plain data (see the module docstring);
+            ``self.training`` picks one, so the driver's train/eval switches apply as for any layer.
+        tensors: the weights, buffers and constants the programs use, by attribute name:
+            ``{"shape": [...], "dtype": ..., "parameter": bool, "requires_grad": bool}``. They are
+            allocated empty here; the driver's values arrive as the layer's state.
+        values: on the driver, the tensors themselves (shared with the traced module, not copied).
+    """
+
+    def __init__(
+        self,
+        programs: Mapping[str, Any],
+        tensors: Mapping[str, Mapping[str, Any]],
+        values: Mapping[str, torch.Tensor] | None = None,
+    ) -> None:
+        super().__init__()
+        if not isinstance(programs, Mapping) or not programs or not set(programs) <= {"train", "eval"}:
+            raise SpecError("GraphLayer: programs must map 'train' and/or 'eval' to a program")
+        self.programs = {mode: load_program(p, f"GraphLayer {mode} program") for mode, p in programs.items()}
+        for name, desc in tensors.items():
+            where = f"GraphLayer tensor {name!r}"
+            if not (isinstance(name, str) and name.isidentifier() and not name.startswith("_")):
+                raise SpecError(f"{where}: not a valid attribute name")
+            if values is not None:
+                t = values[name]
+            else:
+                shape = desc.get("shape")
+                if not (isinstance(shape, (list, tuple)) and all(isinstance(d, int) and d >= 0 for d in shape)):
+                    raise SpecError(f"{where}: malformed shape {shape!r:.60}")
+                t = torch.empty(tuple(shape), dtype=_dtype(desc.get("dtype"), where))
+            if desc.get("parameter"):
+                param = (
+                    t
+                    if isinstance(t, nn.Parameter)
+                    else nn.Parameter(t, requires_grad=bool(desc.get("requires_grad", True)))
+                )
+                self.register_parameter(name, param)
+            else:
+                self.register_buffer(name, t)
+        for mode, program in self.programs.items():
+            missing = sorted(set(program.tensors.values()) - set(tensors))
+            if missing:
+                raise SpecError(f"GraphLayer {mode} program uses tensors {missing[:5]} it was not given")
+
+    def _device(self, inputs: Sequence[Any]) -> torch.device:
+        for t in (*self._parameters.values(), *self._buffers.values(), *inputs):
+            if isinstance(t, torch.Tensor):
+                return t.device
+        return torch.device("cpu")
+
+    def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        program = self.programs.get("train" if self.training else "eval") or next(iter(self.programs.values()))
+        tensors = {**self._parameters, **self._buffers}
+        return run(program, inputs, tensors, self._device(inputs))  # type: ignore[arg-type]
+
+    def extra_repr(self) -> str:
+        steps = max(len(p.steps) for p in self.programs.values())
+        return f"{steps} steps, {len(self._parameters)} parameters, {len(self._buffers)} buffers"

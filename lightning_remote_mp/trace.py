@@ -1,0 +1,759 @@
+"""Splitting an unchanged ``nn.Module`` by tracing it: ``torch.export`` at its first call, then cut
+into pieces that workers run as `lightning_remote_mp.graph.GraphLayer` layers, with no user code.
+
+1. `trace_module` exports the module twice, in train and in eval mode (code may branch on
+   ``self.training``), with every dimension of every tensor input dynamic where the code allows
+   (a short last batch, another sequence length).
+2. The graph is cut into *units* at module boundaries: each step belongs to the outermost module
+   on its stack that is a leaf or an element of a ``ModuleList``/``Sequential`` (a block); steps of
+   glue code join the next unit. Units that share a weight (tied embeddings) merge.
+3. Each unit becomes a spec entry whose layer runs its program on the values *live* at its start
+   (produced earlier, used here or later) and returns those live at its end; pipeline stages are
+   contiguous runs of units, chosen by the strategy's ``balance`` as for a spec.
+4. On the driver the module keeps its weights (a copy, refreshed from the workers whenever its
+   ``state_dict()`` is taken) and its own ``state_dict`` keys; its ``forward`` flattens the call's
+   arguments, runs the pipeline and rebuilds the output (a tensor, tuple, dict or a HuggingFace
+   ``ModelOutput``).
+
+>>> import torch
+>>> net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+>>> traced = trace_module(net, (torch.ones(3, 4),), {}, "net")
+>>> [entry.name for entry in traced.entries]
+['0', '1', '2']
+>>> torch.allclose(traced.run_locally(torch.ones(5, 4)), net(torch.ones(5, 4)))
+True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import logging
+import operator
+import re
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import fx, nn
+from torch.utils import _pytree as pytree
+
+from lightning_remote_mp.errors import TraceError
+from lightning_remote_mp.graph import PYTHON_OPERATORS, GraphLayer
+from lightning_remote_mp.spec import LayerEntry, SpecSequential, check_wiring
+
+_PYTHON_NAMES = {fn: name for name, fn in PYTHON_OPERATORS.items()}
+_MARKER_NAMES = {
+    torch.strided: ("layout", "strided"),
+    torch.sparse_coo: ("layout", "sparse_coo"),
+    torch.contiguous_format: ("memory_format", "contiguous_format"),
+    torch.channels_last: ("memory_format", "channels_last"),
+    torch.channels_last_3d: ("memory_format", "channels_last_3d"),
+    torch.preserve_format: ("memory_format", "preserve_format"),
+}
+_CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+_MATMULS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "conv1d", "conv2d", "conv3d", "convolution"}
+LAYER_PATH = "lightning_remote_mp.graph.GraphLayer"
+
+
+# --- exporting ------------------------------------------------------------------------------
+def _dynamic(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return {d: torch.export.Dim.AUTO for d in range(value.dim())}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_dynamic(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _dynamic(v) for k, v in value.items()}
+    return None
+
+
+def _dynamic_shapes(module: nn.Module, args: tuple, kwargs: dict) -> Any:
+    try:
+        bound = inspect.signature(module.forward).bind(*args, **kwargs)
+    except (TypeError, ValueError):
+        return None
+    return {name: _dynamic(value) for name, value in bound.arguments.items()}
+
+
+def _export(module: nn.Module, args: tuple, kwargs: dict, name: str, training: bool) -> fx.GraphModule:
+    flags = [(m, m.training) for m in module.modules()]
+    module.train(training)
+    # torch.export logs each dimension it keeps static (a channel count of 1) as a warning; the
+    # trace records them, and a call that differs gets an error naming the dimension.
+    quiet = logging.getLogger("torch._export.non_strict_utils")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        with torch.inference_mode(False), torch.enable_grad(), torch.random.fork_rng(devices=[]):
+            ep = torch.export.export(module, args, kwargs, dynamic_shapes=_dynamic_shapes(module, args, kwargs))
+    except Exception as err:  # torch.export raises many types; all mean "cannot trace this"
+        raise TraceError(_export_failure(name, err)) from err
+    finally:
+        quiet.setLevel(level)
+        for m, f in flags:
+            m.training = f
+    gm = ep.module()
+    gm.lrmp_out_spec = ep.call_spec.out_spec  # type: ignore[assignment]
+    gm.lrmp_in_spec = ep.call_spec.in_spec  # type: ignore[assignment]
+    return gm
+
+
+def _export_failure(name: str, err: BaseException) -> str:
+    text = str(err).strip()
+    frames = re.findall(r'File "([^"]+)", line (\d+), in (\w+)\n\s+(.+)', text)
+    user = [f for f in frames if "site-packages/torch" not in f[0]]
+    where = ""
+    if user:
+        file, line, func, code = user[-1]
+        where = f" at {file}:{line} in {func} ({code.strip()})"
+    elif err.__traceback__ is not None:
+        tb = [f for f in traceback.extract_tb(err.__traceback__) if "/torch/" not in f.filename]
+        if tb:
+            where = f" at {tb[-1].filename}:{tb[-1].lineno} in {tb[-1].name}"
+    first = text.splitlines()[0] if text else type(err).__name__
+    return (
+        f"module {name!r} cannot be traced by torch.export{where}: {type(err).__name__}: {first[:400]}\n"
+        "Data-dependent control flow (an `if` on a tensor's value, a loop over its contents) cannot be "
+        "traced. Rewrite that part with torch.cond / torch.where, split only the submodules around it "
+        "(split=[...] takes dotted names), or describe the model as a layer spec (SpecSequential)."
+    )
+
+
+# --- cutting into units ---------------------------------------------------------------------
+def _owner(node: fx.Node, root: nn.Module) -> str | None:
+    """The block a step belongs to: the outermost module on its stack that is a leaf or an element
+    of a container; ``None`` for glue code of a non-block module."""
+    stack = node.meta.get("nn_module_stack") or {}
+    for path, _ in stack.values():
+        if not isinstance(path, str) or not path:
+            continue
+        try:
+            module = root.get_submodule(path)
+        except AttributeError:
+            continue
+        parent = root.get_submodule(path.rpartition(".")[0]) if "." in path else root
+        if not any(True for _ in module.children()) or isinstance(parent, _CONTAINERS):
+            return path
+    return None
+
+
+def _is_tuple_valued(node: fx.Node) -> bool:
+    return isinstance(node.meta.get("val"), (tuple, list))
+
+
+def _runs(gm: fx.GraphModule, root: nn.Module) -> list[tuple[str, list[fx.Node]]]:
+    """Consecutive steps of one owner, in graph order."""
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+    owners = [_owner(n, root) for n in nodes]
+    for i, n in enumerate(nodes):  # a multi-output op's getitems stay with it
+        if n.target is operator.getitem and isinstance(n.args[0], fx.Node) and _is_tuple_valued(n.args[0]):
+            src = n.args[0]
+            if src in nodes:
+                owners[i] = owners[nodes.index(src)]
+    following = None
+    for i in reversed(range(len(nodes))):  # glue joins the next block...
+        if owners[i] is None:
+            owners[i] = following
+        else:
+            following = owners[i]
+    last = None
+    for i in range(len(nodes)):  # ...and trailing glue the last one
+        if owners[i] is None:
+            owners[i] = last if last is not None else ""
+        last = owners[i]
+    runs: list[tuple[str, list[fx.Node]]] = []
+    for node, owner in zip(nodes, owners):
+        if runs and runs[-1][0] == owner:
+            runs[-1][1].append(node)
+        else:
+            runs.append((owner, [node]))
+    return runs
+
+
+def _align(train: list[tuple[str, list[fx.Node]]], evals: list[tuple[str, list[fx.Node]]], name: str):
+    """Pair the two variants' runs by owner; a run one variant lacks (a step that only trains) is empty there."""
+    out_train, out_eval = [], []
+    i = j = 0
+    while i < len(train) or j < len(evals):
+        if i < len(train) and j < len(evals) and train[i][0] == evals[j][0]:
+            out_train.append(train[i][1]), out_eval.append(evals[j][1])
+            i, j = i + 1, j + 1
+        elif i < len(train) and not any(r[0] == train[i][0] for r in evals[j : j + 3]):
+            out_train.append(train[i][1]), out_eval.append([])
+            i += 1
+        elif j < len(evals) and not any(r[0] == evals[j][0] for r in train[i : i + 3]):
+            out_train.append([]), out_eval.append(evals[j][1])
+            j += 1
+        else:
+            raise TraceError(
+                f"module {name!r}: its train-mode and eval-mode traces run its submodules in different orders "
+                f"(near {train[min(i, len(train) - 1)][0]!r}); cannot cut both the same way"
+            )
+    owners = [_owner_of(t or e) for t, e in zip(out_train, out_eval)]
+    return owners, out_train, out_eval
+
+
+def _owner_of(nodes: list[fx.Node]) -> str:
+    return getattr(nodes[0], "lrmp_owner", "")
+
+
+def _attrs(nodes: Sequence[fx.Node]) -> set[str]:
+    return {a.target for n in nodes for a in n.all_input_nodes if a.op == "get_attr"}  # type: ignore[misc]
+
+
+def _merge_shared(groups: list[list[int]], attrs: list[set[str]]) -> list[list[int]]:
+    """Merge runs ``i..j`` wherever one weight is used by runs ``i`` and ``j`` (tied weights)."""
+    first: dict[str, int] = {}
+    last: dict[str, int] = {}
+    for k, names in enumerate(attrs):
+        for a in names:
+            first.setdefault(a, k)
+            last[a] = k
+    reach = list(range(len(attrs)))
+    for a in first:
+        for k in range(first[a], last[a] + 1):
+            reach[k] = max(reach[k], last[a])
+    merged: list[list[int]] = []
+    k = 0
+    while k < len(attrs):
+        end = reach[k]
+        j = k
+        while j <= end:
+            end = max(end, reach[j])
+            j += 1
+        merged.append(list(range(k, end + 1)))
+        k = end + 1
+    return merged
+
+
+# --- encoding ----------------------------------------------------------------------------------
+def _target(node: fx.Node, name: str) -> list[str]:
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        ns, _, op = target._schema.name.partition("::")
+        return [ns, op, target._overloadname or "default"]
+    if target in _PYTHON_NAMES:
+        return ["python", _PYTHON_NAMES[target]]
+    where = _where(node)
+    raise TraceError(
+        f"module {name!r}: the traced graph calls {getattr(target, '__name__', target)!r}{where}, which workers "
+        "do not run (they run ATen and prims operators only). Higher-order operators (torch.cond, a "
+        "torch.autocast or torch.no_grad block inside forward) and custom operators are not supported yet; "
+        "split around that module or describe it as a layer spec."
+    )
+
+
+def _where(node: fx.Node) -> str:
+    trace = node.meta.get("stack_trace") or ""
+    lines = re.findall(r'File "([^"]+)", line (\d+)', trace)
+    return f" (at {lines[-1][0]}:{lines[-1][1]})" if lines else ""
+
+
+def _encode(value: Any, name: str) -> Any:
+    if isinstance(value, fx.Node):
+        return {"ref": value.name}
+    if isinstance(value, torch.device):
+        return {"device": True}
+    if isinstance(value, (torch.layout, torch.memory_format)):
+        if value not in _MARKER_NAMES:
+            raise TraceError(f"module {name!r}: {value} cannot travel to a worker")
+        tag, item = _MARKER_NAMES[value]
+        return {tag: item}
+    if isinstance(value, (bool, int, float, str, type(None), torch.dtype)):
+        return value
+    if isinstance(value, tuple):
+        return tuple(_encode(v, name) for v in value)
+    if isinstance(value, list):
+        return [_encode(v, name) for v in value]
+    raise TraceError(f"module {name!r}: a traced argument of type {type(value).__name__} cannot travel to a worker")
+
+
+def _is_scalar(node: fx.Node) -> bool:
+    return not isinstance(node.meta.get("val"), torch.Tensor)
+
+
+def _hint(value: Any) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError, RuntimeError):
+        from torch.fx.experimental.symbolic_shapes import hint_int
+
+        try:
+            return hint_int(value)
+        except Exception:
+            return 1
+
+
+def _shape(node: fx.Node) -> tuple[int, ...]:
+    val = node.meta.get("val")
+    return tuple(_hint(d) for d in val.shape) if isinstance(val, torch.Tensor) else ()
+
+
+def _cost(nodes: Sequence[fx.Node]) -> float:
+    """Estimated FLOPs: two per multiply-add of matrix products and convolutions, one per output element otherwise."""
+    total = 0.0
+    for n in nodes:
+        val = n.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            continue
+        out = float(torch.Size(_shape(n)).numel())
+        total += out
+        op = getattr(n.target, "_schema", None)
+        short = op.name.partition("::")[2] if op is not None else ""
+        if short in _MATMULS:
+            weight = next((a for a in n.all_input_nodes if a.op == "get_attr"), None)
+            inner = n.all_input_nodes[0].meta.get("val") if n.all_input_nodes else None
+            if weight is not None and isinstance(weight.meta.get("val"), torch.Tensor) and short.startswith("conv"):
+                w = _shape(weight)
+                total += 2 * out * (torch.Size(w).numel() / max(w[0], 1))
+            elif isinstance(inner, torch.Tensor) and inner.dim() > 0:
+                total += 2 * out * _hint(inner.shape[-1])
+    return total
+
+
+# --- the traced module ------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class TracedEntry(LayerEntry):
+    """A spec entry for one unit, shown under the module path it covers."""
+
+    label: str = ""
+
+    @property
+    def name(self) -> str:
+        return self.label or super().name
+
+
+class TracedSequential(SpecSequential):
+    """The pieces of a traced module as a `SpecSequential` of `GraphLayer` units, so placement,
+    pipelining, checkpoints and the optimizer mirror treat them like any spec.
+
+    Its layers share their tensors with the traced module (nothing is copied); ``state_owner`` and
+    ``state_names`` tell the driver which of the module's ``state_dict`` keys each unit's tensors are.
+    """
+
+    kind = "traced module"
+
+    def __init__(
+        self,
+        name: str,
+        module: nn.Module,
+        entries: Sequence[TracedEntry],
+        layers: Sequence[GraphLayer],
+        state_names: Mapping[str, str],
+        covered: Sequence[Sequence[nn.Module]],
+        compute: Sequence[float],
+    ) -> None:
+        nn.Module.__init__(self)
+        self.entries = list(entries)
+        self.init_seed = None
+        self.layers = nn.ModuleList(layers)
+        self.wiring = check_wiring(self.layers, [e.name for e in self.entries])
+        self._remote = None
+        self._pending_state = {}
+        self._weights_left_on_workers = False
+        self.traced_name = name
+        object.__setattr__(self, "_owner", module)  # not a submodule: its keys stay its own
+        self.state_names = dict(state_names)  # "<unit>.<attribute>" -> the module's state_dict key
+        self._covered = [list(c) for c in covered]
+        self.compute = list(compute)
+
+    @property
+    def state_owner(self) -> nn.Module:
+        return self._owner
+
+    def layer_state(self, state_dict: Mapping[str, Any], prefix: str) -> dict[str, Any]:
+        return {wire: state_dict[prefix + key] for wire, key in self.state_names.items() if prefix + key in state_dict}
+
+    def modes(self) -> Any:
+        """Per unit, the train/eval flag of the modules it covers (all of them must agree)."""
+        per_unit = []
+        for i, modules in enumerate(self._covered):
+            flags = {m.training for m in modules}
+            if len(flags) > 1:
+                mixed = sorted(type(m).__name__ for m in modules if m.training)[:3]
+                raise TraceError(
+                    f"module {self.traced_name!r}, unit {i} ({self.entries[i].name}): some of its modules are in "
+                    f"train mode ({', '.join(mixed)}...) and some in eval mode; a traced unit runs one or the "
+                    "other. Switch whole blocks, or trace smaller pieces."
+                )
+            per_unit.append(flags.pop() if flags else True)
+        first = per_unit[0]
+        return first if all(f is first for f in per_unit) else per_unit
+
+    def counts_at(self, names: Sequence[str], stages: int) -> list[int]:
+        """Units per stage when stages 1, 2, ... start at the submodules ``names`` (dotted paths)."""
+        if len(names) != stages - 1:
+            raise TraceError(
+                f"module {self.traced_name!r}: balance names {len(names)} submodules where stages 1..{stages - 1} "
+                f"start, but there are {stages} stages; give {stages - 1} names"
+            )
+        starts = []
+        for name in names:
+            at = next((i for i, e in enumerate(self.entries) if e.name == name or e.name.startswith(name + ".")), None)
+            if at is None or at == 0 or (starts and at <= starts[-1]):
+                units = ", ".join(e.name for e in self.entries)
+                raise TraceError(
+                    f"module {self.traced_name!r}: balance cannot start a stage at {name!r}; stages start at one of "
+                    f"its units, in order, after the first: {units}"
+                )
+            starts.append(at)
+        bounds = [0, *starts, len(self.entries)]
+        return [b - a for a, b in zip(bounds, bounds[1:])]
+
+    def run_locally(self, *inputs: torch.Tensor) -> Any:
+        """Run the units here, in order (for checks): the traced module's first outputs."""
+        values: tuple = tuple(inputs)
+        for layer in self.layers:
+            values = layer(values)
+        return values[0] if len(values) == 1 else values
+
+
+@dataclasses.dataclass
+class _Interface:
+    inputs: list[str]  # placeholder names unit 0 takes, in order
+    outputs: list[str]  # value names the last unit returns, in order
+
+
+def _live(values: list[fx.Node], unit_of: dict[fx.Node, int], n_units: int) -> list[list[fx.Node]]:
+    """For each boundary 0..n_units, the values produced before it and used at or after it."""
+    last_use: dict[fx.Node, int] = {}
+    for v in values:
+        users = [n_units if u.op == "output" else unit_of.get(u, -2) for u in v.users]
+        if users:
+            last_use[v] = max(users)
+    return [[v for v in values if unit_of[v] < k <= last_use.get(v, -1)] for k in range(n_units + 1)]
+
+
+def trace_module(module: nn.Module, args: tuple, kwargs: dict, name: str) -> TracedSequential:
+    """Trace ``module`` called with ``args`` and ``kwargs`` and cut it into units (see the module docstring)."""
+    graphs = {"train": _export(module, args, kwargs, name, True), "eval": _export(module, args, kwargs, name, False)}
+    runs = {}
+    for mode, gm in graphs.items():
+        runs[mode] = _runs(gm, module)
+        for owner, nodes in runs[mode]:
+            for n in nodes:
+                n.lrmp_owner = owner  # type: ignore[attr-defined]
+    owners, train_runs, eval_runs = _align(runs["train"], runs["eval"], name)
+    attrs = [_attrs(t) | _attrs(e) for t, e in zip(train_runs, eval_runs)]
+    groups = _merge_shared([[i] for i in range(len(owners))], attrs)
+    unit_nodes = {
+        "train": [[n for i in g for n in train_runs[i]] for g in groups],
+        "eval": [[n for i in g for n in eval_runs[i]] for g in groups],
+    }
+    labels = [_label([owners[i] for i in g]) for g in groups]
+    fqns = _state_keys(module)
+    local_names = _local_names(sorted({a for g in groups for i in g for a in attrs[i]}))
+    programs: list[dict[str, Any]] = [{} for _ in groups]
+    shapes: list[list[tuple[int, ...]]] = []
+    interfaces: dict[str, _Interface] = {}
+    crossings: dict[str, list[list[Any]]] = {}
+    for mode, gm in graphs.items():
+        units = unit_nodes[mode]
+        unit_of: dict[fx.Node, int] = {n: k for k, nodes in enumerate(units) for n in nodes}
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        unit_of.update({p: -1 for p in placeholders})
+        values = placeholders + [n for nodes in units for n in nodes]
+        live = _live(values, unit_of, len(units))
+        output = next(n for n in gm.graph.nodes if n.op == "output")
+        for v in output.all_input_nodes:
+            if v.op == "get_attr":
+                raise TraceError(f"module {name!r} returns a weight as an output; workers cannot send that back")
+        for k, nodes in enumerate(units):
+            crossing = [v for v in live[k] + live[k + 1] if _is_tuple_valued(v)]
+            if crossing:
+                raise TraceError(f"module {name!r}: the value {crossing[0].name} crosses units but is not a tensor")
+            programs[k][mode] = {
+                "inputs": [v.name for v in live[k]],
+                "scalar_inputs": [v.name for v in live[k] if _is_scalar(v)],
+                "tensors": {a.name: local_names[a.target] for a in _attr_nodes(nodes)},
+                "steps": [
+                    [n.name, _target(n, name), _encode(list(n.args), name), _encode_kwargs(n, name)] for n in nodes
+                ],
+                "outputs": [v.name for v in live[k + 1]],
+                "scalar_outputs": [v.name for v in live[k + 1] if _is_scalar(v)],
+            }
+        if mode == "train":
+            shapes = [[_shape(v) for v in live[k]] for k in range(len(units))]
+        interfaces[mode] = _Interface([v.name for v in live[0]], [v.name for v in live[-1]])
+        crossings[mode] = [[_kind(v) for v in boundary] for boundary in live]
+    _check_same_interface(name, crossings, interfaces)
+    layers, entries, state_names, covered = [], [], {}, []
+    for k, group in enumerate(groups):
+        used = sorted({local_names[a] for i in group for a in attrs[i]})
+        by_local = {local_names[a]: a for i in group for a in attrs[i]}
+        values = {loc: _tensor_of(module, graphs["train"], by_local[loc]) for loc in used}
+        tensors = {
+            loc: {
+                "shape": list(t.shape),
+                "dtype": t.dtype,
+                "parameter": isinstance(t, nn.Parameter),
+                "requires_grad": bool(t.requires_grad),
+            }
+            for loc, t in values.items()
+        }
+        layer = GraphLayer(programs[k], tensors, values=values)
+        layers.append(layer)
+        entries.append(
+            TracedEntry(
+                LAYER_PATH,
+                {"programs": programs[k], "tensors": tensors},
+                tuple(shapes[k]) if len(shapes[k]) != 1 else shapes[k][0],
+                label=labels[k],
+            )
+        )
+        for loc in used:
+            if by_local[loc] in fqns:
+                state_names[f"{k}.{loc}"] = by_local[loc]
+        covered.append(_covered(module, [owners[i] for i in group]))
+    traced = TracedSequential(
+        name, module, entries, layers, state_names, covered, [_cost(nodes) for nodes in unit_nodes["train"]]
+    )
+    call = _Call.from_graph(name, graphs["train"], interfaces["train"], args, kwargs)
+    traced.interface = call  # type: ignore[attr-defined]
+    traced.batched = (call.batched_in, call.batched_out)
+    return traced
+
+
+def _encode_kwargs(node: fx.Node, name: str) -> dict[str, Any]:
+    return {k: _encode(v, name) for k, v in node.kwargs.items()}
+
+
+def _attr_nodes(nodes: Sequence[fx.Node]) -> list[fx.Node]:
+    seen: dict[str, fx.Node] = {}
+    for n in nodes:
+        for a in n.all_input_nodes:
+            if a.op == "get_attr":
+                seen[a.name] = a
+    return list(seen.values())
+
+
+def _kind(v: fx.Node) -> Any:
+    val = v.meta.get("val")
+    return (val.dtype, val.dim()) if isinstance(val, torch.Tensor) else "scalar"
+
+
+def _check_same_interface(name: str, crossings: dict[str, list[list[Any]]], interfaces: dict[str, _Interface]) -> None:
+    if crossings["train"] != crossings["eval"]:
+        k = next(i for i, (a, b) in enumerate(zip(crossings["train"], crossings["eval"])) if a != b)
+        raise TraceError(
+            f"module {name!r}: in train mode and in eval mode different values cross unit boundary {k}; "
+            "its train and eval code paths differ too much to share one cut. Trace it in one mode only "
+            "(keep it in train mode), or describe it as a layer spec."
+        )
+    if interfaces["train"].inputs != interfaces["eval"].inputs:
+        raise TraceError(
+            f"module {name!r} uses inputs {interfaces['train'].inputs} in train mode but "
+            f"{interfaces['eval'].inputs} in eval mode; a traced module must use the same inputs in both"
+        )
+
+
+def _label(owners: Sequence[str]) -> str:
+    named = [o for o in owners if o]
+    if not named:
+        return "(glue)"
+    return named[0] if len(set(named)) == 1 else f"{named[0]}..{named[-1]}"
+
+
+def _state_keys(module: nn.Module) -> set[str]:
+    return set(module.state_dict(keep_vars=True))
+
+
+def _local_names(targets: Sequence[str]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    used: set[str] = set()
+    for t in targets:
+        base = re.sub(r"\W", "_", t.replace(".", "__"))
+        if not base or not base[0].isalpha():
+            base = "t_" + base
+        candidate, n = base, 1
+        while candidate in used:
+            candidate, n = f"{base}_{n}", n + 1
+        used.add(candidate)
+        out[t] = candidate
+    return out
+
+
+def _tensor_of(module: nn.Module, gm: fx.GraphModule, target: str) -> torch.Tensor:
+    for getter in (module.get_parameter, module.get_buffer):
+        try:
+            return getter(target)
+        except AttributeError:
+            pass
+    value = getattr(gm, target.replace(".", "_"), None) if not hasattr(gm, target) else getattr(gm, target)
+    if value is None:
+        obj: Any = gm
+        for part in target.split("."):
+            obj = getattr(obj, part)
+        value = obj
+    return value.detach()
+
+
+def _covered(root: nn.Module, owners: Sequence[str]) -> list[nn.Module]:
+    modules = [root]
+    for o in dict.fromkeys(owners):
+        if o:
+            modules.extend(root.get_submodule(o).modules())
+    return modules
+
+
+# --- calling ----------------------------------------------------------------------------------
+@dataclasses.dataclass
+class _Call:
+    """How a call's arguments map to the pipeline's inputs, and its outputs back to the module's."""
+
+    name: str
+    in_spec: Any
+    constants: list[Any]  # the non-tensor leaves of the traced call (None where a tensor is)
+    input_leaves: list[int]  # for each pipeline input, its leaf index
+    static_dims: list[dict[int, int]]  # per pipeline input, dims the trace fixed
+    batched_in: list[bool]
+    out_spec: Any
+    out_leaves: list[tuple[str, Any]]  # ("value", index into pipeline outputs) or ("constant", value)
+    batched_out: list[bool]
+
+    @classmethod
+    def from_graph(cls, name: str, gm: fx.GraphModule, interface: _Interface, args: tuple, kwargs: dict) -> _Call:
+        leaves, in_spec = pytree.tree_flatten((args, kwargs))
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        if len(placeholders) != len(leaves):
+            raise TraceError(f"module {name!r}: the trace has {len(placeholders)} inputs for {len(leaves)} arguments")
+        index = {p.name: i for i, p in enumerate(placeholders)}
+        input_leaves = [index[n] for n in interface.inputs]
+        for i in input_leaves:
+            if not isinstance(leaves[i], torch.Tensor):
+                raise TraceError(f"module {name!r}: its argument {placeholders[i].name!r} must be a tensor to travel")
+        batch = None
+        static, batched_in = [], []
+        for i in input_leaves:
+            val = placeholders[i].meta["val"]
+            static.append({d: s for d, s in enumerate(val.shape) if isinstance(s, int)})
+            dim0 = str(val.shape[0]) if val.dim() > 0 else None
+            if batch is None and dim0 is not None and not isinstance(val.shape[0], int):
+                batch = dim0
+            batched_in.append(dim0 is not None and dim0 == batch)
+        output = next(n for n in gm.graph.nodes if n.op == "output")
+        flat_out = list(output.args[0]) if isinstance(output.args[0], (list, tuple)) else [output.args[0]]
+        out_leaves: list[tuple[str, Any]] = []
+        for v in flat_out:
+            if isinstance(v, fx.Node):
+                out_leaves.append(("value", interface.outputs.index(v.name)))
+            else:
+                out_leaves.append(("constant", v))
+        by_name = {n.name: n for n in gm.graph.nodes}
+        batched_out = []
+        for n in interface.outputs:
+            val = by_name[n].meta.get("val")
+            batched_out.append(
+                isinstance(val, torch.Tensor) and val.dim() > 0 and batch is not None and str(val.shape[0]) == batch
+            )
+        constants = [None if isinstance(x, torch.Tensor) else x for x in leaves]
+        return cls(
+            name, in_spec, constants, input_leaves, static, batched_in, gm.lrmp_out_spec, out_leaves, batched_out
+        )
+
+    def inputs(self, args: tuple, kwargs: dict) -> tuple[torch.Tensor, ...]:
+        """The pipeline's inputs for a call, checked against the traced call."""
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        if spec != self.in_spec:
+            raise TraceError(
+                f"module {self.name!r} was traced at its first call with arguments shaped {self.in_spec}; this call "
+                f"passes {spec}. Call it the same way every time (the same positional and keyword arguments)."
+            )
+        for i, (leaf, traced) in enumerate(zip(leaves, self.constants)):
+            if traced is not None and leaf != traced:
+                raise TraceError(
+                    f"module {self.name!r}: argument {i} was {traced!r} when traced and is {leaf!r} now; non-tensor "
+                    "arguments are fixed by the trace"
+                )
+        out = []
+        for k, i in enumerate(self.input_leaves):
+            t = leaves[i]
+            for d, size in self.static_dims[k].items():
+                if t.dim() <= d or t.shape[d] != size:
+                    raise TraceError(
+                        f"module {self.name!r}: dimension {d} of input {k} was {size} when traced and the model's code "
+                        f"depends on it; this call gives shape {tuple(t.shape)}"
+                    )
+            out.append(t)
+        return tuple(out)
+
+    def outputs(self, values: Sequence[Any]) -> Any:
+        flat = [values[ref] if kind == "value" else ref for kind, ref in self.out_leaves]
+        return pytree.tree_unflatten(flat, self.out_spec)
+
+
+class TracedForward:
+    """Stands in for a traced module's ``forward``: traces and places at the first call, then runs
+    every call through the workers.
+
+    Args:
+        name: the module's name in the LightningModule.
+        module: the module.
+        place: called with the `TracedSequential` once traced; it ships the units to workers.
+    """
+
+    def __init__(self, name: str, module: nn.Module, place: Callable[[TracedSequential], None]) -> None:
+        self.name = name
+        self.module = module
+        self.place = place
+        self.traced: TracedSequential | None = None
+        self._had_forward = "forward" in vars(module)
+        self._own_forward = vars(module).get("forward")
+        module.forward = self  # type: ignore[method-assign]
+
+    def detach(self) -> None:
+        """Give the module its own ``forward`` back."""
+        if self._had_forward:
+            self.module.forward = self._own_forward  # type: ignore[method-assign]
+        else:
+            vars(self.module).pop("forward", None)
+
+    def _original(self) -> Callable[..., Any]:
+        return self._own_forward if self._had_forward else type(self.module).forward.__get__(self.module)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.traced is None:
+            with torch.inference_mode(False):
+                args, kwargs = pytree.tree_map_only(torch.Tensor, _plain, (args, kwargs))
+                self.detach()  # torch.export calls the module's own forward
+                try:
+                    traced = trace_module(self.module, args, kwargs, self.name)
+                finally:
+                    self.module.forward = self  # type: ignore[method-assign]
+                self.place(traced)
+                self.traced = traced
+        interface: _Call = self.traced.interface  # type: ignore[attr-defined]
+        inputs = interface.inputs(args, kwargs)
+        remote = self.traced._remote
+        if remote is None:
+            return interface.outputs(list(_as_tuple(self.traced.run_locally(*inputs))))
+        return interface.outputs(list(remote(inputs)))
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    return t.clone() if t.is_inference() else t
+
+
+def _as_tuple(value: Any) -> tuple:
+    return value if isinstance(value, tuple) else (value,)
+
+
+def find_modules(root: nn.Module, names: Sequence[str]) -> dict[str, nn.Module]:
+    """The submodules of ``root`` that ``split`` names (dotted paths), checked."""
+    out = {}
+    for name in names:
+        try:
+            out[name] = root.get_submodule(name)
+        except AttributeError:
+            children = [n for n, _ in root.named_children()]
+            raise TraceError(
+                f"split names {name!r}, which the LightningModule does not have; its submodules are {children}"
+            ) from None
+        if isinstance(out[name], SpecSequential):
+            raise TraceError(f"split names {name!r}, a SpecSequential: specs are placed without tracing; leave it out")
+    for a in out:
+        for b in out:
+            if a != b and (b.startswith(a + ".")):
+                raise TraceError(f"split names both {a!r} and {b!r}, which is inside it; name one")
+    return out
