@@ -126,14 +126,21 @@ def resolve_operator(target: Any, where: str) -> Callable[..., Any] | None:
         raise RefusedOperatorError(
             f"{where}: operator {shown} is not allowed on a worker (it reaches outside the process)"
         )
-    if not all(part.isidentifier() and not part.startswith("__") for part in (name, overload)):
+    if not (name.isidentifier() and overload.isidentifier()):
         raise RefusedOperatorError(f"{where}: {shown!r} is not an operator name")
     if name in DROPPED_OPERATORS:
         return None
     try:
-        op = getattr(getattr(getattr(torch.ops, namespace), name), overload)
+        packet = getattr(getattr(torch.ops, namespace), name)
     except (AttributeError, RuntimeError):
         raise SpecError(f"{where}: this worker's torch {torch.__version__} has no operator {shown}") from None
+    # Only attribute lookups happened so far; what they found must be an operator (``__class__``
+    # and friends are attributes too), and its overload too.
+    if not isinstance(packet, torch._ops.OpOverloadPacket):
+        raise RefusedOperatorError(f"{where}: {shown} is not an operator")
+    if overload not in packet.overloads():
+        raise SpecError(f"{where}: this worker's torch {torch.__version__} has no operator {shown}")
+    op = getattr(packet, overload)
     if not isinstance(op, torch._ops.OpOverload):
         raise RefusedOperatorError(f"{where}: {shown} is not an operator")
     return op

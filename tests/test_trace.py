@@ -1,0 +1,260 @@
+"""Unchanged nn.Modules split by tracing (``split=[...]``): real workers that hold none of the
+models' code, real Trainers, each run compared step by step with the same model trained locally."""
+
+from __future__ import annotations
+
+import os
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lrmp_traced import CausalLM, DataDependent, ResNet, Trained
+from lrmp_zoo import image_data, token_data
+from test_strategy import assert_same_losses, assert_same_weights, trainer
+from test_worker import Client
+
+from lightning_remote_mp import RemoteModelParallelStrategy, protocol
+from lightning_remote_mp.errors import RefusedOperatorError, TraceError
+from lightning_remote_mp.graph import GraphLayer, load_program
+from lightning_remote_mp.trace import trace_module
+
+TOL = 2e-5
+
+
+def fit(
+    model: L.LightningModule, data_fn, strategy=None, epochs: int = 2, ckpt_path=None, **kwargs
+) -> L.LightningModule:
+    kwargs.setdefault("num_sanity_val_steps", 2)  # Lightning's default: validation before the first step
+    trainer(strategy, epochs, **kwargs).fit(model, data_fn(), data_fn(seed=1), ckpt_path=ckpt_path)
+    return model
+
+
+def remote_equals_local(make, data_fn, twin, strategy, **kwargs):
+    torch.manual_seed(0)
+    local = make()
+    remote = twin(local)
+    fit(local, data_fn, **kwargs)
+    fit(remote, data_fn, strategy, **kwargs)
+    assert_same_losses(local.losses, remote.losses, TOL)
+    assert_same_losses(local.val_losses, remote.val_losses, TOL)
+    assert_same_weights(local, remote, TOL)
+    return local, remote
+
+
+def _entries_sent(strategy: RemoteModelParallelStrategy, key: str = "model") -> list:
+    return [e.to_wire() for e in strategy._traced[0].traced.entries]
+
+
+class _KeepEntries(L.Callback):
+    """Keeps what was sent to the workers (the strategy forgets it at teardown)."""
+
+    def __init__(self) -> None:
+        self.entries: list = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if not self.entries and isinstance(trainer.strategy, RemoteModelParallelStrategy):
+            self.entries = _entries_sent(trainer.strategy)
+
+
+@pytest.mark.parametrize("stages", [2, 4])
+def test_unchanged_causal_lm_trains_as_it_does_locally(twin, pool, stages):
+    """An embedding, learned positions, nn.TransformerEncoder with a causal mask and a head, traced
+    as it is: the mask and the residual stream cross stages; four micro-batches."""
+    keep = _KeepEntries()
+    remote_equals_local(
+        lambda: Trained(CausalLM(layers=2)),
+        token_data,
+        twin,
+        RemoteModelParallelStrategy(hosts=pool[:stages], microbatches=4, split=["model"]),
+        callbacks=[keep],
+    )
+    # What the workers got: programs for lrmp's own GraphLayer, nothing of the user's code (the
+    # shared workers allow only torch.nn, lrmp and lrmp_testlayers: they could not build it anyway).
+    assert {e["layer"] for e in keep.entries} == {"lightning_remote_mp.graph.GraphLayer"}
+    assert "lrmp_traced" not in repr(keep.entries)
+
+
+def test_cnn_with_batchnorm_and_downsampling_blocks_follows_train_and_eval_switches(twin, pool):
+    """A ResNet-style CNN (BasicBlocks, a strided 1x1 projection of the skip): BatchNorm must use
+    batch statistics in training and running statistics in the sanity check and validation."""
+    local, remote = remote_equals_local(
+        lambda: Trained(ResNet(), optimizer="Adam", lr=0.01),
+        image_data,
+        twin,
+        RemoteModelParallelStrategy(hosts=pool[:2], split=["model"]),
+    )
+    assert remote.model.training  # the module's own flags, restored after validation
+    stats = remote.model.layer1[1].downsample[1]
+    assert int(stats.num_batches_tracked) == 2 * 3  # 2 epochs of 3 batches, none from validation
+    assert "forward" not in vars(remote.model)  # the module has its own forward back
+
+
+def test_huggingface_gpt2_unchanged(twin, pool):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(
+        n_layer=2,
+        n_embd=32,
+        n_head=2,
+        n_positions=16,
+        vocab_size=32,
+        use_cache=False,
+        tie_word_embeddings=False,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    remote_equals_local(
+        lambda: Trained(transformers.GPT2LMHeadModel(config), optimizer="AdamW", lr=1e-3, output="logits"),
+        token_data,
+        twin,
+        RemoteModelParallelStrategy(hosts=pool[:2], microbatches=2, split=["model"]),
+    )
+
+
+def test_checkpoints_keep_the_modules_own_keys_and_resume_on_fresh_workers(tmp_path, twin, pool):
+    torch.manual_seed(3)
+    base = Trained(ResNet(), optimizer="Adam", lr=0.01)
+    straight, remote, resumed = twin(base), twin(base), twin(base)
+    fit(straight, image_data, epochs=4, num_sanity_val_steps=0)
+    cb = ModelCheckpoint(dirpath=tmp_path, save_last=True, every_n_epochs=1)
+    fit(
+        remote,
+        image_data,
+        RemoteModelParallelStrategy(hosts=pool[:2], split=["model"]),
+        epochs=2,
+        enable_checkpointing=True,
+        callbacks=[cb],
+        num_sanity_val_steps=0,
+    )
+    ckpt = torch.load(os.path.join(tmp_path, "last.ckpt"), weights_only=True)
+    assert ckpt["state_dict"].keys() == base.state_dict().keys()
+    plain = ResNet()  # a plain local model, no workers: the checkpoint loads as it is
+    plain.load_state_dict({k.removeprefix("model."): v for k, v in ckpt["state_dict"].items()})
+    assert len(ckpt["optimizer_states"][0]["state"]) == len(list(base.parameters()))
+    # Resume on fresh workers (the state reaches them when the module is traced at its first call).
+    fit(
+        resumed,
+        image_data,
+        RemoteModelParallelStrategy(hosts=pool[2:], split=["model"]),
+        epochs=4,
+        num_sanity_val_steps=0,
+        ckpt_path=os.path.join(tmp_path, "last.ckpt"),
+    )
+    assert_same_losses(straight.losses[-6:], resumed.losses, TOL)
+    assert_same_weights(straight, resumed, TOL)
+
+
+class _KeepStages(L.Callback):
+    def __init__(self) -> None:
+        self.stages: list = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        remote = trainer.strategy.session.placements["model"].remote
+        self.stages = [(rs.stage.start, rs.stage.stop) for rs in remote.stages]
+        self.units = [e.name for e in trainer.strategy._traced[0].traced.entries]
+
+
+def test_balance_starts_stages_at_named_submodules(pool):
+    torch.manual_seed(0)
+    strategy = RemoteModelParallelStrategy(hosts=pool[:2], split=["model"], balance={"model": ["encoder.layers.1"]})
+    keep = _KeepStages()
+    trainer(strategy, 1, callbacks=[keep], limit_train_batches=1).fit(Trained(CausalLM(layers=2)), token_data())
+    assert keep.units == ["embed", "encoder.layers.0", "encoder.layers.1", "norm", "head"]
+    assert keep.stages == [(0, 2), (2, 5)]
+    wrong = RemoteModelParallelStrategy(hosts=pool[:2], split=["model"], balance={"model": ["nope"]})
+    with pytest.raises(TraceError, match="cannot start a stage at 'nope'"):
+        trainer(wrong, 1, limit_train_batches=1).fit(Trained(CausalLM(layers=2)), token_data())
+
+
+def test_a_model_that_cannot_be_traced_names_its_source_line(pool):
+    strategy = RemoteModelParallelStrategy(hosts=pool[:2], split=["model"])
+    model = Trained(DataDependent())
+    data = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(torch.randn(8, 4), torch.randint(0, 4, (8,))), batch_size=4
+    )
+    with pytest.raises(TraceError) as info:
+        trainer(strategy, 1).fit(model, data)
+    message = str(info.value)
+    assert "'model'" in message and "lrmp_traced.py" in message and "if h.sum() > 0" in message, message
+    assert "SpecSequential" in message  # the way out
+
+
+def test_split_names_are_checked(pool):
+    with pytest.raises(TraceError, match="does not have"):
+        trainer(RemoteModelParallelStrategy(hosts=pool[:2], split=["nope"]), 1).fit(Trained(CausalLM()), token_data())
+
+
+def test_tied_weights_merge_their_units():
+    torch.manual_seed(0)
+    model = CausalLM(layers=2)
+    model.head.weight = model.embed.weight  # input and output embeddings tied, as GPT-2 does by default
+    traced = trace_module(model, (torch.randint(0, 32, (2, 16)),), {}, "lm")
+    assert len(traced.entries) == 1 and traced.entries[0].name == "embed..head"
+    ids = torch.randint(0, 32, (3, 9))
+    assert torch.allclose(traced.run_locally(ids), model(ids))
+
+
+def test_calls_must_match_the_traced_call():
+    model = CausalLM(layers=1)
+    traced = trace_module(model, (torch.randint(0, 32, (2, 16)),), {}, "lm")
+    call = traced.interface
+    call.inputs((torch.randint(0, 32, (5, 7)),), {})  # another batch size and length: fine
+    with pytest.raises(TraceError, match="the same positional and keyword arguments"):
+        call.inputs((), {"ids": torch.zeros(2, 16, dtype=torch.long)})
+
+
+BAD_PROGRAMS = {
+    "custom operator": ["mylib", "evil", "default"],
+    "file reader": ["aten", "from_file", "default"],
+    "dunder": ["aten", "__class__", "default"],
+    "python builtin": ["python", "eval"],
+}
+
+
+@pytest.mark.parametrize("target", BAD_PROGRAMS.values(), ids=BAD_PROGRAMS.keys())
+def test_a_received_graph_with_a_disallowed_operator_is_refused_and_the_worker_survives(pool, target):
+    program = {"inputs": ["x"], "steps": [["y", target, [{"ref": "x"}], {}]], "outputs": ["y"]}
+    with pytest.raises(RefusedOperatorError):
+        load_program(program, "here")  # the driver's own check
+    client = Client(pool[3])
+    try:
+        client.request(protocol.HELLO, {"driver": "pytest"})
+        body = {
+            "key": "g",
+            "stage": 0,
+            "start": 0,
+            "exports": [],
+            "state": {},
+            "entries": [
+                ["lightning_remote_mp.graph.GraphLayer", {"programs": {"train": program}, "tensors": {}}, [2, 2]]
+            ],
+        }
+        reply = client.request(protocol.SETUP, body)
+        assert reply.kind == protocol.ERROR and reply.body["type"] == "RefusedOperatorError", reply.body
+        assert client.request(protocol.GET_STATE).body == {}  # it answers, and kept nothing
+    finally:
+        client.close()
+
+
+def test_graph_layer_runs_what_it_was_given():
+    program = {
+        "inputs": ["x", "n"],
+        "scalar_inputs": ["n"],
+        "tensors": {"w": "weight"},
+        "steps": [
+            ["y", ["aten", "mul", "Tensor"], [{"ref": "x"}, {"ref": "w"}], {}],
+            ["m", ["python", "mul"], [{"ref": "n"}, 2], {}],
+            ["z", ["aten", "arange", "default"], [{"ref": "m"}], {"dtype": torch.float32, "device": {"device": True}}],
+        ],
+        "outputs": ["y", "m", "z"],
+        "scalar_outputs": ["m"],
+    }
+    layer = GraphLayer({"train": program}, {"weight": {"shape": [3], "dtype": "float32", "parameter": True}})
+    with torch.no_grad():
+        layer.weight.fill_(2.0)
+    y, m, z = layer((torch.ones(3), torch.tensor(2)))
+    assert y.tolist() == [2.0, 2.0, 2.0] and y.requires_grad
+    assert int(m) == 4 and z.tolist() == [0.0, 1.0, 2.0, 3.0]
