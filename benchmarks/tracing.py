@@ -46,6 +46,7 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
 import warnings
 from typing import Any
@@ -323,6 +324,32 @@ def describe_traced(traced: Any) -> list[list[str]]:
     return rows
 
 
+class _Starting:
+    """``LocalWorkers.start`` in a thread (it mostly waits for the workers' ready lines)."""
+
+    def __init__(self, workers: Any) -> None:
+        self.result: list[str] | None = None
+        self.error: BaseException | None = None
+        self.thread = None
+        if workers is not None:
+            self.thread = threading.Thread(target=self._run, args=(workers,), daemon=True)
+            self.thread.start()
+
+    def _run(self, workers: Any) -> None:
+        try:
+            self.result = workers.start()
+        except BaseException as err:  # re-raised in the main thread
+            self.error = err
+
+    def addresses(self) -> list[str] | None:
+        if self.thread is None:
+            return None
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
 # --- the run -----------------------------------------------------------------------------------------
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -342,11 +369,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="let the strategy start its own 2 workers (num_workers=2, worker_threads=1) for every fit",
     )
+    p.add_argument(
+        "--no-cold-trace",
+        dest="cold_trace",
+        action="store_false",
+        help="skip timing the process's first trace_module outside any fit (torch.export's one-off start-up)",
+    )
     p.add_argument("--out", default=_common.RESULTS, help="folder for tracing.json")
     args = p.parse_args(argv)
     if args.quick:
         args.width, args.depth, args.heads, args.seq, args.batch, args.vocab = 32, 2, 2, 8, 4, 32
         args.warmup, args.steps, args.rounds, args.microbatches = 1, 3, 1, [2]
+        args.cold_trace = False
     args.warmup = max(1, args.warmup)
     if args.depth < 2:
         p.error("--depth must be at least 2 (the stage boundary is the middle block)")
@@ -384,14 +418,17 @@ def main(argv: list[str] | None = None) -> int:
     traced_module = None
     started = time.perf_counter()
     try:
-        addresses = workers.start() if workers is not None else None
-        pids = [p.pid for p in workers.procs] if workers is not None else []
+        # The workers import torch while this process imports Lightning.
+        starting = _Starting(workers)
         import lightning  # noqa: F401  (its import sets its loggers' levels: quiet them after it)
 
         for name in ("lightning.pytorch", "lightning.fabric"):
             logging.getLogger(name).setLevel(logging.ERROR)
-        cold = cold_trace(lm, cfg)
-        print(f"first trace in this process, outside any fit: {cold['trace']:.2f} s", flush=True)
+        addresses = starting.addresses()
+        pids = [p.pid for p in workers.procs] if workers is not None else []
+        cold = cold_trace(lm, cfg) if args.cold_trace else None
+        if cold is not None:
+            print(f"first trace in this process, outside any fit: {cold['trace']:.2f} s", flush=True)
         for r in range(args.rounds):
             # Rotate the order every round so that no configuration always runs first or last.
             order = configs[r % len(configs) :] + configs[: r % len(configs)]
@@ -457,9 +494,13 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"trace in a fit (median): {_common.median(r['trace_s'] for r in traced_runs):.2f} s, of which torch.export "
         f"{_common.median(r['export_train_s'] for r in traced_runs):.2f} s (train mode) + "
-        f"{_common.median(r['export_eval_s'] for r in traced_runs):.2f} s (eval mode); the first trace in the process "
-        f"(outside any fit, before them): {cold['trace']:.2f} s, torch.export {cold['export_train']:.2f} s + "
-        f"{cold['export_eval']:.2f} s"
+        f"{_common.median(r['export_eval_s'] for r in traced_runs):.2f} s (eval mode)"
+        + (
+            f"; the first trace in the process (outside any fit, before them): {cold['trace']:.2f} s, torch.export "
+            f"{cold['export_train']:.2f} s + {cold['export_eval']:.2f} s"
+            if cold is not None
+            else ""
+        )
     )
 
     summary: dict[str, Any] = {}
@@ -497,6 +538,7 @@ def main(argv: list[str] | None = None) -> int:
                 "parameters": count(lm),
                 "results": [{"model": k, "microbatches": m, "rounds": results[(k, m)]} for k, m in configs],
                 "ratio_traced_over_spec": {str(m): v for m, v in ratios.items()},
+                "cold_trace": cold,
                 "program": summary,
             },
             f,

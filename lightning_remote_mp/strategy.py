@@ -26,7 +26,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_remote_mp import protocol
 from lightning_remote_mp.driver import DriverSession, allow_modules_for, checked_for_workers, normalize_hosts
-from lightning_remote_mp.errors import ConfigurationError, LrmpError, SpecError
+from lightning_remote_mp.errors import ConfigurationError, LrmpError, SpecError, TraceError
 from lightning_remote_mp.keys import KeyPair, generate_keypair, load_keypair, load_public_key, write_public_key
 from lightning_remote_mp.launch import LocalWorkers
 from lightning_remote_mp.logs import follow_lightning
@@ -363,6 +363,15 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
         session = self._session
         if session is None:
             raise LrmpError(f"module {key!r} was first called outside a session with the workers")
+        if len(module.layers) < self.num_stages:
+            tied = (
+                f"; weights used in several places ({', '.join(module.ties[:3])}) merged units" if module.ties else ""
+            )
+            raise TraceError(
+                f"module {key!r} was cut into {len(module.layers)} units ({', '.join(e.name for e in module.entries)})"
+                f"{tied}, fewer than the {self.num_stages} stages: use fewer workers, split a larger module, or "
+                "untie the weights (HuggingFace: tie_word_embeddings=False)"
+            )
         if isinstance(balance, list) and all(isinstance(b, str) for b in balance):
             balance = module.counts_at(balance, self.num_stages)
         session.place(

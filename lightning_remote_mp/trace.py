@@ -437,6 +437,7 @@ def trace_module(module: nn.Module, args: tuple, kwargs: dict, name: str) -> Tra
     owners, train_runs, eval_runs = _align(runs["train"], runs["eval"], name)
     attrs = [_attrs(t) | _attrs(e) for t, e in zip(train_runs, eval_runs)]
     groups = _merge_shared([[i] for i in range(len(owners))], attrs)
+    ties = sorted({a for a in set().union(*attrs) if sum(a in names for names in attrs) > 1}) if attrs else []
     unit_nodes = {
         "train": [[n for i in g for n in train_runs[i]] for g in groups],
         "eval": [[n for i in g for n in eval_runs[i]] for g in groups],
@@ -509,6 +510,7 @@ def trace_module(module: nn.Module, args: tuple, kwargs: dict, name: str) -> Tra
     traced = TracedSequential(
         name, module, entries, layers, state_names, covered, [_cost(nodes) for nodes in unit_nodes["train"]]
     )
+    traced.ties = ties  # type: ignore[attr-defined]
     call = _Call.from_graph(name, graphs["train"], interfaces["train"], args, kwargs)
     traced.interface = call  # type: ignore[attr-defined]
     traced.batched = (call.batched_in, call.batched_out)

@@ -1,4 +1,4 @@
-"""The examples run as documented: the LightningCLI configs, the digits classifier and the demo.
+"""The examples run as documented: the LightningCLI configs, the digits classifier, the demo, the GPTs.
 
 Everything runs in this process (the examples' ``main`` functions) on local workers over loopback:
 the ones the strategy starts by itself, or the suite's shared ones (``pool``) given as hosts.
@@ -131,3 +131,16 @@ def test_char_gpt_learns_on_four_workers(pool):
     first, last = sum(model.losses[:4]) / 4, sum(model.losses[-4:]) / 4
     assert last < first - 0.5, model.losses
     assert sample.startswith("def ") and len(sample) == 4 + 120
+
+
+@pytest.mark.timeout(120)
+def test_hf_gpt2_traced_unchanged_learns_on_two_workers(pool):
+    transformers = pytest.importorskip("transformers", reason="the example needs transformers: pip install -e '.[hf]'")
+    hf_gpt2 = load_example("hf_gpt2")
+    module, sample = hf_gpt2.main(steps=16, hosts=pool[:2], log_every=0, sample_bytes=8)
+    first, last = sum(module.losses[:4]) / 4, sum(module.losses[-4:]) / 4
+    assert len(module.losses) == 16 and last < first - 1.0, module.losses
+    # After fit the model is local again: a plain GPT2LMHeadModel with its own forward and keys.
+    assert type(module.model) is transformers.GPT2LMHeadModel and "forward" not in vars(module.model)
+    assert "model.transformer.h.0.attn.c_attn.weight" in module.state_dict()
+    assert sample.startswith(b"def ") and len(sample) == 4 + 8

@@ -164,9 +164,26 @@ def test_balance_starts_stages_at_named_submodules(pool):
     trainer(strategy, 1, callbacks=[keep], limit_train_batches=1).fit(Trained(CausalLM(layers=2)), token_data())
     assert keep.units == ["embed", "encoder.layers.0", "encoder.layers.1", "norm", "head"]
     assert keep.stages == [(0, 2), (2, 5)]
-    wrong = RemoteModelParallelStrategy(hosts=pool[:2], split=["model"], balance={"model": ["nope"]})
-    with pytest.raises(TraceError, match="cannot start a stage at 'nope'"):
-        trainer(wrong, 1, limit_train_batches=1).fit(Trained(CausalLM(layers=2)), token_data())
+
+
+@pytest.fixture(scope="module")
+def traced_lm():
+    torch.manual_seed(0)
+    model = CausalLM(layers=2)
+    return model, trace_module(model, (torch.randint(0, 32, (2, 16)),), {}, "lm")
+
+
+def test_stage_starts_must_name_units_in_order(traced_lm):
+    _, traced = traced_lm
+    assert traced.counts_at(["encoder.layers"], 2) == [1, 4]  # a prefix names the first unit under it
+    for names, match in [
+        (["nope"], "cannot start a stage at 'nope'"),
+        (["embed"], "cannot start a stage at 'embed'"),  # stage 0 starts there already
+        (["head", "norm"], "cannot start a stage at 'norm'"),  # out of order
+        (["norm"], "give 2 names"),
+    ]:
+        with pytest.raises(TraceError, match=match):
+            traced.counts_at(names, 3 if len(names) == 2 or match == "give 2 names" else 2)
 
 
 def test_a_model_that_cannot_be_traced_names_its_source_line(pool):
@@ -189,19 +206,20 @@ def test_split_names_are_checked(pool):
 
 def test_tied_weights_merge_their_units():
     torch.manual_seed(0)
-    model = CausalLM(layers=2)
+    model = CausalLM(layers=1)
     model.head.weight = model.embed.weight  # input and output embeddings tied, as GPT-2 does by default
     traced = trace_module(model, (torch.randint(0, 32, (2, 16)),), {}, "lm")
     assert len(traced.entries) == 1 and traced.entries[0].name == "embed..head"
+    assert traced.ties == ["head.weight"]  # the name torch.export keeps of the two
     ids = torch.randint(0, 32, (3, 9))
     assert torch.allclose(traced.run_locally(ids), model(ids))
 
 
-def test_calls_must_match_the_traced_call():
-    model = CausalLM(layers=1)
-    traced = trace_module(model, (torch.randint(0, 32, (2, 16)),), {}, "lm")
+def test_calls_must_match_the_traced_call(traced_lm):
+    model, traced = traced_lm
     call = traced.interface
-    call.inputs((torch.randint(0, 32, (5, 7)),), {})  # another batch size and length: fine
+    ids = torch.randint(0, 32, (5, 7))  # another batch size and length: fine
+    assert torch.equal(traced.run_locally(*call.inputs((ids,), {})), model(ids))
     with pytest.raises(TraceError, match="the same positional and keyword arguments"):
         call.inputs((), {"ids": torch.zeros(2, 16, dtype=torch.long)})
 
