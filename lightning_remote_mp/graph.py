@@ -333,6 +333,8 @@ class GraphLayer(nn.Module):
         if not isinstance(programs, Mapping) or not programs or not set(programs) <= {"train", "eval"}:
             raise SpecError("GraphLayer: programs must map 'train' and/or 'eval' to a program")
         self.programs = {mode: load_program(p, f"GraphLayer {mode} program") for mode, p in programs.items()}
+        if not isinstance(tensors, Mapping) or not all(isinstance(d, Mapping) for d in tensors.values()):
+            raise SpecError("GraphLayer: tensors must map attribute names to {'shape': ..., 'dtype': ...}")
         for name, desc in tensors.items():
             where = f"GraphLayer tensor {name!r}"
             if not (isinstance(name, str) and name.isidentifier() and not name.startswith("_")):

@@ -292,13 +292,70 @@ class Fuzzer:
                 entry[field] = r.choice(values)
         return entry if r.random() < 0.8 else [entry["layer"], entry["kwargs"], [1]]
 
+    def graph_entry(self) -> Any:
+        """A GraphLayer entry (a traced program) a hostile driver might write: operators outside the
+        allowlist, attribute names that are not operators, references to nothing, odd markers,
+        malformed tensor descriptions."""
+        r = self.rng
+        target = r.choice(
+            [
+                ["aten", "relu", "default"],
+                ["aten", "from_file", "default"],
+                ["aten", "__class__", "default"],
+                ["aten", "relu", "__dict__"],
+                ["mylib", "evil", "default"],
+                ["python", "eval"],
+                ["python", "getitem"],
+                ["prims", "nope", "default"],
+                ["aten"],
+                "aten.relu.default",
+                [1, 2, 3],
+            ]
+        )
+        arg = r.choice(
+            [
+                {"ref": "x"},
+                {"ref": "nowhere"},
+                {"device": True},
+                {"layout": "nope"},
+                {"memory_format": "channels_last"},
+                {"object": "os.system"},
+                [[[[[[[[[[{"ref": "x"}]]]]]]]]]],
+                self.value(),
+            ]
+        )
+        program = {
+            "inputs": r.choice([["x"], ["x", "x"], "x", []]),
+            "tensors": r.choice([{}, {"w": "w"}, {"w": "missing"}, {"x": "w"}, [1]]),
+            "steps": [["y", target, [arg], r.choice([{}, {"k": arg}, {1: 2}])]] * r.randint(0, 3),
+            "outputs": r.choice([["y"], ["x"], ["z"], "y"]),
+        }
+        tensors = r.choice(
+            [
+                {},
+                {"w": {"shape": [2], "dtype": "float32", "parameter": True}},
+                {"w": {"shape": [-1], "dtype": "float32"}},
+                {"w": {"shape": [2], "dtype": "_inductor"}},
+                {"__class__": {"shape": [1], "dtype": "float32"}},
+                {"w": {"shape": "big", "dtype": torch.float32}},
+            ]
+        )
+        programs = r.choice(
+            [{"train": program}, {"eval": program, "train": program}, {"other": program}, {}, [program]]
+        )
+        return {
+            "layer": "lightning_remote_mp.graph.GraphLayer",
+            "kwargs": {"programs": programs, "tensors": tensors},
+            "input_shape": [1],
+        }
+
     def request_kinds(self) -> list[Any]:
         """Any request kind with a random body (never a valid layer to build: that is a driver's right)."""
         r = self.rng
         kind = r.choice(KINDS)
         body: Any = self.value()
         if kind in (protocol.SETUP, protocol.PROFILE) and isinstance(body, dict):
-            body["entries"] = [self.entry()]
+            body["entries"] = [self.entry() if r.random() < 0.7 else self.graph_entry()]
             if r.random() < 0.5:
                 body["code_digests"] = r.choice([{"x": "y"}, {"torch": "0" * 64}, [1], {1: 2}, self.value()])
                 body["seed"] = r.choice([True, -1, 2**63, 2**64 - 1, 0, "7", None])

@@ -276,3 +276,16 @@ def test_graph_layer_runs_what_it_was_given():
     y, m, z = layer((torch.ones(3), torch.tensor(2)))
     assert y.tolist() == [2.0, 2.0, 2.0] and y.requires_grad
     assert int(m) == 4 and z.tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_replicas_gradient_clipping_and_accumulation(twin, pool):
+    """Two data-parallel replicas of a two-stage traced pipeline (their gradients all-reduced by
+    torch.distributed), micro-batches, clipping over every stage's gradients, accumulation."""
+    remote_equals_local(
+        lambda: Trained(CausalLM(layers=1)),
+        token_data,
+        twin,
+        RemoteModelParallelStrategy(hosts=[pool[:2], pool[2:]], microbatches=2, split=["model"]),
+        gradient_clip_val=0.5,
+        accumulate_grad_batches=2,
+    )
