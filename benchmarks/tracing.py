@@ -15,14 +15,15 @@ same architecture, parameter count and initial weights:
 Both run through a real Lightning Trainer (SGD, cross-entropy over one fixed batch of token ids) on
 two local lrmp-workers with one torch thread each (``LocalWorkers(2, threads=1)``, what the strategy
 starts itself for ``num_workers=2, worker_threads=1``; started once and reused so that rounds can
-alternate; ``--fresh-workers`` lets the strategy start its own for every fit), with the same stage
+alternate, after one untimed warm-up fit: a fresh worker's first optimizer imports torch._dynamo;
+``--fresh-workers`` lets the strategy start its own for every fit instead), with the same stage
 boundary (the middle block) for both, at each ``--microbatches`` value.
 
 Measured for every fit, timed inside it by wrapping lrmp's own functions (no library file is changed):
 
 - *trace s*: ``lightning_remote_mp.trace.trace_module`` (both exports, the cut, the programs);
-- *place s*: ``DriverSession.place``: shipping the units or layers and their weights, the workers
-  building their stages;
+- *place s*: ``DriverSession.place`` (shipping the units or layers and their weights, the workers
+  building their stages) and ``DriverSession.mirror_optimizer`` (the optimizer built on the workers);
 - *setup s*: trace + place; *first step s*: the first training step, which for (b) includes the trace
   and the placement (the strategy traces at the module's first call);
 - *steps/s*: the steps after ``--warmup`` steps (a callback on batch ends), and CPU ms per step
@@ -169,6 +170,9 @@ def instrument() -> None:
 
     trace.trace_module = timed(trace.trace_module, "trace", keep=True)  # TracedForward looks it up here
     DriverSession.place = timed(DriverSession.place, "place")
+    # The optimizer's mirror on the workers (OPTIM_CREATE round trips): part of placing, at setup for
+    # a spec and right after the trace for a traced module.
+    DriverSession.mirror_optimizer = timed(DriverSession.mirror_optimizer, "place")
     export = trace._export
 
     @functools.wraps(export)
@@ -429,6 +433,10 @@ def main(argv: list[str] | None = None) -> int:
         cold = cold_trace(lm, cfg) if args.cold_trace else None
         if cold is not None:
             print(f"first trace in this process, outside any fit: {cold['trace']:.2f} s", flush=True)
+        if workers is not None:
+            # A fresh worker's first optimizer imports torch._dynamo (seconds): pay it before the rounds.
+            first = run_fit({**cfg, "warmup": 1, "steps": 1}, "spec", spec_net, 1, addresses, pids)
+            print(f"warm-up fit on the fresh workers (untimed): placing took {first['place_s']:.2f} s", flush=True)
         for r in range(args.rounds):
             # Rotate the order every round so that no configuration always runs first or last.
             order = configs[r % len(configs) :] + configs[: r % len(configs)]
