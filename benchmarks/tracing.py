@@ -401,7 +401,8 @@ def main(argv: list[str] | None = None) -> int:
     _common.exit_on_sigterm()
     cfg = {k: getattr(args, k) for k in ("width", "depth", "heads", "seq", "batch", "vocab", "warmup", "steps")}
     configs = [(kind, m) for m in args.microbatches for kind in KINDS]
-    print(f"# lrmp tracing: a traced nn.Module against the same model as a layer spec ({'quick' if args.quick else 'full'} run)")
+    run = "quick" if args.quick else "full"
+    print(f"# lrmp tracing: a traced nn.Module against the same model as a layer spec ({run} run)")
     print(
         f"causal LM: vocab {args.vocab}, width {args.width}, {args.heads} heads, {args.depth} x "
         f"nn.TransformerEncoderLayer (ffn {4 * args.width}, dropout 0), seq {args.seq}, batch {args.batch}; "
@@ -433,8 +434,9 @@ def main(argv: list[str] | None = None) -> int:
         cold = cold_trace(lm, cfg) if args.cold_trace else None
         if cold is not None:
             print(f"first trace in this process, outside any fit: {cold['trace']:.2f} s", flush=True)
-        if workers is not None:
+        if workers is not None and not args.quick:
             # A fresh worker's first optimizer imports torch._dynamo (seconds): pay it before the rounds.
+            # (Not in the smoke run, whose first fit pays it in its setup.)
             first = run_fit({**cfg, "warmup": 1, "steps": 1}, "spec", spec_net, 1, addresses, pids)
             print(f"warm-up fit on the fresh workers (untimed): placing took {first['place_s']:.2f} s", flush=True)
         for r in range(args.rounds):

@@ -13,7 +13,9 @@ What a worker accepts, checked before anything runs (`load_program`):
 - a few Python operators on shapes and tuples (`PYTHON_OPERATORS`: ``getitem``, integer arithmetic);
 - argument values that are numbers, strings, dtypes, lists and tuples of them, references to earlier
   steps, and a device/layout/memory-format marker. Nothing names a class, a module or a function
-  outside those tables, so a received program cannot run code that came with it.
+  outside those tables, so a received program cannot run code that came with it;
+- per step, an optional context: grad mode on or off and autocast settings (what a
+  ``torch.no_grad()`` or ``torch.autocast`` block inside the traced forward asked for).
 
 >>> import torch
 >>> program = {
@@ -35,6 +37,7 @@ lightning_remote_mp.errors.RefusedOperatorError: unit 0, step 'y': operator aten
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import operator
 from collections.abc import Callable, Mapping, Sequence
@@ -178,6 +181,27 @@ class _Step:
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     drop: tuple[str, ...]  # values no later step or output needs
+    grad: bool | None = None  # run with autograd on or off (a torch.no_grad block), None: as called
+    autocast: tuple[bool, torch.dtype | None] | None = None  # (enabled, dtype) of an autocast block
+
+
+def _context(value: Any, where: str) -> tuple[bool | None, tuple[bool, torch.dtype | None] | None]:
+    """A step's optional context: ``{"grad": bool, "autocast": {"enabled": bool, "dtype": dtype}}``."""
+    if not isinstance(value, dict) or not set(value) <= {"grad", "autocast"}:
+        raise SpecError(f"{where}: malformed step context {value!r:.120}")
+    grad = value.get("grad")
+    if grad is not None and not isinstance(grad, bool):
+        raise SpecError(f"{where}: grad must be a bool")
+    cast = value.get("autocast")
+    if cast is None:
+        return grad, None
+    if not (
+        isinstance(cast, dict)
+        and isinstance(cast.get("enabled"), bool)
+        and (cast.get("dtype") is None or isinstance(cast.get("dtype"), torch.dtype))
+    ):
+        raise SpecError(f"{where}: autocast must be {{'enabled': bool, 'dtype': dtype or None}}")
+    return grad, (cast["enabled"], cast.get("dtype"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,10 +238,11 @@ def load_program(data: Any, where: str) -> Program:
         raise SpecError(f"{where}: steps must be a list")
     resolved = []
     for raw in raw_steps:
-        if not (isinstance(raw, list) and len(raw) == 4 and isinstance(raw[0], str) and isinstance(raw[3], dict)):
+        if not (isinstance(raw, list) and len(raw) in (4, 5) and isinstance(raw[0], str) and isinstance(raw[3], dict)):
             raise SpecError(f"{where}: malformed step {raw!r:.120}")
-        name, target, args, kwargs = raw
+        name, target, args, kwargs = raw[:4]
         at = f"{where}, step {name!r}"
+        context = _context(raw[4], at) if len(raw) == 5 else (None, None)
         if name in known:
             raise SpecError(f"{at}: the name is defined twice")
         fn = resolve_operator(target, at)
@@ -226,7 +251,7 @@ def load_program(data: Any, where: str) -> Program:
         decoded_args = tuple(_decode_value(a, known, at) for a in args)
         decoded_kwargs = {k: _decode_value(v, known, at) for k, v in kwargs.items()}
         known.add(name)
-        resolved.append((name, fn or _nothing, decoded_args, decoded_kwargs))
+        resolved.append((name, fn or _nothing, decoded_args, decoded_kwargs, context))
     outputs = _names(data.get("outputs"), "outputs", where)
     for name in outputs:
         if name not in known:
@@ -255,11 +280,9 @@ def _refs(value: Any) -> list[str]:
     return []
 
 
-def _with_drops(
-    steps: Sequence[tuple[str, Callable[..., Any], tuple[Any, ...], dict[str, Any]]], outputs: Sequence[str]
-):
+def _with_drops(steps: Sequence[tuple[Any, ...]], outputs: Sequence[str]) -> tuple[_Step, ...]:
     last_use: dict[str, int] = {}
-    for i, (_, _, args, kwargs) in enumerate(steps):
+    for i, (_, _, args, kwargs, _) in enumerate(steps):
         for name in _refs(args) + _refs(kwargs):
             last_use[name] = i
     keep = set(outputs)
@@ -267,7 +290,9 @@ def _with_drops(
     for name, i in last_use.items():
         if name not in keep:
             drops.setdefault(i, []).append(name)
-    return tuple(_Step(n, fn, a, k, tuple(drops.get(i, ()))) for i, (n, fn, a, k) in enumerate(steps))
+    return tuple(
+        _Step(n, fn, a, k, tuple(drops.get(i, ())), grad, cast) for i, (n, fn, a, k, (grad, cast)) in enumerate(steps)
+    )
 
 
 def _fill(value: Any, env: Mapping[str, Any], device: torch.device) -> Any:
@@ -292,14 +317,27 @@ def run(program: Program, inputs: Sequence[Any], tensors: Mapping[str, torch.Ten
     for name, attr in program.tensors.items():
         env[name] = tensors[attr]
     for step in program.steps:
-        env[step.name] = step.fn(
-            *_fill(step.args, env, device), **{k: _fill(v, env, device) for k, v in step.kwargs.items()}
-        )
+        args = _fill(step.args, env, device)
+        kwargs = {k: _fill(v, env, device) for k, v in step.kwargs.items()}
+        if step.grad is None and step.autocast is None:
+            env[step.name] = step.fn(*args, **kwargs)
+        else:
+            env[step.name] = _in_context(step, device, args, kwargs)
         for name in step.drop:
             env.pop(name, None)
     return tuple(
         torch.tensor(env[n], device=device) if n in program.scalar_outputs else env[n] for n in program.outputs
     )
+
+
+def _in_context(step: _Step, device: torch.device, args: Any, kwargs: Any) -> Any:
+    grad = torch.set_grad_enabled(step.grad) if step.grad is not None else contextlib.nullcontext()
+    cast: Any = contextlib.nullcontext()
+    if step.autocast is not None:
+        enabled, dtype = step.autocast
+        cast = torch.autocast(device.type, dtype=dtype, enabled=enabled)
+    with grad, cast:
+        return step.fn(*args, **kwargs)
 
 
 def _dtype(value: Any, where: str) -> torch.dtype:

@@ -94,9 +94,61 @@ def _export(module: nn.Module, args: tuple, kwargs: dict, name: str, training: b
         for m, f in flags:
             m.training = f
     gm = ep.module()
+    _inline_blocks(gm, name)
     gm.lrmp_out_spec = ep.call_spec.out_spec  # type: ignore[assignment]
     gm.lrmp_in_spec = ep.call_spec.in_spec  # type: ignore[assignment]
     return gm
+
+
+def _block_context(node: fx.Node) -> tuple[dict[str, Any], int] | None:
+    """For a ``torch.no_grad()`` / ``torch.autocast`` block that export wrapped in a higher-order
+    operator: the context its steps run in, and where its submodule and arguments start."""
+    name = getattr(node.target, "__name__", "")
+    if name == "wrap_with_set_grad_enabled":
+        return {"grad": bool(node.args[0])}, 1
+    if name == "wrap_with_autocast":
+        dtype = node.args[1] if isinstance(node.args[1], torch.dtype) else None
+        return {"autocast": {"enabled": bool(node.args[2]), "dtype": dtype}}, 4
+    return None
+
+
+def _inline_blocks(gm: fx.GraphModule, name: str) -> None:
+    """Replace grad-mode and autocast blocks by their steps, each marked with the block's context."""
+    while True:
+        found = next((n for n in gm.graph.nodes if n.op == "call_function" and _block_context(n) is not None), None)
+        if found is None:
+            gm.graph.lint()
+            return
+        _inline_block(gm, found, name)
+
+
+def _inline_block(gm: fx.GraphModule, found: fx.Node, name: str) -> None:
+    context, at = _block_context(found)  # type: ignore[misc]
+    sub = getattr(gm, found.args[at].target)
+    outer = found.meta.get("lrmp_context", {})
+    env: dict[fx.Node, Any] = dict(zip([p for p in sub.graph.nodes if p.op == "placeholder"], found.args[at + 1 :]))
+    outs: Any = None
+    with gm.graph.inserting_before(found):
+        for sn in sub.graph.nodes:
+            if sn.op == "placeholder":
+                continue
+            if sn.op == "output":
+                outs = fx.map_arg(sn.args[0], env.__getitem__)
+                continue
+            if sn.op == "get_attr":
+                raise TraceError(f"module {name!r}: a no_grad/autocast block holds its own weights; not supported")
+            new = gm.graph.node_copy(sn, env.__getitem__)
+            new.meta["lrmp_context"] = {**outer, **context, **sn.meta.get("lrmp_context", {})}
+            if "nn_module_stack" not in new.meta and "nn_module_stack" in found.meta:
+                new.meta["nn_module_stack"] = found.meta["nn_module_stack"]
+            env[sn] = new
+    for user in list(found.users):
+        if user.target is operator.getitem:
+            user.replace_all_uses_with(outs[user.args[1]])
+            gm.graph.erase_node(user)
+    if found.users:
+        found.replace_all_uses_with(outs)
+    gm.graph.erase_node(found)
 
 
 def _export_failure(name: str, err: BaseException) -> str:
@@ -468,9 +520,7 @@ def trace_module(module: nn.Module, args: tuple, kwargs: dict, name: str) -> Tra
                 "inputs": [v.name for v in live[k]],
                 "scalar_inputs": [v.name for v in live[k] if _is_scalar(v)],
                 "tensors": {a.name: local_names[a.target] for a in _attr_nodes(nodes)},
-                "steps": [
-                    [n.name, _target(n, name), _encode(list(n.args), name), _encode_kwargs(n, name)] for n in nodes
-                ],
+                "steps": [_step(n, name) for n in nodes],
                 "outputs": [v.name for v in live[k + 1]],
                 "scalar_outputs": [v.name for v in live[k + 1] if _is_scalar(v)],
             }
@@ -515,6 +565,12 @@ def trace_module(module: nn.Module, args: tuple, kwargs: dict, name: str) -> Tra
     traced.interface = call  # type: ignore[attr-defined]
     traced.batched = (call.batched_in, call.batched_out)
     return traced
+
+
+def _step(node: fx.Node, name: str) -> list[Any]:
+    step = [node.name, _target(node, name), _encode(list(node.args), name), _encode_kwargs(node, name)]
+    context = node.meta.get("lrmp_context")
+    return [*step, context] if context else step
 
 
 def _encode_kwargs(node: fx.Node, name: str) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from test_strategy import assert_same_losses, assert_same_weights, trainer
 from test_worker import Client
 
 from lightning_remote_mp import RemoteModelParallelStrategy, protocol
-from lightning_remote_mp.errors import RefusedOperatorError, TraceError
+from lightning_remote_mp.errors import RefusedOperatorError, SpecError, TraceError
 from lightning_remote_mp.graph import GraphLayer, load_program
 from lightning_remote_mp.trace import trace_module
 
@@ -90,24 +90,29 @@ def test_cnn_with_batchnorm_and_downsampling_blocks_follows_train_and_eval_switc
     assert "forward" not in vars(remote.model)  # the module has its own forward back
 
 
-def test_huggingface_gpt2_unchanged(twin, pool):
-    transformers = pytest.importorskip("transformers")
+def _gpt2(transformers):
     config = transformers.GPT2Config(
-        n_layer=2,
-        n_embd=32,
-        n_head=2,
-        n_positions=16,
-        vocab_size=32,
-        use_cache=False,
-        tie_word_embeddings=False,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
+        n_layer=2, n_embd=32, n_head=2, n_positions=16, vocab_size=32, use_cache=False, tie_word_embeddings=False,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    return transformers.GPT2LMHeadModel(config)
+
+
+def _llama(transformers):
+    """Rotary position embeddings computed in a torch.no_grad() block: a block torch.export wraps."""
+    config = transformers.LlamaConfig(
+        vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=16, use_cache=False, tie_word_embeddings=False,
+        bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(config)
+
+
+@pytest.mark.parametrize("build", [_gpt2, _llama], ids=["gpt2", "llama"])
+def test_huggingface_decoders_unchanged(twin, pool, build):
+    transformers = pytest.importorskip("transformers")
     remote_equals_local(
-        lambda: Trained(transformers.GPT2LMHeadModel(config), optimizer="AdamW", lr=1e-3, output="logits"),
+        lambda: Trained(build(transformers), optimizer="AdamW", lr=1e-3, output="logits"),
         token_data,
         twin,
         RemoteModelParallelStrategy(hosts=pool[:2], microbatches=2, split=["model"]),
@@ -289,3 +294,12 @@ def test_replicas_gradient_clipping_and_accumulation(twin, pool):
         gradient_clip_val=0.5,
         accumulate_grad_batches=2,
     )
+
+
+def test_steps_of_a_no_grad_block_run_without_grad():
+    step = ["y", ["aten", "mul", "Tensor"], [{"ref": "x"}, {"ref": "x"}], {}]
+    program = {"inputs": ["x"], "steps": [step, ["z", *step[1:], {"grad": False}]], "outputs": ["y", "z"]}
+    y, z = GraphLayer({"train": program}, {})((torch.ones(2, requires_grad=True),))
+    assert y.requires_grad and not z.requires_grad
+    with pytest.raises(SpecError, match="malformed step context"):
+        load_program({**program, "steps": [[*step, {"run": "os.system"}]]}, "here")
