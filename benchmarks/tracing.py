@@ -19,6 +19,12 @@ alternate, after one untimed warm-up fit: a fresh worker's first optimizer impor
 ``--fresh-workers`` lets the strategy start its own for every fit instead), with the same stage
 boundary (the middle block) for both, at each ``--microbatches`` value.
 
+With the strategy's default ``split_backward=True`` the spec's linear layers (the blocks' projections,
+the head) compute their weight gradients after sending the input gradients on, once per batch;
+traced units cannot (their programs call ATen's ``linear``, which the split backward does not see;
+docs/tracing.md), so *traced / spec* includes that difference as well as the cost of interpreting
+programs. ``--no-split-backward`` runs both with plain autograd, to compare like with like.
+
 Measured for every fit, timed inside it by wrapping lrmp's own functions (no library file is changed):
 
 - *trace s*: ``lightning_remote_mp.trace.trace_module`` (both exports, the cut, the programs);
@@ -260,7 +266,11 @@ def run_fit(
         balance = {"net": [f"encoder.layers.{half}"]}
     workers: dict[str, Any] = {"hosts": addresses} if addresses else {"num_workers": 2, "worker_threads": 1}
     strategy = RemoteModelParallelStrategy(
-        **workers, balance=balance, microbatches=m, split=["net"] if kind == "traced" else None
+        **workers,
+        balance=balance,
+        microbatches=m,
+        split_backward=cfg["split_backward"],
+        split=["net"] if kind == "traced" else None,
     )
     timer = StepTimer()
     trainer = L.Trainer(
@@ -374,6 +384,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="let the strategy start its own 2 workers (num_workers=2, worker_threads=1) for every fit",
     )
     p.add_argument(
+        "--no-split-backward",
+        dest="split_backward",
+        action="store_false",
+        help="split_backward=False for both models (traced units never defer weight gradients; the spec's "
+        "linear layers do by default)",
+    )
+    p.add_argument(
         "--no-cold-trace",
         dest="cold_trace",
         action="store_false",
@@ -399,14 +416,16 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)
     _common.exit_on_sigterm()
-    cfg = {k: getattr(args, k) for k in ("width", "depth", "heads", "seq", "batch", "vocab", "warmup", "steps")}
+    keys = ("width", "depth", "heads", "seq", "batch", "vocab", "warmup", "steps", "split_backward")
+    cfg = {k: getattr(args, k) for k in keys}
     configs = [(kind, m) for m in args.microbatches for kind in KINDS]
     run = "quick" if args.quick else "full"
     print(f"# lrmp tracing: a traced nn.Module against the same model as a layer spec ({run} run)")
     print(
         f"causal LM: vocab {args.vocab}, width {args.width}, {args.heads} heads, {args.depth} x "
         f"nn.TransformerEncoderLayer (ffn {4 * args.width}, dropout 0), seq {args.seq}, batch {args.batch}; "
-        f"SGD; 2 stages split at block {args.depth // 2}; {args.warmup} warm-up + {args.steps} timed steps per "
+        f"SGD; 2 stages split at block {args.depth // 2}; split_backward={args.split_backward}; "
+        f"{args.warmup} warm-up + {args.steps} timed steps per "
         f"fit, {args.rounds} round(s); workers "
         + ("started by the strategy per fit" if args.fresh_workers else "LocalWorkers(2, threads=1), reused")
     )

@@ -358,6 +358,9 @@ class GraphLayer(nn.Module):
         tensors: the weights, buffers and constants the programs use, by attribute name:
             ``{"shape": [...], "dtype": ..., "parameter": bool, "requires_grad": bool}``. They are
             allocated empty here; the driver's values arrive as the layer's state.
+        examples: what the traced call gave each input: ``{"shape": [...], "dtype": ...}`` for a
+            tensor, ``{"scalar": value}`` for a number (a length); `example_inputs` builds inputs
+            like them, to time the layer for ``balance="time"``.
         values: on the driver, the tensors themselves (shared with the traced module, not copied).
     """
 
@@ -365,9 +368,11 @@ class GraphLayer(nn.Module):
         self,
         programs: Mapping[str, Any],
         tensors: Mapping[str, Mapping[str, Any]],
+        examples: Sequence[Mapping[str, Any]] = (),
         values: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
         super().__init__()
+        self.examples = list(examples)
         if not isinstance(programs, Mapping) or not programs or not set(programs) <= {"train", "eval"}:
             raise SpecError("GraphLayer: programs must map 'train' and/or 'eval' to a program")
         self.programs = {mode: load_program(p, f"GraphLayer {mode} program") for mode, p in programs.items()}
@@ -397,6 +402,27 @@ class GraphLayer(nn.Module):
             missing = sorted(set(program.tensors.values()) - set(tensors))
             if missing:
                 raise SpecError(f"GraphLayer {mode} program uses tensors {missing[:5]} it was not given")
+
+    def example_inputs(self, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """Inputs shaped like the traced call's (random floats, zero integers), for timing."""
+        out = []
+        for i, example in enumerate(self.examples):
+            where = f"GraphLayer example input {i}"
+            if not isinstance(example, Mapping):
+                raise SpecError(f"{where}: malformed")
+            if "scalar" in example:
+                if not isinstance(example["scalar"], (bool, int, float)):
+                    raise SpecError(f"{where}: a scalar must be a number")
+                out.append(torch.tensor(example["scalar"], device=device))
+                continue
+            shape, dtype = example.get("shape"), _dtype(example.get("dtype"), where)
+            if not (isinstance(shape, (list, tuple)) and all(isinstance(d, int) and d >= 0 for d in shape)):
+                raise SpecError(f"{where}: malformed shape")
+            if dtype.is_floating_point:
+                out.append(torch.randn(tuple(shape), dtype=dtype, device=device, requires_grad=True))
+            else:
+                out.append(torch.zeros(tuple(shape), dtype=dtype, device=device))
+        return tuple(out)
 
     def _device(self, inputs: Sequence[Any]) -> torch.device:
         for t in (*self._parameters.values(), *self._buffers.values(), *inputs):

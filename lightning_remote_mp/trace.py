@@ -342,6 +342,20 @@ def _shape(node: fx.Node) -> tuple[int, ...]:
     return tuple(_hint(d) for d in val.shape) if isinstance(val, torch.Tensor) else ()
 
 
+def _example(node: fx.Node) -> dict[str, Any]:
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return {"shape": list(_shape(node)), "dtype": val.dtype}
+    if isinstance(val, (bool, torch.SymBool)):
+        return {"scalar": bool(_hint(val))}
+    if isinstance(val, (float, torch.SymFloat)):
+        try:
+            return {"scalar": float(val)}
+        except Exception:
+            return {"scalar": 1.0}
+    return {"scalar": _hint(val)}
+
+
 def _cost(nodes: Sequence[fx.Node]) -> float:
     """Estimated FLOPs: two per multiply-add of matrix products and convolutions, one per output element otherwise."""
     total = 0.0
@@ -499,6 +513,7 @@ def trace_module(module: nn.Module, args: tuple, kwargs: dict, name: str) -> Tra
     local_names = _local_names(sorted({a for g in groups for i in g for a in attrs[i]}))
     programs: list[dict[str, Any]] = [{} for _ in groups]
     shapes: list[list[tuple[int, ...]]] = []
+    examples: list[list[dict[str, Any]]] = []
     interfaces: dict[str, _Interface] = {}
     crossings: dict[str, list[list[Any]]] = {}
     for mode, gm in graphs.items():
@@ -526,6 +541,7 @@ def trace_module(module: nn.Module, args: tuple, kwargs: dict, name: str) -> Tra
             }
         if mode == "train":
             shapes = [[_shape(v) for v in live[k]] for k in range(len(units))]
+            examples = [[_example(v) for v in live[k]] for k in range(len(units))]
         interfaces[mode] = _Interface([v.name for v in live[0]], [v.name for v in live[-1]])
         crossings[mode] = [[_kind(v) for v in boundary] for boundary in live]
     _check_same_interface(name, crossings, interfaces)
@@ -543,12 +559,12 @@ def trace_module(module: nn.Module, args: tuple, kwargs: dict, name: str) -> Tra
             }
             for loc, t in values.items()
         }
-        layer = GraphLayer(programs[k], tensors, values=values)
+        layer = GraphLayer(programs[k], tensors, examples[k], values=values)
         layers.append(layer)
         entries.append(
             TracedEntry(
                 LAYER_PATH,
-                {"programs": programs[k], "tensors": tensors},
+                {"programs": programs[k], "tensors": tensors, "examples": examples[k]},
                 tuple(shapes[k]) if len(shapes[k]) != 1 else shapes[k][0],
                 label=labels[k],
             )

@@ -157,6 +157,7 @@ class _KeepStages(L.Callback):
         self.stages: list = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.predicted = list(trainer.strategy.session.predicted_stage_seconds.values())
         remote = trainer.strategy.session.placements["model"].remote
         self.stages = [(rs.stage.start, rs.stage.stop) for rs in remote.stages]
         self.units = [e.name for e in trainer.strategy._traced[0].traced.entries]
@@ -169,6 +170,16 @@ def test_balance_starts_stages_at_named_submodules(pool):
     trainer(strategy, 1, callbacks=[keep], limit_train_batches=1).fit(Trained(CausalLM(layers=2)), token_data())
     assert keep.units == ["embed", "encoder.layers.0", "encoder.layers.1", "norm", "head"]
     assert keep.stages == [(0, 2), (2, 5)]
+
+
+def test_balance_by_time_times_traced_units_on_the_workers(pool):
+    torch.manual_seed(0)
+    strategy = RemoteModelParallelStrategy(hosts=pool[:2], split=["model"], balance="time")
+    keep = _KeepStages()
+    trainer(strategy, 1, callbacks=[keep], limit_train_batches=2).fit(Trained(CausalLM(layers=2)), token_data())
+    assert len(keep.stages) == 2 and keep.stages[0][0] == 0 and keep.stages[-1][1] == 5
+    (predicted,) = keep.predicted  # the stage times the measured unit times predict
+    assert len(predicted) == 2 and all(t > 0 for t in predicted)
 
 
 @pytest.fixture(scope="module")

@@ -38,29 +38,43 @@ def _sync(device: torch.device) -> None:
 def time_layer(layer: torch.nn.Module, entry: LayerEntry, index: int, device: torch.device, repeats: int) -> float:
     """Median seconds of one forward plus backward of ``layer`` on inputs of its example shape."""
     deps, outs = variables_of(layer)
+    if hasattr(layer, "example_inputs"):  # a traced unit knows what it takes
+        return _median_seconds(layer, layer.example_inputs(device), {}, index, outs, device, repeats)
     kinds = (True, False)  # integer inputs (an Embedding's indices) when floats are refused
     if entry.input_dtype is not None:
         kinds = (getattr(torch, entry.input_dtype).is_floating_point,)
     for floating in kinds:
         try:
             x, variables = _inputs(entry, deps, device, floating)
-            runs = []
-            for _ in range(repeats + 1):  # the first run warms up
-                _sync(device)
-                start = time.perf_counter()
-                produced = dict(variables)
-                out = call_layer(index, layer, x, produced)
-                tensors = [out, *(produced[n] for n in outs)]
-                loss = sum(t.float().sum() for t in tensors if isinstance(t, torch.Tensor) and t.requires_grad)
-                if isinstance(loss, torch.Tensor):
-                    loss.backward()
-                _sync(device)
-                runs.append(time.perf_counter() - start)
-            return statistics.median(runs[1:])
+            return _median_seconds(layer, x, variables, index, outs, device, repeats)
         except (RuntimeError, TypeError):
             if floating is kinds[-1]:
                 raise
     raise AssertionError("unreachable")
+
+
+def _median_seconds(
+    layer: torch.nn.Module,
+    x: Any,
+    variables: dict[str, torch.Tensor],
+    index: int,
+    outs: list[str],
+    device: torch.device,
+    repeats: int,
+) -> float:
+    runs = []
+    for _ in range(repeats + 1):  # the first run warms up
+        _sync(device)
+        start = time.perf_counter()
+        produced = dict(variables)
+        out = call_layer(index, layer, x, produced)
+        tensors = [*(out if isinstance(out, tuple) else (out,)), *(produced[n] for n in outs)]
+        loss = sum(t.float().sum() for t in tensors if isinstance(t, torch.Tensor) and t.requires_grad)
+        if isinstance(loss, torch.Tensor):
+            loss.backward()
+        _sync(device)
+        runs.append(time.perf_counter() - start)
+    return statistics.median(runs[1:])
 
 
 def profile_layers(
