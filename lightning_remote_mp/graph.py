@@ -80,6 +80,7 @@ PYTHON_OPERATORS: dict[str, Callable[..., Any]] = {
     "sym_int": torch.sym_int,
     "sym_float": torch.sym_float,
 }
+_PYTHON_ENTRY: dict[Any, Callable[..., Any]] = {torch.ops.aten.linear.default: torch.nn.functional.linear}
 _MARKERS = {
     "layout": {"strided": torch.strided, "sparse_coo": torch.sparse_coo},
     "memory_format": {
@@ -146,7 +147,9 @@ def resolve_operator(target: Any, where: str) -> Callable[..., Any] | None:
     op = getattr(packet, overload)
     if not isinstance(op, torch._ops.OpOverload):
         raise RefusedOperatorError(f"{where}: {shown} is not an operator")
-    return op
+    # The same operator through its Python entry point, so that split backward (which intercepts
+    # F.linear, see worker.deferred_grads) defers traced linear layers' weight gradients too.
+    return _PYTHON_ENTRY.get(op, op)
 
 
 def _nothing(*args: Any, **kwargs: Any) -> None:
