@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
+import math
 import operator
 import re
 import traceback
@@ -37,10 +38,11 @@ from typing import Any
 
 import torch
 from torch import fx, nn
+from torch.fx.experimental.symbolic_shapes import is_concrete_int
 from torch.utils import _pytree as pytree
 
 from lightning_remote_mp.errors import TraceError
-from lightning_remote_mp.graph import PYTHON_OPERATORS, GraphLayer
+from lightning_remote_mp.graph import ALLOWED_NAMESPACES, PYTHON_OPERATORS, GraphLayer
 from lightning_remote_mp.spec import LayerEntry, SpecSequential, check_wiring
 
 _PYTHON_NAMES = {fn: name for name, fn in PYTHON_OPERATORS.items()}
@@ -94,6 +96,7 @@ def _export(module: nn.Module, args: tuple, kwargs: dict, name: str, training: b
         for m, f in flags:
             m.training = f
     gm = ep.module()
+    gm.lrmp_ranges = dict(ep.range_constraints)  # type: ignore[assignment]
     _inline_blocks(gm, name)
     gm.lrmp_out_spec = ep.call_spec.out_spec  # type: ignore[assignment]
     gm.lrmp_in_spec = ep.call_spec.in_spec  # type: ignore[assignment]
@@ -164,11 +167,22 @@ def _export_failure(name: str, err: BaseException) -> str:
         if tb:
             where = f" at {tb[-1].filename}:{tb[-1].lineno} in {tb[-1].name}"
     first = text.splitlines()[0] if text else type(err).__name__
+    if "data-dependent" in text or "DataDependent" in type(err).__name__ or "guard on" in text.lower():
+        hint = (
+            "Data-dependent control flow (an `if` on a tensor's value, a loop over its contents) cannot be "
+            "traced. Rewrite that part with torch.where"
+        )
+    elif "Found <class" in text and "output" in text:
+        hint = (
+            "The module returns an object torch.export cannot flatten (a HuggingFace model's key/value cache: "
+            "pass use_cache=False in its config)"
+        )
+    else:
+        hint = "torch.export could not trace it"
     return (
         f"module {name!r} cannot be traced by torch.export{where}: {type(err).__name__}: {first[:400]}\n"
-        "Data-dependent control flow (an `if` on a tensor's value, a loop over its contents) cannot be "
-        "traced. Rewrite that part with torch.cond / torch.where, split only the submodules around it "
-        "(split=[...] takes dotted names), or describe the model as a layer spec (SpecSequential)."
+        f"{hint}; or split only the submodules around that part (split=[...] takes dotted names), or "
+        "describe the model as a layer spec (SpecSequential)."
     )
 
 
@@ -284,21 +298,22 @@ def _target(node: fx.Node, name: str) -> list[str]:
     target = node.target
     if isinstance(target, torch._ops.OpOverload):
         ns, _, op = target._schema.name.partition("::")
-        return [ns, op, target._overloadname or "default"]
-    if target in _PYTHON_NAMES:
+        if ns in ALLOWED_NAMESPACES:
+            return [ns, op, target._overloadname or "default"]
+    elif target in _PYTHON_NAMES:
         return ["python", _PYTHON_NAMES[target]]
-    where = _where(node)
     raise TraceError(
-        f"module {name!r}: the traced graph calls {getattr(target, '__name__', target)!r}{where}, which workers "
-        "do not run (they run ATen and prims operators only). Higher-order operators (torch.cond, a "
-        "torch.autocast or torch.no_grad block inside forward) and custom operators are not supported yet; "
-        "split around that module or describe it as a layer spec."
+        f"module {name!r}: the traced graph calls {getattr(target, '__name__', target)!s}{_where(node)}, which "
+        f"workers do not run: they run {' and '.join(ALLOWED_NAMESPACES)} operators only, and torch.no_grad() and "
+        "torch.autocast blocks. Custom operators and control-flow operators (torch.cond, torch.while_loop) "
+        "are not supported; split around that module (split= takes dotted names) or describe it as a layer spec."
     )
 
 
 def _where(node: fx.Node) -> str:
+    """The user's source line a step came from (the innermost frame outside torch), if recorded."""
     trace = node.meta.get("stack_trace") or ""
-    lines = re.findall(r'File "([^"]+)", line (\d+)', trace)
+    lines = [f for f in re.findall(r'File "([^"]+)", line (\d+)', trace) if "/torch/" not in f[0] and "<" not in f[0]]
     return f" (at {lines[-1][0]}:{lines[-1][1]})" if lines else ""
 
 
@@ -325,16 +340,14 @@ def _is_scalar(node: fx.Node) -> bool:
     return not isinstance(node.meta.get("val"), torch.Tensor)
 
 
-def _hint(value: Any) -> int:
-    try:
-        return int(value)
-    except (TypeError, ValueError, RuntimeError):
-        from torch.fx.experimental.symbolic_shapes import hint_int
-
-        try:
-            return hint_int(value)
-        except Exception:
-            return 1
+def _hint(value: Any) -> Any:
+    """The example's value of a (symbolic) number, without guarding on it: ``int()`` of a symbolic
+    size would fix it in the trace's shape environment, and later checks would see it as static."""
+    node = getattr(value, "node", None)
+    if node is not None:
+        hint = getattr(node, "hint", None)
+        return hint if hint is not None else 1
+    return value
 
 
 def _shape(node: fx.Node) -> tuple[int, ...]:
@@ -349,11 +362,8 @@ def _example(node: fx.Node) -> dict[str, Any]:
     if isinstance(val, (bool, torch.SymBool)):
         return {"scalar": bool(_hint(val))}
     if isinstance(val, (float, torch.SymFloat)):
-        try:
-            return {"scalar": float(val)}
-        except Exception:
-            return {"scalar": 1.0}
-    return {"scalar": _hint(val)}
+        return {"scalar": float(_hint(val))}
+    return {"scalar": int(_hint(val))}
 
 
 def _cost(nodes: Sequence[fx.Node]) -> float:
@@ -681,6 +691,7 @@ class _Call:
     constants: list[Any]  # the non-tensor leaves of the traced call (None where a tensor is)
     input_leaves: list[int]  # for each pipeline input, its leaf index
     static_dims: list[dict[int, int]]  # per pipeline input, dims the trace fixed
+    ranges: list[dict[int, tuple[int, float]]]  # per pipeline input, limits the trace found on dynamic dims
     batched_in: list[bool]
     out_spec: Any
     out_leaves: list[tuple[str, Any]]  # ("value", index into pipeline outputs) or ("constant", value)
@@ -698,12 +709,13 @@ class _Call:
             if not isinstance(leaves[i], torch.Tensor):
                 raise TraceError(f"module {name!r}: its argument {placeholders[i].name!r} must be a tensor to travel")
         batch = None
-        static, batched_in = [], []
+        static, ranges, batched_in = [], [], []
         for i in input_leaves:
             val = placeholders[i].meta["val"]
-            static.append({d: s for d, s in enumerate(val.shape) if isinstance(s, int)})
+            static.append({d: int(s) for d, s in enumerate(val.shape) if is_concrete_int(s)})
+            ranges.append(_ranges(val, getattr(gm, "lrmp_ranges", {})))
             dim0 = str(val.shape[0]) if val.dim() > 0 else None
-            if batch is None and dim0 is not None and not isinstance(val.shape[0], int):
+            if batch is None and dim0 is not None and not is_concrete_int(val.shape[0]):
                 batch = dim0
             batched_in.append(dim0 is not None and dim0 == batch)
         output = next(n for n in gm.graph.nodes if n.op == "output")
@@ -723,7 +735,16 @@ class _Call:
             )
         constants = [None if isinstance(x, torch.Tensor) else x for x in leaves]
         return cls(
-            name, in_spec, constants, input_leaves, static, batched_in, gm.lrmp_out_spec, out_leaves, batched_out
+            name,
+            in_spec,
+            constants,
+            input_leaves,
+            static,
+            ranges,
+            batched_in,
+            gm.lrmp_out_spec,
+            out_leaves,
+            batched_out,
         )
 
     def inputs(self, args: tuple, kwargs: dict) -> tuple[torch.Tensor, ...]:
@@ -748,6 +769,15 @@ class _Call:
                     raise TraceError(
                         f"module {self.name!r}: dimension {d} of input {k} was {size} when traced and the model's code "
                         f"depends on it; this call gives shape {tuple(t.shape)}"
+                    )
+            for d, (low, high) in self.ranges[k].items():
+                if t.dim() > d and not low <= t.shape[d] <= high:
+                    limit = f"at most {int(high)}" if low == 0 else f"at least {low}"
+                    if low and high < math.inf:
+                        limit = f"between {low} and {int(high)}"
+                    raise TraceError(
+                        f"module {self.name!r}: dimension {d} of input {k} must be {limit} for the model's code "
+                        f"(torch.export found that limit); this call gives shape {tuple(t.shape)}"
                     )
             out.append(t)
         return tuple(out)
@@ -811,6 +841,22 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
 
 def _as_tuple(value: Any) -> tuple:
     return value if isinstance(value, tuple) else (value,)
+
+
+def _ranges(val: torch.Tensor, constraints: Mapping[Any, Any]) -> dict[int, tuple[int, float]]:
+    """Limits on the dynamic dims of an input that the trace found (a length at most ``n_positions``).
+    A lower limit of 2 is torch.export's default for every dynamic dim, not the model's: not kept."""
+    out: dict[int, tuple[int, float]] = {}
+    for d, size in enumerate(val.shape):
+        expr = getattr(getattr(size, "node", None), "expr", None)
+        bounds = constraints.get(expr) if expr is not None else None
+        if bounds is None:
+            continue
+        low = int(bounds.lower) if bounds.lower > 2 else 0
+        high = float(bounds.upper) if bounds.upper.is_finite else math.inf
+        if low > 0 or high < math.inf:
+            out[d] = (low, high)
+    return out
 
 
 def find_modules(root: nn.Module, names: Sequence[str]) -> dict[str, nn.Module]:

@@ -238,6 +238,8 @@ def test_calls_must_match_the_traced_call(traced_lm):
     assert torch.equal(traced.run_locally(*call.inputs((ids,), {})), model(ids))
     with pytest.raises(TraceError, match="the same positional and keyword arguments"):
         call.inputs((), {"ids": torch.zeros(2, 16, dtype=torch.long)})
+    with pytest.raises(TraceError, match="dimension 1 of input 0 must be at most 16"):  # the learned positions' length
+        call.inputs((torch.zeros(2, 17, dtype=torch.long),), {})
 
 
 BAD_PROGRAMS = {
