@@ -18,11 +18,11 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BOUND_S = float(os.environ.get("LRMP_BENCH_SMOKE_TIMEOUT", "30"))
-# memory.py starts a fresh driver and two fresh workers per model size and once more for its
-# recomputation table (nine torch imports): ~40 s.
+# memory.py starts a fresh driver and two fresh workers for its one quick model size and once more
+# for its recomputation table (six torch imports): ~25 s.
 # tracing.py imports Lightning, starts two workers and traces a small LM with torch.export (the
 # trace alone takes several seconds): ~25 s.
-BOUNDS = {"memory.py": 3 * BOUND_S, "tracing.py": 4 / 3 * BOUND_S}
+BOUNDS = {"memory.py": 2 * BOUND_S, "tracing.py": 4 / 3 * BOUND_S}
 TABLE_ROW = re.compile(r"^\|.*\|\s*$", re.M)
 SEPARATOR = re.compile(r"^\|(-+\|)+\s*$", re.M)
 

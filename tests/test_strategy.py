@@ -463,13 +463,13 @@ def test_the_strategy_name_works_whatever_the_import_order():
         "print(type(t.strategy).__name__)\n"
         "import lightning_remote_mp.worker.server\n"
     )
-    out = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "RemoteModelParallelStrategy"
-    worker = subprocess.run(
-        [sys.executable, "-c", "import lightning_remote_mp.worker.cli, sys; print('lightning' in sys.modules)"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert worker.stdout.strip() == "False", worker.stderr
+    worker_program = "import lightning_remote_mp.worker.cli, sys; print('lightning' in sys.modules)"
+    # Both at once: each is mostly a fresh interpreter importing torch.
+    procs = [
+        subprocess.Popen([sys.executable, "-c", p], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for p in (program, worker_program)
+    ]
+    (out, err), (worker_out, worker_err) = (p.communicate(timeout=120) for p in procs)
+    assert procs[0].returncode == 0, err
+    assert out.strip() == "RemoteModelParallelStrategy"
+    assert worker_out.strip() == "False", worker_err
