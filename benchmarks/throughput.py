@@ -168,18 +168,7 @@ def run_lrmp(
     strategy = RemoteModelParallelStrategy(
         hosts=addresses, balance=[cfg["depth"], cfg["depth"]], microbatches=m, split_backward=split
     )
-    trainer = L.Trainer(
-        max_steps=total,
-        max_epochs=1,
-        accelerator="cpu",
-        strategy=strategy,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        callbacks=[timer],
-    )
+    trainer = _common.timed_trainer(strategy, total, [timer])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.fit(LitMLP(), torch.utils.data.DataLoader(Repeat(total), batch_size=None))

@@ -273,18 +273,7 @@ def run_fit(
         split=["net"] if kind == "traced" else None,
     )
     timer = StepTimer()
-    trainer = L.Trainer(
-        max_steps=total,
-        max_epochs=1,
-        accelerator="cpu",
-        strategy=strategy,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        callbacks=[timer],
-    )
+    trainer = _common.timed_trainer(strategy, total, [timer])
     model = LitLM(copy.deepcopy(base))
     RECORD.clear()
     with warnings.catch_warnings():

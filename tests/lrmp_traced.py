@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import lightning as L
 import torch
+from lrmp_zoo import Classifier
 from torch import nn
 
 VOCAB, DIM, SEQ = 32, 32, 16
@@ -79,11 +80,12 @@ class DataDependent(nn.Module):
         return h
 
 
-class Trained(L.LightningModule):
-    """Cross-entropy over ``self.model``'s logits (flattened over positions for an LM); the model is any nn.Module."""
+class Trained(Classifier):
+    """The zoo's classifier over any nn.Module's logits (``output``: the attribute holding them, for a
+    HuggingFace ``ModelOutput``)."""
 
     def __init__(self, model: nn.Module, lr: float = 0.05, optimizer: str = "SGD", output: str | None = None) -> None:
-        super().__init__()
+        L.LightningModule.__init__(self)
         self.model = model
         self.lr = lr
         self.optimizer = optimizer
@@ -91,21 +93,6 @@ class Trained(L.LightningModule):
         self.losses: list[float] = []
         self.val_losses: list[float] = []
 
-    def _loss(self, batch) -> torch.Tensor:
-        x, y = batch
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
         out = self.model(x)
-        logits = getattr(out, self.output) if self.output else out
-        return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
-
-    def training_step(self, batch, batch_idx):
-        loss = self._loss(batch)
-        self.losses.append(loss.item())
-        return loss
-
-    def validation_step(self, batch, batch_idx):
-        loss = self._loss(batch)
-        self.val_losses.append(loss.item())
-        self.log("val_loss", loss)
-
-    def configure_optimizers(self):
-        return getattr(torch.optim, self.optimizer)(self.parameters(), lr=self.lr)
+        return getattr(out, self.output) if self.output else out

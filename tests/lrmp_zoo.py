@@ -170,9 +170,12 @@ class Classifier(L.LightningModule):
         self.losses: list[float] = []
         self.val_losses: list[float] = []
 
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
     def _loss(self, batch) -> torch.Tensor:
         x, y = batch
-        logits = self.net(x)
+        logits = self.logits(x)
         return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
     def training_step(self, batch, batch_idx):

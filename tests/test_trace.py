@@ -13,33 +13,12 @@ from lrmp_traced import CausalLM, DataDependent, ResNet, Trained
 from lrmp_zoo import image_data, token_data
 from test_strategy import assert_same_losses, assert_same_weights, trainer
 from test_worker import Client
+from test_zoo import TOL, fit, remote_equals_local
 
 from lightning_remote_mp import RemoteModelParallelStrategy, protocol
 from lightning_remote_mp.errors import RefusedOperatorError, SpecError, TraceError
 from lightning_remote_mp.graph import GraphLayer, load_program
 from lightning_remote_mp.trace import trace_module
-
-TOL = 2e-5
-
-
-def fit(
-    model: L.LightningModule, data_fn, strategy=None, epochs: int = 2, ckpt_path=None, **kwargs
-) -> L.LightningModule:
-    kwargs.setdefault("num_sanity_val_steps", 2)  # Lightning's default: validation before the first step
-    trainer(strategy, epochs, **kwargs).fit(model, data_fn(), data_fn(seed=1), ckpt_path=ckpt_path)
-    return model
-
-
-def remote_equals_local(make, data_fn, twin, strategy, **kwargs):
-    torch.manual_seed(0)
-    local = make()
-    remote = twin(local)
-    fit(local, data_fn, **kwargs)
-    fit(remote, data_fn, strategy, **kwargs)
-    assert_same_losses(local.losses, remote.losses, TOL)
-    assert_same_losses(local.val_losses, remote.val_losses, TOL)
-    assert_same_weights(local, remote, TOL)
-    return local, remote
 
 
 def _entries_sent(strategy: RemoteModelParallelStrategy, key: str = "model") -> list:

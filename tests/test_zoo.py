@@ -22,9 +22,9 @@ from lightning_remote_mp import RemoteModelParallelStrategy
 TOL = 2e-5
 
 
-def fit(model: Classifier, data_fn, strategy=None, epochs: int = 2, **kwargs) -> Classifier:
+def fit(model: Classifier, data_fn, strategy=None, epochs: int = 2, ckpt_path=None, **kwargs) -> Classifier:
     kwargs.setdefault("num_sanity_val_steps", 2)  # Lightning's default: validation before the first step
-    trainer(strategy, epochs, **kwargs).fit(model, data_fn(), data_fn(seed=1))
+    trainer(strategy, epochs, **kwargs).fit(model, data_fn(), data_fn(seed=1), ckpt_path=ckpt_path)
     return model
 
 
