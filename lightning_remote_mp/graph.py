@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import operator
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -49,17 +50,73 @@ from torch import nn
 from lightning_remote_mp.errors import RefusedOperatorError, SpecError
 
 #: Operator namespaces whose operators a traced program may call.
-ALLOWED_NAMESPACES = ("aten", "prims")
-#: ATen operators refused although in an allowed namespace: they reach outside the process.
-DENIED_OPERATORS = frozenset({"from_file", "_from_file"})
+ALLOWED_NAMESPACES = ("aten",)
+#: ATen operators a program may call besides those tagged ``core`` (ATen's core IR, ~160 functional
+#: operators): the composite ones that traced training graphs keep (torch.export's default IR is
+#: pre-dispatch: ``linear``, ``batch_norm``, ``dropout``... stay whole). Reviewed by name: each reads
+#: and writes only within its tensors' bounds. Backward operators are never needed and never allowed.
+COMPOSITE_OPERATORS = frozenset(
+    """
+    linear bilinear conv1d conv2d conv3d conv_transpose1d conv_transpose2d conv_transpose3d batch_norm
+    instance_norm group_norm layer_norm rms_norm dropout feature_dropout alpha_dropout
+    feature_alpha_dropout scaled_dot_product_attention softmax log_softmax matmul einsum reshape
+    flatten unflatten transpose t contiguous view_as reshape_as expand_as type_as to chunk split
+    unbind tensor_split narrow movedim swapaxes repeat_interleave tile masked_fill silu relu6 hardswish
+    hardsigmoid mish softplus selu celu glu logsigmoid sigmoid_ tanh_ relu_ square exp2 erfinv
+    clamp_min clamp_max clip norm linalg_vector_norm frobenius_norm std var_mean std_mean
+    cumprod logsumexp argsort zeros ones zeros_like ones_like new_zeros new_ones new_full rand_like
+    randn_like randint tril triu diff outer adaptive_avg_pool1d adaptive_avg_pool2d adaptive_avg_pool3d
+    adaptive_max_pool1d adaptive_max_pool2d avg_pool1d max_pool1d max_pool2d max_pool3d pad
+    upsample_nearest1d upsample_nearest3d upsample_linear1d upsample_bicubic2d pixel_shuffle
+    pixel_unshuffle one_hot cross_entropy_loss nll_loss mse_loss l1_loss smooth_l1_loss
+    binary_cross_entropy_with_logits __and__ __or__ __xor__ __lshift__ __rshift__ __iand__ __ior__
+    bitwise_left_shift bitwise_right_shift floor_divide true_divide cosine_similarity pairwise_distance
+    add_ sub_ mul_ div_ copy_ fill_ zero_ clamp_ masked_fill_ index_copy index_add index_fill
+    masked_select detach item lift_fresh_copy all isfinite nan_to_num sgn expand_copy
+    view_as_real view_as_complex polar complex real imag angle rsub addcmul addcdiv baddbmm addmv
+    addbmm lerp hypot logaddexp xlogy frac heaviside dot vdot mv kron cross diag diag_embed
+    diagonal_scatter take_along_dim flip fliplr flipud roll rot90 meshgrid broadcast_to
+    """.split()
+)
+#: Operators whose results start uninitialised: run zero-filled, so a program never reads memory
+#: the worker freed (weights of another session, keys).
+_ZERO_FILLED = frozenset({"empty", "empty_strided"})
 #: Steps dropped on load: shape and metadata assertions the tracer inserts, which would pin the
 #: trace's device (a CUDA worker runs a program traced on a CPU driver) or re-check its guards.
 DROPPED_OPERATORS = frozenset(
     {"_assert_tensor_metadata", "_assert_scalar", "sym_constrain_range_for_size", "sym_constrain_range"}
 )
-#: Python callables a traced program may use, by the name they travel under.
-PYTHON_OPERATORS: dict[str, Callable[..., Any]] = {
-    "getitem": operator.getitem,
+#: The most a Python operator's integer operand or result may be, and a power's exponent: they
+#: compute sizes, and unbounded Python integers would hold the interpreter lock for ever.
+_MAX_INT = 2**63
+_MAX_EXPONENT = 64
+
+
+def _number_operator(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
+    """``fn`` on plain numbers only, within `_MAX_INT` (sizes, not strings or lists)."""
+
+    def checked(*args: Any) -> Any:
+        for a in args:
+            if not isinstance(a, (bool, int, float)) or (isinstance(a, int) and abs(a) > _MAX_INT):
+                raise SpecError(f"Python operator {name!r} takes numbers within 2**63, got {a!r:.60}")
+        if name == "pow" and (not isinstance(args[1], (int, float)) or abs(args[1]) > _MAX_EXPONENT):
+            raise SpecError(f"Python operator 'pow' takes an exponent of at most {_MAX_EXPONENT}")
+        out = fn(*args)
+        if isinstance(out, int) and abs(out) > _MAX_INT:
+            raise SpecError(f"Python operator {name!r} gave a number beyond 2**63")
+        return out
+
+    return checked
+
+
+def _getitem(container: Any, index: Any) -> Any:
+    """``container[index]`` for a multi-output operator's tuple and an integer index only."""
+    if not isinstance(container, (tuple, list)) or not isinstance(index, int) or isinstance(index, bool):
+        raise SpecError("Python operator 'getitem' takes a tuple of results and an integer index")
+    return container[index]
+
+
+_ARITHMETIC = {
     "add": operator.add,
     "sub": operator.sub,
     "mul": operator.mul,
@@ -80,9 +137,17 @@ PYTHON_OPERATORS: dict[str, Callable[..., Any]] = {
     "sym_int": torch.sym_int,
     "sym_float": torch.sym_float,
 }
+#: Python callables a traced program may use, by the name they travel under: arithmetic and
+#: comparisons on sizes, and taking one result of a multi-output operator.
+PYTHON_OPERATORS: dict[str, Callable[..., Any]] = {
+    "getitem": _getitem,
+    **{name: _number_operator(fn, name) for name, fn in _ARITHMETIC.items()},
+}
+#: What the tracer's graphs call, by the name it travels under (driver side).
+TRACED_PYTHON_NAMES: dict[Any, str] = {operator.getitem: "getitem", **{fn: n for n, fn in _ARITHMETIC.items()}}
 _PYTHON_ENTRY: dict[Any, Callable[..., Any]] = {torch.ops.aten.linear.default: torch.nn.functional.linear}
 _MARKERS = {
-    "layout": {"strided": torch.strided, "sparse_coo": torch.sparse_coo},
+    "layout": {"strided": torch.strided},
     "memory_format": {
         "contiguous_format": torch.contiguous_format,
         "channels_last": torch.channels_last,
@@ -126,10 +191,6 @@ def resolve_operator(target: Any, where: str) -> Callable[..., Any] | None:
             f"{where}: operator {shown} is not allowed on a worker; only {', '.join(ALLOWED_NAMESPACES)} operators "
             "are (custom operators and other namespaces are refused)"
         )
-    if name in DENIED_OPERATORS:
-        raise RefusedOperatorError(
-            f"{where}: operator {shown} is not allowed on a worker (it reaches outside the process)"
-        )
     if not (name.isidentifier() and overload.isidentifier()):
         raise RefusedOperatorError(f"{where}: {shown!r} is not an operator name")
     if name in DROPPED_OPERATORS:
@@ -147,9 +208,52 @@ def resolve_operator(target: Any, where: str) -> Callable[..., Any] | None:
     op = getattr(packet, overload)
     if not isinstance(op, torch._ops.OpOverload):
         raise RefusedOperatorError(f"{where}: {shown} is not an operator")
+    if not allowed_operator(op):
+        raise RefusedOperatorError(
+            f"{where}: operator {shown} is not on this worker's operator allowlist (ATen's core operators "
+            "and the composite ones traced models use, see lightning_remote_mp.graph.COMPOSITE_OPERATORS)"
+        )
+    if name in _ZERO_FILLED:
+        return _zero_filled(op)
     # The same operator through its Python entry point, so that split backward (which intercepts
     # F.linear, see worker.deferred_grads) defers traced linear layers' weight gradients too.
     return _PYTHON_ENTRY.get(op, op)
+
+
+def allowed_operator(op: torch._ops.OpOverload) -> bool:
+    """Whether a worker runs ``op``: an ATen operator tagged core or listed in `COMPOSITE_OPERATORS`,
+    and no backward operator."""
+    namespace, _, name = op._schema.name.partition("::")
+    if namespace not in ALLOWED_NAMESPACES or name.endswith("_backward"):
+        return False
+    return name in COMPOSITE_OPERATORS or name in DROPPED_OPERATORS or _core(op.overloadpacket)
+
+
+@functools.cache
+def _core(packet: torch._ops.OpOverloadPacket) -> bool:
+    # Core is tagged per overload (arange.start_step, not arange.default); the name is what counts.
+    return any(torch.Tag.core in getattr(packet, overload).tags for overload in packet.overloads())
+
+
+def _zero_filled(op: Callable[..., Any]) -> Callable[..., Any]:
+    def zeroed(*args: Any, **kwargs: Any) -> torch.Tensor:
+        return op(*args, **kwargs).zero_()
+
+    zeroed.__wrapped_op__ = op  # type: ignore[attr-defined]  # whose schema the arguments are checked against
+    return zeroed
+
+
+def _check_devices(op: Any, args: Sequence[Any], kwargs: Mapping[str, Any], where: str) -> None:
+    """Arguments the operator's schema types as a device must be the layer's own (the marker): a
+    program does not pick the worker's GPU, nor the meta device."""
+    schema = getattr(op, "_schema", None)
+    if schema is None:
+        return
+    named = dict(zip((a.name for a in schema.arguments), args))
+    named.update(kwargs)
+    for arg in schema.arguments:
+        if "Device" in str(arg.type) and named.get(arg.name) not in (None, _DEVICE):
+            raise RefusedOperatorError(f"{where}: argument {arg.name!r} must be the layer's device marker")
 
 
 def _nothing(*args: Any, **kwargs: Any) -> None:
@@ -253,6 +357,8 @@ def load_program(data: Any, where: str) -> Program:
             raise SpecError(f"{at}: malformed arguments")
         decoded_args = tuple(_decode_value(a, known, at) for a in args)
         decoded_kwargs = {k: _decode_value(v, known, at) for k, v in kwargs.items()}
+        if fn is not None:
+            _check_devices(getattr(fn, "__wrapped_op__", fn), decoded_args, decoded_kwargs, at)
         known.add(name)
         resolved.append((name, fn or _nothing, decoded_args, decoded_kwargs, context))
     outputs = _names(data.get("outputs"), "outputs", where)
@@ -343,11 +449,15 @@ def _in_context(step: _Step, device: torch.device, args: Any, kwargs: Any) -> An
         return step.fn(*args, **kwargs)
 
 
+_DTYPES = {str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
+
+
 def _dtype(value: Any, where: str) -> torch.dtype:
+    # A fixed table: ``getattr(torch, name)`` would import torch's lazy submodules (``_dynamo``).
     if isinstance(value, torch.dtype):
         return value
-    if isinstance(value, str) and isinstance(getattr(torch, value, None), torch.dtype):
-        return getattr(torch, value)
+    if isinstance(value, str) and value in _DTYPES:
+        return _DTYPES[value]
     raise SpecError(f"{where}: {value!r:.60} is not a dtype")
 
 
@@ -391,7 +501,9 @@ class GraphLayer(nn.Module):
                 shape = desc.get("shape")
                 if not (isinstance(shape, (list, tuple)) and all(isinstance(d, int) and d >= 0 for d in shape)):
                     raise SpecError(f"{where}: malformed shape {shape!r:.60}")
-                t = torch.empty(tuple(shape), dtype=_dtype(desc.get("dtype"), where))
+                # Zeros, not empty: the driver might send no weights (init_seed), and state taken
+                # before any arrive must not be memory this process freed.
+                t = torch.zeros(tuple(shape), dtype=_dtype(desc.get("dtype"), where))
             if desc.get("parameter"):
                 param = (
                     t

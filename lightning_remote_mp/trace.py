@@ -42,10 +42,9 @@ from torch.fx.experimental.symbolic_shapes import is_concrete_int
 from torch.utils import _pytree as pytree
 
 from lightning_remote_mp.errors import TraceError
-from lightning_remote_mp.graph import ALLOWED_NAMESPACES, PYTHON_OPERATORS, GraphLayer
+from lightning_remote_mp.graph import TRACED_PYTHON_NAMES, GraphLayer, allowed_operator
 from lightning_remote_mp.spec import LayerEntry, SpecSequential, check_wiring
 
-_PYTHON_NAMES = {fn: name for name, fn in PYTHON_OPERATORS.items()}
 _MARKER_NAMES = {
     torch.strided: ("layout", "strided"),
     torch.sparse_coo: ("layout", "sparse_coo"),
@@ -298,15 +297,16 @@ def _target(node: fx.Node, name: str) -> list[str]:
     target = node.target
     if isinstance(target, torch._ops.OpOverload):
         ns, _, op = target._schema.name.partition("::")
-        if ns in ALLOWED_NAMESPACES:
+        if allowed_operator(target):
             return [ns, op, target._overloadname or "default"]
-    elif target in _PYTHON_NAMES:
-        return ["python", _PYTHON_NAMES[target]]
+    elif target in TRACED_PYTHON_NAMES:
+        return ["python", TRACED_PYTHON_NAMES[target]]
     raise TraceError(
         f"module {name!r}: the traced graph calls {getattr(target, '__name__', target)!s}{_where(node)}, which "
-        f"workers do not run: they run {' and '.join(ALLOWED_NAMESPACES)} operators only, and torch.no_grad() and "
-        "torch.autocast blocks. Custom operators and control-flow operators (torch.cond, torch.while_loop) "
-        "are not supported; split around that module (split= takes dotted names) or describe it as a layer spec."
+        "workers do not run: they run the ATen operators on their allowlist (lightning_remote_mp.graph: core "
+        "ATen and COMPOSITE_OPERATORS), and torch.no_grad() and torch.autocast blocks. Custom operators and "
+        "control-flow operators (torch.cond, torch.while_loop) are not supported; split around that module "
+        "(split= takes dotted names) or describe it as a layer spec."
     )
 
 

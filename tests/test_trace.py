@@ -226,6 +226,13 @@ BAD_PROGRAMS = {
     "file reader": ["aten", "from_file", "default"],
     "dunder": ["aten", "__class__", "default"],
     "python builtin": ["python", "eval"],
+    # ATen operators that read or write past a tensor's memory, or change the process's state:
+    "unchecked view": ["aten", "_reshape_alias", "default"],
+    "storage swap": ["aten", "set_", "source_Tensor_storage_offset"],
+    "unchecked sparse": ["aten", "_sparse_coo_tensor_unsafe", "default"],
+    "global grad mode": ["aten", "set_grad_enabled", "default"],
+    "backward": ["aten", "max_pool2d_with_indices_backward", "default"],
+    "prims": ["prims", "view_of", "default"],
 }
 
 
@@ -252,6 +259,32 @@ def test_a_received_graph_with_a_disallowed_operator_is_refused_and_the_worker_s
         assert client.request(protocol.GET_STATE).body == {}  # it answers, and kept nothing
     finally:
         client.close()
+
+
+@pytest.mark.parametrize(
+    "step",
+    [
+        ["a", ["python", "pow"], [3, 10**8], {}],  # Python integers that never end
+        ["a", ["python", "mul"], ["a", 10**10], {}],  # a string of 10 GB
+        ["a", ["aten", "_to_copy", "default"], [{"ref": "x"}], {"device": "meta"}],  # a device of its own choosing
+        ["a", ["aten", "empty", "memory_format"], [[4]], {"device": "cuda:3"}],
+    ],
+    ids=["bigint", "string", "meta device", "other gpu"],
+)
+def test_programs_cannot_hang_the_worker_or_pick_its_device(step):
+    program = {"inputs": ["x"], "steps": [step], "outputs": ["a"]}
+    with pytest.raises((SpecError, RefusedOperatorError)):
+        GraphLayer({"train": load_program(program, "here") and program}, {})((torch.ones(2),))
+
+
+def test_fresh_tensors_hold_zeros_not_freed_memory():
+    secret = torch.full((1024,), 7.0)
+    del secret
+    layer = GraphLayer(
+        {"train": {"inputs": [], "steps": [], "outputs": []}}, {"w": {"shape": [1024], "dtype": "float32"}}
+    )
+    empty = {"inputs": [], "steps": [["e", ["aten", "empty", "memory_format"], [[1024]], {}]], "outputs": ["e"]}
+    assert not layer.w.any() and not GraphLayer({"train": empty}, {})(())[0].any()
 
 
 def test_graph_layer_runs_what_it_was_given():
