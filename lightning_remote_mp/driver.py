@@ -534,11 +534,13 @@ class DriverSession:
         return out
 
     def mirror_optimizer(self, index: int, optimizer: torch.optim.Optimizer) -> OptimizerMirror | None:
-        """Mirror ``optimizer`` on the workers holding its parameters (once; later calls return the mirror)."""
+        """Mirror ``optimizer`` on the workers holding its parameters (once; later calls return the mirror,
+        extended to parameters placed since)."""
+        remote = self.remote_parameters()
         for mirror in self.mirrors:
             if mirror.optimizer is optimizer:
+                mirror.extend(remote)  # parameters placed since (a traced module's, at its first call)
                 return mirror
-        remote = self.remote_parameters()
         if not any(id(p) in remote for g in optimizer.param_groups for p in g["params"]):
             return None
         mirror = OptimizerMirror(optimizer, index, remote, grads_version=self.grads_version)

@@ -53,11 +53,7 @@ class OptimizerMirror:
     ) -> None:
         self.optimizer = optimizer
         self.index = index
-        self.remote = {id(p): remote[id(p)] for g in optimizer.param_groups for p in g["params"] if id(p) in remote}
-        self.conns: list[Connection] = list({id(c): c for cs, _ in self.remote.values() for c in cs}.values())
-        # Replica 0's workers answer for state and gradient norms; every replica holds the same.
-        self.primary: list[Connection] = list({id(cs[0]): cs[0] for cs, _ in self.remote.values()}.values())
-        self.replicated = any(len(cs) > 1 for cs, _ in self.remote.values())
+        self._adopt(remote)
         self.grads_version = grads_version
         self._synced_version = grads_version()
         self.allreduced_bytes = 0  # gradient bytes each stage's replicas summed, over the session
@@ -73,6 +69,32 @@ class OptimizerMirror:
         # directly, so the optimizer gets a subclass whose zero_grad also reaches the workers.
         optimizer.__class__ = _mirrored_class(self.cls)
         optimizer._lrmp_mirror = self  # type: ignore[attr-defined]
+
+    def _adopt(self, remote: Mapping[int, tuple[list[Connection], str]]) -> None:
+        opt = self.optimizer
+        self.remote = {id(p): remote[id(p)] for g in opt.param_groups for p in g["params"] if id(p) in remote}
+        self.conns: list[Connection] = list({id(c): c for cs, _ in self.remote.values() for c in cs}.values())
+        # Replica 0's workers answer for state and gradient norms; every replica holds the same.
+        self.primary: list[Connection] = list({id(cs[0]): cs[0] for cs, _ in self.remote.values()}.values())
+        self.replicated = any(len(cs) > 1 for cs, _ in self.remote.values())
+
+    def extend(self, remote: Mapping[int, tuple[list[Connection], str]]) -> None:
+        """Take in parameters placed after the mirror was made (a traced module placed at its first
+        call): the workers' optimizers are built again over all of them, with the state they had."""
+        if not any(
+            id(p) in remote and id(p) not in self.remote for g in self.optimizer.param_groups for p in g["params"]
+        ):
+            return
+        kept = {
+            name: state
+            for reply in broadcast(self.primary, protocol.GET_OPTIM_STATE, {"index": self.index})
+            for name, state in reply["state"].items()
+        }
+        self._adopt(remote)
+        self._create()
+        if kept:
+            self._incoming = kept
+            self._load_state_dict_post(self.optimizer)
 
     def _create(self) -> None:
         cls = self.cls

@@ -328,3 +328,27 @@ def test_steps_of_a_no_grad_block_run_without_grad():
     assert y.requires_grad and not z.requires_grad
     with pytest.raises(SpecError, match="malformed step context"):
         load_program({**program, "steps": [[*step, {"run": "os.system"}]]}, "here")
+
+
+class _TwoParts(Trained):
+    """Two split modules under one optimizer: the second is placed (at its first call) after the
+    optimizer was mirrored for the first."""
+
+    def __init__(self) -> None:
+        super().__init__(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16)))
+        self.head = torch.nn.Sequential(
+            torch.nn.ReLU(), torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)
+        )
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.model(x))
+
+
+def _vectors(n: int = 32, batch: int = 8, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 8, generator=g)
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, (x[:, 0] > 0).long() * 2), batch_size=batch)
+
+
+def test_two_split_modules_under_one_optimizer_both_train(twin, pool):
+    remote_equals_local(_TwoParts, _vectors, twin, RemoteModelParallelStrategy(hosts=pool[:2], split=["model", "head"]))
