@@ -374,6 +374,9 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
             )
         if isinstance(balance, list) and all(isinstance(b, str) for b in balance):
             balance = module.counts_at(balance, self.num_stages)
+        replicas = len(normalize_hosts(self.hosts)) if self.hosts is not None else self.replicas
+        if self.microbatches > 1 or replicas > 1:
+            module.check_batch_split(module.example)
         session.place(
             key,
             module,

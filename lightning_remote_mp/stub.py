@@ -265,11 +265,15 @@ class RemoteSpec:
             items = [p[i] for p in parts]
             if all(t is None for t in items):
                 out.append(None)
+            elif not f and what == "input":
+                # The gradient of an input every micro-batch saw whole is the sum of their parts.
+                out.append(torch.stack([t for t in items if t is not None]).sum(0))
+                continue
             elif not f:
                 raise ConfigurationError(
                     f"{self.key!r}: {what} {i} has no batch dimension (a loss or a statistic of the whole batch?), "
-                    "so micro-batches cannot be joined back; compute it outside the split module, or use "
-                    "microbatches=1"
+                    "so the parts of a batch (micro-batches, replicas) cannot be joined back; compute it outside "
+                    "the split module, or use microbatches=1 and a single replica"
                 )
             else:
                 out.append(torch.cat(items, dim=0))

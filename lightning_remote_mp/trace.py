@@ -477,6 +477,41 @@ class TracedSequential(SpecSequential):
         bounds = [0, *starts, len(self.entries)]
         return [b - a for a, b in zip(bounds, bounds[1:])]
 
+    def check_batch_split(self, inputs: Sequence[torch.Tensor]) -> None:
+        """Refuse to split batches along a dim that is not the batch: run the first call's first
+        rows here (eval mode, no grad) whole and in two halves; the halves' outputs, joined, must be
+        the whole's. A sequence-first model (dim 0 is time) or one whose samples interact fails."""
+        call: _Call = self.interface  # type: ignore[attr-defined]
+        rows = next((t.shape[0] for t, b in zip(inputs, call.batched_in) if b), 0)
+        if rows < 2:
+            return
+        take = min(rows, 4)
+        sample = [t[:take] if b else t for t, b in zip(inputs, call.batched_in)]
+        halves = [
+            [t[a:z] if b else t for t, b in zip(sample, call.batched_in)]
+            for a, z in ((0, take // 2), (take // 2, take))
+        ]
+        flags = [m.training for m in self.layers]
+        self.train(False)
+        try:
+            with torch.no_grad():
+                whole = _as_tuple(self.run_locally(*sample))
+                parts = [_as_tuple(self.run_locally(*h)) for h in halves]
+        finally:
+            for m, f in zip(self.layers, flags):
+                m.train(f)
+        for i, (out, batched) in enumerate(zip(whole, call.batched_out)):
+            if not batched or not out.is_floating_point():
+                continue
+            joined = torch.cat([p[i] for p in parts], dim=0)
+            if not torch.allclose(joined, out, rtol=1e-4, atol=1e-5):
+                raise TraceError(
+                    f"module {self.traced_name!r}: splitting a batch along dim 0 of its inputs changes its output "
+                    f"{i}, so dim 0 is not the batch (a sequence-first model, batch_first=False?) or its samples "
+                    "interact. Micro-batches and replicas split dim 0: make dim 0 the batch, or use "
+                    "microbatches=1 and a single replica."
+                )
+
     def run_locally(self, *inputs: torch.Tensor) -> Any:
         """Run the units here, in order (for checks): the traced module's first outputs."""
         values: tuple = tuple(inputs)
@@ -708,17 +743,15 @@ class _Call:
         for i in input_leaves:
             if not isinstance(leaves[i], torch.Tensor):
                 raise TraceError(f"module {name!r}: its argument {placeholders[i].name!r} must be a tensor to travel")
-        batch = None
+        output = next(n for n in gm.graph.nodes if n.op == "output")
+        by_name = {n.name: n for n in gm.graph.nodes}
+        vals = [placeholders[i].meta["val"] for i in input_leaves]
+        batch = _batch_symbol(vals + [by_name[n].meta.get("val") for n in interface.outputs])
         static, ranges, batched_in = [], [], []
-        for i in input_leaves:
-            val = placeholders[i].meta["val"]
+        for val in vals:
             static.append({d: int(s) for d, s in enumerate(val.shape) if is_concrete_int(s)})
             ranges.append(_ranges(val, getattr(gm, "lrmp_ranges", {})))
-            dim0 = str(val.shape[0]) if val.dim() > 0 else None
-            if batch is None and dim0 is not None and not is_concrete_int(val.shape[0]):
-                batch = dim0
-            batched_in.append(dim0 is not None and dim0 == batch)
-        output = next(n for n in gm.graph.nodes if n.op == "output")
+            batched_in.append(val.dim() > 0 and batch is not None and str(val.shape[0]) == batch)
         flat_out = list(output.args[0]) if isinstance(output.args[0], (list, tuple)) else [output.args[0]]
         out_leaves: list[tuple[str, Any]] = []
         for v in flat_out:
@@ -726,7 +759,6 @@ class _Call:
                 out_leaves.append(("value", interface.outputs.index(v.name)))
             else:
                 out_leaves.append(("constant", v))
-        by_name = {n.name: n for n in gm.graph.nodes}
         batched_out = []
         for n in interface.outputs:
             val = by_name[n].meta.get("val")
@@ -825,7 +857,11 @@ class TracedForward:
                     traced = trace_module(self.module, args, kwargs, self.name)
                 finally:
                     self.module.forward = self  # type: ignore[method-assign]
-                self.place(traced)
+                traced.example = traced.interface.inputs(args, kwargs)  # type: ignore[attr-defined]
+                try:
+                    self.place(traced)
+                finally:
+                    traced.example = None  # type: ignore[attr-defined]  # the first batch, no longer needed
                 self.traced = traced
         interface: _Call = self.traced.interface  # type: ignore[attr-defined]
         inputs = interface.inputs(args, kwargs)
@@ -841,6 +877,16 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
 
 def _as_tuple(value: Any) -> tuple:
     return value if isinstance(value, tuple) else (value,)
+
+
+def _batch_symbol(vals: Sequence[Any]) -> str | None:
+    """The batch: the dynamic size most of the call's tensors (inputs and outputs) have in dim 0
+    (a position table's length in dim 0 of one input does not make it the batch)."""
+    counts: dict[str, int] = {}
+    for val in vals:
+        if isinstance(val, torch.Tensor) and val.dim() > 0 and not is_concrete_int(val.shape[0]):
+            counts[str(val.shape[0])] = counts.get(str(val.shape[0]), 0) + 1
+    return max(counts, key=counts.__getitem__) if counts else None
 
 
 def _ranges(val: torch.Tensor, constraints: Mapping[Any, Any]) -> dict[int, tuple[int, float]]:
@@ -876,4 +922,21 @@ def find_modules(root: nn.Module, names: Sequence[str]) -> dict[str, nn.Module]:
         for b in out:
             if a != b and (b.startswith(a + ".")):
                 raise TraceError(f"split names both {a!r} and {b!r}, which is inside it; name one")
+    _check_not_shared(root, out)
     return out
+
+
+def _check_not_shared(root: nn.Module, split: Mapping[str, nn.Module]) -> None:
+    """A weight of a split module must not also be used outside it: its workers would train it
+    while the driver's copy, used elsewhere, went stale."""
+    owner = {}
+    for name, module in split.items():
+        for t in (*module.parameters(), *module.buffers()):
+            owner[id(t)] = name
+    for path, t in (*root.named_parameters(remove_duplicate=False), *root.named_buffers(remove_duplicate=False)):
+        inside = owner.get(id(t))
+        if inside is not None and not path.startswith(inside + "."):
+            raise TraceError(
+                f"{path} is a weight of split module {inside!r} that is also used outside it; its workers would "
+                f"train it while the copy used outside went stale. Split a module that holds every use of it."
+            )

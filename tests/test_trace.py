@@ -18,7 +18,7 @@ from test_zoo import TOL, fit, remote_equals_local
 from lightning_remote_mp import RemoteModelParallelStrategy, protocol
 from lightning_remote_mp.errors import RefusedOperatorError, SpecError, TraceError
 from lightning_remote_mp.graph import GraphLayer, load_program
-from lightning_remote_mp.trace import trace_module
+from lightning_remote_mp.trace import find_modules, trace_module
 
 
 def _entries_sent(strategy: RemoteModelParallelStrategy, key: str = "model") -> list:
@@ -352,3 +352,24 @@ def _vectors(n: int = 32, batch: int = 8, seed: int = 0):
 
 def test_two_split_modules_under_one_optimizer_both_train(twin, pool):
     remote_equals_local(_TwoParts, _vectors, twin, RemoteModelParallelStrategy(hosts=pool[:2], split=["model", "head"]))
+
+
+def test_a_batch_split_along_a_dim_that_is_not_the_batch_is_refused():
+    torch.manual_seed(0)
+    seq_first = torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0), 1)
+    x = torch.randn(6, 4, 8)  # (time, batch, features): nn.Transformer's default layout
+    traced = trace_module(seq_first, (x,), {}, "encoder")
+    with pytest.raises(TraceError, match="dim 0 is not the batch"):
+        traced.check_batch_split(traced.interface.inputs((x,), {}))
+    batch_first = CausalLM(layers=1)
+    ids = torch.randint(0, 32, (4, 16))
+    fine = trace_module(batch_first, (ids,), {}, "lm")
+    fine.check_batch_split(fine.interface.inputs((ids,), {}))
+
+
+def test_a_weight_shared_with_code_outside_the_split_module_is_refused():
+    model = Trained(CausalLM(layers=1))
+    model.pre = torch.nn.Linear(32, 32)
+    model.pre.weight = model.model.head.weight
+    with pytest.raises(TraceError, match="pre.weight is a weight of split module 'model' that is also used outside"):
+        find_modules(model, ["model"])
