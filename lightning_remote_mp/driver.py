@@ -446,7 +446,7 @@ class DriverSession:
         ``checkpoint``: activation recomputation (`stub.CHECKPOINT_MODES`). ``checked``: what
         `preflight` found for ``module`` if the caller ran it already (it runs here otherwise)."""
         if key in self.placements:
-            raise LrmpError(f"SpecSequential {key!r} is already placed")
+            raise LrmpError(f"{module.kind} {key!r} is already placed")
         check_checkpoint_mode(checkpoint)
         what = f"{module.kind} {key!r}"
         if checked is None:

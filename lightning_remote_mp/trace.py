@@ -657,8 +657,9 @@ def _check_same_interface(name: str, crossings: dict[str, list[list[Any]]], inte
         k = next(i for i, (a, b) in enumerate(zip(crossings["train"], crossings["eval"])) if a != b)
         raise TraceError(
             f"module {name!r}: in train mode and in eval mode different values cross unit boundary {k}; "
-            "its train and eval code paths differ too much to share one cut. Trace it in one mode only "
-            "(keep it in train mode), or describe it as a layer spec."
+            "its train and eval code paths differ too much to share one cut (a step only one mode runs "
+            "produces a value a later unit takes). Split only the submodules around that part, or describe "
+            "it as a layer spec."
         )
     if interfaces["train"].inputs != interfaces["eval"].inputs:
         raise TraceError(
@@ -788,7 +789,7 @@ class _Call:
                 f"passes {spec}. Call it the same way every time (the same positional and keyword arguments)."
             )
         for i, (leaf, traced) in enumerate(zip(leaves, self.constants)):
-            if traced is not None and leaf != traced:
+            if traced is not None and (isinstance(leaf, torch.Tensor) or leaf != traced):
                 raise TraceError(
                     f"module {self.name!r}: argument {i} was {traced!r} when traced and is {leaf!r} now; non-tensor "
                     "arguments are fixed by the trace"
