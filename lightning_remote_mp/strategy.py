@@ -364,9 +364,12 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
         if session is None:
             raise LrmpError(f"module {key!r} was first called outside a session with the workers")
         if len(module.layers) < self.num_stages:
-            tied = (
-                f"; weights used in several places ({', '.join(module.ties[:3])}) merged units" if module.ties else ""
-            )
+            tied = ""
+            if module.ties:
+                tied = (
+                    f"; weights used in several places ({', '.join(module.ties[:3])}: tied weights, or a module "
+                    "called more than once) merged the units between their uses"
+                )
             raise TraceError(
                 f"module {key!r} was cut into {len(module.layers)} units ({', '.join(e.name for e in module.entries)})"
                 f"{tied}, fewer than the {self.num_stages} stages: use fewer workers, split a larger module, or "
