@@ -598,16 +598,22 @@ class SpecSequential(nn.Module):
         self.init_seed = init_seed
         if device is not None and torch.device(device).type == "meta" and init_seed is None:
             raise SpecError("a SpecSequential on the meta device needs init_seed, so that workers can initialise it")
-        self.layers = nn.ModuleList(
-            build_layer(e, i, init_seed=init_seed, device=device) for i, e in enumerate(self.entries)
+        self._hold(
+            self.entries, [build_layer(e, i, init_seed=init_seed, device=device) for i, e in enumerate(self.entries)]
         )
-        self.wiring = check_wiring(self.layers, [e.name for e in self.entries])
         _check_shapes(self.entries, self.layers)
+        self._register_load_state_dict_pre_hook(_stash_state_for_meta, with_module=True)
+
+    def _hold(self, entries: Sequence[LayerEntry], layers: Sequence[nn.Module]) -> None:
+        """Take ``layers`` (built from ``entries``) as this module's, with checked wiring and no remote
+        state yet. Subclasses that build their layers otherwise (a traced module's) start here."""
+        self.entries = list(entries)
+        self.layers = nn.ModuleList(layers)
+        self.wiring = check_wiring(self.layers, [e.name for e in self.entries])
         self._remote: Any = None  # set by the strategy while the layers live on workers
         # Weights loaded into a meta module before it is placed wait here for the workers.
         self._pending_state: dict[str, torch.Tensor] = {}
         self._weights_left_on_workers = False  # a meta module whose trained weights only a run's workers had
-        self._register_load_state_dict_pre_hook(_stash_state_for_meta, with_module=True)
 
     def __len__(self) -> int:
         return len(self.layers)

@@ -43,7 +43,7 @@ from torch.utils import _pytree as pytree
 
 from lightning_remote_mp.errors import TraceError
 from lightning_remote_mp.graph import TRACED_PYTHON_NAMES, GraphLayer, allowed_operator
-from lightning_remote_mp.spec import LayerEntry, SpecSequential, check_wiring
+from lightning_remote_mp.spec import LayerEntry, SpecSequential
 
 _MARKER_NAMES = {
     torch.strided: ("layout", "strided"),
@@ -420,14 +420,9 @@ class TracedSequential(SpecSequential):
         covered: Sequence[Sequence[nn.Module]],
         compute: Sequence[float],
     ) -> None:
-        nn.Module.__init__(self)
-        self.entries = list(entries)
+        nn.Module.__init__(self)  # not SpecSequential's: the layers exist already
         self.init_seed = None
-        self.layers = nn.ModuleList(layers)
-        self.wiring = check_wiring(self.layers, [e.name for e in self.entries])
-        self._remote = None
-        self._pending_state = {}
-        self._weights_left_on_workers = False
+        self._hold(entries, layers)
         self.traced_name = name
         object.__setattr__(self, "_owner", module)  # not a submodule: its keys stay its own
         self.state_names = dict(state_names)  # "<unit>.<attribute>" -> the module's state_dict key
