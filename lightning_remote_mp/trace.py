@@ -45,6 +45,7 @@ from lightning_remote_mp.errors import TraceError
 from lightning_remote_mp.graph import TRACED_PYTHON_NAMES, GraphLayer, allowed_operator
 from lightning_remote_mp.spec import LayerEntry, SpecSequential
 
+log = logging.getLogger(__name__)
 _MARKER_NAMES = {
     torch.strided: ("layout", "strided"),
     torch.sparse_coo: ("layout", "sparse_coo"),
@@ -819,6 +820,11 @@ class TracedForward:
     """Stands in for a traced module's ``forward``: traces and places at the first call, then runs
     every call through the workers.
 
+    The trace is kept on the module (``_lrmp_trace``) and reused by a later run (``validate`` or
+    ``test`` after ``fit``) while the module holds the same weight tensors and is called the same
+    way: tracing costs seconds per export. Delete the attribute to trace again after changing
+    the module's code or settings.
+
     Args:
         name: the module's name in the LightningModule.
         module: the module.
@@ -834,6 +840,26 @@ class TracedForward:
         self._own_forward = vars(module).get("forward")
         module.forward = self  # type: ignore[method-assign]
 
+    def _earlier_trace(self, args: tuple, kwargs: dict) -> TracedSequential | None:
+        kept = vars(self.module).get("_lrmp_trace")
+        if kept is None or kept[0] != _weights_key(self.module):
+            return None
+        try:
+            kept[1].interface.inputs(args, kwargs)
+        except TraceError:
+            return None
+        log.info("module %r: using its trace from an earlier run", self.name)
+        return kept[1]
+
+    def _trace(self, args: tuple, kwargs: dict) -> TracedSequential:
+        self.detach()  # torch.export calls the module's own forward
+        try:
+            traced = trace_module(self.module, args, kwargs, self.name)
+        finally:
+            self.module.forward = self  # type: ignore[method-assign]
+        vars(self.module)["_lrmp_trace"] = (_weights_key(self.module), traced)
+        return traced
+
     def detach(self) -> None:
         """Give the module its own ``forward`` back."""
         if self._had_forward:
@@ -841,18 +867,13 @@ class TracedForward:
         else:
             vars(self.module).pop("forward", None)
 
-    def _original(self) -> Callable[..., Any]:
-        return self._own_forward if self._had_forward else type(self.module).forward.__get__(self.module)
-
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.traced is None:
             with torch.inference_mode(False):
                 args, kwargs = pytree.tree_map_only(torch.Tensor, _plain, (args, kwargs))
-                self.detach()  # torch.export calls the module's own forward
-                try:
-                    traced = trace_module(self.module, args, kwargs, self.name)
-                finally:
-                    self.module.forward = self  # type: ignore[method-assign]
+                traced = self._earlier_trace(args, kwargs)
+                if traced is None:
+                    traced = self._trace(args, kwargs)
                 traced.example = traced.interface.inputs(args, kwargs)  # type: ignore[attr-defined]
                 try:
                     self.place(traced)
@@ -865,6 +886,11 @@ class TracedForward:
         if remote is None:
             return interface.outputs(list(_as_tuple(self.traced.run_locally(*inputs))))
         return interface.outputs(list(remote(inputs)))
+
+
+def _weights_key(module: nn.Module) -> tuple:
+    """Which tensors the module holds: a trace shares them, so it serves only while they are the same."""
+    return tuple((name, id(t)) for name, t in module.state_dict(keep_vars=True).items())
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:
