@@ -52,6 +52,7 @@ from lightning_remote_mp.transport import (
     Heartbeat,
     broadcast,
     normalize_address,
+    request_all,
 )
 
 log = logging.getLogger(__name__)
@@ -134,13 +135,12 @@ class _Placement:
 
     def push(self, state: dict[str, torch.Tensor]) -> None:
         """Send weights and buffers (named ``"<layer index>.<name>"``) to the workers holding them."""
-        ids = []
+        requests = []
         for rs in (rs for row in self.remote.replicas for rs in row):
             mine = {k: v for k, v in state.items() if int(k.partition(".")[0]) in rs.stage.layer_indices}
             if mine:
-                ids.append((rs.conn, rs.conn.send(protocol.LOAD_STATE, {"state": {self.key: mine}})))
-        for conn, i in ids:
-            conn.recv(i, what=protocol.LOAD_STATE, bounded=False)
+                requests.append((rs.conn, protocol.LOAD_STATE, {"state": {self.key: mine}}))
+        request_all(requests, bounded=False)
 
     def detach(self) -> None:
         for h in self.hooks:
@@ -264,7 +264,7 @@ class DriverSession:
             host, 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout)
         )
         infos = dict(zip(self.addresses, self.workers))
-        ids = []
+        requests = []
         for s in range(self.num_stages):
             column = [row[s] for row in self.grid]
             cuda = all(str(infos[c.address].get("device", "cpu")).startswith("cuda") for c in column)
@@ -279,9 +279,8 @@ class DriverSession:
                     "backend": "nccl" if cuda else "gloo",
                     "timeout": float(timeout),
                 }
-                ids.append((conn, conn.send(protocol.GROUP, body)))
-        for conn, i in ids:
-            conn.recv(i, what="replica group set-up")
+                requests.append((conn, protocol.GROUP, body))
+        request_all(requests, what="replica group set-up")
         log.info(
             "%d replicas of %d stages: gradients are all-reduced per stage through torch.distributed",
             self.replicas,

@@ -23,7 +23,7 @@ import torch
 from lightning_remote_mp import protocol
 from lightning_remote_mp.errors import LrmpError
 from lightning_remote_mp.spec import layer_path
-from lightning_remote_mp.transport import Connection, broadcast
+from lightning_remote_mp.transport import Connection, broadcast, post_all, request_all
 
 log = logging.getLogger(__name__)
 
@@ -198,22 +198,26 @@ class OptimizerMirror:
             return torch.tensor(0.0)
         total = torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]), norm_type)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        ids = [c.send(protocol.GRADS, {"index": self.index, "op": "scale", "coef": coef}) for c in self.conns]
+        scaling = post_all(
+            ((c, protocol.GRADS, {"index": self.index, "op": "scale", "coef": coef}) for c in self.conns),
+            what="gradient clipping",
+        )
         if local:
             torch._foreach_mul_(local, coef.to(device))
-        for c, i in zip(self.conns, ids):
-            c.recv(i, what="gradient clipping")
+        scaling.wait()
         return total
 
     def clip_grad_value(self, value: float) -> None:
         """``torch.nn.utils.clip_grad_value_`` over the optimizer's parameters, wherever they live."""
         self.sync_grads()
-        ids = [c.send(protocol.GRADS, {"index": self.index, "op": "clamp", "value": float(value)}) for c in self.conns]
+        clamping = post_all(
+            ((c, protocol.GRADS, {"index": self.index, "op": "clamp", "value": float(value)}) for c in self.conns),
+            what="gradient clipping",
+        )
         torch.nn.utils.clip_grad_value_(
             [p for g in self.optimizer.param_groups for p in g["params"] if id(p) not in self.remote], value
         )
-        for c, i in zip(self.conns, ids):
-            c.recv(i, what="gradient clipping")
+        clamping.wait()
 
     def _positions(self) -> dict[str, int]:
         """Remote parameter name -> its index in the local optimizer's packed state_dict."""
@@ -251,9 +255,7 @@ class OptimizerMirror:
             if name in incoming:
                 for conn in conns:
                     per_conn[id(conn)][name] = dict(incoming[name])
-        ids = [c.send(protocol.LOAD_OPTIM_STATE, {"index": self.index, "state": per_conn[id(c)]}) for c in self.conns]
-        for c, i in zip(self.conns, ids):
-            c.recv(i, what=protocol.LOAD_OPTIM_STATE)
+        request_all((c, protocol.LOAD_OPTIM_STATE, {"index": self.index, "state": per_conn[id(c)]}) for c in self.conns)
         self._drop_local_state()
 
     def detach(self, restore_state: bool = True) -> None:

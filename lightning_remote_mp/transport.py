@@ -581,12 +581,38 @@ def _lrmp_version() -> str:
     return __version__
 
 
+class Requests:
+    """Requests in flight to several workers (see `post_all`): `wait` collects their replies, in
+    order, so the driver can work while the workers do."""
+
+    def __init__(self, requests: Iterable[tuple[Connection, str, Any]], what: str | None, bounded: bool) -> None:
+        self._sent = [(conn, kind, conn.send(kind, body)) for conn, kind, body in requests]
+        self.what = what
+        self.bounded = bounded
+
+    def wait(self) -> list[Any]:
+        """Every reply's body (``bounded``: see `Connection.recv`)."""
+        return [conn.recv(i, what=self.what or kind, bounded=self.bounded) for conn, kind, i in self._sent]
+
+
+def post_all(
+    requests: Iterable[tuple[Connection, str, Any]], *, what: str | None = None, bounded: bool = True
+) -> Requests:
+    """Send ``(connection, kind, body)`` requests at once; their replies come with ``.wait()``."""
+    return Requests(requests, what, bounded)
+
+
+def request_all(
+    requests: Iterable[tuple[Connection, str, Any]], *, what: str | None = None, bounded: bool = True
+) -> list[Any]:
+    """Send ``(connection, kind, body)`` requests at once, then collect every reply, in order."""
+    return post_all(requests, what=what, bounded=bounded).wait()
+
+
 def broadcast(conns: Iterable[Connection], kind: str, body: Any = None, *, bounded: bool = True) -> list[Any]:
     """Send one request to several workers at once, then collect every reply (``bounded``: see
     `Connection.recv`)."""
-    conns = list(conns)
-    ids = [c.send(kind, body) for c in conns]
-    return [c.recv(i, what=kind, bounded=bounded) for c, i in zip(conns, ids)]
+    return request_all(((c, kind, body) for c in conns), bounded=bounded)
 
 
 def gather(
