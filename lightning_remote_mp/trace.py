@@ -99,7 +99,6 @@ def _export(module: nn.Module, args: tuple, kwargs: dict, name: str, training: b
     gm.lrmp_ranges = dict(ep.range_constraints)  # type: ignore[assignment]
     _inline_blocks(gm, name)
     gm.lrmp_out_spec = ep.call_spec.out_spec  # type: ignore[assignment]
-    gm.lrmp_in_spec = ep.call_spec.in_spec  # type: ignore[assignment]
     return gm
 
 
@@ -238,38 +237,40 @@ def _runs(gm: fx.GraphModule, root: nn.Module) -> list[tuple[str, list[fx.Node]]
 
 
 def _align(train: list[tuple[str, list[fx.Node]]], evals: list[tuple[str, list[fx.Node]]], name: str):
-    """Pair the two variants' runs by owner; a run one variant lacks (a step that only trains) is empty there."""
-    out_train, out_eval = [], []
+    """Pair the two variants' runs by owner; a run one variant lacks (a step that only trains) is empty
+    there. Returns the owners, and the train and eval runs."""
+    owners: list[str] = []
+    out_train: list[list[fx.Node]] = []
+    out_eval: list[list[fx.Node]] = []
     i = j = 0
     while i < len(train) or j < len(evals):
         if i < len(train) and j < len(evals) and train[i][0] == evals[j][0]:
-            out_train.append(train[i][1]), out_eval.append(evals[j][1])
+            pair = (train[i][0], train[i][1], evals[j][1])
             i, j = i + 1, j + 1
         elif i < len(train) and not any(r[0] == train[i][0] for r in evals[j : j + 3]):
-            out_train.append(train[i][1]), out_eval.append([])
+            pair = (train[i][0], train[i][1], [])
             i += 1
         elif j < len(evals) and not any(r[0] == evals[j][0] for r in train[i : i + 3]):
-            out_train.append([]), out_eval.append(evals[j][1])
+            pair = (evals[j][0], [], evals[j][1])
             j += 1
         else:
             raise TraceError(
                 f"module {name!r}: its train-mode and eval-mode traces run its submodules in different orders "
                 f"(near {train[min(i, len(train) - 1)][0]!r}); cannot cut both the same way"
             )
-    owners = [_owner_of(t or e) for t, e in zip(out_train, out_eval)]
+        owners.append(pair[0])
+        out_train.append(pair[1])
+        out_eval.append(pair[2])
     return owners, out_train, out_eval
-
-
-def _owner_of(nodes: list[fx.Node]) -> str:
-    return getattr(nodes[0], "lrmp_owner", "")
 
 
 def _attrs(nodes: Sequence[fx.Node]) -> set[str]:
     return {a.target for n in nodes for a in n.all_input_nodes if a.op == "get_attr"}  # type: ignore[misc]
 
 
-def _merge_shared(groups: list[list[int]], attrs: list[set[str]]) -> list[list[int]]:
-    """Merge runs ``i..j`` wherever one weight is used by runs ``i`` and ``j`` (tied weights)."""
+def _merge_shared(attrs: list[set[str]]) -> tuple[list[list[int]], list[str]]:
+    """Merge runs ``i..j`` wherever one weight is used by runs ``i`` and ``j`` (tied weights, a module
+    called twice). Returns the groups of run indices, and the weights used by several runs."""
     first: dict[str, int] = {}
     last: dict[str, int] = {}
     for k, names in enumerate(attrs):
@@ -290,7 +291,7 @@ def _merge_shared(groups: list[list[int]], attrs: list[set[str]]) -> list[list[i
             j += 1
         merged.append(list(range(k, end + 1)))
         k = end + 1
-    return merged
+    return merged, sorted(a for a in first if last[a] > first[a])
 
 
 # --- encoding ----------------------------------------------------------------------------------
@@ -535,16 +536,9 @@ def _live(values: list[fx.Node], unit_of: dict[fx.Node, int], n_units: int) -> l
 def trace_module(module: nn.Module, args: tuple, kwargs: dict, name: str) -> TracedSequential:
     """Trace ``module`` called with ``args`` and ``kwargs`` and cut it into units (see the module docstring)."""
     graphs = {"train": _export(module, args, kwargs, name, True), "eval": _export(module, args, kwargs, name, False)}
-    runs = {}
-    for mode, gm in graphs.items():
-        runs[mode] = _runs(gm, module)
-        for owner, nodes in runs[mode]:
-            for n in nodes:
-                n.lrmp_owner = owner  # type: ignore[attr-defined]
-    owners, train_runs, eval_runs = _align(runs["train"], runs["eval"], name)
+    owners, train_runs, eval_runs = _align(_runs(graphs["train"], module), _runs(graphs["eval"], module), name)
     attrs = [_attrs(t) | _attrs(e) for t, e in zip(train_runs, eval_runs)]
-    groups = _merge_shared([[i] for i in range(len(owners))], attrs)
-    ties = sorted({a for a in set().union(*attrs) if sum(a in names for names in attrs) > 1}) if attrs else []
+    groups, ties = _merge_shared(attrs)
     unit_nodes = {
         "train": [[n for i in g for n in train_runs[i]] for g in groups],
         "eval": [[n for i in g for n in eval_runs[i]] for g in groups],
