@@ -85,16 +85,11 @@ class OptimizerMirror:
             id(p) in remote and id(p) not in self.remote for g in self.optimizer.param_groups for p in g["params"]
         ):
             return
-        kept = {
-            name: state
-            for reply in broadcast(self.primary, protocol.GET_OPTIM_STATE, {"index": self.index})
-            for name, state in reply["state"].items()
-        }
+        kept = self._remote_state()
         self._adopt(remote)
         self._create()
         if kept:
-            self._incoming = kept
-            self._load_state_dict_post(self.optimizer)
+            self._push_state(kept)
 
     def _create(self) -> None:
         cls = self.cls
@@ -141,8 +136,7 @@ class OptimizerMirror:
             if id(p) in self.remote and self.optimizer.state.get(p)
         }
         if held:
-            self._incoming = held
-            self._load_state_dict_post(self.optimizer)
+            self._push_state(held)
         self._drop_local_state()
 
     def _drop_local_state(self) -> None:
@@ -232,15 +226,27 @@ class OptimizerMirror:
 
     def _state_dict_post(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
         positions = self._positions()
-        replies = broadcast(self.primary, protocol.GET_OPTIM_STATE, {"index": self.index})
         state = dict(state_dict["state"])
-        for reply in replies:
-            for name, param_state in reply["state"].items():
-                state[positions[name]] = {
-                    k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in param_state.items()
-                }
+        for name, param_state in self._remote_state().items():
+            state[positions[name]] = {
+                k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in param_state.items()
+            }
         state_dict["state"] = dict(sorted(state.items()))
         return state_dict
+
+    def _remote_state(self) -> dict[str, Any]:
+        """The workers' optimizer state, by remote parameter name (replica 0's: every replica holds the same)."""
+        replies = broadcast(self.primary, protocol.GET_OPTIM_STATE, {"index": self.index})
+        return {name: param_state for reply in replies for name, param_state in reply["state"].items()}
+
+    def _push_state(self, state: Mapping[str, Any]) -> None:
+        """Send per-parameter state (by remote name) to every worker holding those parameters."""
+        per_conn: dict[int, dict[str, Any]] = {id(c): {} for c in self.conns}
+        for conns, name in self.remote.values():
+            if name in state:
+                for conn in conns:
+                    per_conn[id(conn)][name] = dict(state[name])
+        request_all((c, protocol.LOAD_OPTIM_STATE, {"index": self.index, "state": per_conn[id(c)]}) for c in self.conns)
 
     def _load_state_dict_pre(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
         # Keep the remote share as it arrives: loading casts state to each parameter's device, and a
@@ -250,12 +256,7 @@ class OptimizerMirror:
 
     def _load_state_dict_post(self, optimizer: torch.optim.Optimizer) -> None:
         incoming, self._incoming = self._incoming, {}
-        per_conn: dict[int, dict[str, Any]] = {id(c): {} for c in self.conns}
-        for conns, name in self.remote.values():
-            if name in incoming:
-                for conn in conns:
-                    per_conn[id(conn)][name] = dict(incoming[name])
-        request_all((c, protocol.LOAD_OPTIM_STATE, {"index": self.index, "state": per_conn[id(c)]}) for c in self.conns)
+        self._push_state(incoming)
         self._drop_local_state()
 
     def detach(self, restore_state: bool = True) -> None:
