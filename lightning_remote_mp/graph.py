@@ -449,6 +449,12 @@ def _in_context(step: _Step, device: torch.device, args: Any, kwargs: Any) -> An
         return step.fn(*args, **kwargs)
 
 
+def _shape(value: Any, where: str) -> tuple[int, ...]:
+    if not (isinstance(value, (list, tuple)) and all(isinstance(d, int) and d >= 0 for d in value)):
+        raise SpecError(f"{where}: malformed shape {value!r:.60}")
+    return tuple(value)
+
+
 _DTYPES = {str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
 
 
@@ -498,12 +504,9 @@ class GraphLayer(nn.Module):
             if values is not None:
                 t = values[name]
             else:
-                shape = desc.get("shape")
-                if not (isinstance(shape, (list, tuple)) and all(isinstance(d, int) and d >= 0 for d in shape)):
-                    raise SpecError(f"{where}: malformed shape {shape!r:.60}")
                 # Zeros, not empty: the driver might send no weights (init_seed), and state taken
                 # before any arrive must not be memory this process freed.
-                t = torch.zeros(tuple(shape), dtype=_dtype(desc.get("dtype"), where))
+                t = torch.zeros(_shape(desc.get("shape"), where), dtype=_dtype(desc.get("dtype"), where))
             if desc.get("parameter"):
                 param = (
                     t
@@ -530,13 +533,11 @@ class GraphLayer(nn.Module):
                     raise SpecError(f"{where}: a scalar must be a number")
                 out.append(torch.tensor(example["scalar"], device=device))
                 continue
-            shape, dtype = example.get("shape"), _dtype(example.get("dtype"), where)
-            if not (isinstance(shape, (list, tuple)) and all(isinstance(d, int) and d >= 0 for d in shape)):
-                raise SpecError(f"{where}: malformed shape")
+            shape, dtype = _shape(example.get("shape"), where), _dtype(example.get("dtype"), where)
             if dtype.is_floating_point:
-                out.append(torch.randn(tuple(shape), dtype=dtype, device=device, requires_grad=True))
+                out.append(torch.randn(shape, dtype=dtype, device=device, requires_grad=True))
             else:
-                out.append(torch.zeros(tuple(shape), dtype=dtype, device=device))
+                out.append(torch.zeros(shape, dtype=dtype, device=device))
         return tuple(out)
 
     def _device(self, inputs: Sequence[Any]) -> torch.device:

@@ -26,6 +26,7 @@ import torch
 from lightning_remote_mp import protocol
 from lightning_remote_mp.errors import ConfigurationError
 from lightning_remote_mp.partition import DRIVER, Stage
+from lightning_remote_mp.spec import Main, is_floating, is_main
 from lightning_remote_mp.transport import Connection, broadcast, gather
 
 #: Activation recomputation choices (torchgpipe's names).
@@ -52,10 +53,6 @@ class RemoteStage:
     @property
     def address(self) -> str:
         return self.conn.address
-
-
-#: What a pipeline takes and returns: a tensor, or a tuple of tensors (a traced model's values).
-Main = torch.Tensor | tuple[torch.Tensor, ...]
 
 
 def _to(value: Any, device: torch.device) -> Any:
@@ -137,7 +134,7 @@ class RemoteSpec:
         )
 
     def __call__(self, x: Main) -> Main:
-        if isinstance(x, tuple) and x and all(isinstance(t, torch.Tensor) for t in x):
+        if isinstance(x, tuple) and is_main(x):
             autocast = _autocast_state(x[0].device.type)
             if torch.is_grad_enabled():
                 return _RemoteTupleFunction.apply(self, autocast, self._anchor, *x)
@@ -357,12 +354,12 @@ class _RemoteTupleFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, spec: RemoteSpec, autocast: dict[str, Any] | None, anchor: torch.Tensor, *xs: torch.Tensor):
         ctx.set_materialize_grads(False)
-        needs = [bool(ctx.needs_input_grad[3 + i]) and _floating(t) for i, t in enumerate(xs)]
+        needs = [bool(ctx.needs_input_grad[3 + i]) and is_floating(t) for i, t in enumerate(xs)]
         y, call = spec.forward(tuple(xs), grad=True, x_needs_grad=needs, autocast=autocast)
         ctx.spec, ctx.call = spec, call
         ctx.guard = _CallGuard(spec, call)
         ctx.inputs = [(t.dtype, t.device) for t in xs]
-        ctx.mark_non_differentiable(*[t for t in y if not _floating(t)])
+        ctx.mark_non_differentiable(*[t for t in y if not is_floating(t)])
         return tuple(y)
 
     @staticmethod
@@ -375,7 +372,3 @@ class _RemoteTupleFunction(torch.autograd.Function):
                 if g is not None and ctx.needs_input_grad[3 + i]:
                     out[i] = g.to(device=device, dtype=dtype)
         return (None, None, None, *out)
-
-
-def _floating(t: torch.Tensor) -> bool:
-    return t.is_floating_point() or t.is_complex()

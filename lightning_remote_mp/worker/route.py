@@ -20,7 +20,8 @@ from typing import Any
 import torch
 
 from lightning_remote_mp.errors import ProtocolError
-from lightning_remote_mp.worker.stage import StageExecutor, is_main
+from lightning_remote_mp.spec import is_main
+from lightning_remote_mp.worker.stage import StageExecutor
 from lightning_remote_mp.worker.timeline import EventLog
 
 DRIVER = -1

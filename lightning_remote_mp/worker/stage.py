@@ -15,18 +15,17 @@ import torch
 from torch import nn
 
 from lightning_remote_mp.errors import SpecError
-from lightning_remote_mp.spec import LayerEntry, apply_modes, build_layer, normalize_entry, run_layers
+from lightning_remote_mp.spec import (
+    LayerEntry,
+    Main,
+    apply_modes,
+    build_layer,
+    is_floating,
+    is_main,
+    normalize_entry,
+    run_layers,
+)
 from lightning_remote_mp.worker.deferred_grads import DeferredWeightGrads
-
-#: What flows from stage to stage: a tensor, or for a traced model a tuple of tensors (its live values).
-Main = torch.Tensor | tuple[torch.Tensor, ...]
-
-
-def is_main(value: Any) -> bool:
-    """Whether ``value`` is a `Main`: a tensor or a non-empty tuple of tensors."""
-    if isinstance(value, tuple):
-        return bool(value) and all(isinstance(t, torch.Tensor) for t in value)
-    return isinstance(value, torch.Tensor)
 
 
 def _elements(value: Main) -> tuple[torch.Tensor, ...]:
@@ -68,10 +67,6 @@ def _well_formed_modes(modes: Any, layers: int) -> bool:
         and len(modes) >= layers
         and all(isinstance(m, bool) or (isinstance(m, list) and all(isinstance(f, bool) for f in m)) for m in modes)
     )
-
-
-def _floating(t: torch.Tensor) -> bool:
-    return t.is_floating_point() or t.is_complex()
 
 
 class StageExecutor:
@@ -175,7 +170,7 @@ class StageExecutor:
     # --- compute ---------------------------------------------------------------
     def _to_device(self, t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
         t = t.to(self.device, non_blocking=True)
-        if requires_grad and _floating(t):
+        if requires_grad and is_floating(t):
             t = t.detach().requires_grad_(True)
         return t
 
@@ -215,7 +210,7 @@ class StageExecutor:
             # over-estimate at worst (an output that turns out not to need one gets none).
             trainable = any(p.requires_grad for p in self.layers.parameters())
             flag = trainable or any(t.requires_grad for t in [*_elements(x), *imported.values()])
-            y_flags: Any = [flag and _floating(t) for t in y] if isinstance(y, tuple) else flag
+            y_flags: Any = [flag and is_floating(t) for t in y] if isinstance(y, tuple) else flag
             requires_grad = {"y": y_flags, **{n: flag for n in exports}}
         else:
             y_flags = [t.requires_grad for t in y] if isinstance(y, tuple) else y.requires_grad
