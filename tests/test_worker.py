@@ -590,7 +590,7 @@ def test_a_silent_session_expires(short_worker, connect):
     # (No local work between requests here: the session only lives 2 s without a word.)
     assert first.ok(protocol.GET_STATE) == {}
     last_heard = time.monotonic()  # a ping refreshes the session: the last sign of life
-    assert first.request(protocol.PING).body == {"session_alive": True, "busy": False}
+    assert first.request(protocol.PING).body["session_alive"] is True
     assert "busy" in second.error(protocol.HELLO, {"driver": "second"})["message"]
     admitted_at = None
     while time.monotonic() - last_heard < SHORT_TIMEOUT + 8:

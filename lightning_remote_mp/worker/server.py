@@ -1,25 +1,29 @@
-"""The worker's serving loop: one I/O thread on the ROUTER socket, one compute thread.
+"""The worker's serving loop: one thread reads, runs and answers requests; the main thread stands in.
 
-The I/O thread decodes every message, answers heartbeats at once (even while a layer runs),
-admits one session at a time and expires it when its driver falls silent. The compute thread
-runs requests in arrival order and hands replies back over an inproc socket. Nothing a message
-carries is executed: requests only choose among the handlers of
-`lightning_remote_mp.worker.session.WorkerSession`.
+The serving thread owns the ROUTER socket: it reads a message, runs it, and sends the reply, with no
+hand-off between threads on the way (each hand-off cost a thread wake-up and a fight for the
+interpreter lock: a round trip through a worker was 10x a raw pyzmq one). While a request runs
+longer than `STAND_IN_AFTER`, the main thread takes the socket over and answers heartbeats at once,
+admits or refuses drivers, and queues requests for the serving thread; it hands the socket back as
+soon as the request returns. Either thread expires a session whose driver falls silent. The main
+thread also handles signals. Nothing a message carries is executed: requests only choose among the
+handlers of `lightning_remote_mp.worker.session.WorkerSession`.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import dataclasses
 import logging
 import os
-import queue
 import signal
 import socket
 import threading
 import time
 import traceback
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -45,6 +49,12 @@ DISCONNECT_GRACE = 3.0
 #: How long a stopping worker waits for a request that is still running (a layer stuck for good,
 #: say) before it leaves without it.
 _COMPUTE_GRACE = 0.5
+#: Seconds a request runs before the main thread takes the socket over to answer heartbeats (which
+#: come every second; a driver gives up on a worker after 9 s of silence).
+STAND_IN_AFTER = 0.2
+#: A worker that finished a request this recently still counts as computing in its heartbeats: it
+#: answers them between the short requests of a pipeline.
+_BUSY_WINDOW = 1.0
 _DROP = "__drop__"
 _NEW = "__new__"
 
@@ -84,15 +94,15 @@ def _from_peer(msg: protocol.Message) -> bool:
 
 
 class _Outbox:
-    """The compute thread's way out: to the driver through the I/O thread, to peers directly.
+    """The serving thread's way out: to the driver through the server's socket, to peers directly.
 
     Peer links are DEALER sockets with ``IMMEDIATE`` set, so a message only goes to a connected
     (and, with CURVE, authenticated) peer; one that cannot be handed over within ``peer_timeout``
     fails the micro-batch with `PeerUnreachableError` instead of waiting forever.
     """
 
-    def __init__(self, to_io: zmq.Socket, keys: KeyPair | None = None) -> None:
-        self.to_io = to_io
+    def __init__(self, server: WorkerServer, keys: KeyPair | None = None) -> None:
+        self.server = server
         self.keys = keys
         self.driver_peer = b""
         self.session = ""
@@ -102,7 +112,8 @@ class _Outbox:
 
     def to_driver(self, kind: str, body: Any) -> None:
         frames = protocol.encode(kind, 0, self.session, body)
-        self.to_io.send_multipart([self.driver_peer, *frames], copy=False)
+        with self.server.socket():
+            self.server.sock.send_multipart([self.driver_peer, *frames], copy=False)
 
     def add_peer_keys(self, keys: dict[str, bytes]) -> None:
         self.peer_keys.update(keys)
@@ -163,10 +174,10 @@ def describe_duration(seconds: float) -> str:
 
 
 class _SignalWakeup:
-    """Makes the I/O thread's poll return when a signal arrives, whichever thread receives it.
+    """Makes the main thread's poll return when a signal arrives, whichever thread receives it.
 
     Python runs signal handlers in the main thread only, between bytecodes, but the OS may deliver
-    SIGTERM to any thread that does not block it (the compute thread, torch's threads): a main
+    SIGTERM to any thread that does not block it (the serving thread, torch's threads): a main
     thread asleep in ``zmq_poll`` then never runs the handler. Stopping a worker after a session
     took 10 s (and a SIGKILL) that way. `signal.set_wakeup_fd` writes a byte for every signal, from
     any thread, to a socket that this poll watches.
@@ -271,11 +282,21 @@ class WorkerServer:
         self._disconnected_at: float | None = None  # a connection closed during the session: its driver's?
         self._throttle = Throttle(log)
         self._stop = threading.Event()
-        self._tasks: queue.Queue[_Task | None] = queue.Queue()
-        self._inproc = f"inproc://lrmp-replies-{uuid.uuid4().hex}"
-        self._replies = transport.inproc_pull(self._inproc)
-        self._session: WorkerSession | None = None  # owned by the compute thread
+        # Who uses the ROUTER socket, the monitor and the session's I/O state (the fields above): the
+        # serving thread, or the main thread while a request runs (see `socket`).
+        self._io = threading.Lock()
+        self._want_io = False  # the serving thread waits for the socket
+        self._standing_in = False  # the main thread holds it
+        self._pending: collections.deque[_Task] = collections.deque()  # read, not yet run
+        self._wake_serving = f"inproc://lrmp-serving-{uuid.uuid4().hex}"
+        self._serving_rx = transport.inproc_pull(self._wake_serving)
+        self._wake_main = f"inproc://lrmp-main-{uuid.uuid4().hex}"
+        self._main_rx = transport.inproc_pull(self._wake_main)
+        self._last_busy = 0.0
+        self._session: WorkerSession | None = None  # owned by the serving thread
         self.served = 0
+        # The serving thread runs with this thread's torch thread count (the worker's --threads).
+        self._threads = torch.get_num_threads()
 
     @property
     def secure(self) -> bool:
@@ -285,69 +306,123 @@ class WorkerServer:
         return self._session_peer_keys.get(self._session_id or "", frozenset())
 
     def announce_peer_keys(self, session: str, keys: Sequence[bytes]) -> None:
-        """Called by the compute thread at SETUP: the keys of this session's other workers."""
+        """Called by the serving thread at SETUP: the keys of this session's other workers."""
         self._session_peer_keys = {session: self._session_peer_keys.get(session, frozenset()) | frozenset(keys)}
 
-    # --- I/O thread --------------------------------------------------------------------
     def serve_forever(self) -> None:
-        compute = threading.Thread(target=self._compute_loop, name="lrmp-compute", daemon=True)
-        compute.start()
-        poller = zmq.Poller()
-        poller.register(self.sock, zmq.POLLIN)
-        poller.register(self._replies, zmq.POLLIN)
-        poller.register(self._monitor, zmq.POLLIN)
+        """Serve until `stop`: requests on a thread of their own, signals and stand-in on this one."""
+        serving = threading.Thread(target=self._serve, name="lrmp-serve", daemon=True)
+        serving.start()
         signals = _SignalWakeup.install()
-        if signals is not None:
-            poller.register(signals.fileno(), zmq.POLLIN)  # the poll reports it by that number
         try:
-            while not self._stop.is_set():
-                # Sleep until a message or the session's expiry: an idle worker uses no CPU.
-                timeout = None
-                if self._session_id is not None:
-                    timeout = max(0.0, self._expires_in()) * 1000 + 10
-                for sock, _ in poller.poll(timeout):
-                    if signals is not None and sock == signals.fileno():
-                        signals.drain()  # the handler itself runs once this thread is back in Python
-                    elif sock is self._replies:
-                        frames = self._replies.recv_multipart(copy=False)
-                        if len(frames) > 1:  # a lone frame only wakes the loop (stop)
-                            self.sock.send_multipart(frames, copy=False)
-                    elif sock is self._monitor:
-                        self._on_monitor_event(self._monitor.recv_multipart())
-                    else:
-                        frames = self.sock.recv_multipart(copy=False)
-                        try:
-                            self._on_frames(frames)
-                        except Exception:  # insurance: nothing a peer sends may stop the worker
-                            log.exception("dropped a message that could not be handled")
-                self._expire_session()
+            self._watch(signals)
         finally:
             if signals is not None:
                 signals.close()
-            self._stop_compute(compute)
-            self.sock.disable_monitor()
-            self._monitor.close(0)
-            self.sock.close(0)
-            self._replies.close(0)
+            self._stop_serving(serving)
             if self.auth is not None:
                 self.auth.stop()
 
-    def _stop_compute(self, compute: threading.Thread) -> None:
-        """Let the compute thread end, but do not wait long for a request that is still running: a
+    def _stop_serving(self, serving: threading.Thread) -> None:
+        """Let the serving thread end, but do not wait long for a request that is still running: a
         stopped worker must be gone at once, and the process exits without that thread anyway."""
-        self._tasks.put(None)
-        compute.join(timeout=_COMPUTE_GRACE)
+        transport.wake(self._wake_serving)
+        serving.join(timeout=_COMPUTE_GRACE)
         busy_since = self._busy_since
-        if compute.is_alive() and busy_since is not None:
+        if serving.is_alive() and busy_since is not None:
             log.warning(
                 "stopping while a request still runs (for %s): not waiting for it",
                 describe_duration(time.monotonic() - busy_since),
             )
+        # A request still running does not hold the socket, and never gets it back.
+        if self._io.acquire(timeout=_COMPUTE_GRACE):
+            self.sock.disable_monitor()
+            self._monitor.close(0)
+            self.sock.close(0)
+        self._main_rx.close(0)
 
     def stop(self) -> None:
         """Stop serving (from any thread, or a signal handler)."""
         self._stop.set()
-        transport.wake(self._inproc)
+        transport.wake(self._wake_serving)
+        transport.wake(self._wake_main)
+
+    # --- the socket: the serving thread's, lent to the main thread during long requests -------------
+    @contextlib.contextmanager
+    def socket(self) -> Iterator[None]:
+        """Hold the socket (and the I/O state) for the serving thread, taking it back from the main
+        thread if that stands in."""
+        self._take_socket()
+        try:
+            yield
+        finally:
+            self._io.release()
+
+    def _watch(self, signals: _SignalWakeup | None) -> None:
+        """The main thread: wake for signals, and stand in for the serving thread while a request
+        runs longer than `STAND_IN_AFTER`."""
+        poller = zmq.Poller()
+        poller.register(self._main_rx, zmq.POLLIN)
+        if signals is not None:
+            poller.register(signals.fileno(), zmq.POLLIN)  # the poll reports it by that number
+        while not self._stop.is_set():
+            busy_since = self._busy_since
+            if busy_since is not None and time.monotonic() - busy_since > STAND_IN_AFTER:
+                self._stand_in(poller)
+            # An idle worker wakes here five times a second, for nothing but this check.
+            for sock, _ in poller.poll(STAND_IN_AFTER * 1000):
+                if signals is not None and sock == signals.fileno():
+                    signals.drain()  # the handler itself runs once this thread is back in Python
+                elif sock is self._main_rx:
+                    self._main_rx.recv()
+
+    def _stand_in(self, wakeups: zmq.Poller) -> None:
+        """Serve the socket until the running request returns: answer heartbeats and drivers, queue
+        everything else for the serving thread."""
+        if not self._io.acquire(blocking=False):
+            return  # the serving thread is sending (a pipelined result): try again soon
+        self._standing_in = True
+        try:
+            poller = zmq.Poller()
+            for sock, _ in wakeups.sockets:
+                poller.register(sock, zmq.POLLIN)
+            poller.register(self.sock, zmq.POLLIN)
+            poller.register(self._monitor, zmq.POLLIN)
+            while not self._stop.is_set() and not self._want_io and self._busy_since is not None:
+                ready = dict(poller.poll(self._poll_timeout(STAND_IN_AFTER)))
+                if self.sock in ready:
+                    self._read_all()
+                if self._monitor in ready:
+                    self._on_monitor_event(self._monitor.recv_multipart())
+                if self._main_rx in ready:
+                    self._main_rx.recv()
+                if ready.keys() - {self.sock, self._monitor, self._main_rx}:
+                    return  # a signal: its handler runs in the caller's loop
+                self._expire_session()
+        finally:
+            self._standing_in = False
+            self._io.release()
+
+    def _poll_timeout(self, cap: float | None = None) -> float | None:
+        """Milliseconds to sleep: until the session would expire, or ``cap`` seconds."""
+        timeout = cap
+        if self._session_id is not None:
+            left = max(0.0, self._expires_in()) + 0.01
+            timeout = left if timeout is None else min(timeout, left)
+        return None if timeout is None else timeout * 1000
+
+    def _read_all(self, limit: int = 64) -> None:
+        """Read what the socket holds (at most ``limit`` messages): answer what the I/O side answers,
+        queue the rest."""
+        for _ in range(limit):
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                self._on_frames(frames)
+            except Exception:  # insurance: nothing a peer sends may stop the worker
+                log.exception("dropped a message that could not be handled")
 
     def _on_monitor_event(self, frames: list[bytes]) -> None:
         from zmq.utils.monitor import parse_monitor_message
@@ -429,7 +504,7 @@ class WorkerServer:
             alive = msg.session == self._session_id
             if alive:
                 self._last_seen = time.monotonic()
-            self._reply(peer, protocol.OK, msg.id, {"session_alive": alive, "busy": self._busy_since is not None})
+            self._reply(peer, protocol.OK, msg.id, {"session_alive": alive, "busy": self._computing()})
             return
         if msg.kind == protocol.HELLO:
             self._on_hello(peer, msg)
@@ -455,7 +530,7 @@ class WorkerServer:
             self._end_session("driver said bye")
             self._reply(peer, protocol.OK, msg.id, None)
             return
-        self._tasks.put(_Task(peer, msg))
+        self._pending.append(_Task(peer, msg))
 
     def _authorized(self, header: Any, msg: protocol.Message, from_peer: bool) -> bool:
         """With CURVE: drivers may send anything; a peer worker's key only its session's pipeline."""
@@ -471,7 +546,8 @@ class WorkerServer:
         return False
 
     def _on_hello(self, peer: bytes, msg: protocol.Message) -> None:
-        """Answered here, at once, so a driver hears back even while the compute thread is busy."""
+        """Answered by the thread that holds the socket, at once, so a driver hears back even while
+        a request runs (the main thread stands in then)."""
         body = msg.body if isinstance(msg.body, dict) else {}
         driver = str(body.get("driver", "?"))[:200]
         if not msg.session:
@@ -519,7 +595,7 @@ class WorkerServer:
                 )
             timeout = body.get("heartbeat_timeout")
             peer_timeout = float(timeout) if isinstance(timeout, (int, float)) and 0 < timeout < 3600 else None
-            self._tasks.put(_Task(peer, protocol.Message(_NEW, 0, msg.session, peer_timeout)))
+            self._pending.append(_Task(peer, protocol.Message(_NEW, 0, msg.session, peer_timeout)))
         self._last_seen = time.monotonic()
         self._reply(
             peer,
@@ -534,6 +610,10 @@ class WorkerServer:
                 **describe_device(self.device),
             },
         )
+
+    def _computing(self) -> bool:
+        """Whether this worker computes: a request runs, or one ended within `_BUSY_WINDOW`."""
+        return self._busy_since is not None or time.monotonic() - self._last_busy < _BUSY_WINDOW
 
     def _busy_message(self) -> str:
         """Why another driver is refused, with what it needs to decide whether to wait: how long the
@@ -554,7 +634,7 @@ class WorkerServer:
         self._disconnected_at = None
         if self._session_id is not None:
             log.info("session %s ended: %s", self._session_id[:8], why)
-            self._tasks.put(_Task(b"", protocol.Message(_DROP, 0, self._session_id, None)))
+            self._pending.append(_Task(b"", protocol.Message(_DROP, 0, self._session_id, None)))
             self._session_peer_keys.pop(self._session_id, None)
             self._session_id = None
             self._session_peer = ""
@@ -584,54 +664,92 @@ class WorkerServer:
         else:
             self._end_session(f"a connection closed and the driver has been silent for {DISCONNECT_GRACE:.0f} s since")
 
-    # --- compute thread ------------------------------------------------------------------
-    def _compute_loop(self) -> None:
-        out = transport.inproc_push(self._inproc)
-        self._outbox = _Outbox(out, self.keys)
+    # --- serving thread ------------------------------------------------------------------
+    def _serve(self) -> None:
+        # OpenMP's and MKL's thread counts are per thread: without this the serving thread gets one
+        # OpenMP thread per core, which spin-wait between the small operations of a step (measured:
+        # a 1-thread CPU worker burned 5x its compute, and starved the other workers on the machine).
+        torch.set_num_threads(self._threads)
+        self._outbox = _Outbox(self, self.keys)
         _warm_up()
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
+        poller.register(self._serving_rx, zmq.POLLIN)
+        self._io.acquire()
         try:
-            while (task := self._tasks.get()) is not None and not self._stop.is_set():
-                msg = task.msg
-                if msg.kind == _DROP:
-                    self._drop_session(msg.session)
-                    continue
-                if msg.kind == _NEW:
-                    self._new_session(msg.session, msg.body)
-                    continue
-                if not _from_peer(msg):
-                    self._outbox.driver_peer = task.peer
-                self._outbox.session = msg.session
-                self._busy_since = time.monotonic()
-                try:
-                    body = self._handle(msg)
-                    if body is NO_REPLY:
-                        continue
-                    frames = protocol.encode(protocol.OK, msg.id, msg.session, body)
-                except Exception as err:  # every failure becomes an error reply; the worker stays up
-                    if not isinstance(err, ProtocolError):
-                        self._throttle.warning(
-                            "failed:" + msg.kind, "request %s failed: %s: %s", msg.kind, type(err).__name__, err
-                        )
-                    error = error_body(err, self._session)
-                    if msg.kind in _PIPELINE_KINDS:
-                        # Pipelined work answers to the driver, whoever sent the message.
-                        if isinstance(msg.body, dict):
-                            error.update(
-                                {
-                                    k: msg.body.get(k)
-                                    for k in ("key", "call", "mb")
-                                    if isinstance(msg.body.get(k), (int, str))
-                                }
-                            )
-                        self._outbox.to_driver(protocol.ERROR, error)
-                        continue
-                    frames = protocol.encode(protocol.ERROR, msg.id, msg.session, error)
-                finally:
-                    self._busy_since = None
-                out.send_multipart([task.peer, *frames], copy=False)
+            while not self._stop.is_set():
+                # Read before each queued request too, so heartbeats are answered between them. With
+                # nothing queued, sleep until a message or the session's expiry: an idle worker uses no CPU.
+                ready = dict(poller.poll(0 if self._pending else self._poll_timeout()))
+                if self.sock in ready:
+                    self._read_all()
+                if self._monitor in ready:
+                    self._on_monitor_event(self._monitor.recv_multipart())
+                if self._serving_rx in ready:
+                    self._serving_rx.recv()
+                self._expire_session()
+                if self._pending and not self._stop.is_set():
+                    self._run(self._pending.popleft())
         finally:
             self._outbox.close()
-            out.close(0)
+            self._serving_rx.close(0)
+            self._io.release()
+
+    def _take_socket(self) -> None:
+        """Block until this (the serving) thread holds the socket, taking it from a standing-in main thread."""
+        self._want_io = True
+        if self._standing_in:
+            transport.wake(self._wake_main)
+        self._io.acquire()
+        self._want_io = False
+
+    def _run(self, task: _Task) -> None:
+        """Run one request without holding the socket (the main thread may stand in), then reply."""
+        msg = task.msg
+        if msg.kind not in (_DROP, _NEW):
+            if not _from_peer(msg):
+                self._outbox.driver_peer = task.peer
+            self._outbox.session = msg.session
+        self._busy_since = time.monotonic()
+        self._io.release()
+        try:
+            frames = self._answer(msg)
+        finally:
+            self._take_socket()
+            self._busy_since = None
+            self._last_busy = time.monotonic()
+        if frames is not None:
+            self.sock.send_multipart([task.peer, *frames], copy=False)
+
+    def _answer(self, msg: protocol.Message) -> list[Any] | None:
+        """Run a request; its reply's frames, or ``None`` where the reply travels otherwise."""
+        if msg.kind == _DROP:
+            self._drop_session(msg.session)
+            return None
+        if msg.kind == _NEW:
+            self._new_session(msg.session, msg.body)
+            return None
+        try:
+            body = self._handle(msg)
+            if body is NO_REPLY:
+                return None
+            return protocol.encode(protocol.OK, msg.id, msg.session, body)
+        except Exception as err:  # every failure becomes an error reply; the worker stays up
+            if not isinstance(err, ProtocolError):
+                self._throttle.warning(
+                    "failed:" + msg.kind, "request %s failed: %s: %s", msg.kind, type(err).__name__, err
+                )
+            error = error_body(err, self._session)
+            if msg.kind in _PIPELINE_KINDS:
+                # Pipelined work answers to the driver, whoever sent the message.
+                if isinstance(msg.body, dict):
+                    error.update(
+                        {k: msg.body.get(k) for k in ("key", "call", "mb") if isinstance(msg.body.get(k), (int, str))}
+                    )
+                self._outbox.to_driver(protocol.ERROR, error)
+                return None
+            return protocol.encode(protocol.ERROR, msg.id, msg.session, error)
 
     def _new_session(self, session_id: str, peer_timeout: Any) -> None:
         self._drop_session(None)
