@@ -564,6 +564,42 @@ def test_the_busy_reply_says_how_long_the_session_ran_and_when_it_would_expire(s
     first.ok(protocol.BYE)
 
 
+def _cpu_by_thread(pid: int) -> dict[str, int]:
+    """Clock ticks of CPU each thread of process ``pid`` has used, by thread id."""
+    ticks = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rpartition(")")[2].split()
+        except OSError:
+            continue  # the thread ended
+        ticks[tid] = int(fields[11]) + int(fields[12])  # utime + stime
+    return ticks
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task") or (os.cpu_count() or 1) < 2, reason="needs /proc, 2 cores")
+def test_a_one_thread_worker_computes_on_one_thread(worker):
+    """``--threads 1`` holds for the thread that runs the layers, not only the main thread: OpenMP's
+    thread count is per thread, and a serving thread left with one OpenMP thread per core had a
+    spare one spinning between the small operations of a pipeline, burning more CPU than the
+    compute itself (a small model's workers used 5x the CPU they needed)."""
+    torch.manual_seed(0)
+    net = SpecSequential([("torch.nn.Linear", {"in_features": 128, "out_features": 128}, (64, 128))] * 8)
+    session = DriverSession([worker.address], connect_timeout=REPLY_TIMEOUT)
+    try:
+        session.place("net", net)
+        x = torch.randn(64, 128)
+        net(x).sum().backward()
+        before = _cpu_by_thread(worker.proc.pid)
+        for _ in range(150):
+            net(x).sum().backward()
+        after = _cpu_by_thread(worker.proc.pid)
+    finally:
+        session.close()
+    used = sorted((after[t] - before.get(t, 0) for t in after), reverse=True)
+    # The serving thread computes; every other thread (ZeroMQ's I/O) uses a fraction of its CPU.
+    assert used[0] > 0 and used[1] < used[0] / 2, f"CPU ticks by thread: {used}"
+
+
 def test_a_new_session_starts_empty(worker, connect):
     net = _spec()
     session = DriverSession([worker.address], connect_timeout=REPLY_TIMEOUT)

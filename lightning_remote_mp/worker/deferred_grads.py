@@ -111,7 +111,7 @@ class DeferredWeightGrads:
     def __init__(self, module: torch.nn.Module) -> None:
         self.module = module
         self.filing = False
-        self._params: set[int] = set()
+        self._params: set[int] | None = None  # ids of the module's parameters, while they stay the same
         self._pending: dict[tuple[int, int], _Pending] = {}
 
     @contextlib.contextmanager
@@ -120,9 +120,14 @@ class DeferredWeightGrads:
         if not torch.is_grad_enabled():
             yield
             return
-        self._params = {id(p) for p in self.module.parameters()}
+        if self._params is None:
+            self._params = {id(p) for p in self.module.parameters()}
         with _Intercept(self):
             yield
+
+    def parameters_replaced(self) -> None:
+        """The module's parameters are new objects (a state dict loaded with ``assign=True``)."""
+        self._params = None
 
     @contextlib.contextmanager
     def filing_backward(self) -> Iterator[None]:
@@ -137,15 +142,16 @@ class DeferredWeightGrads:
     def _pending_for(
         self, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     ) -> _Pending | None:
+        params = self._params or set()
         if (
             not torch.is_grad_enabled()
             or _saved_tensor_hooks_active()
             or _functorch_active()
-            or id(weight) not in self._params
+            or id(weight) not in params
             or not weight.requires_grad
             or not weight.is_floating_point()  # complex gradients need conjugates; plain autograd has them
             or _has_grad_hooks(weight)
-            or (bias is not None and (id(bias) not in self._params or not bias.requires_grad or _has_grad_hooks(bias)))
+            or (bias is not None and (id(bias) not in params or not bias.requires_grad or _has_grad_hooks(bias)))
             or torch.is_autocast_enabled(input.device.type)
             or input.dtype != weight.dtype
             or input.dim() == 0

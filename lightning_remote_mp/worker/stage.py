@@ -146,6 +146,8 @@ class StageExecutor:
             )
         if assign:
             self.layers.load_state_dict({k: v.to(self.device).clone() for k, v in state.items()}, assign=True)
+            if self.deferred is not None:
+                self.deferred.parameters_replaced()
             return
         with torch.no_grad():
             for name, tensor in self.layers.state_dict(keep_vars=True).items():
