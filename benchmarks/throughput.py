@@ -10,7 +10,7 @@ Configurations (all in the same run, interleaved round by round, median over rou
 (b) ``lrmp m=M``: Lightning's Trainer with RemoteModelParallelStrategy(balance=[8, 8],
     microbatches=M) (and, for comparison, ``split_backward=False``: plain autograd on the workers)
     on two lrmp-worker processes (``LocalWorkers(2, threads=1)``, the same workers the
-    strategy starts for ``hosts=None, worker_threads=1``; started once and reused by every fit so that
+    strategy starts for ``local_workers=LocalWorkerOptions(threads=1)``; started once and reused by every fit so that
     the rounds can alternate), timed by a callback over the steps after the warm-up;
 (c) ``torch <Schedule> m=M``: torch.distributed.pipelining, ``PipelineStage`` built by hand on each of
     two processes talking gloo over 127.0.0.1, with ScheduleGPipe and Schedule1F1B.

@@ -14,7 +14,7 @@ same architecture, parameter count and initial weights:
 
 Both run through a real Lightning Trainer (SGD, cross-entropy over one fixed batch of token ids) on
 two local lrmp-workers with one torch thread each (``LocalWorkers(2, threads=1)``, what the strategy
-starts itself for ``num_workers=2, worker_threads=1``; started once and reused so that rounds can
+starts itself for ``local_workers=LocalWorkerOptions(2, threads=1)``; started once and reused so that rounds can
 alternate, after one untimed warm-up fit: a fresh worker's first optimizer imports torch._dynamo;
 ``--fresh-workers`` lets the strategy start its own for every fit instead), with the same stage
 boundary (the middle block) for both, at each ``--microbatches`` value.
@@ -209,7 +209,7 @@ def run_fit(
     import lightning as L
     from lightning.pytorch.callbacks import Callback
 
-    from lightning_remote_mp import RemoteModelParallelStrategy
+    from lightning_remote_mp import LocalWorkerOptions, RemoteModelParallelStrategy
 
     total = cfg["warmup"] + cfg["steps"]
 
@@ -264,7 +264,7 @@ def run_fit(
         balance: Any = [3 + half, cfg["depth"] - half + 2]  # embed, pos, mask + half the blocks | the rest
     else:
         balance = {"net": [f"encoder.layers.{half}"]}
-    workers: dict[str, Any] = {"hosts": addresses} if addresses else {"num_workers": 2, "worker_threads": 1}
+    workers: dict[str, Any] = {"hosts": addresses} if addresses else {"local_workers": LocalWorkerOptions(2, threads=1)}
     strategy = RemoteModelParallelStrategy(
         **workers,
         balance=balance,
@@ -370,7 +370,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--fresh-workers",
         action="store_true",
-        help="let the strategy start its own 2 workers (num_workers=2, worker_threads=1) for every fit",
+        help="let the strategy start its own 2 workers (LocalWorkerOptions(2, threads=1)) for every fit",
     )
     p.add_argument(
         "--no-split-backward",

@@ -32,7 +32,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_remote_mp import RemoteModelParallelStrategy, SpecSequential
+from lightning_remote_mp import LocalWorkerOptions, RemoteModelParallelStrategy, SpecSequential
 
 
 def gpt_spec(vocab: int, dim: int = 64, heads: int = 4, blocks: int = 4, context: int = 64, batch: int = 32) -> list:
@@ -117,7 +117,9 @@ def main(
     text = corpus()
     train, chars = loaders(text, seed=seed)
     model = CharGPT(vocab=len(chars), blocks=max(4, len(hosts or []) or workers))
-    strategy = RemoteModelParallelStrategy(hosts=list(hosts) if hosts else None, num_workers=workers, microbatches=4)
+    # Without hosts, `workers` local workers are started (and stopped after fit).
+    local = None if hosts else LocalWorkerOptions(count=workers)
+    strategy = RemoteModelParallelStrategy(hosts=list(hosts) if hosts else None, local_workers=local, microbatches=4)
     trainer = L.Trainer(
         strategy=strategy,
         max_steps=steps,

@@ -7,7 +7,7 @@
 
 The strategy is named in the config by ``class_path: lightning_remote_mp.RemoteModelParallelStrategy``
 with its constructor arguments under ``init_args``; any of them can be overridden on the command line,
-e.g. ``--trainer.strategy.init_args.num_workers 3`` or ``--trainer.strategy remote_mp`` (the registered
+e.g. ``--trainer.strategy.init_args.local_workers.count 3`` or ``--trainer.strategy remote_mp`` (the registered
 name, all defaults). LightningCLI needs ``jsonargparse[signatures]``: ``pip install -e ".[examples]"``.
 
 The task is demo.py's: x is drawn from [0, 1) and its label is 1 on the bands [0, 0.25) and [0.5, 0.75).

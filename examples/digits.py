@@ -25,7 +25,7 @@ Here the MLP is written once, as a layer spec with no device in it, and trains a
 machine. The strategy places the layers (``balance=[2, 3]``: layers 0-1 on the first worker, 2-4
 on the second, like net1 + relu and net2 above), moves activations and gradients between the
 workers and mirrors the optimizer (and its learning-rate schedule) onto them. The workers can be
-processes on this machine, GPUs of one box (``worker_devices``) or separate machines (``--hosts``).
+processes on this machine, GPUs of one box (``LocalWorkerOptions.devices``) or separate machines (``--hosts``).
 The metric, the loss and everything outside the ``SpecSequential`` run in this process (the driver).
 """
 
@@ -108,8 +108,9 @@ def main(
     L.seed_everything(seed, verbose=False)
     train, val = digits_loaders(seed=seed)
     model = DigitsClassifier()
-    # hosts=None starts two local workers; balance: layers per stage, the MLP's 5 layers split 2 + 3.
-    strategy = RemoteModelParallelStrategy(hosts=list(hosts) if hosts else None, num_workers=2, balance=[2, 3])
+    # hosts=None starts two local workers (the default local_workers); balance: layers per stage, the
+    # MLP's 5 layers split 2 + 3.
+    strategy = RemoteModelParallelStrategy(hosts=list(hosts) if hosts else None, balance=[2, 3])
     trainer = L.Trainer(
         strategy=strategy,
         max_epochs=epochs,

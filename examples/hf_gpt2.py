@@ -53,7 +53,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from lightning_remote_mp import RemoteModelParallelStrategy
+from lightning_remote_mp import LocalWorkerOptions, RemoteModelParallelStrategy
 
 VOCAB = 256  # bytes
 
@@ -144,7 +144,7 @@ def main(
     module = ByteGPT2(log_every=log_every)
     strategy = RemoteModelParallelStrategy(
         hosts=list(hosts) if hosts else None,
-        num_workers=workers,
+        local_workers=None if hosts else LocalWorkerOptions(count=workers),
         split=["model"],
         microbatches=microbatches,
         balance={"model": list(split_at)} if split_at else None,

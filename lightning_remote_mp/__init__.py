@@ -13,6 +13,7 @@ from typing import Any
 
 __version__ = "0.1.0"  # the one place it is written: pyproject.toml reads it from here
 
+from lightning_remote_mp.config import CurveOptions, LocalWorkerOptions  # noqa: E402
 from lightning_remote_mp.errors import (  # noqa: E402
     AuthenticationError,
     ConfigurationError,
@@ -33,7 +34,9 @@ from lightning_remote_mp.spec import SpecSequential  # noqa: E402
 __all__ = [
     "AuthenticationError",
     "ConfigurationError",
+    "CurveOptions",
     "KeyFileError",
+    "LocalWorkerOptions",
     "LrmpError",
     "ProtocolError",
     "ProtocolVersionError",

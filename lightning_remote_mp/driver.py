@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from lightning_remote_mp import __version__, partition, protocol
+from lightning_remote_mp.config import Topology
 from lightning_remote_mp.errors import LrmpError, ProtocolVersionError, SpecError, WorkerError, WorkerLostError
 from lightning_remote_mp.keys import KeyPair
 from lightning_remote_mp.optim import OptimizerMirror
@@ -152,8 +153,9 @@ class DriverSession:
     """One training session with its workers: one row per pipeline, one worker per stage.
 
     Args:
-        hosts: worker addresses, one per stage in pipeline order; or, for data parallel training, a
-            list of such rows (replicas of the same stage layout), e.g. ``[["a:1", "b:1"], ["c:1", "d:1"]]``.
+        hosts: the workers as a `Topology` (the strategy's, normalised once), or their addresses,
+            one per stage in pipeline order; or, for data parallel training, a list of such rows
+            (replicas of the same stage layout), e.g. ``[["a:1", "b:1"], ["c:1", "d:1"]]``.
         heartbeat_timeout: seconds of silence after which a worker is declared lost.
         connect_timeout: seconds to wait for each worker's first answer.
         call_timeout: seconds one call may go on without progress while its worker still answers
@@ -169,7 +171,7 @@ class DriverSession:
 
     def __init__(
         self,
-        hosts: Sequence[str] | Sequence[Sequence[str]],
+        hosts: Topology | Sequence[str] | Sequence[Sequence[str]],
         *,
         heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT,
         connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
@@ -180,8 +182,8 @@ class DriverSession:
         limits: protocol.Limits = protocol.DEFAULT_LIMITS,
         call_timeout: float | None = DEFAULT_CALL_TIMEOUT,
     ) -> None:
-        rows = normalize_hosts(hosts)
-        addresses = [a for row in rows for a in row]
+        self.topology = Topology.of(hosts)
+        rows, addresses = self.topology.rows, self.topology.addresses
         if (keys is None) != (worker_keys is None):
             raise LrmpError("CURVE needs both the driver's key pair and the workers' public keys")
         if worker_keys is not None:
@@ -611,22 +613,6 @@ class DriverSession:
         for c in self.conns:
             c.close()
         self._store = None
-
-
-def normalize_hosts(hosts: Sequence[str] | Sequence[Sequence[str]]) -> list[list[str]]:
-    """One row of addresses per replica; a flat list is one replica. Rows must be equally long."""
-    if isinstance(hosts, str) or not hosts:
-        raise LrmpError(f"hosts must be a non-empty list of worker addresses (or of rows of them), got {hosts!r}")
-    rows = [list(row) for row in hosts] if all(isinstance(h, (list, tuple)) for h in hosts) else [list(hosts)]
-    if any(isinstance(h, (list, tuple)) for row in rows for h in row):
-        raise LrmpError("hosts mixes addresses and rows of addresses; give one or the other")
-    if any(len(row) != len(rows[0]) or not row for row in rows):
-        raise LrmpError(f"every replica row of hosts needs the same number of stages, got {[len(r) for r in rows]}")
-    rows = [[normalize_address(a) for a in row] for row in rows]
-    flat = [a for row in rows for a in row]
-    if len(set(flat)) != len(flat):
-        raise LrmpError(f"worker addresses repeat: {flat}; give each stage of each replica its own worker")
-    return rows
 
 
 def _address_towards(address: str) -> str:

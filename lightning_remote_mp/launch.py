@@ -143,7 +143,7 @@ class LocalWorkers:
         extra_args: Sequence[str] = (),
     ) -> None:
         if n < 1:
-            raise ConfigurationError(f"num_workers must be at least 1, got {n}")
+            raise ConfigurationError(f"LocalWorkers needs at least 1 worker, got n={n}")
         if (secret_keys is None) != (authorized_keys is None):
             raise ConfigurationError("secret_keys and authorized_keys go together")
         if secret_keys is not None and len(secret_keys) != n:

@@ -25,7 +25,19 @@ from lightning.pytorch.strategies import SingleDeviceStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_remote_mp import protocol
-from lightning_remote_mp.driver import DriverSession, allow_modules_for, checked_for_workers, normalize_hosts
+from lightning_remote_mp.config import (
+    CurveOptions,
+    LocalWorkerOptions,
+    Topology,
+    check_balance,
+    check_count,
+    check_curve,
+    check_optional_text,
+    check_replicas,
+    check_split,
+    check_timeout,
+)
+from lightning_remote_mp.driver import DriverSession, allow_modules_for, checked_for_workers
 from lightning_remote_mp.errors import ConfigurationError, LrmpError, SpecError, TraceError
 from lightning_remote_mp.keys import KeyPair, generate_keypair, load_keypair, load_public_key, write_public_key
 from lightning_remote_mp.launch import LocalWorkers
@@ -66,30 +78,6 @@ except ImportError:  # pragma: no cover
     pass
 
 
-def _check_plaintext_allreduce(
-    hosts: list[str] | list[list[str]] | None, replicas: int, curve_secret_key: str | None, allowed: bool
-) -> None:
-    """Refuse CURVE keys with replicas unless ``allowed``: CURVE covers every ZeroMQ link, but not the
-    replicas' gradient all-reduce (torch.distributed), which would be the one link in the clear."""
-    rows = len(normalize_hosts(hosts)) if hosts is not None else replicas
-    if curve_secret_key is None or rows < 2:
-        return
-    if not allowed:
-        given = f"hosts has {rows} rows (replicas)" if hosts is not None else f"replicas={rows}"
-        raise ConfigurationError(
-            f"curve_secret_key is set and {given}, but the replicas' gradient all-reduce goes through "
-            "torch.distributed (gloo or NCCL), which CURVE does not cover: anyone on the network between the "
-            "workers could read every stage's gradients and alter them. Train one pipeline (one row of hosts, "
-            "replicas=1), or pass allow_plaintext_allreduce=True if every host on that network is trusted."
-        )
-    log.warning(
-        "allow_plaintext_allreduce=True: CURVE encrypts and authenticates the driver's and the pipelines' "
-        "links, but the %d replicas all-reduce their gradients through torch.distributed (gloo or NCCL) in the "
-        "clear and unauthenticated: anyone on the network between the workers can read and alter them",
-        rows,
-    )
-
-
 def find_spec_modules(module: torch.nn.Module) -> dict[str, SpecSequential]:
     """Every outermost SpecSequential in ``module``, by its qualified name."""
     found: dict[str, SpecSequential] = {}
@@ -106,14 +94,15 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
         hosts: worker addresses (``"tcp://host:port"`` or ``"host:port"``), one stage per worker, in
             order. For data parallel training, a list of such rows, one per replica of the same stage
             layout: each batch is split across the replicas and each stage's replicas all-reduce their
-            gradients (torch.distributed) before the optimizer steps. ``None`` starts ``num_workers``
-            local workers on loopback and stops them at teardown.
+            gradients (torch.distributed) before the optimizer steps. ``None`` starts local workers
+            on loopback (see ``local_workers``) and stops them at teardown.
         balance: layers per stage (e.g. ``[5, 4]``); ``"memory"`` (the default) keeps every stage within
             its worker's free device memory and, among such splits, evens out the estimated compute
             (FLOPs from a dry run on the meta device); ``"parameters"`` evens out parameter counts;
             ``"time"`` times each layer (forward and backward at its example input shape) on every
             worker and minimises the slowest stage, logging the predicted stage times. With several
-            SpecSequentials, a dict from their names to one of these.
+            SpecSequentials, a dict from their names to one of these. For a module traced with
+            ``split``, also the names of the submodules where stages 1, 2, ... start.
         microbatches: split each batch into this many micro-batches that flow through the stages
             concurrently (GPipe); results equal unsplit training unless layers couple the samples
             of a batch (BatchNorm in training mode sees micro-batch statistics).
@@ -127,10 +116,11 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
             micro-batch's stage inputs and recompute the forward at backward: activation memory of one
             micro-batch per stage, for about a third more compute); ``"except_last"`` (all but the
             last micro-batch, whose backward comes first). Results are the same.
-        num_workers: how many local workers to start when ``hosts`` is ``None``.
-        replicas: how many pipelines those local workers form (``num_workers / replicas`` stages each).
-        worker_devices: devices of the local workers (default: CUDA round-robin if available, else CPU).
-        worker_threads: torch threads per local worker (default: cores shared among workers).
+        replicas: how many pipelines the local workers form (``local_workers.count / replicas``
+            stages each). With ``hosts``, its rows are the replicas: leave it at 1 (or give their number).
+        local_workers: the ``lrmp-worker`` processes started on this machine when ``hosts`` is
+            ``None`` (`LocalWorkerOptions`: ``count``, ``devices``, ``threads``); default: two workers.
+            Refused together with ``hosts``.
         timeline: write a per-stage timeline of training (Chrome trace JSON, open it in Perfetto) to
             this path, and log the pipeline's bubble fraction as ``lrmp/bubble_fraction``.
         heartbeat_timeout: seconds of silence after which a worker is declared lost (the run fails
@@ -141,17 +131,12 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
             never returns, a deadlock. ``None`` waits as long as the worker lives.
         store_host: with replicas, the address workers reach this machine at for their rendezvous
             (default: this machine's address on the route to the first worker).
-        curve_secret_key: path of this driver's CURVE key pair (``NAME.key_secret`` from
-            ``lrmp-worker keygen``). With it every connection, driver to worker and worker to worker, is
-            encrypted and authenticated. With ``hosts``, ``worker_public_keys`` is required; without
-            ``hosts``, the local workers get fresh key pairs of their own.
-        worker_public_keys: paths of the workers' public key files (``NAME.key``), one per host in
-            ``hosts`` order, or a single one when every worker runs with the same key pair.
-        allow_plaintext_allreduce: with ``curve_secret_key`` and several replicas, let the replicas
-            all-reduce their gradients through torch.distributed (gloo or NCCL), which CURVE does not
-            cover: that traffic is neither encrypted nor authenticated, so whoever is on the network
-            between the workers can read every stage's gradients and alter them. Without it, that
-            combination is refused at construction. Only for a network whose hosts are all trusted.
+        curve: CURVE encryption and authentication of every connection, driver to worker and worker
+            to worker (`CurveOptions`: ``secret_key``, the path of this driver's ``NAME.key_secret``
+            from ``lrmp-worker keygen``; ``worker_public_keys``, with ``hosts`` the workers'
+            ``NAME.key`` files, one per host in order or one for all; ``allow_plaintext_allreduce``,
+            needed with several replicas, whose gradient all-reduce CURVE does not cover). Without
+            ``hosts``, the local workers get fresh key pairs of their own. The key files are read at setup.
         max_message_bytes: the most tensor data this driver accepts in one message from a worker
             (and, for local workers, what they accept); default 16 GiB.
         split: names of the LightningModule's submodules (dotted paths allowed, e.g. ``["model"]``)
@@ -161,6 +146,9 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
             cuts specs, or at given submodule names: ``{"model": ["transformer.h.6"]}`` starts
             stage 1 there. Default: none (every SpecSequential is split, as always).
         device: the driver's device for layers outside any SpecSequential (default: follows the accelerator).
+
+    Every argument is checked here, before any file is read or worker started; a mistake raises
+    `ConfigurationError` (a ``ValueError``) naming the argument.
     """
 
     strategy_name = "remote_mp"
@@ -168,22 +156,19 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
     def __init__(
         self,
         hosts: list[str] | list[list[str]] | None = None,
-        balance: list[int] | dict[str, list[int] | str] | str | None = None,
+        *,
+        balance: list[int] | list[str] | dict[str, list[int] | list[str] | str] | str | None = None,
         microbatches: int = 1,
         split_backward: bool = True,
         checkpoint: Literal["never", "except_last", "always"] = "never",
-        num_workers: int = 2,
         replicas: int = 1,
-        worker_devices: list[str] | None = None,
-        worker_threads: int | None = None,
+        local_workers: LocalWorkerOptions | None = None,
         timeline: str | None = None,
         heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT,
         connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
         call_timeout: float | None = DEFAULT_CALL_TIMEOUT,
         store_host: str | None = None,
-        curve_secret_key: str | None = None,
-        worker_public_keys: list[str] | None = None,
-        allow_plaintext_allreduce: bool = False,
+        curve: CurveOptions | None = None,
         max_message_bytes: int | None = None,
         split: list[str] | None = None,
         device: str | None = None,
@@ -191,84 +176,71 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
         checkpoint_io: Any = None,
         precision_plugin: Any = None,
     ) -> None:
+        # Every argument is checked before anything else happens: no file is read, no process started.
+        self.topology = Topology.of(hosts) if hosts is not None else None
+        if self.topology is not None and local_workers is not None:
+            raise ConfigurationError(
+                "local_workers is for the workers the strategy starts itself (hosts=None); with hosts, start "
+                "lrmp-worker on each host and leave local_workers out"
+            )
+        self.local_workers = (local_workers or LocalWorkerOptions()) if self.topology is None else None
+        self.replicas = check_replicas(replicas, self.topology, self.local_workers)
+        check_balance(balance, self.num_stages)
+        check_count("microbatches", microbatches)
+        self.checkpoint = check_checkpoint_mode(checkpoint)
+        check_timeout("heartbeat_timeout", heartbeat_timeout)
+        check_timeout("connect_timeout", connect_timeout)
+        check_timeout("call_timeout", call_timeout, optional=True)
+        check_count("max_message_bytes", max_message_bytes, optional=True)
+        check_optional_text("timeline", timeline)
+        check_optional_text("store_host", store_host)
+        check_curve(curve, self.topology, self.replicas)
+        self.split = check_split(split)
         super().__init__(
             device=device or "cpu",
             accelerator=accelerator,
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        if hosts is not None:
-            rows = normalize_hosts(hosts)
-            hosts = rows[0] if len(rows) == 1 and not isinstance(hosts[0], (list, tuple)) else rows
-        if replicas < 1 or num_workers % replicas:
-            raise LrmpError(f"num_workers={num_workers} local workers cannot form replicas={replicas} equal pipelines")
-        self.hosts = hosts
-        self.replicas = replicas
-        self.store_host = store_host
         self.balance = balance
-        if microbatches < 1:
-            raise LrmpError(f"microbatches must be at least 1, got {microbatches}")
         self.microbatches = microbatches
         self.split_backward = split_backward
-        self.checkpoint = check_checkpoint_mode(checkpoint)
-        self.num_workers = num_workers
-        self.worker_devices = worker_devices
-        self.worker_threads = worker_threads
         self.timeline = timeline
         self.heartbeat_timeout = heartbeat_timeout
         self.connect_timeout = connect_timeout
         self.call_timeout = call_timeout
-        self.curve_secret_key = curve_secret_key
-        self.worker_public_keys = worker_public_keys
-        self.allow_plaintext_allreduce = allow_plaintext_allreduce
-        _check_plaintext_allreduce(hosts, replicas, curve_secret_key, allow_plaintext_allreduce)
-        self._keys, self._worker_keys = self._load_keys(hosts, curve_secret_key, worker_public_keys)
+        self.store_host = store_host
+        self.curve = curve
         self.limits = (
             protocol.Limits(max_message_bytes=max_message_bytes) if max_message_bytes else protocol.DEFAULT_LIMITS
         )
-        if split is not None and not (
-            isinstance(split, (list, tuple)) and all(isinstance(n, str) and n for n in split)
-        ):
-            raise ConfigurationError(f"split must be a list of submodule names, e.g. ['model'], got {split!r}")
-        self.split = list(split) if split else []
         self._traced: list[TracedForward] = []
         self._device_given = device is not None
         self._local: LocalWorkers | None = None
         self._local_keys_dir: str | None = None
         self._session: DriverSession | None = None
+        self._keys: KeyPair | None = None
+        self._worker_keys: dict[str, bytes] | None = None
 
-    @staticmethod
-    def _load_keys(
-        hosts: list[str] | list[list[str]] | None, secret: str | None, publics: list[str] | str | None
-    ) -> tuple[KeyPair | None, dict[str, bytes] | None]:
-        """This driver's key pair, and each worker's public key by address (``None`` without CURVE)."""
-        if isinstance(publics, str):
-            publics = [publics]
-        if secret is None:
-            if publics:
-                raise LrmpError(
-                    "worker_public_keys is set but curve_secret_key is not: CURVE needs this driver's key pair too"
-                )
+    @property
+    def hosts(self) -> list[str] | list[list[str]] | None:
+        """The worker addresses given, normalised (``tcp://``): a list, or a list of rows with replicas."""
+        if self.topology is None:
+            return None
+        if self.topology.replicas == 1:
+            return list(self.topology.rows[0])
+        return [list(row) for row in self.topology.rows]
+
+    def _load_keys(self) -> tuple[KeyPair | None, dict[str, bytes] | None]:
+        """This driver's key pair, and each given worker's public key by address (``None`` without
+        CURVE, or for local workers, which get fresh keys): read at setup, never at construction."""
+        if self.curve is None:
             return None, None
-        keys = load_keypair(secret)
-        if hosts is None:
-            if publics:
-                raise LrmpError(
-                    "worker_public_keys is for workers given in hosts; local workers (hosts=None) get fresh keys"
-                )
+        keys = load_keypair(self.curve.secret_key)
+        if self.topology is None:
             return keys, None
-        flat = [a for row in normalize_hosts(hosts) for a in row]
-        if not publics:
-            raise LrmpError(
-                "curve_secret_key is set but worker_public_keys is not: give each worker's public key file "
-                "(NAME.key from `lrmp-worker keygen`), in hosts order, or one shared by all workers"
-            )
-        if len(publics) not in (1, len(flat)):
-            raise LrmpError(
-                f"{len(publics)} worker_public_keys for {len(flat)} hosts: give one per host, in order "
-                "(row by row with replicas), or one for all"
-            )
-        worker_keys = [load_public_key(p) for p in publics]
+        flat = self.topology.addresses
+        worker_keys = [load_public_key(p) for p in self.curve.worker_public_keys]
         return keys, dict(zip(flat, worker_keys * len(flat) if len(worker_keys) == 1 else worker_keys))
 
     @property
@@ -323,9 +295,10 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
         balances = {key: self._balance_for(key, {**modules, **traced}) for key in {**modules, **traced}}
         checks = {key: self._check_before_workers(key, module) for key, module in modules.items()}
         try:
-            hosts, liveness, worker_keys = self._workers(modules)
+            self._keys, self._worker_keys = self._load_keys()
+            topology, liveness, worker_keys = self._workers(modules)
             self._session = DriverSession(
-                hosts,
+                topology,
                 heartbeat_timeout=self.heartbeat_timeout,
                 connect_timeout=self.connect_timeout,
                 call_timeout=self.call_timeout,
@@ -377,8 +350,7 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
             )
         if isinstance(balance, list) and all(isinstance(b, str) for b in balance):
             balance = module.counts_at(balance, self.num_stages)
-        replicas = len(normalize_hosts(self.hosts)) if self.hosts is not None else self.replicas
-        if self.microbatches > 1 or replicas > 1:
+        if self.microbatches > 1 or self.replicas > 1:
             module.check_batch_split(module.example)
         session.place(
             key,
@@ -396,9 +368,10 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
     @property
     def num_stages(self) -> int:
         """Stages per pipeline: workers per row of ``hosts``, or local workers per replica."""
-        if self.hosts is None:
-            return self.num_workers // self.replicas
-        return len(normalize_hosts(self.hosts)[0])
+        if self.topology is not None:
+            return self.topology.stages
+        assert self.local_workers is not None
+        return self.local_workers.count // self.replicas
 
     def _check_before_workers(self, key: str, module: SpecSequential) -> Preflight:
         what = f"SpecSequential {key!r}"
@@ -411,14 +384,16 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
 
     def _workers(
         self, modules: dict[str, SpecSequential]
-    ) -> tuple[Any, dict[str, Any] | None, dict[str, bytes] | None]:
-        if self.hosts is not None:
-            return self.hosts, None, self._worker_keys
+    ) -> tuple[Topology, dict[str, Any] | None, dict[str, bytes] | None]:
+        if self.topology is not None:
+            return self.topology, None, self._worker_keys
+        local = self.local_workers
+        assert local is not None
         secret_files, authorized, worker_keys = None, None, None
         if self._keys is not None:
             # Local workers with CURVE: a key pair each, and this driver's public key as the only authorized one.
             self._local_keys_dir = tempfile.mkdtemp(prefix="lrmp-keys-")
-            pairs = [generate_keypair(self._local_keys_dir, f"worker{i}") for i in range(self.num_workers)]
+            pairs = [generate_keypair(self._local_keys_dir, f"worker{i}") for i in range(local.count)]
             secret_files = [str(secret) for _, secret in pairs]
             worker_keys = [load_public_key(public) for public, _ in pairs]
             authorized_dir = Path(self._local_keys_dir) / "authorized"
@@ -429,22 +404,19 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
         if self.limits.max_message_bytes != protocol.DEFAULT_LIMITS.max_message_bytes:
             extra = ["--max-message-bytes", str(self.limits.max_message_bytes)]
         self._local = LocalWorkers(
-            self.num_workers,
-            devices=self.worker_devices,
-            threads=self.worker_threads,
+            local.count,
+            devices=local.devices,
+            threads=local.threads,
             allow_modules=allow_modules_for(modules, self.optimizers),
             secret_keys=secret_files,
             authorized_keys=authorized,
             extra_args=extra,
         )
         addresses = self._local.start()
-        local = self._local
-        liveness = {a: (lambda i=i: local.why_dead(i)) for i, a in enumerate(addresses)}
+        started = self._local
+        liveness = {a: (lambda i=i: started.why_dead(i)) for i, a in enumerate(addresses)}
         keys_by_address = dict(zip(addresses, worker_keys)) if worker_keys is not None else None
-        if self.replicas == 1:
-            return addresses, liveness, keys_by_address
-        per_row = len(addresses) // self.replicas
-        return [addresses[r * per_row : (r + 1) * per_row] for r in range(self.replicas)], liveness, keys_by_address
+        return Topology.in_rows(addresses, self.replicas), liveness, keys_by_address
 
     def _balance_for(self, key: str, modules: dict[str, SpecSequential]) -> Any:
         if isinstance(self.balance, dict):

@@ -188,7 +188,7 @@ def handshake_failure(event: Mapping[str, Any], curve: Curve | None) -> str | No
             if curve is None:
                 return (
                     "the worker requires CURVE encryption and authentication (it runs with --secret-key), "
-                    "but this driver has no keys: give the strategy curve_secret_key and worker_public_keys"
+                    "but this driver has no keys: give the strategy curve=CurveOptions(secret_key, worker_public_keys)"
                 )
             return (
                 "the worker does not use CURVE encryption (it runs without --secret-key), but this driver has "
@@ -208,8 +208,8 @@ def handshake_failure(event: Mapping[str, Any], curve: Curve | None) -> str | No
         # the connection drops first (a race), says nothing more than this.
         return (
             "the ZeroMQ handshake failed: the worker probably requires CURVE encryption and authentication "
-            "(it runs with --secret-key) while this driver has no keys (give the strategy curve_secret_key and "
-            "worker_public_keys), unless something other than an lrmp-worker listens at this address"
+            "(it runs with --secret-key) while this driver has no keys (give the strategy curve=CurveOptions(...)), "
+            "unless something other than an lrmp-worker listens at this address"
         )
     return None
 

@@ -19,7 +19,7 @@ from test_strategy import (
     trainer,
 )
 
-from lightning_remote_mp import RemoteModelParallelStrategy, WorkerLostError
+from lightning_remote_mp import LocalWorkerOptions, RemoteModelParallelStrategy, WorkerLostError
 
 
 def test_two_replicas_of_two_stages_train_like_local(pool, twin):
@@ -72,7 +72,8 @@ def test_local_default_can_run_replicas(twin):
     remote = twin(local)
     trainer(epochs=1).fit(local, data())
     # Two local workers forming two one-stage pipelines.
-    trainer(RemoteModelParallelStrategy(num_workers=2, replicas=2, balance=[10]), epochs=1).fit(remote, data())
+    strategy = RemoteModelParallelStrategy(local_workers=LocalWorkerOptions(count=2), replicas=2, balance=[10])
+    trainer(strategy, epochs=1).fit(remote, data())
     assert_same_losses(local.losses, remote.losses)
     assert_same_weights(local, remote)
 

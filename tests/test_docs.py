@@ -52,7 +52,7 @@ def test_mkdocs_build_strict(tmp_path):
         assert (tmp_path / "site" / page).exists(), page
     # The API page is generated from the strategy's docstring.
     api = (tmp_path / "site" / "api" / "strategy" / "index.html").read_text(encoding="utf-8")
-    for parameter in ("hosts", "balance", "num_workers", "heartbeat_timeout", "connect_timeout"):
+    for parameter in ("hosts", "balance", "local_workers", "curve", "heartbeat_timeout", "connect_timeout"):
         assert parameter in api, parameter
 
 

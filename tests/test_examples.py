@@ -57,7 +57,7 @@ def test_cli_fit_then_validate_with_local_yaml(cli, tmp_path):
     fitted = cli.main(["fit", "--config", local, *small, *root, *QUIET])
     strategy = fitted.trainer.strategy
     assert isinstance(strategy, RemoteModelParallelStrategy)
-    assert strategy.hosts is None and strategy.num_workers == 2 and strategy.balance == "memory"
+    assert strategy.hosts is None and strategy.local_workers.count == 2 and strategy.balance == "memory"
     assert strategy.session is None and strategy._local is None  # the local workers were stopped
     assert fitted.trainer.global_step == 2 * 6
     fit_metrics = {k: float(v) for k, v in fitted.trainer.callback_metrics.items()}

@@ -13,7 +13,13 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_remote_mp import RemoteModelParallelStrategy, SpecError, SpecSequential, WorkerError
+from lightning_remote_mp import (
+    LocalWorkerOptions,
+    RemoteModelParallelStrategy,
+    SpecError,
+    SpecSequential,
+    WorkerError,
+)
 from lightning_remote_mp.driver import DriverSession
 from lightning_remote_mp.preflight import preflight
 
@@ -125,7 +131,7 @@ def test_a_class_from_main_is_refused():
 
 def test_more_workers_than_layers_is_refused_before_any_worker_starts():
     net = SpecSequential([("torch.nn.Linear", {"in_features": 4, "out_features": 4}, (2, 4))] * 3)
-    err = _refused_at_setup(net, hosts=None, num_workers=4)
+    err = _refused_at_setup(net, hosts=None, local_workers=LocalWorkerOptions(count=4))
     assert "has 3 layers but there are 4 stages" in str(err)
 
 

@@ -28,6 +28,8 @@ from zmq.utils.monitor import recv_monitor_message
 from lightning_remote_mp import (
     AuthenticationError,
     ConfigurationError,
+    CurveOptions,
+    LocalWorkerOptions,
     LrmpError,
     RemoteModelParallelStrategy,
     protocol,
@@ -191,22 +193,24 @@ def test_keygen_without_a_directory_writes_into_a_private_lrmp_in_home(tmp_path,
 
 def test_the_strategy_checks_its_key_arguments(keyring):
     hosts = ["127.0.0.1:5555", "127.0.0.1:5556"]
-    with pytest.raises(LrmpError, match="worker_public_keys is not"):
-        RemoteModelParallelStrategy(hosts=hosts, curve_secret_key=keyring.secret("driver"))
-    with pytest.raises(LrmpError, match="curve_secret_key is not"):
-        RemoteModelParallelStrategy(hosts=hosts, worker_public_keys=[keyring.public("w0")])
-    with pytest.raises(LrmpError, match="3 worker_public_keys for 2 hosts"):
+    with pytest.raises(ConfigurationError, match="curve.worker_public_keys is empty"):
+        RemoteModelParallelStrategy(hosts=hosts, curve=CurveOptions(keyring.secret("driver")))
+    with pytest.raises(ConfigurationError, match="curve.worker_public_keys names 3 files for 2 hosts"):
         RemoteModelParallelStrategy(
-            hosts=hosts, curve_secret_key=keyring.secret("driver"), worker_public_keys=[keyring.public("w0")] * 3
+            hosts=hosts, curve=CurveOptions(keyring.secret("driver"), [keyring.public("w0")] * 3)
         )
-    with pytest.raises(LrmpError, match="does not exist"):
-        RemoteModelParallelStrategy(
-            hosts=hosts, curve_secret_key=str(keyring.root / "nope"), worker_public_keys=[keyring.public("w0")]
-        )
-    shared = RemoteModelParallelStrategy(
-        hosts=hosts, curve_secret_key=keyring.secret("driver"), worker_public_keys=[keyring.public("w0")]
+    with pytest.raises(ConfigurationError, match="curve.worker_public_keys is for workers given in hosts"):
+        RemoteModelParallelStrategy(curve=CurveOptions(keyring.secret("driver"), [keyring.public("w0")]))
+    # The key files are read at setup: a missing one is named then, not at construction.
+    missing = RemoteModelParallelStrategy(
+        hosts=hosts, curve=CurveOptions(str(keyring.root / "nope"), [keyring.public("w0")])
     )
-    assert shared._worker_keys == {f"tcp://{h}": keyring.public_key("w0") for h in hosts}
+    with pytest.raises(LrmpError, match="does not exist"):
+        missing._load_keys()
+    shared = RemoteModelParallelStrategy(
+        hosts=hosts, curve=CurveOptions(keyring.secret("driver"), keyring.public("w0"))
+    )
+    assert shared._load_keys()[1] == {f"tcp://{h}": keyring.public_key("w0") for h in hosts}
 
 
 def test_binding_beyond_loopback_without_keys_warns():
@@ -249,7 +253,7 @@ def test_refused_drivers_hear_why_at_once(curve_workers, keyring, pool):
         DriverSession(pool[:1], keys=keyring.pair("driver"), worker_keys={pool[0]: worker_keys[0]}, connect_timeout=30)
     # Through the strategy, a refused key fails fit with the same error.
     strategy = RemoteModelParallelStrategy(
-        hosts=addresses, curve_secret_key=keyring.secret("stranger"), worker_public_keys=[keyring.public("w0")]
+        hosts=addresses, curve=CurveOptions(keyring.secret("stranger"), [keyring.public("w0")])
     )
     start = time.monotonic()
     with pytest.raises(AuthenticationError, match="--authorized-keys"):
@@ -382,10 +386,7 @@ def test_training_through_a_wiretap_equals_local_and_shows_no_plaintext(
         remote = copy.deepcopy(untrained)
         keys = {}
         if secure:
-            keys = dict(
-                curve_secret_key=keyring.secret("driver"),
-                worker_public_keys=[keyring.public("w0"), keyring.public("w1")],
-            )
+            keys = dict(curve=CurveOptions(keyring.secret("driver"), [keyring.public("w0"), keyring.public("w1")]))
         # res_1 crosses from stage 0 to stage 1: activations and gradients flow worker to worker.
         strategy = RemoteModelParallelStrategy(hosts=[r.address for r in relays], balance=[4, 6], **keys)
         session = _SessionId()
@@ -416,30 +417,32 @@ def test_replicas_with_keys_are_refused_unless_the_plaintext_allreduce_is_allowe
     # Refused before any file is read: the key file named here does not exist.
     missing = "/nonexistent/driver.key_secret"
     rows = [["127.0.0.1:1", "127.0.0.1:2"], ["127.0.0.1:3", "127.0.0.1:4"]]
-    with pytest.raises(ConfigurationError, match="allow_plaintext_allreduce=True") as info:
-        RemoteModelParallelStrategy(hosts=rows, curve_secret_key=missing, worker_public_keys=["w.key"])
+    with pytest.raises(ConfigurationError, match="curve.allow_plaintext_allreduce=True") as info:
+        RemoteModelParallelStrategy(hosts=rows, curve=CurveOptions(missing, ["w.key"]))
     assert isinstance(info.value, ValueError)
-    assert "curve_secret_key is set and hosts has 2 rows" in str(info.value) and "gradients" in str(info.value)
-    with pytest.raises(ConfigurationError, match=r"curve_secret_key is set and replicas=2, .*allow_plaintext"):
-        RemoteModelParallelStrategy(curve_secret_key=missing, num_workers=2, replicas=2)
-    # One pipeline, or no keys, needs no opt-in; the opt-in gets as far as reading the key file.
-    with pytest.raises(LrmpError, match="does not exist"):
-        RemoteModelParallelStrategy(hosts=rows[0], curve_secret_key=missing, worker_public_keys=["w.key"])
+    assert "curve is set and hosts has 2 rows" in str(info.value) and "gradients" in str(info.value)
+    with pytest.raises(ConfigurationError, match=r"curve is set and replicas=2, .*allow_plaintext"):
+        RemoteModelParallelStrategy(curve=CurveOptions(missing), local_workers=LocalWorkerOptions(count=2), replicas=2)
+    # One pipeline, or no keys, needs no opt-in; with the opt-in, the key file is first read at setup.
+    RemoteModelParallelStrategy(hosts=rows[0], curve=CurveOptions(missing, ["w.key"]))
     RemoteModelParallelStrategy(hosts=rows)
+    allowed = RemoteModelParallelStrategy(
+        hosts=rows, curve=CurveOptions(missing, ["w.key"], allow_plaintext_allreduce=True)
+    )
     with pytest.raises(LrmpError, match="does not exist"):
-        RemoteModelParallelStrategy(
-            hosts=rows, curve_secret_key=missing, worker_public_keys=["w.key"], allow_plaintext_allreduce=True
-        )
+        allowed._load_keys()
 
 
-def test_local_workers_get_fresh_keys_with_curve_secret_key(keyring, caplog):
+def test_local_workers_get_fresh_keys_with_a_curve_secret_key(keyring, caplog):
     torch.manual_seed(12)
     remote = Net(residual_spec(probe=False))
     local = copy.deepcopy(remote)
     before = {k: v.clone() for k, v in remote.state_dict().items()}
     # Two one-stage replicas: their all-reduce is the one link CURVE does not cover, allowed here.
     strategy = RemoteModelParallelStrategy(
-        curve_secret_key=keyring.secret("driver"), num_workers=2, replicas=2, allow_plaintext_allreduce=True
+        curve=CurveOptions(keyring.secret("driver"), allow_plaintext_allreduce=True),
+        local_workers=LocalWorkerOptions(count=2),
+        replicas=2,
     )
     seen = {}
 
@@ -469,11 +472,13 @@ def test_a_lightningcli_yaml_config_sets_the_keys(keyring, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["cli.py"])
     config = os.path.join(CONFIGS, "multi_machine_curve.yaml")
     publics = [keyring.public("w0"), keyring.public("w1")]
-    args = ["--config", config, "--trainer.strategy.init_args.curve_secret_key", keyring.secret("driver")]
-    args += ["--trainer.strategy.init_args.worker_public_keys", json.dumps(publics)]
-    built = load_example("cli").main(args, run=False)  # builds the Trainer; contacts nobody
+    args = ["--config", config, "--trainer.strategy.init_args.curve.secret_key", keyring.secret("driver")]
+    args += ["--trainer.strategy.init_args.curve.worker_public_keys", json.dumps(publics)]
+    built = load_example("cli").main(args, run=False)  # builds the Trainer; contacts nobody, reads no key
     strategy = built.trainer.strategy
     assert isinstance(strategy, RemoteModelParallelStrategy) and strategy.session is None
-    assert strategy._keys == keyring.pair("driver")
-    assert list(strategy._worker_keys.values()) == [keyring.public_key("w0"), keyring.public_key("w1")]
-    assert list(strategy._worker_keys) == ["tcp://10.0.0.5:5555", "tcp://10.0.0.6:5555"]
+    assert strategy.curve == CurveOptions(keyring.secret("driver"), publics)
+    keys, worker_keys = strategy._load_keys()  # what setup reads
+    assert keys == keyring.pair("driver")
+    assert list(worker_keys.values()) == [keyring.public_key("w0"), keyring.public_key("w1")]
+    assert list(worker_keys) == ["tcp://10.0.0.5:5555", "tcp://10.0.0.6:5555"]

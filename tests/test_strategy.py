@@ -15,7 +15,15 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_remote_mp import RemoteModelParallelStrategy, SpecSequential, WorkerError, WorkerLostError
+from lightning_remote_mp import (
+    ConfigurationError,
+    CurveOptions,
+    LocalWorkerOptions,
+    RemoteModelParallelStrategy,
+    SpecSequential,
+    WorkerError,
+    WorkerLostError,
+)
 from lightning_remote_mp.errors import LrmpError
 from lightning_remote_mp.layers import WrappedLinear
 
@@ -297,12 +305,51 @@ def test_refused_class_is_a_clear_error_and_the_worker_survives(start_workers):
 def test_bad_configuration_errors_name_the_culprit(pool):
     with pytest.raises(LrmpError, match="balance"):
         trainer(RemoteModelParallelStrategy(hosts=pool[:2], balance=[1, 2])).fit(Net(residual_spec()), data())
-    with pytest.raises(LrmpError, match="microbatches"):
-        RemoteModelParallelStrategy(microbatches=0)
     with pytest.raises(LrmpError, match=r"balance names \['nope'\]"):
         trainer(RemoteModelParallelStrategy(hosts=pool[:2], balance={"nope": [6, 6]})).fit(Net(residual_spec()), data())
     with pytest.raises(ValueError, match="needs a port"):
         RemoteModelParallelStrategy(hosts=["10.0.0.5"])
+
+
+TWO_HOSTS = ["127.0.0.1:5555", "127.0.0.1:5556"]
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (lambda: dict(local_workers=LocalWorkerOptions(count=0)), "local_workers.count must be at least 1, got 0"),
+        (lambda: dict(local_workers=LocalWorkerOptions(devices=["cpu"])), "local_workers.devices names 1 device"),
+        (lambda: dict(hosts=TWO_HOSTS, local_workers=LocalWorkerOptions()), "local_workers is for the workers"),
+        (lambda: dict(hosts=TWO_HOSTS, curve=CurveOptions("driver.key_secret")), "curve.worker_public_keys is empty"),
+        (lambda: dict(curve=CurveOptions("d.key_secret", ["w.key"])), "curve.worker_public_keys is for workers given"),
+        (lambda: dict(local_workers=LocalWorkerOptions(count=3), replicas=2), "replicas=2 does not divide"),
+        (lambda: dict(hosts=[TWO_HOSTS[:1], TWO_HOSTS[1:]], replicas=3), "replicas=3, but hosts has 2 row"),
+        (lambda: dict(microbatches=0), "microbatches must be at least 1, got 0"),
+        (lambda: dict(checkpoint="sometimes"), "checkpoint must be one of 'never', 'except_last', 'always'"),
+        (lambda: dict(balance=[5, 3, 2]), r"balance=\[5, 3, 2\] has 3 entries but there are 2 stages"),
+        (lambda: dict(balance="speed"), "balance='speed' is unknown"),
+        (lambda: dict(heartbeat_timeout=0), "heartbeat_timeout must be a positive number of seconds"),
+        (lambda: dict(call_timeout=-1.0), "call_timeout must be a positive number of seconds"),
+        (lambda: dict(split="model"), "split must be a list of submodule names"),
+        (lambda: dict(hosts=["10.0.0.5"]), "needs a port"),
+    ],
+    ids=lambda v: v if isinstance(v, str) else None,
+)
+def test_configuration_errors_are_raised_at_construction_naming_the_argument(arguments, message):
+    with pytest.raises(ConfigurationError, match=message) as info:
+        RemoteModelParallelStrategy(**arguments())
+    assert isinstance(info.value, ValueError)
+
+
+def test_construction_reads_no_file_and_a_missing_key_is_named_at_setup(monkeypatch):
+    started = []
+    monkeypatch.setattr("lightning_remote_mp.strategy.LocalWorkers", lambda *a, **k: started.append(a))
+    missing = "/nonexistent/driver.key_secret"
+    strategy = RemoteModelParallelStrategy(curve=CurveOptions(secret_key=missing))  # no error: nothing read yet
+    assert strategy.curve.secret_key == missing and strategy._keys is None
+    with pytest.raises(LrmpError, match="does not exist"):
+        trainer(strategy, epochs=1).fit(Net(residual_spec(probe=False)), data())
+    assert not started  # refused at setup before any worker was started
 
 
 def test_unreachable_worker_fails_within_connect_timeout():
