@@ -315,7 +315,7 @@ class WorkerServer:
         serving.start()
         signals = _SignalWakeup.install()
         try:
-            self._watch(signals)
+            self._watch(signals, serving)
         finally:
             if signals is not None:
                 signals.close()
@@ -326,6 +326,7 @@ class WorkerServer:
     def _stop_serving(self, serving: threading.Thread) -> None:
         """Let the serving thread end, but do not wait long for a request that is still running: a
         stopped worker must be gone at once, and the process exits without that thread anyway."""
+        self._stop.set()  # also when the watch ended by an exception (Ctrl-C)
         transport.wake(self._wake_serving)
         serving.join(timeout=_COMPUTE_GRACE)
         busy_since = self._busy_since
@@ -334,11 +335,14 @@ class WorkerServer:
                 "stopping while a request still runs (for %s): not waiting for it",
                 describe_duration(time.monotonic() - busy_since),
             )
-        # A request still running does not hold the socket, and never gets it back.
+        # A request still running does not hold the socket, and never gets it back (its thread
+        # then waits for it for good: this process is about to end).
         if self._io.acquire(timeout=_COMPUTE_GRACE):
             self.sock.disable_monitor()
             self._monitor.close(0)
             self.sock.close(0)
+        else:
+            log.warning("the serving thread kept the socket; leaving it open")
         self._main_rx.close(0)
 
     def stop(self) -> None:
@@ -358,7 +362,7 @@ class WorkerServer:
         finally:
             self._io.release()
 
-    def _watch(self, signals: _SignalWakeup | None) -> None:
+    def _watch(self, signals: _SignalWakeup | None, serving: threading.Thread) -> None:
         """The main thread: wake for signals, and stand in for the serving thread while a request
         runs longer than `STAND_IN_AFTER`."""
         poller = zmq.Poller()
@@ -366,11 +370,20 @@ class WorkerServer:
         if signals is not None:
             poller.register(signals.fileno(), zmq.POLLIN)  # the poll reports it by that number
         while not self._stop.is_set():
+            if not serving.is_alive():
+                log.critical("the serving thread ended; stopping this worker")
+                self.stop()
+                break
             busy_since = self._busy_since
             if busy_since is not None and time.monotonic() - busy_since > STAND_IN_AFTER:
                 self._stand_in(poller)
-            # An idle worker wakes here five times a second, for nothing but this check.
-            for sock, _ in poller.poll(STAND_IN_AFTER * 1000):
+                busy_since = self._busy_since
+            # Wake when a running request reaches the stand-in time; otherwise check five times a
+            # second whether one started (the serving thread does not signal each request).
+            wait = STAND_IN_AFTER
+            if busy_since is not None:
+                wait = min(wait, max(0.01, busy_since + STAND_IN_AFTER - time.monotonic()))
+            for sock, _ in poller.poll(wait * 1000):
                 if signals is not None and sock == signals.fileno():
                     signals.drain()  # the handler itself runs once this thread is back in Python
                 elif sock is self._main_rx:
@@ -381,8 +394,8 @@ class WorkerServer:
         everything else for the serving thread."""
         if not self._io.acquire(blocking=False):
             return  # the serving thread is sending (a pipelined result): try again soon
-        self._standing_in = True
         try:
+            self._standing_in = True
             poller = zmq.Poller()
             for sock, _ in wakeups.sockets:
                 poller.register(sock, zmq.POLLIN)
@@ -390,12 +403,7 @@ class WorkerServer:
             poller.register(self._monitor, zmq.POLLIN)
             while not self._stop.is_set() and not self._want_io and self._busy_since is not None:
                 ready = dict(poller.poll(self._poll_timeout(STAND_IN_AFTER)))
-                if self.sock in ready:
-                    self._read_all()
-                if self._monitor in ready:
-                    self._on_monitor_event(self._monitor.recv_multipart())
-                if self._main_rx in ready:
-                    self._main_rx.recv()
+                self._on_ready(ready, self._main_rx)
                 if ready.keys() - {self.sock, self._monitor, self._main_rx}:
                     return  # a signal: its handler runs in the caller's loop
                 self._expire_session()
@@ -410,6 +418,15 @@ class WorkerServer:
             left = max(0.0, self._expires_in()) + 0.01
             timeout = left if timeout is None else min(timeout, left)
         return None if timeout is None else timeout * 1000
+
+    def _on_ready(self, ready: dict[Any, int], wake_rx: zmq.Socket) -> None:
+        """Handle what a poll found ready: messages, socket events, a wake-up (by the thread holding the socket)."""
+        if self.sock in ready:
+            self._read_all()
+        if self._monitor in ready:
+            self._on_monitor_event(self._monitor.recv_multipart())
+        if wake_rx in ready:
+            wake_rx.recv()
 
     def _read_all(self, limit: int = 64) -> None:
         """Read what the socket holds (at most ``limit`` messages): answer what the I/O side answers,
@@ -671,26 +688,29 @@ class WorkerServer:
         # a 1-thread CPU worker burned 5x its compute, and starved the other workers on the machine).
         torch.set_num_threads(self._threads)
         self._outbox = _Outbox(self, self.keys)
-        _warm_up()
+        self._busy_since = time.monotonic()  # the main thread answers drivers meanwhile
+        try:
+            _warm_up()
+        finally:
+            self._take_socket()
+            self._busy_since = None
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self._monitor, zmq.POLLIN)
         poller.register(self._serving_rx, zmq.POLLIN)
-        self._io.acquire()
         try:
             while not self._stop.is_set():
                 # Read before each queued request too, so heartbeats are answered between them. With
                 # nothing queued, sleep until a message or the session's expiry: an idle worker uses no CPU.
                 ready = dict(poller.poll(0 if self._pending else self._poll_timeout()))
-                if self.sock in ready:
-                    self._read_all()
-                if self._monitor in ready:
-                    self._on_monitor_event(self._monitor.recv_multipart())
-                if self._serving_rx in ready:
-                    self._serving_rx.recv()
+                self._on_ready(ready, self._serving_rx)
                 self._expire_session()
                 if self._pending and not self._stop.is_set():
                     self._run(self._pending.popleft())
+        except BaseException:
+            # A layer that raised SystemExit, say: a worker that stops answering would hang its driver.
+            log.critical("the serving thread failed; stopping this worker", exc_info=True)
+            self.stop()
         finally:
             self._outbox.close()
             self._serving_rx.close(0)
@@ -718,7 +738,8 @@ class WorkerServer:
         finally:
             self._take_socket()
             self._busy_since = None
-            self._last_busy = time.monotonic()
+            if msg.kind not in (_DROP, _NEW):
+                self._last_busy = time.monotonic()
         if frames is not None:
             self.sock.send_multipart([task.peer, *frames], copy=False)
 
