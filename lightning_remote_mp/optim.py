@@ -6,10 +6,46 @@ parameters it holds. The local optimizer object stays the one Lightning and LR s
 - after every ``step()`` (a step post-hook, so it follows the closure's forward and backward),
   each worker steps with the groups' current hyperparameters, so scheduler changes reach it;
 - ``zero_grad()`` is mirrored to the workers;
+- gradient clipping spans every stage's gradients (`OptimizerMirror.clip_grad_norm`);
 - ``state_dict()`` carries the workers' state under the local parameter indices, and
   ``load_state_dict()`` pushes the remote share of a loaded state to the workers,
 
 so checkpoints look exactly like a local run's, and resume either way.
+
+How the mirror reaches the workers
+----------------------------------
+Through three mechanisms; no single one reaches every caller. The callers: Lightning's automatic
+loop, ``self.optimizers()`` in manual optimization (a ``LightningOptimizer``), the optimizer object
+itself (``self.optimizers(use_pl_optimizer=False)``, a reference the user kept, a `DriverSession`
+used without a Trainer), ``lr_find`` and checkpoint save and restore.
+
+1. **torch's optimizer hooks** for ``step``, ``state_dict`` and ``load_state_dict``. They run
+   inside those methods however they are called, so they reach every caller above (Lightning's
+   checkpoints call the same methods). ``step``'s post-hook runs after the closure (forward,
+   backward and Lightning's gradient clipping) and sees the hyperparameters schedulers set.
+   Overriding ``step`` in a subclass instead fails: every LR scheduler replaces ``opt.step`` on
+   the instance with a wrapper around the class's ``step`` when it is built (in
+   ``configure_optimizers``, before the mirror), so the override would never run. Overriding
+   ``Strategy.optimizer_step`` fails for ``opt.step()`` on the optimizer itself.
+2. **A subclass of the optimizer's class** (`_mirrored_class`: same name, only ``zero_grad``),
+   swapped in by `OptimizerMirror` and out again at `OptimizerMirror.detach`; ``isinstance``
+   still holds. torch has no ``zero_grad`` hook and Lightning no strategy hook for it (the
+   automatic loop calls ``LightningModule.optimizer_zero_grad``, which calls
+   ``optimizer.zero_grad()``). An instance attribute fails: ``LightningOptimizer`` subclasses the
+   optimizer's class and finds ``zero_grad`` there, never on the wrapped instance. So the swap
+   happens before Lightning builds its wrappers (``RemoteModelParallelStrategy.optimizers``).
+3. **The Trainer's precision plugin**: the strategy replaces its ``clip_grad_by_norm`` and
+   ``clip_grad_by_value`` on the instance for the fit (``_patch_clipping``). Lightning clips
+   (``gradient_clip_val``, ``self.clip_gradients``) only through the plugin, over the local
+   ``.grad`` of the optimizer's parameters; the remote ones are on the workers. A plugin subclass
+   shipped with the strategy fails: Lightning takes a strategy's plugin in place of the one
+   ``precision=`` selects without a word (``precision="bf16-mixed"`` would train in float32),
+   and the class to extend depends on that choice (``Precision``, ``MixedPrecision``,
+   ``HalfPrecision``...).
+
+A wrapper object put in place of the user's optimizer (as the DeepSpeed and ColossalAI strategies
+do) would cover only calls that go through ``trainer.optimizers``: the object the user built
+would still step and zero locally only, and a `DriverSession` has no Trainer to put it in place.
 """
 
 from __future__ import annotations
@@ -65,8 +101,7 @@ class OptimizerMirror:
         self._incoming: dict[str, Any] = {}
         self._handles.append(optimizer.register_load_state_dict_pre_hook(self._load_state_dict_pre))
         self._handles.append(optimizer.register_load_state_dict_post_hook(self._load_state_dict_post))
-        # torch has no zero_grad hook, and Lightning's optimizer wrapper calls the class's method
-        # directly, so the optimizer gets a subclass whose zero_grad also reaches the workers.
+        # torch has no zero_grad hook: see "How the mirror reaches the workers" above.
         optimizer.__class__ = _mirrored_class(self.cls)
         optimizer._lrmp_mirror = self  # type: ignore[attr-defined]
 
@@ -278,10 +313,15 @@ _MIRRORED: dict[type, type] = {}
 
 
 def _mirrored_class(cls: type) -> type:
+    """``cls`` with a ``zero_grad`` that reaches the workers too (mechanism 2 in the module docstring)."""
     if cls not in _MIRRORED:
 
         def zero_grad(self: Any, set_to_none: bool = True) -> None:
-            self._lrmp_mirror.zero_grad(set_to_none=set_to_none)
+            mirror = getattr(self, "_lrmp_mirror", None)
+            if mirror is None:  # a LightningOptimizer built during the session, used after it ended
+                cls.zero_grad(self, set_to_none=set_to_none)
+            else:
+                mirror.zero_grad(set_to_none=set_to_none)
 
         _MIRRORED[cls] = type(cls.__name__, (cls,), {"zero_grad": zero_grad, "__module__": cls.__module__})
     return _MIRRORED[cls]

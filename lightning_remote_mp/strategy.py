@@ -265,7 +265,8 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
     @optimizers.setter
     def optimizers(self, optimizers: list[torch.optim.Optimizer]) -> None:
         # Optimizers assigned while workers hold layers (the tuner does this) are mirrored first, so
-        # the LightningOptimizer wrappers Lightning builds here see the mirrored class.
+        # the LightningOptimizer wrappers Lightning builds here see the mirrored class (see
+        # "How the mirror reaches the workers" in optim.py).
         session = getattr(self, "_session", None)
         if session is not None:
             for i, opt in enumerate(optimizers):
@@ -434,7 +435,8 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
         return self.balance
 
     def _patch_clipping(self) -> None:
-        """Clip over every stage's gradients: Lightning's precision plugin only sees local ones."""
+        """Clip over every stage's gradients: Lightning's precision plugin only sees local ones. Why an
+        instance patch and not a plugin subclass: "How the mirror reaches the workers" in optim.py."""
         plugin = self.precision_plugin
         by_norm, by_value = plugin.clip_grad_by_norm, plugin.clip_grad_by_value
 

@@ -179,3 +179,33 @@ def test_lr_find_restores_the_model_and_training_continues(twin, pool):
 def test_registered_as_remote_mp():
     t = L.Trainer(strategy="remote_mp", accelerator="cpu", logger=False)
     assert isinstance(t.strategy, RemoteModelParallelStrategy)
+
+
+class RawOptimizerManual(Net):
+    """Manual optimization on the optimizer object itself (no LightningOptimizer): the user's own
+    ``step``/``zero_grad`` calls, gradients accumulated over two batches, a scheduler stepped by hand."""
+
+    def __init__(self, spec):
+        super().__init__(spec, local_head=True)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers(use_pl_optimizer=False)
+        x, y = batch
+        loss = nn.functional.binary_cross_entropy(self(x), y)
+        self.losses.append(loss.item())
+        self.manual_backward(loss)
+        if batch_idx % 2 == 1:
+            opt.step()
+            opt.zero_grad()
+            self.lr_schedulers().step()
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=0.2, momentum=0.5)
+        return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)]
+
+
+def test_manual_optimization_on_the_raw_optimizer(twin, pool):
+    local, remote = run_both(lambda: RawOptimizerManual(residual_spec()), twin, pool)
+    # After the fit, the wrapper Lightning built during it works locally again.
+    remote.optimizers().zero_grad()

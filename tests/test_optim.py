@@ -3,9 +3,12 @@ exactly as it steps a local model."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import lrmp_testlayers
 import pytest
 import torch
+from lightning.pytorch.core.optimizer import LightningOptimizer
 
 from lightning_remote_mp import LrmpError, SpecSequential
 from lightning_remote_mp.driver import DriverSession
@@ -105,3 +108,52 @@ def test_lbfgs_is_refused_with_the_reason(pool):
             session.mirror_optimizer(0, torch.optim.LBFGS(net.parameters()))
     finally:
         session.close()
+
+
+def _train_accumulating(net: SpecSequential, opt, sched, zero_grad: Callable[[], None], steps: int = 6) -> list[float]:
+    """Gradients accumulated over two batches, the scheduler stepped after each optimizer step."""
+    torch.manual_seed(1)
+    losses = []
+    for i in range(steps):
+        loss = net(torch.randn(4, WIDTH)).pow(2).mean()
+        loss.backward()
+        if i % 2:
+            opt.step()
+            zero_grad()
+            sched.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _sgd_with_scheduler(net: SpecSequential) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    return opt, torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+
+
+def test_scheduler_built_before_the_mirror_and_lightnings_wrapper_reach_the_workers(pool, twin):
+    # The two callers optim.py's docstring gives as the reasons for its mechanisms: a scheduler
+    # replaces opt.step on the instance (so step is a hook), and LightningOptimizer finds zero_grad
+    # on the class (so the class is swapped, before the wrapper is built).
+    local = SpecSequential(SPEC, init_seed=0)
+    remote = twin(local)
+    opt, sched = _sgd_with_scheduler(local)
+    local_losses = _train_accumulating(local, opt, sched, opt.zero_grad)
+    opt, sched = _sgd_with_scheduler(remote)  # the scheduler wraps opt.step before the mirror exists
+    session = DriverSession(pool[:2])
+    try:
+        session.place("net", remote)
+        session.mirror_optimizer(0, opt)
+        assert isinstance(opt, torch.optim.SGD) and type(opt).__name__ == "SGD"
+        wrapper = LightningOptimizer(opt)
+        remote_losses = _train_accumulating(remote, opt, sched, wrapper.zero_grad)
+        session.restore()
+    finally:
+        session.close()
+    assert type(opt) is torch.optim.SGD
+    assert remote_losses == pytest.approx(local_losses, rel=1e-6)
+    for k, v in _params(local).items():
+        torch.testing.assert_close(_params(remote)[k], v)
+    # A wrapper built during the session zeroes locally once the session is over.
+    remote.layers[0].weight.grad = torch.ones_like(remote.layers[0].weight)
+    wrapper.zero_grad()
+    assert remote.layers[0].weight.grad is None
