@@ -43,7 +43,7 @@ from lightning_remote_mp.spec import (
     source_digest,
     user_code_modules,
 )
-from lightning_remote_mp.stub import RemoteSpec, RemoteStage, check_checkpoint_mode
+from lightning_remote_mp.pipeline import RemoteSpec, RemoteStage, check_checkpoint_mode
 from lightning_remote_mp.transport import (
     DEFAULT_CALL_TIMEOUT,
     DEFAULT_CONNECT_TIMEOUT,
@@ -444,7 +444,7 @@ class DriverSession:
         batch into ``microbatches`` that flow through the stages concurrently; with
         ``split_backward`` the workers defer linear layers' weight gradients (`worker.deferred_grads`).
         ``training``: the stages must fit their workers with gradients and optimizer state.
-        ``checkpoint``: activation recomputation (`stub.CHECKPOINT_MODES`). ``checked``: what
+        ``checkpoint``: activation recomputation (`pipeline.CHECKPOINT_MODES`). ``checked``: what
         `preflight` found for ``module`` if the caller ran it already (it runs here otherwise)."""
         if key in self.placements:
             raise LrmpError(f"{module.kind} {key!r} is already placed")

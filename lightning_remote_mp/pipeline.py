@@ -1,4 +1,4 @@
-"""The driver side of remote stages: an autograd Function whose forward and backward run a
+"""The driver's pipeline front end: an autograd Function whose forward and backward run a
 SpecSequential's stages on the workers, micro-batch by micro-batch.
 
 Forward splits the batch into micro-batches and hands them all to stage 0; each worker sends its
