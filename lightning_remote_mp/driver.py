@@ -31,9 +31,17 @@ import torch
 
 from lightning_remote_mp import __version__, partition, protocol
 from lightning_remote_mp.config import Topology
-from lightning_remote_mp.errors import LrmpError, ProtocolVersionError, SpecError, WorkerError, WorkerLostError
+from lightning_remote_mp.errors import (
+    ConfigurationError,
+    LrmpError,
+    ProtocolVersionError,
+    SpecError,
+    WorkerError,
+    WorkerLostError,
+)
 from lightning_remote_mp.keys import KeyPair
 from lightning_remote_mp.optim import OptimizerMirror
+from lightning_remote_mp.pipeline import RemoteSpec, RemoteStage, check_checkpoint_mode
 from lightning_remote_mp.preflight import Preflight, preflight
 from lightning_remote_mp.spec import (
     DEFAULT_ALLOWED_PREFIXES,
@@ -43,7 +51,6 @@ from lightning_remote_mp.spec import (
     source_digest,
     user_code_modules,
 )
-from lightning_remote_mp.pipeline import RemoteSpec, RemoteStage, check_checkpoint_mode
 from lightning_remote_mp.transport import (
     DEFAULT_CALL_TIMEOUT,
     DEFAULT_CONNECT_TIMEOUT,
@@ -185,12 +192,12 @@ class DriverSession:
         self.topology = Topology.of(hosts)
         rows, addresses = self.topology.rows, self.topology.addresses
         if (keys is None) != (worker_keys is None):
-            raise LrmpError("CURVE needs both the driver's key pair and the workers' public keys")
+            raise ConfigurationError("CURVE needs both the driver's key pair and the workers' public keys")
         if worker_keys is not None:
             worker_keys = {normalize_address(a): k for a, k in worker_keys.items()}
             missing = [a for a in addresses if a not in worker_keys]
             if missing:
-                raise LrmpError(f"no public key given for the workers at {missing}; give one per worker")
+                raise ConfigurationError(f"no public key given for the workers at {missing}; give one per worker")
         self.keys = keys
         self.worker_keys = worker_keys
         curves = {a: Curve(keys, worker_keys[a]) for a in addresses} if keys and worker_keys else {}
@@ -522,6 +529,14 @@ class DriverSession:
         )
         module._remote = remote
         self.placements[key] = _Placement(key, module, remote)
+
+    def placed_stages(self, key: str) -> list[list[RemoteStage]]:
+        """The stages of the module placed as ``key``: one row per replica, in stage order; each
+        `RemoteStage` holds its `partition.Stage` (index, layers) and its worker's `Connection`."""
+        placement = self.placements.get(key)
+        if placement is None:
+            raise LrmpError(f"nothing is placed as {key!r}; placed: {sorted(self.placements)}")
+        return [list(row) for row in placement.remote.replicas]
 
     def remote_parameters(self) -> dict[int, tuple[list[Connection], str]]:
         """For every placed parameter (by ``id``): the connections of the workers holding it (replica 0

@@ -1,5 +1,7 @@
 """Every exception lrmp raises on purpose, each carrying where the problem is (layer, stage,
-replica, worker address). Errors about the user's own input are also ``ValueError``s."""
+replica, worker address). Errors about the user's own input are also ``ValueError``s (or a
+``TypeError``, for a value of the wrong type); errors that happened at one worker share the base
+`LocatedError`, which names that worker the same way everywhere."""
 
 from __future__ import annotations
 
@@ -13,8 +15,9 @@ class SpecError(LrmpError, ValueError):
 
 
 class ConfigurationError(LrmpError, ValueError):
-    """The strategy's arguments cannot work together; raised at construction, before any file is
-    read or worker contacted, naming the arguments and what to change."""
+    """Arguments (of the strategy, `LocalWorkers`, a worker and its flags) that cannot work
+    together; raised at construction, before any file is read or worker contacted, naming the
+    arguments and what to change."""
 
 
 class ProtocolError(LrmpError):
@@ -35,6 +38,15 @@ class ProtocolVersionError(ProtocolError):
         self.info = dict(info or {})
 
 
+class LimitExceeded(ProtocolError):
+    """A message is over one of the receiver's `lightning_remote_mp.protocol.Limits` (``limit``
+    names which, e.g. ``"max_message_bytes"``)."""
+
+    def __init__(self, message: str, limit: str) -> None:
+        super().__init__(message)
+        self.limit = limit
+
+
 class RefusedClassError(LrmpError):
     """A worker was asked to build a class outside its allowlist."""
 
@@ -49,16 +61,53 @@ class TraceError(LrmpError, ValueError):
     cannot be cut the way it was asked. The message names the module and what to change."""
 
 
-class WorkerError(LrmpError):
-    """An exception raised on a worker, relayed to the driver.
+class RemoteInputError(LrmpError, TypeError):
+    """A SpecSequential whose layers live on workers was called with what it cannot send them: it
+    takes one tensor (a traced module: its tuple of tensors)."""
+
+
+def worker_location(address: str, stage: int | None = None, replica: int | None = None) -> str:
+    """How messages name a worker: ``"worker tcp://h:p (stage 1, replica 0)"``; the stage and the
+    replica appear when known (the replica only with replicas)."""
+    parts = [f"stage {stage}"] if stage is not None else []
+    if replica is not None:
+        parts.append(f"replica {replica}")
+    return f"worker {address}" + (f" ({', '.join(parts)})" if parts else "")
+
+
+class LocatedError(LrmpError):
+    """An error that happened at one worker; its subclasses say what happened there.
 
     Attributes:
         address: the worker's address.
         stage: the stage number the worker holds (``None`` before stages are assigned).
         replica: the data-parallel replica the worker belongs to (``None`` without replicas).
+
+    >>> err = WorkerLostError("gone", address="tcp://10.0.0.5:5555", stage=1, replica=0)
+    >>> err.where
+    'worker tcp://10.0.0.5:5555 (stage 1, replica 0)'
+    """
+
+    def __init__(self, message: str, *, address: str, stage: int | None = None, replica: int | None = None) -> None:
+        super().__init__(message)
+        self.address = address
+        self.stage = stage
+        self.replica = replica
+
+    @property
+    def where(self) -> str:
+        """The worker, as messages name it (`worker_location`)."""
+        return worker_location(self.address, self.stage, self.replica)
+
+
+class WorkerError(LocatedError):
+    """An exception raised on a worker, relayed to the driver (which worker: `LocatedError`).
+
+    Attributes:
         layer: global index of the layer that failed, when the failure is inside a layer.
         remote_type: the exception's class name on the worker.
         remote_message: the exception's message on the worker.
+        remote_traceback: the traceback on the worker, when it sent one.
         details: further fields of the worker's error reply, e.g. a busy worker's ``expires_in``.
     """
 
@@ -75,10 +124,7 @@ class WorkerError(LrmpError):
         remote_traceback: str = "",
         details: dict | None = None,
     ) -> None:
-        super().__init__(message)
-        self.address = address
-        self.stage = stage
-        self.replica = replica
+        super().__init__(message, address=address, stage=stage, replica=replica)
         self.layer = layer
         self.remote_type = remote_type
         self.remote_message = remote_message
@@ -87,36 +133,13 @@ class WorkerError(LrmpError):
         self.details = dict(details or {})
 
 
-class WorkerLostError(LrmpError):
-    """A worker died, stopped answering, or could not be reached in time.
-
-    Attributes:
-        address: the worker's address.
-        stage: the stage number the worker holds (``None`` before stages are assigned).
-        replica: the data-parallel replica the worker belongs to (``None`` without replicas).
-    """
-
-    def __init__(self, message: str, *, address: str, stage: int | None = None, replica: int | None = None) -> None:
-        super().__init__(message)
-        self.address = address
-        self.stage = stage
-        self.replica = replica
+class WorkerLostError(LocatedError):
+    """A worker died, stopped answering, or could not be reached in time (which worker: `LocatedError`)."""
 
 
-class AuthenticationError(LrmpError):
-    """A worker refused this driver's CURVE key, or the keys of the two sides do not fit together.
-
-    Attributes:
-        address: the worker's address.
-        stage: the stage number the worker holds (``None`` before stages are assigned).
-        replica: the data-parallel replica the worker belongs to (``None`` without replicas).
-    """
-
-    def __init__(self, message: str, *, address: str, stage: int | None = None, replica: int | None = None) -> None:
-        super().__init__(message)
-        self.address = address
-        self.stage = stage
-        self.replica = replica
+class AuthenticationError(LocatedError):
+    """A worker refused this driver's CURVE key, or the keys of the two sides do not fit together
+    (which worker: `LocatedError`)."""
 
 
 class KeyFileError(LrmpError, ValueError):

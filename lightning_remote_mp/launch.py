@@ -58,7 +58,7 @@ class WorkerOutput:
         self._thread.start()
 
     def wait_ready(self, deadline: float) -> str:
-        """The address the worker reports once it serves; raises `RuntimeError` (quoting its last
+        """The address the worker reports once it serves; raises `WorkerStartError` (quoting its last
         lines) if it exits first or ``deadline`` (a ``time.monotonic()`` value) passes."""
         while not self._ready.wait(min(0.5, max(0.0, deadline - time.monotonic()))):
             if self.proc.poll() is not None or time.monotonic() >= deadline:

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from lightning_remote_mp import protocol
-from lightning_remote_mp.errors import ConfigurationError
+from lightning_remote_mp.errors import ConfigurationError, RemoteInputError
 from lightning_remote_mp.partition import DRIVER, Stage
 from lightning_remote_mp.spec import Main, is_floating, is_main
 from lightning_remote_mp.transport import Connection, broadcast, gather
@@ -141,7 +141,7 @@ class RemoteSpec:
             y, _ = self.forward(x, grad=False, x_needs_grad=False, autocast=autocast)
             return y
         if not isinstance(x, torch.Tensor):
-            raise TypeError(
+            raise RemoteInputError(
                 f"SpecSequential {self.key!r}: a remote SpecSequential takes one tensor, got {type(x).__name__}"
             )
         if torch.is_grad_enabled():

@@ -31,7 +31,8 @@ from typing import Any
 import msgpack
 import torch
 
-from lightning_remote_mp.errors import ProtocolError, ProtocolVersionError
+# LimitExceeded lives with the other errors; ``protocol.LimitExceeded`` stays its name here too.
+from lightning_remote_mp.errors import ConfigurationError, LimitExceeded, ProtocolError, ProtocolVersionError
 
 PROTOCOL_VERSION = 2
 
@@ -133,7 +134,7 @@ class Limits:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if type(value) is not int or value < 1:
-                raise ValueError(f"limit {f.name} must be a positive integer, got {value!r}")
+                raise ConfigurationError(f"limit {f.name} must be a positive integer, got {value!r}")
 
     def as_dict(self) -> dict[str, int]:
         return dataclasses.asdict(self)
@@ -162,14 +163,6 @@ LIMIT_FLAGS = {
     "max_message_bytes": "--max-message-bytes",
     "max_layers": "--max-layers",
 }
-
-
-class LimitExceeded(ProtocolError):
-    """A message is over one of the receiver's `Limits` (``limit`` names which)."""
-
-    def __init__(self, message: str, limit: str) -> None:
-        super().__init__(message)
-        self.limit = limit
 
 
 @dataclasses.dataclass

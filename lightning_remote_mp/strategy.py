@@ -43,9 +43,9 @@ from lightning_remote_mp.keys import KeyPair, generate_keypair, load_keypair, lo
 from lightning_remote_mp.launch import LocalWorkers
 from lightning_remote_mp.logs import follow_lightning
 from lightning_remote_mp.optim import mirror_of
+from lightning_remote_mp.pipeline import check_checkpoint_mode
 from lightning_remote_mp.preflight import Preflight
 from lightning_remote_mp.spec import SpecSequential
-from lightning_remote_mp.pipeline import check_checkpoint_mode
 from lightning_remote_mp.summary import RemoteModelSummary
 from lightning_remote_mp.timeline import TimelineCallback
 from lightning_remote_mp.trace import TracedForward, TracedSequential, find_modules

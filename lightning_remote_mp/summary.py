@@ -2,33 +2,41 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.callbacks import ModelSummary
 from lightning.pytorch.utilities.model_summary import ModelSummary as Summary
 
-from lightning_remote_mp.spec import SpecSequential
+if TYPE_CHECKING:
+    from lightning_remote_mp.driver import DriverSession
 
 
-def _where(pl_module: Any) -> dict[str, str]:
+def _where(session: DriverSession | None) -> dict[str, str]:
+    """Where the placed modules' layers live, by qualified name (replica 0's workers)."""
     where: dict[str, str] = {}
-    for name, module in pl_module.named_modules():
-        remote = getattr(module, "_remote", None) if isinstance(module, SpecSequential) else None
-        if remote is None:
-            continue
-        where[name] = f"stages 0-{len(remote.stages) - 1}" if len(remote.stages) > 1 else "stage 0"
-        where[f"{name}.layers"] = where[name]
-        for rs in remote.stages:
+    if session is None:
+        return where
+    for key in session.placements:
+        stages = session.placed_stages(key)[0]
+        name = "" if key == "<root>" else key  # the strategy's key for a LightningModule that is one
+        where[name] = f"stages 0-{len(stages) - 1}" if len(stages) > 1 else "stage 0"
+        prefix = f"{name}." if name else ""
+        where[f"{prefix}layers"] = where[name]
+        for rs in stages:
             for i in rs.stage.layer_indices:
-                where[f"{name}.layers.{i}"] = f"stage {rs.stage.index} @ {rs.address}"
+                where[f"{prefix}layers.{i}"] = f"stage {rs.stage.index} @ {rs.address}"
     return where
 
 
 class _RemoteSummary(Summary):
+    def __init__(self, model: Any, max_depth: int = 1, session: DriverSession | None = None) -> None:
+        self._session = session
+        super().__init__(model, max_depth=max_depth)
+
     def _get_summary_data(self) -> list[tuple[str, list[str]]]:
         arrays = super()._get_summary_data()
         names = dict(arrays)["Name"]
-        where = _where(self._model)
+        where = _where(self._session)
         column = []
         for name in names:
             hit = next((w for prefix, w in where.items() if name == prefix or name.startswith(prefix + ".")), None)
@@ -44,4 +52,5 @@ class RemoteModelSummary(ModelSummary):
     """
 
     def _summary(self, trainer: Any, pl_module: Any) -> Summary:
-        return _RemoteSummary(pl_module, max_depth=self._max_depth)
+        session = getattr(trainer.strategy, "session", None)
+        return _RemoteSummary(pl_module, max_depth=self._max_depth, session=session)

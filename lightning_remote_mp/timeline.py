@@ -2,6 +2,10 @@
 written as Chrome trace JSON (open it in https://ui.perfetto.dev), and the pipeline's bubble
 fraction logged through Lightning's logger as ``lrmp/bubble_fraction``.
 
+Each stage of each replica is one row (a trace "process"), named like ``net replica 1 stage 0 @
+tcp://10.0.0.5:5555`` (``net stage 0 @ ...`` without replicas); the bubble fraction averages over
+every row that computed.
+
 Enable it with ``RemoteModelParallelStrategy(timeline="trace.json")``. Workers timestamp with
 their own clocks; the driver measures each worker's offset (the sample with the shortest round
 trip of a few) and puts every event on its own clock.
@@ -19,6 +23,7 @@ from typing import Any
 import lightning.pytorch as pl
 
 from lightning_remote_mp import protocol
+from lightning_remote_mp.pipeline import RemoteStage
 from lightning_remote_mp.transport import Connection, broadcast
 
 log = logging.getLogger(__name__)
@@ -36,8 +41,8 @@ def clock_offset(conn: Connection, rounds: int = 5) -> float:
 
 
 def bubble_fraction(spans: Sequence[tuple[Any, float, float]], start: float, end: float) -> float:
-    """1 minus the mean share of ``[start, end]`` each stage spent computing; ``spans`` holds
-    ``(stage, begin, finish)``."""
+    """1 minus the mean share of ``[start, end]`` each row spent computing; ``spans`` holds
+    ``(row, begin, finish)``, a row being one stage of one replica."""
     if end <= start:
         return 0.0
     busy: dict[Any, float] = {}
@@ -57,7 +62,9 @@ class TimelineCallback(pl.Callback):
         self.events: list[dict[str, Any]] = []
         self.origin = time.time()
         self._offsets: dict[str, float] = {}
-        self._pids: dict[tuple[str, int], int] = {}
+        self._pids: dict[tuple[str, int, int], int] = {}  # (key, replica, stage) -> row
+        self._conns_at: dict[tuple[str, int, int], Connection] = {}
+        self._replica_of: dict[int, int] = {}  # id(connection) -> its replica
         self._step_start = 0.0
 
     def _conns(self) -> list[Connection]:
@@ -69,10 +76,27 @@ class TimelineCallback(pl.Callback):
         self._offsets = {c.address: clock_offset(c) for c in conns}
         broadcast(conns, protocol.TIMELINE, {"op": "start"})
         self._meta(0, "driver")
-        for key, placement in self.strategy.session.placements.items():
-            for rs in placement.remote.stages:
-                pid = self._pids.setdefault((key, rs.stage.index), len(self._pids) + 1)
-                self._meta(pid, f"{key} stage {rs.stage.index} @ {rs.address}")
+        self._add_rows()
+
+    def _add_rows(self) -> None:
+        """A row per stage and replica of every placed module not seen yet (a traced module is
+        placed at its first call)."""
+        session = self.strategy.session
+        if session is None:
+            return
+        for key in session.placements:
+            rows = session.placed_stages(key)
+            for r, rs in ((r, rs) for r, row in enumerate(rows) for rs in row):
+                if (key, r, rs.stage.index) not in self._pids:
+                    self._add_row(key, r if len(rows) > 1 else None, rs)
+
+    def _add_row(self, key: str, replica: int | None, rs: RemoteStage) -> None:
+        where = (key, replica or 0, rs.stage.index)
+        self._pids[where] = pid = len(self._pids) + 1
+        self._conns_at[where] = rs.conn
+        self._replica_of[id(rs.conn)] = replica or 0
+        named = f" replica {replica}" if replica is not None else ""
+        self._meta(pid, f"{key}{named} stage {rs.stage.index} @ {rs.address}")
 
     def _meta(self, pid: int, name: str) -> None:
         self.events.append({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": name}})
@@ -102,35 +126,31 @@ class TimelineCallback(pl.Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         end = time.time()
+        self._add_rows()
         conns = self._conns()
         spans: list[tuple[Any, float, float]] = []
         for conn, reply in zip(conns, broadcast(conns, protocol.TIMELINE, {"op": "fetch"})):
             offset = self._offsets.get(conn.address, 0.0)
+            r = self._replica_of.get(id(conn), 0)  # a worker's events are its replica's
             for event in reply["events"]:
                 if event[0] == "transfer":
                     _, key, src, dst, call, mb, sent, arrived = event
-                    src_conn = self._stage_conn(key, src)
+                    src_conn = self._conns_at.get((key, r, src))  # peers are in the same replica
                     src_offset = self._offsets.get(src_conn.address, 0.0) if src_conn else offset
-                    pid = self._pids.get((key, dst), 0)
+                    pid = self._pids.get((key, r, dst), 0)
                     self._span(
                         f"{src}->{dst} mb{mb}", "transfer", pid, 2, sent - src_offset, arrived - offset, call=call
                     )
                 else:
                     what, key, stage, call, mb, a, b = event
-                    pid = self._pids.get((key, stage), 0)
+                    pid = self._pids.get((key, r, stage), 0)
                     label = f"{what[0].upper()}{mb}" if mb >= 0 else what[0].upper()  # weights: whole batch
                     self._span(label, what, pid, 1, a - offset, b - offset, call=call)
-                    spans.append(((key, stage), a - offset, b - offset))
+                    spans.append(((key, r, stage), a - offset, b - offset))
         self._span(f"step {trainer.global_step}", "step", 0, 1, self._step_start, end)
         self._idle(spans, self._step_start, end)
         bubble = bubble_fraction(spans, self._step_start, end)
         pl_module.log("lrmp/bubble_fraction", bubble, on_step=True, on_epoch=True, prog_bar=False)
-
-    def _stage_conn(self, key: str, stage: int) -> Connection | None:
-        placement = self.strategy.session.placements.get(key) if self.strategy.session else None
-        if placement is None or not 0 <= stage < len(placement.remote.stages):
-            return None
-        return placement.remote.stages[stage].conn
 
     def _idle(self, spans: list[tuple[Any, float, float]], start: float, end: float) -> None:
         for stage_key, pid in self._pids.items():

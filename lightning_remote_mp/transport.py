@@ -30,6 +30,7 @@ from lightning_remote_mp.errors import (
     ProtocolVersionError,
     WorkerError,
     WorkerLostError,
+    worker_location,
 )
 from lightning_remote_mp.keys import KeyPair
 
@@ -349,10 +350,7 @@ class Connection:
         self.lost_reason: str | None = None
 
     def where(self) -> str:
-        parts = [f"stage {self.stage}"] if self.stage is not None else []
-        if self.replica is not None:
-            parts.append(f"replica {self.replica}")
-        return f"worker {self.address}" + (f" ({', '.join(parts)})" if parts else "")
+        return worker_location(self.address, self.stage, self.replica)
 
     def located(self) -> dict[str, Any]:
         """Where this worker is (address, stage, replica): the keyword arguments of the errors about it."""

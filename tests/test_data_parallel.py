@@ -85,3 +85,30 @@ def test_replica_rows_must_match():
         RemoteModelParallelStrategy(hosts=[["127.0.0.1:1", "127.0.0.1:2"], ["127.0.0.1:3"]])
     with pytest.raises(LrmpError, match="repeat"):
         RemoteModelParallelStrategy(hosts=[["127.0.0.1:1", "127.0.0.1:2"], ["127.0.0.1:1", "127.0.0.1:4"]])
+
+
+def test_timeline_has_a_row_per_replica_and_stage(pool, tmp_path):
+    import json
+
+    from lightning_remote_mp.transport import normalize_address
+
+    torch.manual_seed(24)
+    hosts = [[pool[0], pool[1]], [pool[2], pool[3]]]
+    path = tmp_path / "trace.json"
+    strategy = RemoteModelParallelStrategy(hosts=hosts, balance=[4, 6], microbatches=2, timeline=str(path))
+    t = trainer(strategy, epochs=1)
+    t.fit(Net(residual_spec(probe=False)), data())
+
+    events = json.loads(path.read_text())["traceEvents"]
+    rows = {e["args"]["name"]: e["pid"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+    expected = {f"net replica {r} stage {s} @ {normalize_address(hosts[r][s])}" for r in range(2) for s in range(2)}
+    assert set(rows) == expected | {"driver"}
+    spans = [e for e in events if e["ph"] == "X"]
+    for name in expected:
+        mine = [e for e in spans if e["pid"] == rows[name]]
+        # 4 steps (the short last batch of 4 splits too), each replica's share in 2 micro-batches.
+        assert sum(e["cat"] == "forward" for e in mine) == 4 * 2, name
+        assert sum(e["cat"] == "backward" for e in mine) == 4 * 2, name
+        assert any(e["cat"] == "transfer" for e in mine), name  # stage 1 gets activations, stage 0 gradients
+    assert not [e for e in spans if e["pid"] == rows["driver"] and e["cat"] != "step"]
+    assert 0.0 < t.callback_metrics["lrmp/bubble_fraction_epoch"].item() < 1.0

@@ -19,6 +19,7 @@ import sys
 from collections.abc import Sequence
 
 from lightning_remote_mp import protocol, transport
+from lightning_remote_mp.errors import ConfigurationError
 from lightning_remote_mp.worker import allocator
 from lightning_remote_mp.worker.server import DEFAULT_SESSION_TIMEOUT, WorkerServer
 
@@ -180,14 +181,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         from lightning_remote_mp.keys import curve_available, load_keypair
 
         if (args.secret_key is None) != (args.authorized_keys is None):
-            raise ValueError(
+            raise ConfigurationError(
                 "--secret-key and --authorized-keys go together: the first is this worker's key pair, the "
                 "second the directory of the public keys allowed to connect"
             )
         keys = None
         if args.secret_key is not None:
             if not curve_available():
-                raise RuntimeError("this libzmq was built without CURVE support; install pyzmq's own wheel")
+                raise ConfigurationError("this libzmq was built without CURVE support; install pyzmq's own wheel")
             keys = load_keypair(args.secret_key)
         limits = protocol.Limits(
             max_frames=args.max_tensors,

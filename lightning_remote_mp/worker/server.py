@@ -30,7 +30,7 @@ import torch
 import zmq
 
 from lightning_remote_mp import __version__, protocol, transport
-from lightning_remote_mp.errors import PeerUnreachableError, ProtocolError, ProtocolVersionError
+from lightning_remote_mp.errors import ConfigurationError, PeerUnreachableError, ProtocolError, ProtocolVersionError
 from lightning_remote_mp.keys import KeyPair
 from lightning_remote_mp.worker import allocator
 from lightning_remote_mp.worker.auth import DRIVER, WorkerAuth
@@ -244,14 +244,14 @@ class WorkerServer:
         from lightning_remote_mp.spec import DEFAULT_ALLOWED_PREFIXES
 
         if (keys is None) != (authorized_keys is None):
-            raise ValueError(
+            raise ConfigurationError(
                 "CURVE needs both this worker's key pair (--secret-key) and the directory of the drivers' "
                 "public keys (--authorized-keys)"
             )
         self.device = torch.device(device)
         if self.device.type == "cuda":
             if not torch.cuda.is_available():
-                raise RuntimeError(f"--device {device}: this machine has no CUDA device visible to torch")
+                raise ConfigurationError(f"--device {device}: this machine has no CUDA device visible to torch")
             torch.cuda.set_device(self.device)
         self.allowed_prefixes = list(dict.fromkeys([*DEFAULT_ALLOWED_PREFIXES, *allowed_prefixes]))
         self.session_timeout = session_timeout
