@@ -20,14 +20,11 @@ from collections.abc import Sequence
 from torch import nn
 
 from lightning_remote_mp.errors import SpecError
+from lightning_remote_mp.messages import DRIVER
 from lightning_remote_mp.spec import LayerEntry, Wiring
 
 #: Bytes kept per float32 parameter while training: the weight, its gradient and two optimizer moments.
 TRAINING_BYTES_PER_PARAM_ELEMENT = 4 * 4
-
-
-#: The stage number that stands for the driver in routes: it feeds stage 0 and receives the last output.
-DRIVER = -1
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,8 +24,9 @@ from typing import Any
 import torch
 
 from lightning_remote_mp import protocol
-from lightning_remote_mp.errors import ConfigurationError, RemoteInputError
-from lightning_remote_mp.partition import DRIVER, Stage
+from lightning_remote_mp.errors import ConfigurationError, ProtocolError, RemoteInputError
+from lightning_remote_mp.messages import DRIVER, Backward, Forward
+from lightning_remote_mp.partition import Stage
 from lightning_remote_mp.spec import Main, is_floating, is_main
 from lightning_remote_mp.transport import Connection, broadcast, gather
 
@@ -167,17 +168,27 @@ class RemoteSpec:
                 conn.send(protocol.RELEASE, {"calls": {self.key: [call]}})
 
     def _collect(self, kind: str, end: int, call: int, count: int, what: str) -> dict[tuple[int, int], Any]:
-        """Gather ``count`` messages of ``kind`` for ``call`` from each replica's stage ``end`` (0 or -1),
-        keyed by (replica, micro-batch)."""
+        """Gather ``count`` messages of ``kind`` (RESULT: `Forward`; DONE: `Backward`) for ``call``
+        from each replica's stage ``end`` (0 or -1), keyed by (replica, micro-batch)."""
         replica_of = {id(row[end].conn): r for r, row in enumerate(self.replicas)}
         got = gather(
             self.conns,
-            lambda c, m: m.kind == kind and id(c) in replica_of and m.body.get("call") == call,
+            lambda c, m: (
+                m.kind == kind and id(c) in replica_of and isinstance(m.body, dict) and m.body.get("call") == call
+            ),
             count,
             call=call,
             what=what,
         )
-        return {(replica_of[id(c)], m.body["mb"]): m.body for c, m in got}
+        parse = Forward.from_body if kind == protocol.RESULT else Backward.from_body
+        out = {}
+        for c, m in got:
+            try:
+                msg = parse(m.body)
+            except ProtocolError as err:
+                raise ProtocolError(f"{c.where()}: {err}") from None
+            out[(replica_of[id(c)], msg.mb)] = msg
+        return out
 
     def _settle(self, what: str) -> None:
         """Wait for the replies to requests posted without waiting (the optimizer step, zero_grad).
@@ -205,25 +216,24 @@ class RemoteSpec:
                 for mb in range(len(row)):
                     self.replicas[r][0].conn.send(
                         protocol.FORWARD,
-                        {
-                            "key": self.key,
-                            "call": call,
-                            "mb": mb,
-                            "from": DRIVER,
-                            "x": next(chunks),
-                            "vars": {},
-                            "requires_grad": {"x": x_needs_grad},
-                            "grad": grad,
-                            "autocast": autocast,
-                            "modes": modes,
-                            "checkpoint": grad and self._recomputed(mb, len(row)),
-                        },
+                        Forward(
+                            key=self.key,
+                            call=call,
+                            mb=mb,
+                            sender=DRIVER,
+                            x=next(chunks),
+                            requires_grad={"x": x_needs_grad},
+                            grad=grad,
+                            autocast=autocast,
+                            modes=modes,
+                            checkpoint=grad and self._recomputed(mb, len(row)),
+                        ).body(),
                     )
             results = self._collect(protocol.RESULT, -1, call, sum(map(len, sizes)), "forward")
         except BaseException:
             self._abandon(call)
             raise
-        outputs = [results[(r, mb)]["x"] for r, row in enumerate(sizes) for mb in range(len(row))]
+        outputs = [results[(r, mb)].x for r, row in enumerate(sizes) for mb in range(len(row))]
         device = (x[0] if isinstance(x, tuple) else x).device
         y = self._joined(outputs, self.batched_out, "output")
         if grad:
@@ -293,7 +303,7 @@ class RemoteSpec:
                 for mb in range(len(row)):
                     self.replicas[r][-1].conn.send(
                         protocol.BACKWARD,
-                        {"key": self.key, "call": call, "mb": mb, "from": DRIVER, "grad_out": next(grads), "grads": {}},
+                        Backward(key=self.key, call=call, mb=mb, sender=DRIVER, grad_out=next(grads)).body(),
                     )
             done = self._collect(protocol.DONE, 0, call, len(flat), "backward")
         except BaseException:
@@ -301,7 +311,7 @@ class RemoteSpec:
             raise
         if not (any(record.x_grad) if isinstance(record.x_grad, list) else record.x_grad):
             return None
-        parts = [done[(r, mb)].get("grad_out") for r, row in enumerate(record.sizes) for mb in range(len(row))]
+        parts = [done[(r, mb)].grad_out for r, row in enumerate(record.sizes) for mb in range(len(row))]
         if any(p is None for p in parts):
             return None
         return self._joined(parts, self.batched_in, "input")

@@ -14,29 +14,18 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Iterable
+from typing import Any, TypeVar
 
 import torch
 
 from lightning_remote_mp.errors import ProtocolError
-from lightning_remote_mp.spec import is_main
+from lightning_remote_mp.messages import DRIVER, Backward, Forward
 from lightning_remote_mp.worker.stage import StageExecutor
 from lightning_remote_mp.worker.timeline import EventLog
 
-DRIVER = -1
-
-Outgoing = tuple[int, dict[str, Any]]  # (destination stage, or DRIVER; message body)
-
-
-@dataclasses.dataclass
-class _Parts:
-    by_sender: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
-
-
-def _mapping(value: Any) -> Mapping[Any, Any]:
-    """A field that should be a dict, or an empty one: what peers send is not trusted to be well formed."""
-    return value if isinstance(value, dict) else {}
+Outgoing = tuple[int, Forward | Backward]  # (destination stage, or DRIVER; the message)
+_M = TypeVar("_M", Forward, Backward)
 
 
 def _routes(value: Any, field: str) -> dict[int, tuple[str, ...]]:
@@ -67,6 +56,15 @@ def _wanted(grad_x: Any, flags: bool | list[bool]) -> Any:
     return grad_x if flags else None
 
 
+@dataclasses.dataclass
+class _Meta:
+    """What a micro-batch's backward needs to know of its forward."""
+
+    saved: bool
+    x_grad: bool | list[bool]
+    var_grad: dict[str, Any]
+
+
 class RoutedStage:
     """A `StageExecutor` plus its routes and the partly arrived micro-batches."""
 
@@ -79,9 +77,9 @@ class RoutedStage:
         if self.x_from not in self.sources or self.x_to not in self.targets:
             raise ProtocolError(f"stage {stage.index}: routes must include the main input's source and output's target")
         self.limit = microbatch_limit
-        self._forward: dict[tuple[int, int], _Parts] = {}
-        self._backward: dict[tuple[int, int], _Parts] = {}
-        self._meta: dict[tuple[int, int], dict[str, Any]] = {}  # per micro-batch: grad flags seen going forward
+        self._forward: dict[tuple[int, int], dict[int, Forward]] = {}
+        self._backward: dict[tuple[int, int], dict[int, Backward]] = {}
+        self._meta: dict[tuple[int, int], _Meta] = {}  # per micro-batch under grad, from its forward
         self.events: EventLog | None = None  # set while the driver records a timeline
         self._released: collections.deque[int] = collections.deque(maxlen=1024)
 
@@ -90,133 +88,127 @@ class RoutedStage:
         return self.stage.index
 
     def _collect(
-        self, table: dict[tuple[int, int], _Parts], expected: Iterable[int], body: Mapping[str, Any]
-    ) -> dict[int, dict[str, Any]] | None:
-        call, mb, sender = body.get("call"), body.get("mb"), body.get("from")
-        if not all(isinstance(v, int) for v in (call, mb, sender)):
-            raise ProtocolError("call, mb and from must be integers")
+        self, table: dict[tuple[int, int], dict[int, _M]], expected: Iterable[int], msg: _M
+    ) -> dict[int, _M] | None:
+        """File ``msg`` with the other parts of its micro-batch; all of them, once every expected
+        sender's part is in."""
         expected = set(expected)
-        if sender not in expected:
-            raise ProtocolError(f"stage {self.index} expects no message from stage {sender}")
-        if call in self._released:
+        if msg.sender not in expected:
+            raise ProtocolError(f"stage {self.index} expects no message from stage {msg.sender}")
+        if msg.call in self._released:
             return None  # a late message of a call the driver gave up on
-        key = (call, mb)
+        key = (msg.call, msg.mb)
         parts = table.get(key)
         if parts is None:
             if len(table) >= self.limit:
                 raise ProtocolError(f"stage {self.index}: more than {self.limit} micro-batches in flight")
-            parts = table[key] = _Parts()
-        if sender in parts.by_sender:
-            raise ProtocolError(f"stage {self.index}: micro-batch {key} from stage {sender} arrived twice")
-        parts.by_sender[sender] = dict(body)
-        if self.events is not None and isinstance(body.get("sent_at"), float):
-            self.events.transfer(self.stage.key, sender, self.index, call, mb, body["sent_at"], time.time())
-        if set(parts.by_sender) != expected:
+            parts = table[key] = {}
+        if msg.sender in parts:
+            raise ProtocolError(f"stage {self.index}: micro-batch {key} from stage {msg.sender} arrived twice")
+        parts[msg.sender] = msg
+        if self.events is not None and msg.sent_at is not None:
+            self.events.transfer(self.stage.key, msg.sender, self.index, msg.call, msg.mb, msg.sent_at, time.time())
+        if set(parts) != expected:
             return None
         del table[key]
-        return parts.by_sender
+        return parts
 
-    def forward(self, body: Mapping[str, Any]) -> list[Outgoing]:
-        parts = self._collect(self._forward, self.sources, body)
+    def forward(self, msg: Forward) -> list[Outgoing]:
+        parts = self._collect(self._forward, self.sources, msg)
         if parts is None:
             return []
         first = parts[self.x_from]
-        x = first.get("x")
-        if not is_main(x):
+        if first.x is None:
             raise ProtocolError(f"stage {self.index}: the main input is missing")
         imports: dict[str, torch.Tensor] = {}
-        needs: dict[str, Any] = {"x": _main_flags(x, _mapping(first.get("requires_grad")).get("x"))}
-        for sender, msg in parts.items():
-            variables = _mapping(msg.get("vars"))
-            flags = _mapping(msg.get("requires_grad"))
+        needs: dict[str, Any] = {"x": _main_flags(first.x, first.requires_grad.get("x"))}
+        for sender, part in parts.items():
             for name in self.sources[sender]:
-                if not isinstance(variables.get(name), torch.Tensor):
+                value = part.vars.get(name)
+                if not isinstance(value, torch.Tensor):
                     raise ProtocolError(f"stage {self.index}: variable {name!r} from stage {sender} is missing")
-                imports[name] = variables[name]
-                needs[name] = flags.get(name) is True
-        call, mb = int(first["call"]), int(first["mb"])
-        grad = first.get("grad") is True
-        autocast = first.get("autocast")
-        modes = first.get("modes")
+                imports[name] = value
+                needs[name] = part.requires_grad.get(name) is True
+        call, mb = first.call, first.mb
         started = time.time()
         out = self.stage.forward(
             (call, mb),
-            x,
+            first.x,
             imports,
-            grad=grad,
+            grad=first.grad,
             needs_grad=needs,
-            autocast=autocast if isinstance(autocast, dict) else None,
-            modes=modes if isinstance(modes, (bool, list)) else None,
-            recompute=first.get("checkpoint") is True,
+            autocast=first.autocast,
+            modes=first.modes,
+            recompute=first.checkpoint,
         )
         if self.events is not None:
             self.events.span("forward", self.stage.key, self.index, call, mb, started, time.time())
-        if grad:
-            self._meta[(call, mb)] = {"saved": out["saved"], "x_grad": needs["x"], "var_grad": needs}
-        outgoing = []
+        if first.grad:
+            self._meta[(call, mb)] = _Meta(saved=out["saved"], x_grad=needs["x"], var_grad=needs)
+        outgoing: list[Outgoing] = []
         for target, names in self.targets.items():
-            msg: dict[str, Any] = {
-                "key": self.stage.key,
-                "call": call,
-                "mb": mb,
-                "from": self.index,
-                "grad": grad,
-                "autocast": autocast,
-                "modes": modes,
-                "checkpoint": first.get("checkpoint") is True,
-            }
-            flags: dict[str, bool] = {}
-            if target == self.x_to:
-                msg["x"] = out["y"]
+            main = target == self.x_to
+            flags = {n: out["requires_grad"][n] for n in names}
+            if main:
                 flags["x"] = out["requires_grad"]["y"]
-            msg["vars"] = {n: out["exports"][n] for n in names}
-            flags.update({n: out["requires_grad"][n] for n in names})
-            msg["requires_grad"] = flags
-            outgoing.append((target, msg))
+            outgoing.append(
+                (
+                    target,
+                    dataclasses.replace(
+                        first,
+                        sender=self.index,
+                        x=out["y"] if main else None,
+                        vars={n: out["exports"][n] for n in names},
+                        requires_grad=flags,
+                        sent_at=None,
+                    ),
+                )
+            )
         return outgoing
 
-    def backward(self, body: Mapping[str, Any]) -> list[Outgoing]:
-        parts = self._collect(self._backward, self.targets, body)
+    def backward(self, msg: Backward) -> list[Outgoing]:
+        parts = self._collect(self._backward, self.targets, msg)
         if parts is None:
             return []
         first = parts[self.x_to]
-        call, mb = int(first["call"]), int(first["mb"])
+        call, mb = first.call, first.mb
         meta = self._meta.pop((call, mb), None)
         if meta is None:
             raise ProtocolError(
                 f"stage {self.index}: backward of micro-batch {(call, mb)} without a forward under grad"
             )
-        grad_y = first.get("grad_out")
         grad_exports: dict[str, torch.Tensor] = {}
-        for sender, msg in parts.items():
-            grads = _mapping(msg.get("grads"))
+        for sender, part in parts.items():
             for name in self.targets[sender]:
-                g = grads.get(name)
+                g = part.grads.get(name)
                 if isinstance(g, torch.Tensor):
                     grad_exports[name] = grad_exports[name] + g if name in grad_exports else g
         grad_x, grad_imports = None, {}
         started = time.time()
-        if meta["saved"]:
-            grad_x, grad_imports = self.stage.backward(
-                (call, mb), grad_y if isinstance(grad_y, (torch.Tensor, tuple)) else None, grad_exports
-            )
+        if meta.saved:
+            grad_x, grad_imports = self.stage.backward((call, mb), first.grad_out, grad_exports)
         if self.events is not None:
             self.events.span("backward", self.stage.key, self.index, call, mb, started, time.time())
-        outgoing = []
-        for source, names in self.sources.items():
-            msg: dict[str, Any] = {"key": self.stage.key, "call": call, "mb": mb, "from": self.index}
-            if source == self.x_from:
-                msg["grad_out"] = _wanted(grad_x, meta["x_grad"])
-            msg["grads"] = {n: grad_imports.get(n) for n in names if meta["var_grad"].get(n)}
-            outgoing.append((source, msg))
-        return outgoing
+        return [
+            (
+                source,
+                Backward(
+                    key=self.stage.key,
+                    call=call,
+                    mb=mb,
+                    sender=self.index,
+                    grad_out=_wanted(grad_x, meta.x_grad) if source == self.x_from else None,
+                    grads={n: grad_imports.get(n) for n in names if meta.var_grad.get(n)},
+                ),
+            )
+            for source, names in self.sources.items()
+        ]
 
-    def finish_backward(self, body: Mapping[str, Any]) -> None:
+    def finish_backward(self, call: int) -> None:
         """After a backward's gradients left: once the call's last micro-batch is through this
         stage, compute its deferred weight gradients (while the other stages work on theirs)."""
-        call = body.get("call")
         started = time.time()
-        if isinstance(call, int) and self.stage.flush_weight_grads(call) and self.events is not None:
+        if self.stage.flush_weight_grads(call) and self.events is not None:
             self.events.span("weights", self.stage.key, self.index, call, -1, started, time.time())
 
     def release(self, calls: Iterable[int]) -> None:

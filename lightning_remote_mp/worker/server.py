@@ -32,6 +32,7 @@ import zmq
 from lightning_remote_mp import __version__, protocol, transport
 from lightning_remote_mp.errors import ConfigurationError, PeerUnreachableError, ProtocolError, ProtocolVersionError
 from lightning_remote_mp.keys import KeyPair
+from lightning_remote_mp.messages import DRIVER as DRIVER_STAGE
 from lightning_remote_mp.worker import allocator
 from lightning_remote_mp.worker.auth import DRIVER, WorkerAuth
 from lightning_remote_mp.worker.session import NO_REPLY, WorkerSession, describe_device
@@ -89,8 +90,8 @@ def _from_peer(msg: protocol.Message) -> bool:
     """A pipelined message sent by another stage (not by the driver)."""
     if msg.kind not in _PIPELINE_KINDS or not isinstance(msg.body, dict):
         return False
-    sender = msg.body.get("from", -1)
-    return type(sender) is int and sender != -1
+    sender = msg.body.get("from", DRIVER_STAGE)
+    return type(sender) is int and sender != DRIVER_STAGE
 
 
 class _Outbox:

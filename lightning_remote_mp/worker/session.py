@@ -7,6 +7,7 @@ checkpoint entries without knowing the worker's internals.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 import sys
@@ -19,10 +20,11 @@ import torch
 from lightning_remote_mp import protocol
 from lightning_remote_mp.errors import LrmpError, ProtocolError, SpecError
 from lightning_remote_mp.keys import is_z85_key
+from lightning_remote_mp.messages import DRIVER, Backward, Forward
 from lightning_remote_mp.spec import resolve_class, source_digest
 from lightning_remote_mp.worker.collective import ReplicaGroup
 from lightning_remote_mp.worker.profile import profile_layers
-from lightning_remote_mp.worker.route import DRIVER, RoutedStage
+from lightning_remote_mp.worker.route import Outgoing, RoutedStage
 from lightning_remote_mp.worker.stage import StageExecutor
 from lightning_remote_mp.worker.timeline import EventLog
 
@@ -183,14 +185,16 @@ class WorkerSession:
         return entries
 
     def forward(self, body: Any) -> Any:
-        self._send(self.route(body).forward(body), protocol.FORWARD, protocol.RESULT)
+        msg = Forward.from_body(body)
+        self._send(self.route(msg.key).forward(msg), protocol.FORWARD, protocol.RESULT)
         return NO_REPLY
 
     def backward(self, body: Any) -> Any:
-        route = self.route(body)
-        self._send(route.backward(body), protocol.BACKWARD, protocol.DONE)
+        msg = Backward.from_body(body)
+        route = self.route(msg.key)
+        self._send(route.backward(msg), protocol.BACKWARD, protocol.DONE)
         try:
-            route.finish_backward(body)
+            route.finish_backward(msg.call)
         except Exception as err:
             # The micro-batch is reported done already and the driver may have moved on: the failure
             # belongs to the next request that needs these gradients (step, clipping, zero_grad).
@@ -207,17 +211,16 @@ class WorkerSession:
         for stage in self.stages.values():
             stage.flush_weight_grads()
 
-    def _send(self, outgoing: list[tuple[int, dict[str, Any]]], peer_kind: str, driver_kind: str) -> None:
+    def _send(self, outgoing: list[Outgoing], peer_kind: str, driver_kind: str) -> None:
         for target, msg in outgoing:
             if self.events is not None:
-                msg["sent_at"] = time.time()
+                msg = dataclasses.replace(msg, sent_at=time.time())
             if target == DRIVER:
-                self.outbox.to_driver(driver_kind, msg)
+                self.outbox.to_driver(driver_kind, msg.body())
             else:
-                self.outbox.to_peer(self.peers[msg["key"]][target], peer_kind, msg)
+                self.outbox.to_peer(self.peers[msg.key][target], peer_kind, msg.body())
 
-    def route(self, body: Any) -> RoutedStage:
-        key = _require(body, "key", str)
+    def route(self, key: str) -> RoutedStage:
         if key not in self.routes:
             raise SpecError(f"no stage {key!r:.80} on this worker; send setup first")
         return self.routes[key]

@@ -1,0 +1,89 @@
+"""The pipeline's typed messages: what is built on one side arrives equal on the other, through the
+real codec, and a malformed body is refused naming the field, whoever sent it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_remote_mp import protocol
+from lightning_remote_mp.errors import ProtocolError
+from lightning_remote_mp.messages import DRIVER, Backward, Forward
+
+
+def _through_the_wire(kind: str, body: dict) -> dict:
+    return protocol.decode(protocol.encode(kind, 0, "s", body)).body
+
+
+def test_a_forward_arrives_as_it_was_built():
+    sent = Forward(
+        key="net",
+        call=7,
+        mb=2,
+        sender=DRIVER,
+        x=(torch.randn(3, 4), torch.arange(3)),  # a traced model's tuple
+        vars={"skip": torch.ones(3, 4)},
+        requires_grad={"x": [True, False], "skip": True},
+        grad=True,
+        autocast={"enabled": True, "dtype": torch.bfloat16},
+        modes=[True, False],
+        checkpoint=True,
+        sent_at=12.5,
+    )
+    got = Forward.from_body(_through_the_wire(protocol.FORWARD, sent.body()))
+    assert (got.key, got.call, got.mb, got.sender, got.grad, got.checkpoint, got.sent_at) == (
+        "net",
+        7,
+        2,
+        -1,
+        True,
+        True,
+        12.5,
+    )
+    assert torch.equal(got.x[0], sent.x[0]) and torch.equal(got.x[1], sent.x[1])
+    assert torch.equal(got.vars["skip"], sent.vars["skip"])
+    assert got.requires_grad == sent.requires_grad and got.modes == [True, False]
+    assert got.autocast == {"enabled": True, "dtype": torch.bfloat16}
+
+
+def test_a_backward_arrives_as_it_was_built():
+    sent = Backward(key="net", call=7, mb=0, sender=1, grad_out=(torch.ones(2), None), grads={"skip": None})
+    got = Backward.from_body(_through_the_wire(protocol.BACKWARD, sent.body()))
+    assert (got.key, got.call, got.mb, got.sender, got.sent_at) == ("net", 7, 0, 1, None)
+    assert torch.equal(got.grad_out[0], torch.ones(2)) and got.grad_out[1] is None
+    assert got.grads == {"skip": None}
+
+
+GOOD = {"key": "net", "call": 1, "mb": 0, "from": 0, "x": torch.ones(1)}
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        ({"key": 5}, "field 'key' must be a str, got int"),
+        ({"call": "1"}, "field 'call' must be an int, got str"),
+        ({"mb": True}, "field 'mb' must be an int, got bool"),
+        ({"from": None}, "field 'from' is missing"),
+        ({"x": "tensor"}, "'x' must be a tensor or a tuple of tensors"),
+        ({"x": (torch.ones(1), 3)}, "'x' must be a tensor or a tuple of tensors"),
+        ({"vars": {"a": 3}}, "'vars' must map names to tensors"),
+        ({"vars": [torch.ones(1)]}, "field 'vars' must be a dict"),
+        ({"requires_grad": {"x": "yes"}}, "'requires_grad' must map names to bools"),
+    ],
+)
+def test_a_malformed_forward_is_refused_naming_the_field(change, match):
+    with pytest.raises(ProtocolError, match=match):
+        Forward.from_body({**GOOD, **change})
+
+
+@pytest.mark.parametrize(
+    "body, match",
+    [
+        ([1, 2], "the body must be a dict"),
+        ({**GOOD, "grad_out": [1.0]}, "'grad_out' must be a tensor, a tuple of tensors or None"),
+        ({**GOOD, "grads": {"a": "b"}}, "'grads' must map names to tensors"),
+    ],
+)
+def test_a_malformed_backward_is_refused_naming_the_field(body, match):
+    with pytest.raises(ProtocolError, match=match):
+        Backward.from_body(body)
