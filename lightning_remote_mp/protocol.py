@@ -24,6 +24,7 @@ answer the request that failed (`lightning_remote_mp.errors.ProtocolVersionError
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -36,52 +37,50 @@ from lightning_remote_mp.errors import ConfigurationError, LimitExceeded, Protoc
 
 PROTOCOL_VERSION = 2
 
-# Message kinds, driver -> worker. Replies are OK or ERROR and echo the request id.
-HELLO = "hello"
-SETUP = "setup"
-FORWARD = "forward"
-BACKWARD = "backward"
-RELEASE = "release"
-OPTIM_CREATE = "optim_create"
-OPTIM_STEP = "optim_step"
-ZERO_GRAD = "zero_grad"
-GET_STATE = "get_state"
-LOAD_STATE = "load_state"
-GET_OPTIM_STATE = "get_optim_state"
-LOAD_OPTIM_STATE = "load_optim_state"
-GRADS = "grads"
-PROFILE = "profile"
-TIMELINE = "timeline"
-GROUP = "group"
-RESULT = "result"  # worker -> driver: the last stage's output of one micro-batch
-DONE = "done"  # worker -> driver: stage 0 finished one micro-batch's backward
-BYE = "bye"
-PING = "ping"
-OK = "ok"
-ERROR = "error"
 
-REQUEST_KINDS = frozenset(
-    {
-        HELLO,
-        SETUP,
-        FORWARD,
-        BACKWARD,
-        RELEASE,
-        OPTIM_CREATE,
-        OPTIM_STEP,
-        ZERO_GRAD,
-        GET_STATE,
-        LOAD_STATE,
-        GET_OPTIM_STATE,
-        LOAD_OPTIM_STATE,
-        GRADS,
-        PROFILE,
-        TIMELINE,
-        GROUP,
-        BYE,
-        PING,
-    }
-)
+class Kind(str, enum.Enum):
+    """Every message kind on the wire. Requests go driver -> worker (peers send FORWARD/BACKWARD);
+    replies are OK or ERROR and echo the request id. A kind is a ``str``: a received one (plain
+    text) compares, hashes and prints as its value."""
+
+    HELLO = "hello"
+    SETUP = "setup"
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    RELEASE = "release"
+    OPTIM_CREATE = "optim_create"
+    OPTIM_STEP = "optim_step"
+    ZERO_GRAD = "zero_grad"
+    GET_STATE = "get_state"
+    LOAD_STATE = "load_state"
+    GET_OPTIM_STATE = "get_optim_state"
+    LOAD_OPTIM_STATE = "load_optim_state"
+    GRADS = "grads"
+    PROFILE = "profile"
+    TIMELINE = "timeline"
+    GROUP = "group"
+    RESULT = "result"  # worker -> driver: the last stage's output of one micro-batch
+    DONE = "done"  # worker -> driver: stage 0 finished one micro-batch's backward
+    BYE = "bye"
+    PING = "ping"
+    OK = "ok"
+    ERROR = "error"
+
+    __str__ = str.__str__
+    __format__ = str.__format__
+    __hash__ = str.__hash__
+
+
+# The short names the package uses.
+HELLO, SETUP, FORWARD, BACKWARD = Kind.HELLO, Kind.SETUP, Kind.FORWARD, Kind.BACKWARD
+RELEASE, OPTIM_CREATE, OPTIM_STEP, ZERO_GRAD = Kind.RELEASE, Kind.OPTIM_CREATE, Kind.OPTIM_STEP, Kind.ZERO_GRAD
+GET_STATE, LOAD_STATE = Kind.GET_STATE, Kind.LOAD_STATE
+GET_OPTIM_STATE, LOAD_OPTIM_STATE = Kind.GET_OPTIM_STATE, Kind.LOAD_OPTIM_STATE
+GRADS, PROFILE, TIMELINE, GROUP = Kind.GRADS, Kind.PROFILE, Kind.TIMELINE, Kind.GROUP
+RESULT, DONE, BYE, PING, OK, ERROR = Kind.RESULT, Kind.DONE, Kind.BYE, Kind.PING, Kind.OK, Kind.ERROR
+
+#: What a worker accepts; the others travel worker -> driver.
+REQUEST_KINDS = frozenset(Kind) - {RESULT, DONE, OK, ERROR}
 
 _EXT_TENSOR = 1
 _EXT_TUPLE = 2
