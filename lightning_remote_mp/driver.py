@@ -336,9 +336,7 @@ class DriverSession:
         for c, info in zip(self.conns, infos):
             if info.get("protocol") != protocol.PROTOCOL_VERSION:
                 raise ProtocolVersionError(
-                    f"{c.where()} speaks lrmp wire protocol version {info.get('protocol')!r:.20} (lrmp "
-                    f"{info.get('lrmp')}); this driver speaks {protocol.PROTOCOL_VERSION} (lrmp {__version__}): "
-                    "install the same lightning_remote_mp version on the driver and every worker"
+                    protocol.version_mismatch(c.where(), info.get("protocol"), info.get("lrmp"), "this driver")
                 )
             c.remote_limits = protocol.Limits.from_dict(info.get("limits"))
             if info.get("lrmp") != __version__ or info.get("torch") != torch.__version__:

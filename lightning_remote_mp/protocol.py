@@ -79,6 +79,23 @@ GET_OPTIM_STATE, LOAD_OPTIM_STATE = Kind.GET_OPTIM_STATE, Kind.LOAD_OPTIM_STATE
 GRADS, PROFILE, TIMELINE, GROUP = Kind.GRADS, Kind.PROFILE, Kind.TIMELINE, Kind.GROUP
 RESULT, DONE, BYE, PING, OK, ERROR = Kind.RESULT, Kind.DONE, Kind.BYE, Kind.PING, Kind.OK, Kind.ERROR
 
+
+def version_mismatch(other: str, other_version: Any, other_lrmp: Any, this: str) -> str:
+    """What to tell the user when two sides speak different protocol versions (said once, for the
+    driver's errors and the worker's replies alike).
+
+    >>> version_mismatch("the driver", 9, "9.0.0", "this worker")  # doctest: +ELLIPSIS
+    'the driver speaks lrmp wire protocol version 9 (lrmp 9.0.0); this worker speaks version 2 (lrmp ...): install ...'
+    """
+    from lightning_remote_mp import __version__
+
+    return (
+        f"{other} speaks lrmp wire protocol version {other_version!r:.20} (lrmp {str(other_lrmp)[:40]}); "
+        f"{this} speaks version {PROTOCOL_VERSION} (lrmp {__version__}): install the same lightning_remote_mp "
+        "version on the driver and every worker"
+    )
+
+
 #: What a worker accepts; the others travel worker -> driver.
 REQUEST_KINDS = frozenset(Kind) - {RESULT, DONE, OK, ERROR}
 

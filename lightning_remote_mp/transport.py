@@ -405,10 +405,7 @@ class Connection:
         except ProtocolVersionError as err:
             info = err.info
             raise ProtocolVersionError(
-                f"{self.where()} speaks lrmp wire protocol version {err.remote_version} "
-                f"(lrmp {info.get('lrmp', '?')}, torch {info.get('torch', '?')}); this driver speaks version "
-                f"{protocol.PROTOCOL_VERSION} (lrmp {_lrmp_version()}): install the same lightning_remote_mp "
-                "version on the driver and every worker",
+                protocol.version_mismatch(self.where(), err.remote_version, info.get("lrmp", "?"), "this driver"),
                 remote_version=err.remote_version,
                 info=info,
             ) from None
@@ -571,12 +568,6 @@ _OVERDUE_CAUSES = (
     "if it is legitimately slow (None waits forever); `kill -USR1 <worker pid>` prints where the worker's "
     "threads are."
 )
-
-
-def _lrmp_version() -> str:
-    from lightning_remote_mp import __version__
-
-    return __version__
 
 
 class Requests:

@@ -489,10 +489,9 @@ class WorkerServer:
                 protocol.peek_id(payload),
                 {
                     "type": "ProtocolVersionError",
-                    "message": f"this worker speaks lrmp wire protocol version {protocol.PROTOCOL_VERSION} "
-                    f"(lrmp {__version__}, torch {torch.__version__}), the message was version "
-                    f"{err.remote_version}: install the same lightning_remote_mp version on the driver and "
-                    "every worker",
+                    "message": protocol.version_mismatch(
+                        "the message", err.remote_version, err.info.get("lrmp", "?"), "this worker"
+                    ),
                     **self._versions(),
                 },
             )
@@ -581,9 +580,7 @@ class WorkerServer:
                 msg.id,
                 {
                     "type": "ProtocolVersionError",
-                    "message": f"this worker speaks lrmp wire protocol version {protocol.PROTOCOL_VERSION} "
-                    f"(lrmp {__version__}, torch {torch.__version__}), the driver version {theirs!r:.20}: install "
-                    "the same lightning_remote_mp version on the driver and every worker",
+                    "message": protocol.version_mismatch("the driver", theirs, body.get("lrmp", "?"), "this worker"),
                     **self._versions(),
                 },
             )
