@@ -131,20 +131,39 @@ class Limits:
     them, so a message over a limit fails on the driver with an error naming the flag to raise.
     """
 
+    # Each limit a worker flag sets names it (and says how it reads) in its metadata: the worker's
+    # command line and the driver's errors are made from these fields.
+
     #: Tensors (raw frames) in one message (``--max-tensors``).
-    max_frames: int = 4096
+    max_frames: int = dataclasses.field(
+        default=4096, metadata={"flag": "--max-tensors", "help": "tensors in one message"}
+    )
     #: Size of the msgpack header: every non-tensor value of a message (``--max-header-bytes``).
-    max_header_bytes: int = 64 * 1024 * 1024
+    max_header_bytes: int = dataclasses.field(
+        default=64 * 1024**2,
+        metadata={"flag": "--max-header-bytes", "help": "non-tensor part of one message", "bytes": True},
+    )
     #: Dimensions of one tensor (``--max-tensor-dims``).
-    max_tensor_dims: int = 32
+    max_tensor_dims: int = dataclasses.field(
+        default=32, metadata={"flag": "--max-tensor-dims", "help": "dimensions of one tensor"}
+    )
     #: Bytes of tensor data in one message (``--max-message-bytes``); also ZeroMQ's cap on one frame,
     #: so an oversized frame is refused while it arrives, before it is buffered whole.
-    max_message_bytes: int = 16 * 1024**3
+    max_message_bytes: int = dataclasses.field(
+        default=16 * 1024**3,
+        metadata={
+            "flag": "--max-message-bytes",
+            "help": "tensor data in one message, and the largest frame",
+            "bytes": True,
+        },
+    )
     #: Tuples nest through the decoder's C stack (each level is a nested msgpack unpack), so their
     #: depth is bounded: a few hundred levels would overflow it and crash the process.
     max_tuple_depth: int = 32
     #: Layers in one stage at SETUP (and in one PROFILE request) (``--max-layers``).
-    max_layers: int = 100_000
+    max_layers: int = dataclasses.field(
+        default=100_000, metadata={"flag": "--max-layers", "help": "layers in one stage"}
+    )
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -172,13 +191,7 @@ class Limits:
 DEFAULT_LIMITS = Limits()
 
 #: Names of the worker flags that set each limit, for error messages.
-LIMIT_FLAGS = {
-    "max_frames": "--max-tensors",
-    "max_header_bytes": "--max-header-bytes",
-    "max_tensor_dims": "--max-tensor-dims",
-    "max_message_bytes": "--max-message-bytes",
-    "max_layers": "--max-layers",
-}
+LIMIT_FLAGS = {f.name: f.metadata["flag"] for f in dataclasses.fields(Limits) if "flag" in f.metadata}
 
 
 @dataclasses.dataclass

@@ -10,6 +10,7 @@ into ``~/.lrmp`` without ``DIR``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import faulthandler
 import logging
 import os
@@ -34,6 +35,14 @@ def parse_size(text: str) -> int:
     if not m or int(m.group(1)) < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size like 1048576, 64MiB or 2GB")
     return int(m.group(1)) * _UNITS[m.group(2) or ""]
+
+
+def _size_text(n: int) -> str:
+    """``16GiB``, ``64MiB``, ``512KiB`` or bytes: a size as `parse_size` reads it back."""
+    for unit, factor in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if n % factor == 0:
+            return f"{n // factor}{unit}"
+    return str(n)
 
 
 def _positive_int(text: str) -> int:
@@ -87,41 +96,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="directory of the public keys (*.key) of the drivers allowed to connect; re-read at each connection",
     )
     lim = p.add_argument_group("limits on what this worker accepts")
-    lim.add_argument(
-        "--max-message-bytes",
-        type=parse_size,
-        default=d.max_message_bytes,
-        metavar="SIZE",
-        help=f"tensor data in one message, and the largest frame (default {d.max_message_bytes // 1024**3}GiB)",
-    )
-    lim.add_argument(
-        "--max-header-bytes",
-        type=parse_size,
-        default=d.max_header_bytes,
-        metavar="SIZE",
-        help=f"non-tensor part of one message (default {d.max_header_bytes // 1024**2}MiB)",
-    )
-    lim.add_argument(
-        "--max-tensors",
-        type=_positive_int,
-        default=d.max_frames,
-        metavar="N",
-        help=f"tensors in one message (default {d.max_frames})",
-    )
-    lim.add_argument(
-        "--max-tensor-dims",
-        type=_positive_int,
-        default=d.max_tensor_dims,
-        metavar="N",
-        help=f"dimensions of one tensor (default {d.max_tensor_dims})",
-    )
-    lim.add_argument(
-        "--max-layers",
-        type=_positive_int,
-        default=d.max_layers,
-        metavar="N",
-        help=f"layers in one stage (default {d.max_layers})",
-    )
+    for f in dataclasses.fields(protocol.Limits):
+        if "flag" not in f.metadata:
+            continue
+        default, in_bytes = getattr(d, f.name), f.metadata.get("bytes", False)
+        lim.add_argument(
+            f.metadata["flag"],
+            dest=f.name,
+            type=parse_size if in_bytes else _positive_int,
+            default=default,
+            metavar="SIZE" if in_bytes else "N",
+            help=f"{f.metadata['help']} (default {_size_text(default) if in_bytes else default})",
+        )
     return p
 
 
@@ -190,13 +176,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if not curve_available():
                 raise ConfigurationError("this libzmq was built without CURVE support; install pyzmq's own wheel")
             keys = load_keypair(args.secret_key)
-        limits = protocol.Limits(
-            max_frames=args.max_tensors,
-            max_header_bytes=args.max_header_bytes,
-            max_tensor_dims=args.max_tensor_dims,
-            max_message_bytes=args.max_message_bytes,
-            max_layers=args.max_layers,
-        )
+        limits = protocol.Limits(**{name: getattr(args, name) for name in protocol.LIMIT_FLAGS})
         bind = transport.normalize_address(args.bind)
         server = WorkerServer(
             bind,
