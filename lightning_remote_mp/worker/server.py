@@ -473,6 +473,15 @@ class WorkerServer:
             frames = protocol.encode(protocol.ERROR, req_id, "", error_body(err))
         self.sock.send_multipart([peer, *frames], copy=False)
 
+    def _refuse(self, peer: bytes, req_id: int, kind: str | BaseException, message: str = "", **extra: Any) -> None:
+        """Answer a request this worker will not run with an ERROR naming why: an exception (its
+        class and message, no traceback: the sender may be anyone), or an error type and message."""
+        if isinstance(kind, BaseException):
+            body = error_body(kind, trace=False)
+        else:
+            body = {"type": kind, "message": message}
+        self._reply(peer, protocol.ERROR, req_id, {**body, **extra})
+
     def _versions(self) -> dict[str, Any]:
         return {"protocol": protocol.PROTOCOL_VERSION, "lrmp": __version__, "torch": torch.__version__}
 
@@ -483,38 +492,25 @@ class WorkerServer:
         try:
             msg = protocol.decode(payload, self.limits)
         except ProtocolVersionError as err:
-            self._reply(
-                peer,
-                protocol.ERROR,
-                protocol.peek_id(payload),
-                {
-                    "type": "ProtocolVersionError",
-                    "message": protocol.version_mismatch(
-                        "the message", err.remote_version, err.info.get("lrmp", "?"), "this worker"
-                    ),
-                    **self._versions(),
-                },
-            )
+            theirs = err.info.get("lrmp", "?")
+            mismatch = protocol.version_mismatch("the message", err.remote_version, theirs, "this worker")
+            self._refuse(peer, protocol.peek_id(payload), "ProtocolVersionError", mismatch, **self._versions())
             return
         except ProtocolError as err:
             self._throttle.warning("malformed", "dropped a malformed message from peer %s: %s", peer.hex()[:16], err)
-            self._reply(peer, protocol.ERROR, protocol.peek_id(payload), error_body(err, trace=False))
+            self._refuse(peer, protocol.peek_id(payload), err)
             return
         if msg.kind not in protocol.REQUEST_KINDS:
-            err = ProtocolError(f"unexpected message kind {msg.kind!r:.40}")
-            self._reply(peer, protocol.ERROR, msg.id, error_body(err, trace=False))
+            self._refuse(peer, msg.id, ProtocolError(f"unexpected message kind {msg.kind!r:.40}"))
             return
         from_peer = _from_peer(msg)
         if self.auth is not None and not self._authorized(payload[0], msg, from_peer):
-            self._reply(
+            self._refuse(
                 peer,
-                protocol.ERROR,
                 msg.id,
-                {
-                    "type": "PermissionError",
-                    "message": "this connection's key belongs to a peer worker: it may only send pipelined "
-                    "forward/backward messages of its session",
-                },
+                "PermissionError",
+                "this connection's key belongs to a peer worker: it may only send pipelined forward/backward "
+                "messages of its session",
             )
             return
         if msg.kind == protocol.PING:
@@ -530,15 +526,12 @@ class WorkerServer:
             log.debug("dropped a peer message for session %s, which this worker does not serve", msg.session[:8])
             return
         if self._session_id is None or msg.session != self._session_id:
-            self._reply(
+            self._refuse(
                 peer,
-                protocol.ERROR,
                 msg.id,
-                {
-                    "type": "SessionError",
-                    "message": f"this worker has no session {msg.session!r:.40} (it may have restarted or expired it); "
-                    "start a new one",
-                },
+                "SessionError",
+                f"this worker has no session {msg.session!r:.40} (it may have restarted or expired it); "
+                "start a new one",
             )
             return
         if not from_peer:
@@ -568,31 +561,22 @@ class WorkerServer:
         body = msg.body if isinstance(msg.body, dict) else {}
         driver = str(body.get("driver", "?"))[:200]
         if not msg.session:
-            self._reply(
-                peer, protocol.ERROR, msg.id, error_body(ProtocolError("hello without a session id"), trace=False)
-            )
+            self._refuse(peer, msg.id, ProtocolError("hello without a session id"))
             return
         theirs = body.get("protocol", protocol.PROTOCOL_VERSION)
         if theirs != protocol.PROTOCOL_VERSION:
-            self._reply(
-                peer,
-                protocol.ERROR,
-                msg.id,
-                {
-                    "type": "ProtocolVersionError",
-                    "message": protocol.version_mismatch("the driver", theirs, body.get("lrmp", "?"), "this worker"),
-                    **self._versions(),
-                },
-            )
+            mismatch = protocol.version_mismatch("the driver", theirs, body.get("lrmp", "?"), "this worker")
+            self._refuse(peer, msg.id, "ProtocolVersionError", mismatch, **self._versions())
             return
         if self._session_id is not None and self._session_id != msg.session:
-            busy = {
-                "type": "WorkerBusy",
-                "message": self._busy_message(),
-                "silent_for": time.monotonic() - self._last_seen,
-                "expires_in": max(0.0, self._expires_in()),
-            }
-            self._reply(peer, protocol.ERROR, msg.id, busy)
+            self._refuse(
+                peer,
+                msg.id,
+                "WorkerBusy",
+                self._busy_message(),
+                silent_for=time.monotonic() - self._last_seen,
+                expires_in=max(0.0, self._expires_in()),
+            )
             return
         if self._session_id is None:
             self._session_id = msg.session
