@@ -58,7 +58,7 @@ import torch
 
 from lightning_remote_mp import protocol
 from lightning_remote_mp.errors import LrmpError
-from lightning_remote_mp.spec import layer_path
+from lightning_remote_mp.spec import layer_path, refuse_main
 from lightning_remote_mp.transport import Connection, broadcast, post_all, request_all
 
 log = logging.getLogger(__name__)
@@ -128,11 +128,7 @@ class OptimizerMirror:
 
     def _create(self) -> None:
         cls = self.cls
-        if cls.__module__ == "__main__":
-            raise LrmpError(
-                f"optimizer {cls.__qualname__} is defined in __main__, which workers cannot import; "
-                "move it into a module and allow that module on the workers with --allow-module"
-            )
+        refuse_main(f"{cls.__module__}.{cls.__qualname__}", f"optimizer {self.index}", LrmpError)
         if issubclass(cls, torch.optim.LBFGS):
             raise LrmpError(
                 f"optimizer {self.index} ({cls.__qualname__}) cannot be mirrored: LBFGS re-evaluates the whole "

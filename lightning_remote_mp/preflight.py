@@ -38,7 +38,14 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_remote_mp import protocol
 from lightning_remote_mp.errors import SpecError
-from lightning_remote_mp.spec import LayerEntry, SpecSequential, build_layer, call_layer, nested_class_paths
+from lightning_remote_mp.spec import (
+    LayerEntry,
+    SpecSequential,
+    build_layer,
+    call_layer,
+    nested_class_paths,
+    refuse_main,
+)
 
 log = logging.getLogger(__name__)
 
@@ -70,12 +77,7 @@ def preflight(module: SpecSequential) -> Preflight:
 
 def _check_importable(index: int, entry: LayerEntry) -> None:
     for path in [entry.path, *nested_class_paths(entry.kwargs)]:
-        if path.startswith("__main__."):
-            raise SpecError(
-                f"layer {index} ({entry.name}) uses {path.removeprefix('__main__.')}, defined in __main__, which "
-                "a worker cannot import; move it into a module next to your script and, on remote workers, "
-                "allow that module with --allow-module"
-            )
+        refuse_main(path, f"layer {index} ({entry.name})")
 
 
 def _check_kwargs_travel(index: int, entry: LayerEntry) -> None:

@@ -57,7 +57,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_remote_mp.errors import RefusedClassError, SpecError
+from lightning_remote_mp.errors import LrmpError, RefusedClassError, SpecError
 
 Shape = tuple[int, ...]
 LayerRef = type[nn.Module] | str
@@ -423,6 +423,22 @@ def _construct(value: Mapping[str, Any], allowed: Sequence[str] | None, where: s
         raise
     except Exception as err:
         raise SpecError(f"{where}: building {path} with {dict(kwargs)} failed: {err}") from err
+
+
+def refuse_main(path: str, what: str, error: type[LrmpError] = SpecError) -> None:
+    """Refuse the class at ``path`` if it is defined in ``__main__`` (the user's script): no worker
+    can import it. ``what`` names the user of the class in the message.
+
+    >>> refuse_main("__main__.Block", "layer 3 (Block)")
+    Traceback (most recent call last):
+    ...
+    lightning_remote_mp.errors.SpecError: layer 3 (Block) uses Block, defined in __main__, which a worker ...
+    """
+    if path.startswith("__main__."):
+        raise error(
+            f"{what} uses {path.removeprefix('__main__.')}, defined in __main__, which a worker cannot import; "
+            "move it into a module next to your script and, on remote workers, allow that module with --allow-module"
+        )
 
 
 def nested_class_paths(value: Any) -> list[str]:
