@@ -79,7 +79,7 @@ def _placed_module_state(module: SpecSequential, stage: partition.Stage) -> dict
 def _meta_stage_state(module: SpecSequential, stage: partition.Stage) -> dict[str, torch.Tensor] | None:
     """Weights loaded into a meta module before placement (a checkpoint), or None: the workers then
     initialise the stage from the module's seed."""
-    pending = module._pending_state
+    pending = module.pending_state
     if not pending:
         return None
     mine = {k: v for k, v in pending.items() if int(k.partition(".")[0]) in stage.layer_indices}
@@ -153,7 +153,7 @@ class _Placement:
     def detach(self) -> None:
         for h in self.hooks:
             h.remove()
-        self.module._remote = None
+        self.module.detach()
 
 
 class DriverSession:
@@ -466,7 +466,7 @@ class DriverSession:
                     f"at most {cap} per stage; start it with a larger --max-layers or balance differently"
                 )
         meta = module.is_meta
-        if meta and not module._pending_state and module._weights_left_on_workers:
+        if meta and not module.pending_state and module.weights_left_on_workers:
             raise SpecError(
                 f"{what} lives on the meta device and was trained by an earlier run whose workers held its only "
                 "weights; starting again from its seed would silently drop that training. Pass ckpt_path= "
@@ -516,7 +516,6 @@ class DriverSession:
                 ) from None
         for conn, i in zip((row[stage.index] for row in self.grid for stage in stages), ids):
             conn.recv(i, what="setup", bounded=False)
-        module._pending_state = {}
         remote = RemoteSpec(
             key,
             [[RemoteStage(key, s, row[s.index]) for s in stages] for row in self.grid],
@@ -525,7 +524,7 @@ class DriverSession:
             checkpoint=checkpoint,
             batched=module.batched,
         )
-        module._remote = remote
+        module.attach(remote)
         self.placements[key] = _Placement(key, module, remote)
 
     def placed_stages(self, key: str) -> list[list[RemoteStage]]:
@@ -586,8 +585,7 @@ class DriverSession:
         self.mirrors.clear()
         for key, pl in list(self.placements.items()):
             try:
-                if pl.meta:
-                    pl.module._weights_left_on_workers = True
+                if pl.meta:  # detach() below records that the weights were only on the workers
                     log.info(
                         "SpecSequential %r lives on the meta device here: its trained weights were only on "
                         "the workers (and in the checkpoints written during the run)",

@@ -641,6 +641,36 @@ class SpecSequential(nn.Module):
     def is_remote(self) -> bool:
         return self._remote is not None
 
+    # --- the remote life cycle (the driver session calls these) --------------------------------------
+    @property
+    def remote(self) -> Any:
+        """What runs the layers while they live on workers (a `lightning_remote_mp.pipeline.RemoteSpec`),
+        else ``None``."""
+        return self._remote
+
+    @property
+    def pending_state(self) -> dict[str, torch.Tensor]:
+        """Weights loaded into this meta module (a checkpoint) that wait for its placement, by
+        ``"<layer index>.<name>"``; empty when there are none."""
+        return self._pending_state
+
+    @property
+    def weights_left_on_workers(self) -> bool:
+        """A meta module whose trained weights only an earlier run's workers had."""
+        return self._weights_left_on_workers
+
+    def attach(self, remote: Any) -> None:
+        """From now on ``forward`` runs on the workers through ``remote``; the weights waiting for
+        placement have gone to them."""
+        self._remote = remote
+        self._pending_state = {}
+
+    def detach(self) -> None:
+        """Run locally again. A meta module keeps no weights here: its trained ones were only on the workers."""
+        if self._remote is not None and self.is_meta:
+            self._weights_left_on_workers = True
+        self._remote = None
+
     @property
     def is_meta(self) -> bool:
         """Whether the layers have no weights here (built on the meta device)."""

@@ -876,7 +876,7 @@ class TracedForward:
                 self.traced = traced
         interface: _Call = self.traced.interface  # type: ignore[attr-defined]
         inputs = interface.inputs(args, kwargs)
-        remote = self.traced._remote
+        remote = self.traced.remote
         if remote is None:
             return interface.outputs(list(_as_tuple(self.traced.run_locally(*inputs))))
         return interface.outputs(list(remote(inputs)))
