@@ -14,6 +14,7 @@ import random
 import re
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -598,6 +599,36 @@ def test_a_one_thread_worker_computes_on_one_thread(worker):
     used = sorted((after[t] - before.get(t, 0) for t in after), reverse=True)
     # The serving thread computes; every other thread (ZeroMQ's I/O) uses a fraction of its CPU.
     assert used[0] > 0 and used[1] < used[0] / 2, f"CPU ticks by thread: {used}"
+
+
+def test_heartbeats_and_other_drivers_are_answered_while_a_layer_runs(worker, connect):
+    """One thread serves requests; while one runs longer than a moment, the main thread takes over
+    the socket: a ping is answered at once, as computing, and another driver hears why it waits."""
+    net = SpecSequential([("lrmp_testlayers.SlowIdentity", {"seconds": 2.0}, (2, 3))])
+    session = DriverSession([worker.address], connect_timeout=REPLY_TIMEOUT)
+    outputs: list[torch.Tensor] = []
+    try:
+        session.place("net", net)
+        running = threading.Thread(target=lambda: outputs.append(net(torch.ones(2, 3))))
+        running.start()
+        time.sleep(0.5)  # the layer sleeps for 2 s from now on
+        pinger = Client(worker.address, session=session.id)
+        try:
+            for _ in range(3):
+                start = time.monotonic()
+                reply = pinger.request(protocol.PING)
+                assert time.monotonic() - start < 0.5, "a ping waited for the running layer"
+                assert reply.body == {"session_alive": True, "busy": True}
+        finally:
+            pinger.sock.close(0)
+        other = connect(worker.address)
+        start = time.monotonic()
+        assert "computing now" in other.error(protocol.HELLO, {"driver": "other"})["message"]
+        assert time.monotonic() - start < 0.5
+        running.join(timeout=10)
+        assert not running.is_alive() and torch.equal(outputs[0], torch.ones(2, 3))
+    finally:
+        session.close()
 
 
 def test_a_new_session_starts_empty(worker, connect):
