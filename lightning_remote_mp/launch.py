@@ -39,7 +39,7 @@ class WorkerOutput:
     Up to the ready line it is watched for the bound address; after it, every line goes to this
     process's stderr, prefixed like ``[lrmp-worker 0 127.0.0.1:40101] ``. Someone must keep reading:
     once the pipe's buffer (64 KiB on Linux) is full, a worker's next ``print`` blocks forever, while
-    its I/O thread still answers heartbeats, so the driver would wait forever too. The relay therefore
+    its main thread still answers heartbeats, so the driver would wait forever too. The relay therefore
     keeps draining even when writing to this process's stderr fails.
 
     Args:

@@ -509,7 +509,7 @@ class Connection:
                     "Is the worker process still running and reachable?"
                 )
         elif not self._heard and self._tcp_connected_at is not None:
-            # A worker answers HELLO from its I/O thread at once: a TCP connection that stays silent
+            # A worker answers HELLO at once, even while it computes: a TCP connection that stays silent
             # is a hung (stopped) process, or something else listening on that port.
             silent = time.monotonic() - self._tcp_connected_at
             if silent > self.heartbeat_timeout:
