@@ -66,6 +66,16 @@ def _flags(what: str, body: dict[str, Any]) -> dict[str, Any]:
     return value
 
 
+def _autocast(what: str, body: dict[str, Any]) -> dict[str, Any] | None:
+    """``{"enabled": bool, "dtype": a torch dtype or None}``, or ``None``."""
+    value = _field(what, body, "autocast", dict, None)
+    if value is not None and not (
+        type(value.get("enabled")) is bool and (value.get("dtype") is None or isinstance(value["dtype"], torch.dtype))
+    ):
+        raise ProtocolError(f"{what} message: 'autocast' must be {{'enabled': bool, 'dtype': a torch dtype}}")
+    return value
+
+
 @dataclasses.dataclass(frozen=True)
 class Forward:
     """One micro-batch's forward input to a stage (or a stage's output, to the next or the driver).
@@ -134,7 +144,7 @@ class Forward:
             vars=_tensors(what, body, "vars"),
             requires_grad=_flags(what, body),
             grad=body.get("grad") is True,
-            autocast=body["autocast"] if isinstance(body.get("autocast"), dict) else None,
+            autocast=_autocast(what, body),
             modes=modes if isinstance(modes, (bool, list)) else None,
             checkpoint=body.get("checkpoint") is True,
             sent_at=body["sent_at"] if isinstance(body.get("sent_at"), float) else None,

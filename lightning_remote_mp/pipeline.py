@@ -167,9 +167,11 @@ class RemoteSpec:
             if conn.lost_reason is None and not conn.closed:
                 conn.send(protocol.RELEASE, {"calls": {self.key: [call]}})
 
-    def _collect(self, kind: str, end: int, call: int, count: int, what: str) -> dict[tuple[int, int], Any]:
+    def _collect(self, kind: str, end: int, call: int, sizes: list[list[int]], what: str) -> dict[tuple[int, int], Any]:
         """Gather ``count`` messages of ``kind`` (RESULT: `Forward`; DONE: `Backward`) for ``call``
-        from each replica's stage ``end`` (0 or -1), keyed by (replica, micro-batch)."""
+        from each replica's stage ``end`` (0 or -1), one per micro-batch of ``sizes`` (per replica),
+        keyed by (replica, micro-batch)."""
+        count = sum(map(len, sizes))
         replica_of = {id(row[end].conn): r for r, row in enumerate(self.replicas)}
         got = gather(
             self.conns,
@@ -181,13 +183,18 @@ class RemoteSpec:
             what=what,
         )
         parse = Forward.from_body if kind == protocol.RESULT else Backward.from_body
-        out = {}
+        out: dict[tuple[int, int], Any] = {}
         for c, m in got:
             try:
                 msg = parse(m.body)
+                r = replica_of[id(c)]
+                if (r, msg.mb) in out or not 0 <= msg.mb < len(sizes[r]):
+                    raise ProtocolError(f"micro-batch {msg.mb} of call {call} is unexpected or came twice")
+                if kind == protocol.RESULT and msg.x is None:
+                    raise ProtocolError(f"the result of micro-batch {msg.mb} carries no output")
             except ProtocolError as err:
                 raise ProtocolError(f"{c.where()}: {err}") from None
-            out[(replica_of[id(c)], msg.mb)] = msg
+            out[(r, msg.mb)] = msg
         return out
 
     def _settle(self, what: str) -> None:
@@ -229,7 +236,7 @@ class RemoteSpec:
                             checkpoint=grad and self._recomputed(mb, len(row)),
                         ).body(),
                     )
-            results = self._collect(protocol.RESULT, -1, call, sum(map(len, sizes)), "forward")
+            results = self._collect(protocol.RESULT, -1, call, sizes, "forward")
         except BaseException:
             self._abandon(call)
             raise
@@ -305,7 +312,7 @@ class RemoteSpec:
                         protocol.BACKWARD,
                         Backward(key=self.key, call=call, mb=mb, sender=DRIVER, grad_out=next(grads)).body(),
                     )
-            done = self._collect(protocol.DONE, 0, call, len(flat), "backward")
+            done = self._collect(protocol.DONE, 0, call, record.sizes, "backward")
         except BaseException:
             self._abandon(call)
             raise

@@ -67,6 +67,7 @@ class Kind(str, enum.Enum):
     ERROR = "error"
 
     __str__ = str.__str__
+    __repr__ = str.__repr__
     __format__ = str.__format__
     __hash__ = str.__hash__
 
@@ -89,8 +90,9 @@ def version_mismatch(other: str, other_version: Any, other_lrmp: Any, this: str)
     """
     from lightning_remote_mp import __version__
 
+    other_lrmp = other_lrmp[:40] if isinstance(other_lrmp, str) else "?"  # sent by anyone: no str() of it
     return (
-        f"{other} speaks lrmp wire protocol version {other_version!r:.20} (lrmp {str(other_lrmp)[:40]}); "
+        f"{other} speaks lrmp wire protocol version {other_version!r:.20} (lrmp {other_lrmp}); "
         f"{this} speaks version {PROTOCOL_VERSION} (lrmp {__version__}): install the same lightning_remote_mp "
         "version on the driver and every worker"
     )

@@ -69,6 +69,8 @@ GOOD = {"key": "net", "call": 1, "mb": 0, "from": 0, "x": torch.ones(1)}
         ({"vars": {"a": 3}}, "'vars' must map names to tensors"),
         ({"vars": [torch.ones(1)]}, "field 'vars' must be a dict"),
         ({"requires_grad": {"x": "yes"}}, "'requires_grad' must map names to bools"),
+        ({"autocast": {"enabled": True, "dtype": "float16"}}, "'autocast' must be"),
+        ({"autocast": {"enabled": 1, "dtype": None}}, "'autocast' must be"),
     ],
 )
 def test_a_malformed_forward_is_refused_naming_the_field(change, match):

@@ -473,14 +473,14 @@ class WorkerServer:
             frames = protocol.encode(protocol.ERROR, req_id, "", error_body(err))
         self.sock.send_multipart([peer, *frames], copy=False)
 
-    def _refuse(self, peer: bytes, req_id: int, kind: str | BaseException, message: str = "", **extra: Any) -> None:
+    def _refuse(self, peer: bytes, req_id: int, error: str | BaseException, message: str = "", **extra: Any) -> None:
         """Answer a request this worker will not run with an ERROR naming why: an exception (its
         class and message, no traceback: the sender may be anyone), or an error type and message."""
-        if isinstance(kind, BaseException):
-            body = error_body(kind, trace=False)
+        if isinstance(error, BaseException):
+            body = error_body(error, trace=False)
         else:
-            body = {"type": kind, "message": message}
-        self._reply(peer, protocol.ERROR, req_id, {**body, **extra})
+            body = {"type": error, "message": message}
+        self._reply(peer, protocol.ERROR, req_id, {**extra, **body})
 
     def _versions(self) -> dict[str, Any]:
         return {"protocol": protocol.PROTOCOL_VERSION, "lrmp": __version__, "torch": torch.__version__}
