@@ -77,13 +77,45 @@ def _autocast(what: str, body: dict[str, Any]) -> dict[str, Any] | None:
 
 
 @dataclasses.dataclass(frozen=True)
-class Forward:
-    """One micro-batch's forward input to a stage (or a stage's output, to the next or the driver).
+class _Pipelined:
+    """What every pipelined message carries: whose micro-batch it is and who sent it.
 
     Attributes:
         key: the SpecSequential's name (which stage of this worker).
         call: the driver's forward call; ``mb``: the micro-batch within it.
         sender: the sending stage's number, or `DRIVER`.
+        sent_at: when it was sent (wall clock), while a timeline records.
+    """
+
+    key: str
+    call: int
+    mb: int
+    sender: int
+    sent_at: float | None = None
+
+    def _header(self) -> dict[str, Any]:
+        return {"key": self.key, "call": self.call, "mb": self.mb, "from": self.sender, "sent_at": self.sent_at}
+
+    @staticmethod
+    def _checked_header(what: str, body: Any) -> dict[str, Any]:
+        """The header fields of a received ``body``, as constructor arguments; raises `ProtocolError`."""
+        if not isinstance(body, dict):
+            raise ProtocolError(f"{what} message: the body must be a dict")
+        return {
+            "key": _field(what, body, "key", str),
+            "call": _field(what, body, "call", int),
+            "mb": _field(what, body, "mb", int),
+            "sender": _field(what, body, "from", int),
+            "sent_at": body["sent_at"] if isinstance(body.get("sent_at"), float) else None,
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class Forward(_Pipelined):
+    """One micro-batch's forward input to a stage (or a stage's output, to the next or the driver).
+
+    Attributes:
+        key, call, mb, sender, sent_at: see `_Pipelined`.
         x: the main value (a tensor, or a tuple of tensors for a traced model), for the next stage
             only; ``None`` in a message that carries only residual variables.
         vars: the residual variables this receiver imports from the sender.
@@ -92,13 +124,8 @@ class Forward:
         autocast: the driver's autocast state (``{"enabled", "dtype"}``), or ``None``.
         modes: the driver-side layers' train/eval flags (`lightning_remote_mp.spec.Modes`).
         checkpoint: recompute this micro-batch's forward at backward.
-        sent_at: when it was sent (wall clock), while a timeline records.
     """
 
-    key: str
-    call: int
-    mb: int
-    sender: int
     x: Any = None
     vars: dict[str, Any] = dataclasses.field(default_factory=dict)
     requires_grad: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -106,15 +133,11 @@ class Forward:
     autocast: dict[str, Any] | None = None
     modes: bool | list[Any] | None = None
     checkpoint: bool = False
-    sent_at: float | None = None
 
     def body(self) -> dict[str, Any]:
         """The message body, as `protocol.encode` sends it."""
         return {
-            "key": self.key,
-            "call": self.call,
-            "mb": self.mb,
-            "from": self.sender,
+            **self._header(),
             "x": self.x,
             "vars": self.vars,
             "requires_grad": self.requires_grad,
@@ -122,24 +145,19 @@ class Forward:
             "autocast": self.autocast,
             "modes": self.modes,
             "checkpoint": self.checkpoint,
-            "sent_at": self.sent_at,
         }
 
     @classmethod
     def from_body(cls, body: Any) -> Forward:
         """A received body, checked; raises `ProtocolError` if it is malformed."""
         what = "forward"
-        if not isinstance(body, dict):
-            raise ProtocolError(f"{what} message: the body must be a dict")
+        header = cls._checked_header(what, body)
         x = body.get("x")
         if x is not None and not is_main(x):
             raise ProtocolError(f"{what} message: 'x' must be a tensor or a tuple of tensors")
         modes = body.get("modes")
         return cls(
-            key=_field(what, body, "key", str),
-            call=_field(what, body, "call", int),
-            mb=_field(what, body, "mb", int),
-            sender=_field(what, body, "from", int),
+            **header,
             x=x,
             vars=_tensors(what, body, "vars"),
             requires_grad=_flags(what, body),
@@ -147,60 +165,36 @@ class Forward:
             autocast=_autocast(what, body),
             modes=modes if isinstance(modes, (bool, list)) else None,
             checkpoint=body.get("checkpoint") is True,
-            sent_at=body["sent_at"] if isinstance(body.get("sent_at"), float) else None,
         )
 
 
 @dataclasses.dataclass(frozen=True)
-class Backward:
+class Backward(_Pipelined):
     """One micro-batch's gradients, from a stage's consumers back to it (and from stage 0 to the driver).
 
     Attributes:
-        key, call, mb, sender: as in `Forward`.
+        key, call, mb, sender, sent_at: see `_Pipelined`.
         grad_out: the gradient of the main value the sender received from this stage (``None``
             when it needs none; a tuple for a traced model's tuple).
         grads: the gradients of the residual variables the sender imported from this stage.
-        sent_at: when it was sent (wall clock), while a timeline records.
     """
 
-    key: str
-    call: int
-    mb: int
-    sender: int
     grad_out: Any = None
     grads: dict[str, Any] = dataclasses.field(default_factory=dict)
-    sent_at: float | None = None
 
     def body(self) -> dict[str, Any]:
         """The message body, as `protocol.encode` sends it."""
-        return {
-            "key": self.key,
-            "call": self.call,
-            "mb": self.mb,
-            "from": self.sender,
-            "grad_out": self.grad_out,
-            "grads": self.grads,
-            "sent_at": self.sent_at,
-        }
+        return {**self._header(), "grad_out": self.grad_out, "grads": self.grads}
 
     @classmethod
     def from_body(cls, body: Any) -> Backward:
         """A received body, checked; raises `ProtocolError` if it is malformed."""
         what = "backward"
-        if not isinstance(body, dict):
-            raise ProtocolError(f"{what} message: the body must be a dict")
+        header = cls._checked_header(what, body)
         grad_out = body.get("grad_out")
         if grad_out is not None and not (
             isinstance(grad_out, torch.Tensor)
             or (isinstance(grad_out, tuple) and all(g is None or isinstance(g, torch.Tensor) for g in grad_out))
         ):
             raise ProtocolError(f"{what} message: 'grad_out' must be a tensor, a tuple of tensors or None")
-        return cls(
-            key=_field(what, body, "key", str),
-            call=_field(what, body, "call", int),
-            mb=_field(what, body, "mb", int),
-            sender=_field(what, body, "from", int),
-            grad_out=grad_out,
-            grads=_tensors(what, body, "grads"),
-            sent_at=body["sent_at"] if isinstance(body.get("sent_at"), float) else None,
-        )
+        return cls(**header, grad_out=grad_out, grads=_tensors(what, body, "grads"))
