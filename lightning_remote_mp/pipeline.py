@@ -168,8 +168,8 @@ class RemoteSpec:
                 conn.send(protocol.RELEASE, {"calls": {self.key: [call]}})
 
     def _collect(self, kind: str, end: int, call: int, sizes: list[list[int]], what: str) -> dict[tuple[int, int], Any]:
-        """Gather ``count`` messages of ``kind`` (RESULT: `Forward`; DONE: `Backward`) for ``call``
-        from each replica's stage ``end`` (0 or -1), one per micro-batch of ``sizes`` (per replica),
+        """Gather the messages of ``kind`` (RESULT: `Forward`; DONE: `Backward`) for ``call`` from each
+        replica's stage ``end`` (0 or -1), one per micro-batch of ``sizes`` (per replica),
         keyed by (replica, micro-batch)."""
         count = sum(map(len, sizes))
         replica_of = {id(row[end].conn): r for r, row in enumerate(self.replicas)}

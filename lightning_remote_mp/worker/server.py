@@ -370,6 +370,12 @@ class WorkerServer:
         poller.register(self._main_rx, zmq.POLLIN)
         if signals is not None:
             poller.register(signals.fileno(), zmq.POLLIN)  # the poll reports it by that number
+        # The same, and the socket with its monitor: polled only while this thread holds them.
+        standing_in = zmq.Poller()
+        for sock, _ in poller.sockets:
+            standing_in.register(sock, zmq.POLLIN)
+        standing_in.register(self.sock, zmq.POLLIN)
+        standing_in.register(self._monitor, zmq.POLLIN)
         while not self._stop.is_set():
             if not serving.is_alive():
                 log.critical("the serving thread ended; stopping this worker")
@@ -377,7 +383,7 @@ class WorkerServer:
                 break
             busy_since = self._busy_since
             if busy_since is not None and time.monotonic() - busy_since > STAND_IN_AFTER:
-                self._stand_in(poller)
+                self._stand_in(standing_in)
                 busy_since = self._busy_since
             # Wake when a running request reaches the stand-in time; otherwise check five times a
             # second whether one started (the serving thread does not signal each request).
@@ -390,18 +396,14 @@ class WorkerServer:
                 elif sock is self._main_rx:
                     self._main_rx.recv()
 
-    def _stand_in(self, wakeups: zmq.Poller) -> None:
+    def _stand_in(self, poller: zmq.Poller) -> None:
         """Serve the socket until the running request returns: answer heartbeats and drivers, queue
-        everything else for the serving thread."""
+        everything else for the serving thread. ``poller`` watches the socket, its monitor and this
+        thread's wake-ups."""
         if not self._io.acquire(blocking=False):
             return  # the serving thread is sending (a pipelined result): try again soon
         try:
             self._standing_in = True
-            poller = zmq.Poller()
-            for sock, _ in wakeups.sockets:
-                poller.register(sock, zmq.POLLIN)
-            poller.register(self.sock, zmq.POLLIN)
-            poller.register(self._monitor, zmq.POLLIN)
             while not self._stop.is_set() and not self._want_io and self._busy_since is not None:
                 ready = dict(poller.poll(self._poll_timeout(STAND_IN_AFTER)))
                 self._on_ready(ready, self._main_rx)
