@@ -43,6 +43,7 @@ from lightning_remote_mp.keys import KeyPair
 from lightning_remote_mp.optim import OptimizerMirror
 from lightning_remote_mp.pipeline import RemoteSpec, RemoteStage, check_checkpoint_mode
 from lightning_remote_mp.preflight import Preflight, preflight
+from lightning_remote_mp.requests import GetState, GroupInit, LoadState, Profile, Setup
 from lightning_remote_mp.spec import (
     DEFAULT_ALLOWED_PREFIXES,
     SpecSequential,
@@ -130,7 +131,8 @@ class _Placement:
     def fetch(self) -> dict[str, torch.Tensor]:
         """The workers' weights and buffers, named ``"<layer index>.<name>"``."""
         out: dict[str, torch.Tensor] = {}
-        for reply in broadcast([rs.conn for rs in self.remote.stages], protocol.GET_STATE, bounded=False):  # replica 0
+        conns = [rs.conn for rs in self.remote.stages]  # replica 0
+        for reply in broadcast(conns, protocol.GET_STATE, GetState().body(), bounded=False):
             out.update(reply.get(self.key, {}))
         return out
 
@@ -147,7 +149,7 @@ class _Placement:
         for rs in (rs for row in self.remote.replicas for rs in row):
             mine = {k: v for k, v in state.items() if int(k.partition(".")[0]) in rs.stage.layer_indices}
             if mine:
-                requests.append((rs.conn, protocol.LOAD_STATE, {"state": {self.key: mine}}))
+                requests.append((rs.conn, protocol.LOAD_STATE, LoadState({self.key: mine}).body()))
         request_all(requests, bounded=False)
 
     def detach(self) -> None:
@@ -278,17 +280,16 @@ class DriverSession:
             column = [row[s] for row in self.grid]
             cuda = all(str(infos[c.address].get("device", "cpu")).startswith("cuda") for c in column)
             for r, conn in enumerate(column):
-                body = {
-                    "op": "init",
-                    "host": host,
-                    "port": self._store.port,
-                    "prefix": f"{self.id}/stage{s}",
-                    "rank": r,
-                    "world": self.replicas,
-                    "backend": "nccl" if cuda else "gloo",
-                    "timeout": float(timeout),
-                }
-                requests.append((conn, protocol.GROUP, body))
+                join = GroupInit(
+                    host=host,
+                    port=self._store.port,
+                    prefix=f"{self.id}/stage{s}",
+                    rank=r,
+                    world=self.replicas,
+                    backend="nccl" if cuda else "gloo",
+                    timeout=float(timeout),
+                )
+                requests.append((conn, protocol.GROUP, join.body()))
         request_all(requests, what="replica group set-up")
         log.info(
             "%d replicas of %d stages: gradients are all-reduced per stage through torch.distributed",
@@ -383,7 +384,7 @@ class DriverSession:
             )
         elif balance == "time":
             entries = [e.to_wire() for e in module.entries]
-            replies = broadcast(self.grid[0], protocol.PROFILE, {"entries": entries}, bounded=False)
+            replies = broadcast(self.grid[0], protocol.PROFILE, Profile(entries).body(), bounded=False)
             times = [r["seconds"] for r in replies]
             counts = partition.split_min_max(times)
             predicted = partition.stage_loads(counts, times)
@@ -478,36 +479,36 @@ class DriverSession:
         for r, row, stage in ((r, row, stage) for r, row in enumerate(self.grid) for stage in stages):
             conn = row[stage.index]
             entries = [module.entries[i].to_wire() for i in stage.layer_indices]
-            body = {
-                "key": key,
-                "stage": stage.index,
-                "start": stage.start,
-                "entries": entries,
-                "exports": list(stage.exports),
-                "sources": [[k, list(v)] for k, v in stage.sources],
-                "targets": [[k, list(v)] for k, v in stage.targets],
-                "peers": {k: row[k].address for k, _ in (*stage.sources, *stage.targets) if k != partition.DRIVER},
+            setup = Setup(
+                key=key,
+                stage=stage.index,
+                start=stage.start,
+                entries=entries,
+                exports=stage.exports,
+                sources=stage.sources,
+                targets=stage.targets,
+                peers={k: row[k].address for k, _ in (*stage.sources, *stage.targets) if k != partition.DRIVER},
                 # With CURVE, the keys of those peers: this worker checks them when it connects to one,
                 # and lets them connect to it for this session's forward and backward messages.
-                "peer_keys": {
+                peer_keys={
                     k: self.worker_keys[row[k].address].decode("ascii")
                     for k, _ in (*stage.sources, *stage.targets)
                     if k != partition.DRIVER and self.worker_keys is not None
                 },
-                "state": _meta_stage_state(module, stage) if meta else _placed_module_state(module, stage),
-                "init_seed": module.init_seed,
-                "split_backward": split_backward,
-                "code_digests": {n: d for n, d in digests.items() if d is not None},
-                "seed": (self.seed + 1_000_003 * (r * self.num_stages + stage.index)) % 2**62,
-                "frozen": [
+                state=_meta_stage_state(module, stage) if meta else _placed_module_state(module, stage),
+                init_seed=module.init_seed,
+                split_backward=split_backward,
+                code_digests={n: d for n, d in digests.items() if d is not None},
+                seed=(self.seed + 1_000_003 * (r * self.num_stages + stage.index)) % 2**62,
+                frozen=[
                     f"{i}.{name}"
                     for i in stage.layer_indices
                     for name, p in module.layers[i].named_parameters()
                     if not p.requires_grad
                 ],
-            }
+            )
             try:
-                ids.append(conn.send(protocol.SETUP, body))
+                ids.append(conn.send(protocol.SETUP, setup.body()))
             except protocol.LimitExceeded:
                 raise
             except protocol.ProtocolError as err:

@@ -58,6 +58,17 @@ import torch
 
 from lightning_remote_mp import protocol
 from lightning_remote_mp.errors import LrmpError
+from lightning_remote_mp.requests import (
+    GetOptimState,
+    GradAllreduce,
+    GradClamp,
+    GradNorms,
+    GradScale,
+    LoadOptimState,
+    OptimCreate,
+    OptimStep,
+    ZeroGrad,
+)
 from lightning_remote_mp.spec import layer_path, refuse_main
 from lightning_remote_mp.transport import Connection, broadcast, post_all, request_all
 
@@ -149,10 +160,7 @@ class OptimizerMirror:
                 for g in self.optimizer.param_groups
             ]
             try:
-                conn.request(
-                    protocol.OPTIM_CREATE,
-                    {"index": self.index, "cls": layer_path(cls), "defaults": defaults, "groups": groups},
-                )
+                conn.request(protocol.OPTIM_CREATE, OptimCreate(self.index, layer_path(cls), defaults, groups).body())
             except protocol.ProtocolError as err:
                 raise LrmpError(
                     f"optimizer {self.index} ({cls.__qualname__}) cannot be mirrored on {conn.where()}: {err}"
@@ -182,7 +190,7 @@ class OptimizerMirror:
         each replica saw a share of the batch, and the sum is the whole batch's gradient."""
         version = self.grads_version()
         if self.replicated and version != self._synced_version:
-            replies = broadcast(self.conns, protocol.GRADS, {"index": self.index, "op": "allreduce"})
+            replies = broadcast(self.conns, protocol.GRADS, GradAllreduce(self.index).body())
             primary = {id(c) for c in self.primary}
             self.allreduced_bytes += sum(r["bytes"] for c, r in zip(self.conns, replies) if id(c) in primary)
         self._synced_version = version
@@ -193,11 +201,11 @@ class OptimizerMirror:
         # Not awaited: Lightning's loop goes on (hooks, logging, the next batch) while the workers
         # step; the next forward or backward waits for the replies first (RemoteSpec._settle).
         for c in self.conns:
-            c.post(protocol.OPTIM_STEP, {"index": self.index, "hparams": hparams})
+            c.post(protocol.OPTIM_STEP, OptimStep(self.index, hparams).body())
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for c in self.conns:
-            c.post(protocol.ZERO_GRAD, {"index": self.index, "set_to_none": set_to_none})
+            c.post(protocol.ZERO_GRAD, ZeroGrad(self.index, bool(set_to_none)).body())
         self.cls.zero_grad(self.optimizer, set_to_none=set_to_none)
 
     # --- gradients across stages ----------------------------------------------------
@@ -215,16 +223,14 @@ class OptimizerMirror:
         local = self.local_grads()
         norms = [torch.linalg.vector_norm(g, norm_type) for g in local]
         device = local[0].device if local else torch.device("cpu")
-        for reply in broadcast(
-            self.primary, protocol.GRADS, {"index": self.index, "op": "norms", "norm_type": norm_type}
-        ):
+        for reply in broadcast(self.primary, protocol.GRADS, GradNorms(self.index, norm_type).body()):
             norms.extend(reply["norms"].to(device).unbind())
         if not norms:
             return torch.tensor(0.0)
         total = torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]), norm_type)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         scaling = post_all(
-            ((c, protocol.GRADS, {"index": self.index, "op": "scale", "coef": coef}) for c in self.conns),
+            ((c, protocol.GRADS, GradScale(self.index, coef).body()) for c in self.conns),
             what="gradient clipping",
         )
         if local:
@@ -236,7 +242,7 @@ class OptimizerMirror:
         """``torch.nn.utils.clip_grad_value_`` over the optimizer's parameters, wherever they live."""
         self.sync_grads()
         clamping = post_all(
-            ((c, protocol.GRADS, {"index": self.index, "op": "clamp", "value": float(value)}) for c in self.conns),
+            ((c, protocol.GRADS, GradClamp(self.index, float(value)).body()) for c in self.conns),
             what="gradient clipping",
         )
         torch.nn.utils.clip_grad_value_(
@@ -267,7 +273,7 @@ class OptimizerMirror:
 
     def _remote_state(self) -> dict[str, Any]:
         """The workers' optimizer state, by remote parameter name (replica 0's: every replica holds the same)."""
-        replies = broadcast(self.primary, protocol.GET_OPTIM_STATE, {"index": self.index})
+        replies = broadcast(self.primary, protocol.GET_OPTIM_STATE, GetOptimState(self.index).body())
         return {name: param_state for reply in replies for name, param_state in reply["state"].items()}
 
     def _push_state(self, state: Mapping[str, Any]) -> None:
@@ -277,7 +283,9 @@ class OptimizerMirror:
             if name in state:
                 for conn in conns:
                     per_conn[id(conn)][name] = dict(state[name])
-        request_all((c, protocol.LOAD_OPTIM_STATE, {"index": self.index, "state": per_conn[id(c)]}) for c in self.conns)
+        request_all(
+            (c, protocol.LOAD_OPTIM_STATE, LoadOptimState(self.index, per_conn[id(c)]).body()) for c in self.conns
+        )
 
     def _load_state_dict_pre(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
         # Keep the remote share as it arrives: loading casts state to each parameter's device, and a

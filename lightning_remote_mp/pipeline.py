@@ -27,6 +27,7 @@ from lightning_remote_mp import protocol
 from lightning_remote_mp.errors import ConfigurationError, ProtocolError, RemoteInputError
 from lightning_remote_mp.messages import DRIVER, Backward, Forward
 from lightning_remote_mp.partition import Stage
+from lightning_remote_mp.requests import Release
 from lightning_remote_mp.spec import Main, is_floating, is_main
 from lightning_remote_mp.transport import Connection, broadcast, gather
 
@@ -158,14 +159,14 @@ class RemoteSpec:
             if self._calls.pop(call, None) is not None:
                 calls.append(call)
         if calls:
-            broadcast(self.conns, protocol.RELEASE, {"calls": {self.key: calls}})
+            broadcast(self.conns, protocol.RELEASE, Release({self.key: calls}).body())
 
     def _abandon(self, call: int) -> None:
         """After a failure mid-call, let the workers drop what they hold for it (best effort)."""
         self._calls.pop(call, None)
         for conn in self.conns:
             if conn.lost_reason is None and not conn.closed:
-                conn.send(protocol.RELEASE, {"calls": {self.key: [call]}})
+                conn.send(protocol.RELEASE, Release({self.key: [call]}).body())
 
     def _collect(self, kind: str, end: int, call: int, sizes: list[list[int]], what: str) -> dict[tuple[int, int], Any]:
         """Gather the messages of ``kind`` (RESULT: `Forward`; DONE: `Backward`) for ``call`` from each

@@ -24,6 +24,7 @@ import lightning.pytorch as pl
 
 from lightning_remote_mp import protocol
 from lightning_remote_mp.pipeline import RemoteStage
+from lightning_remote_mp.requests import Timeline
 from lightning_remote_mp.transport import Connection, broadcast
 
 log = logging.getLogger(__name__)
@@ -34,7 +35,7 @@ def clock_offset(conn: Connection, rounds: int = 5) -> float:
     best = (float("inf"), 0.0)
     for _ in range(rounds):
         t0 = time.time()
-        worker_time = conn.request(protocol.TIMELINE, {"op": "clock"})["time"]
+        worker_time = conn.request(protocol.TIMELINE, Timeline("clock").body())["time"]
         t1 = time.time()
         best = min(best, (t1 - t0, worker_time - (t0 + t1) / 2))
     return best[1]
@@ -74,7 +75,7 @@ class TimelineCallback(pl.Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         conns = self._conns()
         self._offsets = {c.address: clock_offset(c) for c in conns}
-        broadcast(conns, protocol.TIMELINE, {"op": "start"})
+        broadcast(conns, protocol.TIMELINE, Timeline("start").body())
         self._meta(0, "driver")
         self._add_rows()
 
@@ -129,7 +130,7 @@ class TimelineCallback(pl.Callback):
         self._add_rows()
         conns = self._conns()
         spans: list[tuple[Any, float, float]] = []
-        for conn, reply in zip(conns, broadcast(conns, protocol.TIMELINE, {"op": "fetch"})):
+        for conn, reply in zip(conns, broadcast(conns, protocol.TIMELINE, Timeline("fetch").body())):
             offset = self._offsets.get(conn.address, 0.0)
             r = self._replica_of.get(id(conn), 0)  # a worker's events are its replica's
             for event in reply["events"]:

@@ -257,6 +257,9 @@ def test_a_received_graph_with_a_disallowed_operator_is_refused_and_the_worker_s
             "stage": 0,
             "start": 0,
             "exports": [],
+            "sources": [[-1, []]],
+            "targets": [[-1, []]],
+            "peers": {},
             "state": {},
             "entries": [
                 ["lightning_remote_mp.graph.GraphLayer", {"programs": {"train": program}, "tensors": {}}, [2, 2]]

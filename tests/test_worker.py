@@ -211,6 +211,9 @@ def _stage_body(key: str = "net", paths: tuple[str, str] = ("torch.nn.Linear", "
             [paths[1], {"init": 2.0}, [4, 2]],
         ],
         "exports": [],
+        "sources": [[-1, []]],
+        "targets": [[-1, []]],
+        "peers": {},
         "state": {"0.weight": lin.weight.detach(), "0.bias": lin.bias.detach(), "1.scale": torch.tensor(2.0)},
     }
 
@@ -371,9 +374,9 @@ def test_request_errors_keep_the_session(worker, connect):
     client = connect(worker.address)
     client.ok(protocol.HELLO, {"driver": "pytest"})
     err = client.error(protocol.SETUP, {"key": "net"})
-    assert err["type"] == "ProtocolError" and "missing field 'stage'" in err["message"]
+    assert err["type"] == "ProtocolError" and "setup message: field 'stage' is missing" in err["message"]
     err = client.error(protocol.SETUP, {**_stage_body(), "stage": "0"})
-    assert err["type"] == "ProtocolError" and "field 'stage' has type str" in err["message"]
+    assert err["type"] == "ProtocolError" and "field 'stage' must be an int, got str" in err["message"]
     err = client.error(protocol.SETUP, [1, 2, 3])
     assert err["type"] == "ProtocolError"
     bad_state = _stage_body()
@@ -386,6 +389,11 @@ def test_request_errors_keep_the_session(worker, connect):
     assert err["type"] == "SpecError" and "not a dotted import path" in err["message"]
     err = client.error(protocol.LOAD_STATE, {"state": {"nope": {}}})
     assert err["type"] == "SpecError" and "no stage 'nope'" in err["message"]
+    # Every request kind is checked whole before it is acted on, even one with nothing to act on.
+    err = client.error(protocol.ZERO_GRAD, {"index": 0, "set_to_none": "yes"})
+    assert err["type"] == "ProtocolError" and "zero_grad message: field 'set_to_none' must be a bool" in err["message"]
+    err = client.error(protocol.GRADS, {"index": 0, "op": "explode"})
+    assert err["type"] == "ProtocolError" and "grads message: field 'op' must be one of" in err["message"]
     assert client.ok(protocol.GET_STATE) == {}
     client.ok(protocol.BYE)
     _check_serves(worker)
@@ -509,13 +517,14 @@ def test_pickles_inside_valid_messages_stay_bytes(worker, connect, tmp_path):
         body = _stage_body()
         body["state"]["0.weight"] = torch.frombuffer(bytearray(bomb), dtype=torch.uint8)
         client.error(protocol.SETUP, body)
-        # As bytes in layer kwargs and in the state: they reach a constructor as bytes, which fails.
+        # As bytes in layer kwargs: they reach a constructor as bytes, which fails.
         err = client.error(
             protocol.SETUP, {**_stage_body(), "entries": [["torch.nn.Linear", {"in_features": bomb}, [1]]]}
         )
         assert err["type"] == "SpecError"
+        # As bytes in the state: refused before anything is built, as weights must be tensors.
         err = client.error(protocol.SETUP, {**_stage_body(), "state": {"0.weight": bomb}})
-        assert err["type"] == "SpecError" and "do not match" in err["message"]
+        assert err["type"] == "ProtocolError" and "'state' must map names to tensors" in err["message"]
         body = _stage_body()
         body["state"]["0.weight"] = bomb
         client.error(protocol.SETUP, body)

@@ -21,22 +21,12 @@ import torch
 
 from lightning_remote_mp.errors import ProtocolError
 from lightning_remote_mp.messages import DRIVER, Backward, Forward
+from lightning_remote_mp.requests import Routes
 from lightning_remote_mp.worker.stage import StageExecutor
 from lightning_remote_mp.worker.timeline import EventLog
 
 Outgoing = tuple[int, Forward | Backward]  # (destination stage, or DRIVER; the message)
 _M = TypeVar("_M", Forward, Backward)
-
-
-def _routes(value: Any, field: str) -> dict[int, tuple[str, ...]]:
-    if not isinstance(value, list):
-        raise ProtocolError(f"{field} must be a list")
-    out = {}
-    for item in value:
-        if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], int) and isinstance(item[1], list)):
-            raise ProtocolError(f"malformed {field} entry")
-        out[item[0]] = tuple(str(n) for n in item[1])
-    return out
 
 
 def _main_flags(x: Any, flags: Any) -> bool | list[bool]:
@@ -68,10 +58,10 @@ class _Meta:
 class RoutedStage:
     """A `StageExecutor` plus its routes and the partly arrived micro-batches."""
 
-    def __init__(self, stage: StageExecutor, sources: Any, targets: Any, microbatch_limit: int = 4096) -> None:
+    def __init__(self, stage: StageExecutor, sources: Routes, targets: Routes, microbatch_limit: int = 4096) -> None:
         self.stage = stage
-        self.sources = _routes(sources, "sources")
-        self.targets = _routes(targets, "targets")
+        self.sources = dict(sources)  # sender stage -> the variables it brings (checked by `requests.Setup`)
+        self.targets = dict(targets)
         self.x_from = stage.index - 1 if stage.index > 0 else DRIVER
         self.x_to = next((t for t in self.targets if t == stage.index + 1), DRIVER)
         if self.x_from not in self.sources or self.x_to not in self.targets:

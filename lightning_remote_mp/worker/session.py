@@ -19,8 +19,26 @@ import torch
 
 from lightning_remote_mp import protocol
 from lightning_remote_mp.errors import LrmpError, ProtocolError, SpecError
-from lightning_remote_mp.keys import is_z85_key
 from lightning_remote_mp.messages import DRIVER, Backward, Forward
+from lightning_remote_mp.requests import (
+    GetOptimState,
+    GetState,
+    GradAllreduce,
+    GradClamp,
+    GradNorms,
+    Grads,
+    GradScale,
+    GroupInit,
+    LoadOptimState,
+    LoadState,
+    OptimCreate,
+    OptimStep,
+    Profile,
+    Release,
+    Setup,
+    Timeline,
+    ZeroGrad,
+)
 from lightning_remote_mp.spec import resolve_class, source_digest
 from lightning_remote_mp.worker.collective import ReplicaGroup
 from lightning_remote_mp.worker.profile import profile_layers
@@ -46,15 +64,6 @@ log = logging.getLogger(__name__)
 
 #: Optimizer classes come from here, or from the worker's --allow-module prefixes.
 DEFAULT_OPTIMIZER_PREFIXES: tuple[str, ...] = ("torch.optim",)
-
-
-def _require(body: Any, field: str, kind: type | tuple[type, ...]) -> Any:
-    if not isinstance(body, dict) or field not in body:
-        raise ProtocolError(f"request is missing field {field!r}")
-    value = body[field]
-    if not isinstance(value, kind):
-        raise ProtocolError(f"field {field!r} has type {type(value).__name__}")
-    return value
 
 
 class WorkerSession:
@@ -106,8 +115,7 @@ class WorkerSession:
             raise ProtocolError(f"unexpected message kind {kind!r:.40}")
         return handler(body)
 
-    def stage(self, body: Any) -> StageExecutor:
-        key = _require(body, "key", str)
+    def stage(self, key: str) -> StageExecutor:
         if key not in self.stages:
             raise SpecError(f"no stage {key!r:.80} on this worker; send setup first")
         return self.stages[key]
@@ -117,46 +125,36 @@ class WorkerSession:
 
     # --- stages ---------------------------------------------------------------
     def setup(self, body: Any) -> Any:
-        key = _require(body, "key", str)
-        index = _require(body, "stage", int)
-        start = _require(body, "start", int)
-        entries = self._entries(body)
-        exports = _require(body, "exports", list)
-        state = body.get("state")
-        seed = body.get("init_seed")
-        if state is None and not isinstance(seed, int):
-            raise ProtocolError("setup needs the stage's state or an init_seed")
-        _check_code_versions(body.get("code_digests"))  # before building runs any stale code
+        msg = Setup.from_body(body)
+        key, index, start, entries = msg.key, msg.stage, msg.start, msg.entries
+        self._check_layer_count(len(entries))
+        _check_code_versions(msg.code_digests)  # before building runs any stale code
         stage = StageExecutor(
             key,
             index,
             start,
             entries,
-            exports,
+            msg.exports,
             self.device,
             self.allowed_prefixes,
-            init_seed=seed if state is None else None,
-            split_backward=body.get("split_backward") is True,
+            init_seed=msg.init_seed if msg.state is None else None,
+            split_backward=msg.split_backward,
         )
-        if state is not None:
-            if not isinstance(state, dict):
-                raise ProtocolError("field 'state' must be a dict")
-            stage.load_state_dict(state, assign=True)
-        _check_code_versions(body.get("code_digests"))  # and modules first imported by this build: another copy?
-        rng_seed = body.get("seed")
-        if isinstance(rng_seed, int) and 0 <= rng_seed < 2**63:
-            torch.manual_seed(rng_seed)  # this stage's random stream (dropout), from the driver's generator
-        frozen = set(body.get("frozen") or [])
+        if msg.state is not None:
+            stage.load_state_dict(msg.state, assign=True)
+        _check_code_versions(msg.code_digests)  # and modules first imported by this build: another copy?
+        if msg.seed is not None:
+            torch.manual_seed(msg.seed)  # this stage's random stream (dropout), from the driver's generator
+        frozen = set(msg.frozen)
         for name, p in stage.named_parameters():
             if name in frozen:
                 p.requires_grad_(False)
-        routed = RoutedStage(stage, _require(body, "sources", list), _require(body, "targets", list))
+        routed = RoutedStage(stage, msg.sources, msg.targets)
         routed.events = self.events
-        peers = _require(body, "peers", dict)
-        peer_keys = _peer_keys(body.get("peer_keys"), peers)
+        peer_keys = {msg.peers[s]: k.encode("ascii") for s, k in msg.peer_keys.items()}
         self.stages[key] = stage
         self.routes[key] = routed
-        self.peers[key] = {int(k): str(v) for k, v in peers.items() if isinstance(k, int) and isinstance(v, str)}
+        self.peers[key] = dict(msg.peers)
         if peer_keys:
             self.outbox.add_peer_keys(peer_keys)
             if self.announce_peer_keys is not None:
@@ -174,15 +172,12 @@ class WorkerSession:
         )
         return {"parameters": params}
 
-    def _entries(self, body: Any) -> list[Any]:
-        entries = _require(body, "entries", list)
-        if len(entries) > self.limits.max_layers:
+    def _check_layer_count(self, count: int) -> None:
+        if count > self.limits.max_layers:
             raise protocol.LimitExceeded(
-                f"{len(entries)} layers in one stage; this worker accepts at most {self.limits.max_layers} "
-                "(its --max-layers)",
+                f"{count} layers in one stage; this worker accepts at most {self.limits.max_layers} (its --max-layers)",
                 "max_layers",
             )
-        return entries
 
     def forward(self, body: Any) -> Any:
         msg = Forward.from_body(body)
@@ -226,36 +221,34 @@ class WorkerSession:
         return self.routes[key]
 
     def release(self, body: Any) -> Any:
-        for key, calls in _require(body, "calls", dict).items():
-            if key in self.routes and isinstance(calls, list):
-                self.routes[key].release(c for c in calls if isinstance(c, int))
+        for key, calls in Release.from_body(body).calls.items():
+            if key in self.routes:  # a stage whose setup failed holds nothing to release
+                self.routes[key].release(calls)
         return None
 
     def _named_parameters(self) -> dict[str, torch.nn.Parameter]:
         return {f"{key}/{name}": p for key, stage in self.stages.items() for name, p in stage.named_parameters()}
 
     def get_state(self, body: Any) -> Any:
+        GetState.from_body(body)
         return {key: stage.state_dict() for key, stage in self.stages.items()}
 
     def load_state(self, body: Any) -> Any:
-        for key, state in _require(body, "state", dict).items():
-            self.stage({"key": key}).load_state_dict(state)
+        for key, state in LoadState.from_body(body).state.items():
+            self.stage(key).load_state_dict(state)
         return None
 
     # --- optimizers -------------------------------------------------------------
     def optim_create(self, body: Any) -> Any:
-        index = _require(body, "index", int)
+        msg = OptimCreate.from_body(body)
+        index, defaults = msg.index, msg.defaults
         cls = resolve_class(
-            _require(body, "cls", str), torch.optim.Optimizer, list(DEFAULT_OPTIMIZER_PREFIXES) + self.allowed_prefixes
+            msg.class_path, torch.optim.Optimizer, list(DEFAULT_OPTIMIZER_PREFIXES) + self.allowed_prefixes
         )
-        defaults = _require(body, "defaults", dict)
-        groups = _require(body, "groups", list)
         named = self._named_parameters()
         param_groups = []
         names: list[str] = []
-        for g, group in enumerate(groups):
-            if not isinstance(group, dict) or not isinstance(group.get("params"), list):
-                raise ProtocolError(f"optimizer {index} group {g} is malformed")
+        for g, group in enumerate(msg.groups):
             unknown = [n for n in group["params"] if n not in named]
             if unknown:
                 raise SpecError(
@@ -277,101 +270,84 @@ class WorkerSession:
         self._optim_params[index] = names
         return {"parameters": len(names)}
 
-    def _optimizer(self, body: Any) -> torch.optim.Optimizer | None:
-        return self.optimizers.get(_require(body, "index", int))
-
     def optim_step(self, body: Any) -> Any:
-        opt = self._optimizer(body)
+        msg = OptimStep.from_body(body)
+        opt = self.optimizers.get(msg.index)
         if opt is None:
             return None
         self._settle_grads()
-        hparams = _require(body, "hparams", list)
-        if len(hparams) != len(opt.param_groups):
+        if len(msg.hparams) != len(opt.param_groups):
             raise ProtocolError(
-                f"step carries {len(hparams)} groups' hyperparameters; the optimizer has {len(opt.param_groups)}"
+                f"step carries {len(msg.hparams)} groups' hyperparameters; the optimizer has {len(opt.param_groups)}"
             )
-        for group, values in zip(opt.param_groups, hparams):
-            if isinstance(values, dict):
-                group.update({k: v for k, v in values.items() if k != "params"})
+        for group, values in zip(opt.param_groups, msg.hparams):
+            group.update({k: v for k, v in values.items() if k != "params"})
         opt.step()
         return None
 
     def zero_grad(self, body: Any) -> Any:
-        opt = self._optimizer(body)
+        msg = ZeroGrad.from_body(body)
+        opt = self.optimizers.get(msg.index)
         if opt is not None:
             self._settle_grads()
-            opt.zero_grad(set_to_none=bool(body.get("set_to_none", True)))
+            opt.zero_grad(set_to_none=msg.set_to_none)
         return None
 
     def timeline(self, body: Any) -> Any:
         """``start`` / ``stop`` recording, ``fetch`` (and clear) the events, or read the ``clock``."""
-        op = _require(body, "op", str)
+        op = Timeline.from_body(body).op
         if op == "start":
             self.events = self.events or EventLog()
         elif op == "stop":
             self.events = None
         elif op == "fetch":
             return {"events": self.events.drain() if self.events else []}
-        elif op != "clock":
-            raise ProtocolError(f"unknown timeline operation {op!r:.40}")
         for route in self.routes.values():
             route.events = self.events
         return {"time": time.time()}
 
     def group_init(self, body: Any) -> Any:
         """Join the process group of this stage's replicas (blocks until all have joined)."""
-        if _require(body, "op", str) != "init":
-            raise ProtocolError("unknown group operation")
-        self.group = ReplicaGroup(
-            _require(body, "host", str),
-            _require(body, "port", int),
-            _require(body, "prefix", str),
-            _require(body, "rank", int),
-            _require(body, "world", int),
-            _require(body, "backend", str),
-            float(_require(body, "timeout", (int, float))),
-        )
+        msg = GroupInit.from_body(body)
+        self.group = ReplicaGroup(msg.host, msg.port, msg.prefix, msg.rank, msg.world, msg.backend, msg.timeout)
         return None
 
     def profile(self, body: Any) -> Any:
         """Seconds of forward plus backward of each layer of ``entries``, measured here."""
-        entries = self._entries(body)
-        repeats = min(max(int(body.get("repeats", 3)), 1), 50)
-        return {"seconds": profile_layers(entries, self.device, self.allowed_prefixes, repeats)}
+        msg = Profile.from_body(body)
+        self._check_layer_count(len(msg.entries))
+        repeats = min(max(3 if msg.repeats is None else msg.repeats, 1), 50)
+        return {"seconds": profile_layers(msg.entries, self.device, self.allowed_prefixes, repeats)}
 
     def grads(self, body: Any) -> Any:
         """Gradient operations over one optimizer's parameters, for clipping across stages:
         ``norms`` returns each gradient's norm, ``scale`` multiplies them, ``clamp`` clips by value."""
-        opt = self._optimizer(body)
+        msg = Grads.from_body(body)
+        opt = self.optimizers.get(msg.index)
         self._settle_grads()
         grads = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None] if opt else []
-        op = _require(body, "op", str)
-        if op == "norms":
-            norm_type = float(_require(body, "norm_type", (int, float)))
-            norms = [torch.linalg.vector_norm(g, norm_type) for g in grads]
+        if isinstance(msg, GradNorms):
+            norms = [torch.linalg.vector_norm(g, msg.norm_type) for g in grads]
             return {"norms": torch.stack(norms).cpu() if norms else torch.zeros(0)}
-        if op == "scale":
-            coef = _require(body, "coef", torch.Tensor)
+        if isinstance(msg, GradScale):
             if grads:
-                torch._foreach_mul_(grads, coef.to(grads[0].device))
+                torch._foreach_mul_(grads, msg.coef.to(grads[0].device))
             return None
-        if op == "allreduce":
+        if isinstance(msg, GradAllreduce):
             if self.group is None:
                 raise ProtocolError("gradient all-reduce asked of a worker without replicas")
             params = [p for g in opt.param_groups for p in g["params"]] if opt else []
             return {"bytes": self.group.allreduce_grads(params)}
-        if op == "clamp":
-            value = float(_require(body, "value", (int, float)))
-            for g in grads:
-                g.clamp_(-value, value)
-            return None
-        raise ProtocolError(f"unknown gradient operation {op!r:.40}")
+        assert isinstance(msg, GradClamp)  # Grads.from_body returns one of the four operations
+        for g in grads:
+            g.clamp_(-msg.value, msg.value)
+        return None
 
     def get_optim_state(self, body: Any) -> Any:
-        opt = self._optimizer(body)
+        index = GetOptimState.from_body(body).index
+        opt = self.optimizers.get(index)
         if opt is None:
             return {"state": {}}
-        index = _require(body, "index", int)
         by_param = {id(p): n for n, p in self._named_parameters().items()}
         return {
             "state": {by_param[id(p)]: dict(s) for p, s in opt.state.items() if id(p) in by_param},
@@ -379,13 +355,13 @@ class WorkerSession:
         }
 
     def load_optim_state(self, body: Any) -> Any:
-        opt = self._optimizer(body)
-        state = _require(body, "state", dict)
+        msg = LoadOptimState.from_body(body)
+        index, state = msg.index, msg.state
+        opt = self.optimizers.get(index)
         if opt is None:
             if state:
                 raise SpecError("optimizer state sent for parameters this worker does not optimise")
             return None
-        index = _require(body, "index", int)
         position = {n: i for i, n in enumerate(self._optim_params[index])}
         current = opt.state_dict()
         unknown = [n for n in state if n not in position]
@@ -402,14 +378,10 @@ class WorkerSession:
         self.optimizers.clear()
 
 
-def _check_code_versions(digests: Any) -> None:
+def _check_code_versions(digests: Mapping[str, str]) -> None:
     """Refuse a stage whose classes this (long-lived) worker imported in another version than the
     driver has: Python keeps the first import, so an edited layer would silently run its old body."""
-    if not isinstance(digests, dict):
-        return
     for name, theirs in digests.items():
-        if not isinstance(name, str) or not isinstance(theirs, str):
-            raise ProtocolError("code_digests must map module names to digests")
         mine = source_digest(name, as_loaded=True)
         if mine is not None and mine != theirs:
             raise SpecError(
@@ -437,21 +409,6 @@ def constructor_kwargs(cls: type, defaults: Mapping[str, Any]) -> dict[str, Any]
         if klass is torch.optim.Optimizer:
             break
     return {k: v for k, v in defaults.items() if k in accepted}
-
-
-def _peer_keys(value: Any, peers: Mapping[Any, Any]) -> dict[str, bytes]:
-    """``{stage: Z85 public key}`` from a SETUP, as ``{address: key}`` for the stages in ``peers``."""
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise ProtocolError("field 'peer_keys' must be a dict")
-    out = {}
-    for stage, key in value.items():
-        address = peers.get(stage)
-        if not isinstance(address, str) or not is_z85_key(key):
-            raise ProtocolError(f"peer_keys entry {stage!r:.20} is not a 40-character key of a stage in 'peers'")
-        out[address] = key.encode("ascii")
-    return out
 
 
 def describe_device(device: torch.device) -> Mapping[str, Any]:

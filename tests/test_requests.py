@@ -1,0 +1,183 @@
+"""The driver's typed control requests: what is built on the driver arrives equal on the worker,
+through the real codec, and a malformed body is refused naming the kind and the field."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import zmq
+
+from lightning_remote_mp import protocol
+from lightning_remote_mp.errors import ProtocolError
+from lightning_remote_mp.requests import (
+    REQUESTS,
+    GetOptimState,
+    GetState,
+    GradAllreduce,
+    GradClamp,
+    GradNorms,
+    Grads,
+    GradScale,
+    GroupInit,
+    LoadOptimState,
+    LoadState,
+    OptimCreate,
+    OptimStep,
+    Profile,
+    Release,
+    Setup,
+    Timeline,
+    ZeroGrad,
+)
+
+PEER_KEY = zmq.curve_keypair()[0].decode("ascii")
+
+SETUP = Setup(
+    key="net",
+    stage=1,
+    start=3,
+    entries=[
+        {"layer": "torch.nn.Linear", "kwargs": {"in_features": 4, "out_features": 4}, "input_shape": [2, 4]},
+        ["torch.nn.Conv2d", {"in_channels": 1, "out_channels": 1, "kernel_size": (3, 3)}, [1, 1, 8, 8]],
+    ],
+    exports=["skip"],
+    sources=((0, ("res",)),),
+    targets=((2, ("skip",)), (-1, ())),
+    peers={0: "tcp://10.0.0.1:5555", 2: "tcp://10.0.0.3:5555"},
+    peer_keys={0: PEER_KEY},
+    state={"3.weight": torch.randn(4, 4), "3.bias": torch.zeros(4, dtype=torch.bfloat16)},
+    init_seed=None,
+    split_backward=True,
+    code_digests={"my_layers": "ab" * 32},
+    seed=2**62 - 1,
+    frozen=["3.bias"],
+)
+
+SENT = [
+    SETUP,
+    Setup(  # a stage built from its seed, every optional field left out
+        key="net",
+        stage=0,
+        start=0,
+        entries=[],
+        exports=[],
+        sources=((-1, ()),),
+        targets=((-1, ()),),
+        peers={},
+        init_seed=7,
+    ),
+    Release({"net": [3, 4], "head": []}),
+    GetState(),
+    LoadState({"net": {"3.weight": torch.ones(2, 2)}, "head": {}}),
+    Profile([["torch.nn.ReLU", {}, [1]]]),
+    Profile([], repeats=5),
+    OptimCreate(
+        1,
+        "torch.optim.AdamW",
+        {"lr": 1e-3, "betas": (0.9, 0.999), "foreach": None, "amsgrad": False},
+        [{"params": ["net/3.weight"], "lr": 1e-3, "betas": (0.9, 0.999)}, {"params": [], "lr": 0.1}],
+    ),
+    OptimStep(1, [{"lr": 5e-4, "initial_lr": 1e-3}, {"lr": 0.1}]),
+    ZeroGrad(1),
+    ZeroGrad(0, set_to_none=False),
+    GetOptimState(2),
+    LoadOptimState(1, {"net/3.weight": {"step": torch.tensor(3.0), "exp_avg": torch.ones(4, 4)}, "net/3.bias": {}}),
+    GradNorms(0, float("inf")),
+    GradScale(0, torch.tensor(0.25)),
+    GradClamp(0, 0.5),
+    GradAllreduce(3),
+    *(Timeline(op) for op in ("start", "stop", "fetch", "clock")),
+    GroupInit("10.0.0.9", 29500, "session/stage0", 1, 2, "gloo", 30.0),
+]
+
+
+def _through_the_wire(kind: str, body: object) -> object:
+    return protocol.decode(protocol.encode(kind, 0, "s", body)).body
+
+
+def _frames(kind: str, body: object) -> list[bytes]:
+    return [bytes(f) for f in protocol.encode(kind, 0, "s", body)]
+
+
+@pytest.mark.parametrize("sent", SENT, ids=lambda m: type(m).__name__)
+def test_a_request_arrives_as_it_was_built(sent):
+    kind = sent.KIND
+    got = type(sent).from_body(_through_the_wire(kind, sent.body()))
+    assert type(got) is type(sent)
+    # Built again from what arrived, it encodes to the same bytes: every field, tensor and dtype survived.
+    assert _frames(kind, got.body()) == _frames(kind, sent.body())
+
+
+def test_setup_arrives_with_its_fields_typed():
+    got = Setup.from_body(_through_the_wire(protocol.SETUP, SETUP.body()))
+    assert got.sources == ((0, ("res",)),) and got.targets == ((2, ("skip",)), (-1, ()))
+    assert got.peers == {0: "tcp://10.0.0.1:5555", 2: "tcp://10.0.0.3:5555"} and got.peer_keys == {0: PEER_KEY}
+    assert got.entries[1][1]["kernel_size"] == (3, 3)  # a tuple stays a tuple
+    assert got.state is not None and got.state["3.bias"].dtype == torch.bfloat16
+    assert (got.init_seed, got.split_backward, got.seed, got.frozen) == (None, True, 2**62 - 1, ["3.bias"])
+
+
+def test_grads_arrive_as_the_operation_their_op_names():
+    for sent in (GradNorms(0, 2.0), GradScale(0, torch.tensor(0.5)), GradClamp(0, 1.0), GradAllreduce(0)):
+        assert type(Grads.from_body(_through_the_wire(protocol.GRADS, sent.body()))) is type(sent)
+    got = Grads.from_body({"index": 0, "op": "norms", "norm_type": 1})  # an int norm, as a user may give it
+    assert got == GradNorms(0, 1.0)
+
+
+def test_every_request_kind_has_one_typed_definition():
+    # HELLO, PING and BYE are the server's own; FORWARD and BACKWARD are `messages`' Forward and Backward.
+    others = {protocol.HELLO, protocol.PING, protocol.BYE, protocol.FORWARD, protocol.BACKWARD}
+    assert set(REQUESTS) == protocol.REQUEST_KINDS - others
+    assert all(cls.KIND == kind for kind, cls in REQUESTS.items())
+
+
+GOOD_SETUP = SETUP.body()
+
+
+@pytest.mark.parametrize(
+    "cls, body, match",
+    [
+        (Setup, [1, 2], "setup message: the body must be a dict"),
+        (Setup, {"key": "net"}, "setup message: field 'stage' is missing"),
+        (Setup, {**GOOD_SETUP, "stage": "1"}, "setup message: field 'stage' must be an int, got str"),
+        (Setup, {**GOOD_SETUP, "entries": {}}, "setup message: field 'entries' must be a list, got dict"),
+        (Setup, {**GOOD_SETUP, "exports": ["a", 1]}, "field 'exports' must be a list of variable names; item 1"),
+        (Setup, {**GOOD_SETUP, "sources": [[0, "res"]]}, "field 'sources' must be a list of \\[stage, \\[variable"),
+        (Setup, {**GOOD_SETUP, "targets": [[True, []]]}, "field 'targets' must be a list of \\[stage"),
+        (Setup, {**GOOD_SETUP, "peers": {"0": "tcp://a:1"}}, "field 'peers' must map stage numbers to addresses"),
+        (Setup, {**GOOD_SETUP, "peer_keys": {5: PEER_KEY}}, "field 'peer_keys' must map stages in 'peers'"),
+        (Setup, {**GOOD_SETUP, "peer_keys": {0: "short"}}, "field 'peer_keys' must map stages in 'peers' to 40-char"),
+        (Setup, {**GOOD_SETUP, "state": {"3.weight": b"\x80"}}, "field 'state' must map names to tensors"),
+        (Setup, {**GOOD_SETUP, "state": None}, "setup message: needs the stage's 'state' or an 'init_seed'"),
+        (Setup, {**GOOD_SETUP, "seed": -1}, "setup message: field 'seed' must be in \\[0, 2\\*\\*63\\)"),
+        (Setup, {**GOOD_SETUP, "split_backward": 1}, "field 'split_backward' must be a bool, got int"),
+        (Setup, {**GOOD_SETUP, "code_digests": [1]}, "field 'code_digests' must be a dict, got list"),
+        (Setup, {**GOOD_SETUP, "code_digests": {1: 2}}, "field 'code_digests' must map module names to digests"),
+        (Setup, {**GOOD_SETUP, "frozen": 5}, "setup message: field 'frozen' must be a list, got int"),
+        (Release, {"calls": {"net": [1, "2"]}}, "release message: field 'calls' must map keys to lists of calls"),
+        (GetState, [1], "get_state message: the body must be a dict"),
+        (LoadState, {"state": {"net": {"0.w": 3}}}, "load_state message: field 'state' must map keys to {name: tens"),
+        (Profile, {"entries": [], "repeats": "3"}, "profile message: field 'repeats' must be an int, got str"),
+        (OptimCreate, {"index": 0, "cls": 1}, "optim_create message: field 'cls' must be a str, got int"),
+        (
+            OptimCreate,
+            {"index": 0, "cls": "torch.optim.SGD", "defaults": {}, "groups": [{"lr": 0.1}]},
+            "optim_create message: field 'groups' must be a list of hyperparameter dicts with a 'params' list",
+        ),
+        (OptimStep, {"index": 0, "hparams": [{"lr": 0.1}, 3]}, "optim_step message: field 'hparams' must be a list"),
+        (ZeroGrad, {"index": 0, "set_to_none": "yes"}, "zero_grad message: field 'set_to_none' must be a bool"),
+        (GetOptimState, {"index": True}, "get_optim_state message: field 'index' must be an int, got bool"),
+        (LoadOptimState, {"index": 0, "state": {"w": 3}}, "load_optim_state message: field 'state' must map param"),
+        (Grads, {"index": 0, "op": "explode"}, "grads message: field 'op' must be one of 'norms', 'scale'"),
+        (Grads, {"index": 0, "op": "norms", "norm_type": True}, "grads message: field 'norm_type' must be a number"),
+        (Grads, {"index": 0, "op": "scale", "coef": 0.5}, "grads message: field 'coef' must be a Tensor, got float"),
+        (Grads, {"index": 0, "op": "scale", "coef": torch.ones(2)}, "'coef' must be a floating-point scalar tensor"),
+        (Grads, {"index": 0, "op": "clamp"}, "grads message: field 'value' is missing"),
+        (Timeline, {"op": "rewind"}, "timeline message: field 'op' must be one of 'start', 'stop', 'fetch', 'clock'"),
+        (GroupInit, {"op": "leave"}, "group message: field 'op' must be one of 'init', got 'leave'"),
+        (GroupInit, {**GroupInit("h", 1, "p", 0, 1, "gloo", 1.0).body(), "port": "1"}, "field 'port' must be an int"),
+    ],
+)
+def test_a_malformed_request_is_refused_naming_the_kind_and_the_field(cls, body, match):
+    with pytest.raises(ProtocolError, match=match):
+        cls.from_body(_through_the_wire(cls.KIND, body))
