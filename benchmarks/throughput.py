@@ -26,6 +26,12 @@ configuration costs independently of how busy the machine is.
 
     python benchmarks/throughput.py            # full run (a few minutes)
     python benchmarks/throughput.py --quick    # smoke run (seconds)
+    python benchmarks/throughput.py --device cuda --width 128 --batch 64   # on a GPU (scripts/gpu_check.py)
+
+With ``--device cuda`` the plain loop, the two lrmp workers and the torch ranks compute on the GPU
+(the lrmp driver, which holds no layers, stays on the CPU). lrmp's workers use ``cuda:0`` and
+``cuda:1`` where there are two GPUs, else both ``cuda:0``; torch's ranks need two GPUs (NCCL
+refuses two ranks on one), so with one GPU its configurations are left out.
 """
 
 from __future__ import annotations
@@ -68,18 +74,25 @@ def plain_mlp(width: int, depth: int) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
-def make_batch(width: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+def make_batch(width: int, batch: int, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
-    return torch.randn(batch, width, generator=g), torch.randn(batch, width, generator=g)
+    return torch.randn(batch, width, generator=g).to(device), torch.randn(batch, width, generator=g).to(device)
+
+
+def synchronize(device: str) -> None:
+    """Wait for the GPU's queued work, so that a timer reads finished steps."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 # --- (a) one process ---------------------------------------------------------------------------
 def run_plain(cfg: dict[str, Any]) -> tuple[float, list[float]]:
     """Wall and CPU seconds of ``steps`` training steps after ``warmup`` steps, in this process."""
     torch.manual_seed(0)
-    model = plain_mlp(cfg["width"], cfg["depth"])
+    device = cfg["device"]
+    model = plain_mlp(cfg["width"], cfg["depth"]).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    x, y = make_batch(cfg["width"], cfg["batch"])
+    x, y = make_batch(cfg["width"], cfg["batch"], device)
 
     def step() -> None:
         loss = F.mse_loss(model(x), y)
@@ -89,9 +102,11 @@ def run_plain(cfg: dict[str, Any]) -> tuple[float, list[float]]:
 
     for _ in range(cfg["warmup"]):
         step()
+    synchronize(device)
     c0, t0 = time.process_time(), time.perf_counter()
     for _ in range(cfg["steps"]):
         step()
+    synchronize(device)
     return time.perf_counter() - t0, [time.process_time() - c0]
 
 
@@ -186,13 +201,18 @@ def pp_rank(rank: int, store: str, cfg: dict[str, Any]) -> int:
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
     logging.getLogger("torch.distributed").setLevel(logging.ERROR)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    on_gpu = torch.device(cfg["device"]).type == "cuda"
+    device = torch.device("cuda", rank) if on_gpu else torch.device("cpu")
+    if on_gpu:
+        torch.cuda.set_device(device)
+    backend = "nccl" if on_gpu else "gloo"
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=2)
     torch.manual_seed(0)
     full = plain_mlp(cfg["width"], cfg["depth"])
     half = len(full) // 2
-    module = full[:half] if rank == 0 else full[half:]
+    module = (full[:half] if rank == 0 else full[half:]).to(device)
     opt = torch.optim.SGD(module.parameters(), lr=LR)
-    x, y = make_batch(cfg["width"], cfg["batch"])
+    x, y = make_batch(cfg["width"], cfg["batch"], str(device))
     schedules = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}
     print("ready", flush=True)
     try:
@@ -203,7 +223,7 @@ def pp_rank(rank: int, store: str, cfg: dict[str, Any]) -> int:
             cmd = json.loads(line)
             if cmd.get("cmd") == "quit":
                 break
-            stage = PipelineStage(module, rank, 2, torch.device("cpu"))
+            stage = PipelineStage(module, rank, 2, device)
             schedule = schedules[cmd["schedule"]](stage, n_microbatches=cmd["m"], loss_fn=F.mse_loss)
 
             def step(schedule: Any = schedule) -> None:
@@ -216,10 +236,12 @@ def pp_rank(rank: int, store: str, cfg: dict[str, Any]) -> int:
 
             for _ in range(cmd["warmup"]):
                 step()
+            synchronize(str(device))
             dist.barrier()
             c0, t0 = time.process_time(), time.perf_counter()
             for _ in range(cmd["steps"]):
                 step()
+            synchronize(str(device))
             c1 = time.process_time()
             dist.barrier()
             print(json.dumps({"seconds": time.perf_counter() - t0, "cpu": c1 - c0}), flush=True)
@@ -330,6 +352,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--lrmp-nosplit-m", type=int, nargs="*", default=[4], help="lrmp with split_backward=False")
     p.add_argument("--torch-m", type=int, nargs="+", default=[4, 8])
     p.add_argument("--schedules", nargs="+", default=["GPipe", "1F1B"], choices=["GPipe", "1F1B"])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the model computes")
     p.add_argument("--out", default=_common.RESULTS, help="folder for throughput.png and throughput.json")
     p.add_argument("--pp-rank", type=int, help=argparse.SUPPRESS)
     p.add_argument("--pp-store", help=argparse.SUPPRESS)
@@ -339,6 +362,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.width, args.batch, args.warmup, args.steps, args.rounds = 256, 64, 1, 3, 1
         args.lrmp_m, args.lrmp_nosplit_m, args.torch_m = [1, 2], [2], [2]
     args.warmup = max(1, args.warmup)
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            p.error("--device cuda: torch sees no CUDA device here")
+        if torch.cuda.device_count() < 2 and args.torch_m:
+            print("one GPU: torch.distributed.pipelining's configurations are left out (NCCL needs a GPU per rank)")
+            args.torch_m = []
     return args
 
 
@@ -353,16 +382,20 @@ def main(argv: list[str] | None = None) -> int:
     _common.exit_on_sigterm()
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     logging.getLogger("lightning.fabric").setLevel(logging.ERROR)
-    cfg = {k: getattr(args, k) for k in ("width", "depth", "batch", "warmup", "steps")}
+    cfg = {k: getattr(args, k) for k in ("width", "depth", "batch", "warmup", "steps", "device")}
     configs = configurations(args)
     print(f"# Training throughput ({'quick' if args.quick else 'full'} run)")
     print(
-        f"MLP {args.depth} x (Linear({args.width}, {args.width}) + ReLU), batch {args.batch}, float32, SGD; "
+        f"MLP {args.depth} x (Linear({args.width}, {args.width}) + ReLU), batch {args.batch}, float32, SGD, "
+        f"on {args.device}; "
         f"{args.warmup} warm-up + {args.steps} timed steps per configuration, {args.rounds} round(s)."
     )
     print(_common.environment(), flush=True)
 
-    workers = LocalWorkers(2, devices=["cpu", "cpu"], threads=1)
+    devices = ["cpu", "cpu"]
+    if args.device == "cuda":
+        devices = ["cuda:0", f"cuda:{min(1, torch.cuda.device_count() - 1)}"]
+    workers = LocalWorkers(2, devices=devices, threads=1)
     pipeline: TorchPipeline | None = None
     seconds: dict[tuple[str, str, int], list[float]] = {c: [] for c in configs}
     cpu: dict[tuple[str, str, int], list[float]] = {c: [] for c in configs}  # CPU s per step, all processes

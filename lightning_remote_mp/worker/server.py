@@ -23,7 +23,7 @@ import threading
 import time
 import traceback
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -56,6 +56,9 @@ STAND_IN_AFTER = 0.2
 #: A worker that finished a request this recently still counts as computing in its heartbeats: it
 #: answers them between the short requests of a pipeline.
 _BUSY_WINDOW = 1.0
+#: While messages wait for their copies off a GPU and no request is queued, the serving loop
+#: checks their events this often (seconds) between polls of its socket.
+_HELD_NAP = 50e-6
 _DROP = "__drop__"
 _NEW = "__new__"
 
@@ -94,12 +97,27 @@ def _from_peer(msg: protocol.Message) -> bool:
     return type(sender) is int and sender != DRIVER_STAGE
 
 
+@dataclasses.dataclass
+class _Held:
+    """A message the outbox sends later: once its tensors' copies off the GPU are done (``ready``),
+    or, with ``ready=None``, once the messages before it have gone (sends keep their order)."""
+
+    ready: Any  # a torch.cuda.Event, or None
+    send: Callable[[], None]  # called by the thread that holds the server's socket
+    about: dict[str, Any]  # the micro-batch a failure is reported for (key, call, mb)
+
+
 class _Outbox:
     """The serving thread's way out: to the driver through the server's socket, to peers directly.
 
     Peer links are DEALER sockets with ``IMMEDIATE`` set, so a message only goes to a connected
     (and, with CURVE, authenticated) peer; one that cannot be handed over within ``peer_timeout``
     fails the micro-batch with `PeerUnreachableError` instead of waiting forever.
+
+    A message whose tensors are still being copied off a GPU (``ready``, an event: see
+    `lightning_remote_mp.worker.device_io`) is *held*, as is every message after it, and sent in
+    order by `flush`, which the serving loop calls between requests: the worker reads and starts
+    the next micro-batch while the GPU finishes the last one. On CPU nothing is ever held.
     """
 
     def __init__(self, server: WorkerServer, keys: KeyPair | None = None) -> None:
@@ -110,11 +128,54 @@ class _Outbox:
         self.peer_timeout = DEFAULT_PEER_TIMEOUT
         self.peer_keys: dict[str, bytes] = {}  # address -> public key, announced by the driver
         self._peers: dict[str, zmq.Socket] = {}
+        self._held: collections.deque[_Held] = collections.deque()
 
-    def to_driver(self, kind: str, body: Any) -> None:
+    @property
+    def holding(self) -> bool:
+        return bool(self._held)
+
+    def to_driver(self, kind: str, body: Any, ready: Any = None, about: dict[str, Any] | None = None) -> None:
+        """Send to the driver (from a request's handler: the socket is taken for the send)."""
         frames = protocol.encode(kind, 0, self.session, body)
+        peer = self.driver_peer
+        if ready is not None or self._held:
+            self._held.append(_Held(ready, lambda: self._send_driver(peer, frames), about or {}))
+            return
         with self.server.socket():
-            self.server.sock.send_multipart([self.driver_peer, *frames], copy=False)
+            self._send_driver(peer, frames)
+
+    def to_peer(
+        self, address: str, kind: str, body: Any, ready: Any = None, about: dict[str, Any] | None = None
+    ) -> None:
+        frames = protocol.encode(kind, 0, self.session, body)
+        if ready is not None or self._held:
+            self._held.append(_Held(ready, lambda: self._send_to_peer(address, kind, frames), about or {}))
+            return
+        self._send_to_peer(address, kind, frames)
+
+    def hold_reply(self, peer: bytes, frames: list[Any]) -> None:
+        """Send a reply behind the held messages (the socket's holder calls this)."""
+        self._held.append(_Held(None, lambda: self._send_driver(peer, frames), {}))
+
+    def _send_driver(self, peer: bytes, frames: list[Any]) -> None:
+        self.server.sock.send_multipart([peer, *frames], copy=False)
+
+    def flush(self, wait: bool) -> None:
+        """Send the held messages whose copies are done, in order; with ``wait``, all of them,
+        waiting for each copy's event (never for the whole device). Called by the thread that holds
+        the socket. A send that fails is reported to the driver as its micro-batch's ERROR."""
+        while self._held:
+            held = self._held[0]
+            if held.ready is not None and not held.ready.query():
+                if not wait:
+                    return
+                held.ready.synchronize()
+            self._held.popleft()
+            try:
+                held.send()
+            except Exception as err:
+                error = {**error_body(err), **held.about}
+                self._send_driver(self.driver_peer, protocol.encode(protocol.ERROR, 0, self.session, error))
 
     def add_peer_keys(self, keys: dict[str, bytes]) -> None:
         self.peer_keys.update(keys)
@@ -134,9 +195,8 @@ class _Outbox:
             sock = self._peers[address] = transport.dealer(address, curve=curve, immediate=True)
         return sock
 
-    def to_peer(self, address: str, kind: str, body: Any) -> None:
+    def _send_to_peer(self, address: str, kind: str, frames: list[Any]) -> None:
         sock = self._socket(address)
-        frames = protocol.encode(kind, 0, self.session, body)
         deadline = time.monotonic() + self.peer_timeout
         while True:
             try:
@@ -152,6 +212,7 @@ class _Outbox:
                 sock.poll(100, zmq.POLLOUT)
 
     def close_peers(self) -> None:
+        self._held.clear()  # the session's messages: its driver is gone
         for sock in self._peers.values():
             sock.close(0)
         self._peers.clear()
@@ -671,6 +732,8 @@ class WorkerServer:
         # OpenMP thread per core, which spin-wait between the small operations of a step (measured:
         # a 1-thread CPU worker burned 5x its compute, and starved the other workers on the machine).
         torch.set_num_threads(self._threads)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # the current device is per thread too
         self._outbox = _Outbox(self, self.keys)
         self._busy_since = time.monotonic()  # the main thread answers drivers meanwhile
         try:
@@ -686,11 +749,16 @@ class WorkerServer:
             while not self._stop.is_set():
                 # Read before each queued request too, so heartbeats are answered between them. With
                 # nothing queued, sleep until a message or the session's expiry: an idle worker uses no CPU.
-                ready = dict(poller.poll(0 if self._pending else self._poll_timeout()))
+                holding = self._outbox.holding  # messages wait for copies off the GPU
+                ready = dict(poller.poll(0 if self._pending or holding else self._poll_timeout()))
                 self._on_ready(ready, self._serving_rx)
                 self._expire_session()
+                if holding:
+                    self._outbox.flush(wait=False)
                 if self._pending and not self._stop.is_set():
                     self._run(self._pending.popleft())
+                elif holding and not ready and self._outbox.holding:
+                    time.sleep(_HELD_NAP)
         except BaseException:
             # A layer that raised SystemExit, say: a worker that stops answering would hang its driver.
             log.critical("the serving thread failed; stopping this worker", exc_info=True)
@@ -724,7 +792,11 @@ class WorkerServer:
             self._busy_since = None
             if msg.kind not in (_DROP, _NEW):
                 self._last_busy = time.monotonic()
-        if frames is not None:
+        if frames is None:
+            return
+        if self._outbox.holding:
+            self._outbox.hold_reply(task.peer, frames)  # after the pipelined messages before it
+        else:
             self.sock.send_multipart([task.peer, *frames], copy=False)
 
     def _answer(self, msg: protocol.Message) -> list[Any] | None:

@@ -53,9 +53,11 @@ NO_REPLY = object()
 class Outbox(Protocol):
     """Where a session's pipelined messages go: the driver, or a peer worker by address."""
 
-    def to_driver(self, kind: str, body: Any) -> None: ...
+    def to_driver(self, kind: str, body: Any, ready: Any = None, about: dict[str, Any] | None = None) -> None: ...
 
-    def to_peer(self, address: str, kind: str, body: Any) -> None: ...
+    def to_peer(
+        self, address: str, kind: str, body: Any, ready: Any = None, about: dict[str, Any] | None = None
+    ) -> None: ...
 
     def add_peer_keys(self, keys: dict[str, bytes]) -> None: ...
 
@@ -210,10 +212,15 @@ class WorkerSession:
         for target, msg in outgoing:
             if self.events is not None:
                 msg = dataclasses.replace(msg, sent_at=time.time())
+            body, ready, about = msg.body(), None, None
+            io = self.stages[msg.key].io
+            if io is not None:  # a GPU stage: the message leaves once its tensors are copied off the device
+                body, ready = io.download_all(body), io.ready()
+                about = {"key": msg.key, "call": msg.call, "mb": msg.mb}
             if target == DRIVER:
-                self.outbox.to_driver(driver_kind, msg.body())
+                self.outbox.to_driver(driver_kind, body, ready, about)
             else:
-                self.outbox.to_peer(self.peers[msg.key][target], peer_kind, msg.body())
+                self.outbox.to_peer(self.peers[msg.key][target], peer_kind, body, ready, about)
 
     def route(self, key: str) -> RoutedStage:
         if key not in self.routes:

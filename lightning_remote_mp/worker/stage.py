@@ -26,6 +26,7 @@ from lightning_remote_mp.spec import (
     run_layers,
 )
 from lightning_remote_mp.worker.deferred_grads import DeferredWeightGrads
+from lightning_remote_mp.worker.device_io import DeviceIO
 
 
 def _elements(value: Main) -> tuple[torch.Tensor, ...]:
@@ -122,6 +123,8 @@ class StageExecutor:
         self._saved: dict[tuple[int, int], _Saved] = {}  # by (call, micro-batch)
         self._modes: Any = None  # the train/eval flags last applied
         self.deferred = DeferredWeightGrads(self.layers) if split_backward else None
+        # On a GPU, tensors come and go through side streams (see `device_io`).
+        self.io = DeviceIO(device) if device.type == "cuda" else None
 
     def layer_name(self, global_index: int) -> str:
         i = global_index - self.start
@@ -170,8 +173,11 @@ class StageExecutor:
         return len(self._saved)
 
     # --- compute ---------------------------------------------------------------
+    def _upload(self, t: torch.Tensor) -> torch.Tensor:
+        return self.io.upload(t) if self.io is not None else t.to(self.device)
+
     def _to_device(self, t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
-        t = t.to(self.device, non_blocking=True)
+        t = self._upload(t)
         if requires_grad and is_floating(t):
             t = t.detach().requires_grad_(True)
         return t
@@ -307,12 +313,12 @@ class StageExecutor:
         for y, g in _pairs(saved.y, grad_y):
             if g is not None and y.requires_grad:
                 outputs.append(y)
-                grads.append(g.to(self.device, dtype=y.dtype))
+                grads.append(self._upload(g).to(dtype=y.dtype))
         for name, g in grad_exports.items():
             t = saved.exports.get(name)
             if t is not None and t.requires_grad and g is not None:
                 outputs.append(t)
-                grads.append(g.to(self.device, dtype=t.dtype))
+                grads.append(self._upload(g).to(dtype=t.dtype))
         if outputs:
             filing = self.deferred.filing_backward() if self.deferred is not None else contextlib.nullcontext()
             with filing:

@@ -1,0 +1,208 @@
+"""The GPU data path: a CUDA stage's copies through side streams (`worker.device_io`), and the
+worker's held sends that wait for them (`worker.server._Outbox`).
+
+The held sends are plain Python over real sockets and are tested on any machine, with a
+``threading.Event`` standing in for the CUDA event a GPU stage records; everything that needs a GPU
+skips cleanly without one (``scripts/gpu_check.py`` runs it where there is one).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import lightning as L
+import pytest
+import torch
+import zmq
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_remote_mp import LocalWorkerOptions, RemoteModelParallelStrategy, SpecSequential, protocol, transport
+from lightning_remote_mp.worker.server import WorkerServer, _Outbox
+
+pytestmark = pytest.mark.timeout(120)
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+class Copy:
+    """What the outbox asks of a GPU stage's event (``query``, ``synchronize``), finished by the test."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+
+    def finish(self) -> None:
+        self._done.set()
+
+    def query(self) -> bool:
+        return self._done.is_set()
+
+    def synchronize(self) -> None:
+        assert self._done.wait(10), "the copy never finished"
+
+
+@pytest.fixture
+def outbox() -> Iterator[tuple[_Outbox, zmq.Socket]]:
+    """An outbox on a real (not serving) worker socket, and the driver's DEALER connected to it."""
+    server = WorkerServer("tcp://127.0.0.1:*")
+    driver = transport.dealer(server.endpoint)
+    driver.send_multipart(protocol.encode(protocol.PING, 1, "s"))
+    assert server.sock.poll(5000), "the worker socket heard nothing from the driver"
+    peer_id = server.sock.recv_multipart()[0]
+    box = _Outbox(server)
+    box.driver_peer, box.session = peer_id, "s"
+    try:
+        yield box, driver
+    finally:
+        box.close()
+        driver.close(0)
+        server.sock.disable_monitor()
+        server._monitor.close(0)
+        server.sock.close(0)
+
+
+def _arrived(driver: zmq.Socket, wait_ms: int = 2000) -> list[protocol.Message]:
+    messages = []
+    while driver.poll(wait_ms if not messages else 200):
+        messages.append(protocol.decode(driver.recv_multipart(copy=False)))
+    return messages
+
+
+def test_held_messages_leave_in_order_once_their_copy_is_done(outbox):
+    box, driver = outbox
+    copy = Copy()
+    box.to_driver(protocol.RESULT, {"mb": 0, "x": torch.ones(3)}, ready=copy, about={"mb": 0})
+    assert box.holding
+    box.to_driver(protocol.RESULT, {"mb": 1})  # no copy of its own, but behind one: held too
+    box.hold_reply(box.driver_peer, protocol.encode(protocol.OK, 7, "s", {"step": True}))
+    box.flush(wait=False)
+    assert _arrived(driver, wait_ms=300) == [], "a message left before its tensors were copied"
+    copy.finish()
+    box.flush(wait=False)
+    got = _arrived(driver)
+    assert [(m.kind, m.id) for m in got] == [("result", 0), ("result", 0), ("ok", 7)]
+    assert [m.body.get("mb") for m in got[:2]] == [0, 1] and got[0].body["x"].tolist() == [1.0] * 3
+    assert not box.holding
+    box.to_driver(protocol.RESULT, {"mb": 2})  # nothing held: it goes at once
+    assert [m.body["mb"] for m in _arrived(driver)] == [2]
+
+
+def test_flush_with_wait_waits_for_the_copy_not_longer(outbox):
+    box, driver = outbox
+    copy = Copy()
+    box.to_driver(protocol.RESULT, {"mb": 0}, ready=copy)
+    threading.Timer(0.2, copy.finish).start()
+    started = time.monotonic()
+    box.flush(wait=True)
+    assert 0.15 < time.monotonic() - started < 5
+    assert [m.body["mb"] for m in _arrived(driver)] == [0]
+
+
+def test_a_held_send_that_fails_is_reported_for_its_micro_batch(outbox):
+    box, driver = outbox
+    box.peer_timeout = 0.3
+    gone = transport.context().socket(zmq.ROUTER)
+    nobody = f"tcp://127.0.0.1:{gone.bind_to_random_port('tcp://127.0.0.1')}"
+    gone.close(0)  # a port that was free a moment ago: nobody listens there
+    copy = Copy()
+    copy.finish()
+    box.to_peer(nobody, protocol.FORWARD, {"x": torch.ones(2)}, ready=copy, about={"key": "net", "call": 4, "mb": 1})
+    box.flush(wait=False)
+    (error,) = _arrived(driver)
+    assert error.kind == protocol.ERROR and error.body["type"] == "PeerUnreachableError"
+    assert (error.body["key"], error.body["call"], error.body["mb"]) == ("net", 4, 1)
+    assert nobody in error.body["message"]
+
+
+# --- on a GPU -------------------------------------------------------------------------------------
+
+
+@needs_cuda
+def test_uploads_and_downloads_go_through_side_streams_and_pinned_memory():
+    from lightning_remote_mp.worker.device_io import DeviceIO
+
+    io = DeviceIO(torch.device("cuda"))
+    received = torch.arange(12.0).reshape(3, 4)[:, 1:]  # not contiguous, not pinned: as frames are not
+    x = io.upload(received)
+    assert x.device.type == "cuda" and torch.equal(x.cpu(), received)
+    y = x.t() * 2  # computed on the compute stream; its download must wait for it
+    host = io.download(y)
+    event = io.ready()
+    event.synchronize()
+    assert host.is_pinned() and host.device.type == "cpu"
+    assert torch.equal(host, (received.t() * 2))
+    body = io.download_all({"x": (y, None), "vars": {"r": y[0]}, "n": 3})
+    io.ready().synchronize()
+    assert body["n"] == 3 and body["x"][1] is None and torch.equal(body["vars"]["r"], received.t()[0] * 2)
+
+
+def _cnn_spec(batch: int, norm: tuple[str, dict]) -> list:
+    return [
+        ("torch.nn.Conv2d", {"in_channels": 1, "out_channels": 8, "kernel_size": 3, "padding": 1}, (batch, 1, 8, 8)),
+        (*norm, (batch, 8, 8, 8)),
+        ("torch.nn.ReLU", {}, (batch, 8, 8, 8)),
+        ("torch.nn.Flatten", {}, (batch, 8, 8, 8)),
+        ("torch.nn.Linear", {"in_features": 512, "out_features": 64}, (batch, 512)),
+        ("torch.nn.ReLU", {}, (batch, 64)),
+        ("torch.nn.Linear", {"in_features": 64, "out_features": 1}, (batch, 64)),
+    ]
+
+
+class _Cnn(L.LightningModule):
+    def __init__(self, batch: int, norm: tuple[str, dict]) -> None:
+        super().__init__()
+        self.net = SpecSequential(_cnn_spec(batch, norm))
+        self.losses: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.mse_loss(self.net(x), y)
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+# BatchNorm in training mode normalises each micro-batch by its own statistics: pipelined, the
+# same model is compared with GroupNorm, which does not couple samples.
+@needs_cuda
+@pytest.mark.parametrize(
+    ("microbatches", "norm"),
+    [
+        (1, ("torch.nn.BatchNorm2d", {"num_features": 8})),
+        (4, ("torch.nn.GroupNorm", {"num_groups": 2, "num_channels": 8})),
+    ],
+)
+def test_a_cnn_on_cuda_workers_trains_as_it_does_locally(microbatches, norm):
+    batch = 16
+    g = torch.Generator().manual_seed(0)
+    data = DataLoader(TensorDataset(torch.randn(96, 1, 8, 8, generator=g), torch.randn(96, 1, generator=g)), batch)
+    torch.manual_seed(0)
+    local, remote = _Cnn(batch, norm), _Cnn(batch, norm)
+    remote.load_state_dict(local.state_dict())
+    common = dict(max_epochs=2, logger=False, enable_progress_bar=False, enable_model_summary=False)
+    common["enable_checkpointing"] = False
+    L.Trainer(accelerator="cpu", **common).fit(local, data)
+    strategy = RemoteModelParallelStrategy(
+        local_workers=LocalWorkerOptions(count=2, devices=["cuda:0", f"cuda:{torch.cuda.device_count() - 1}"]),
+        balance=[3, 4],
+        microbatches=microbatches,
+    )
+    L.Trainer(strategy=strategy, accelerator="cpu", **common).fit(remote, data)
+    assert len(remote.losses) == len(local.losses) == 12
+    assert max(abs(a - b) for a, b in zip(remote.losses, local.losses)) < 1e-4
+    for (name, a), b in zip(local.state_dict().items(), remote.state_dict().values()):
+        assert torch.allclose(a, b.cpu(), atol=1e-4), name
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: the script runs for real")
+def test_the_gpu_check_says_plainly_that_there_is_no_gpu():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "gpu_check.py"
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "no CUDA device" in done.stderr
