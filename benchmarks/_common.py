@@ -80,6 +80,7 @@ def child_env(threads: int = 1) -> dict[str, str]:
             "OMP_NUM_THREADS": str(threads),
             "MKL_NUM_THREADS": str(threads),
             "GLOO_SOCKET_IFNAME": "lo",
+            "NCCL_SOCKET_IFNAME": "lo",
             "TP_SOCKET_IFNAME": "lo",
             "PYTHONUNBUFFERED": "1",
         }

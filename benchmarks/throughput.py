@@ -13,7 +13,8 @@ Configurations (all in the same run, interleaved round by round, median over rou
     strategy starts for ``local_workers=LocalWorkerOptions(threads=1)``; started once and reused by every fit so that
     the rounds can alternate), timed by a callback over the steps after the warm-up;
 (c) ``torch <Schedule> m=M``: torch.distributed.pipelining, ``PipelineStage`` built by hand on each of
-    two processes talking gloo over 127.0.0.1, with ScheduleGPipe and Schedule1F1B.
+    two processes talking gloo over 127.0.0.1 (NCCL with ``--device cuda``), with ScheduleGPipe and
+    Schedule1F1B.
 
 Two load-robust columns explain the results: "micro-batch CPU penalty" is the CPU time of one
 step of the whole model run as M micro-batches with gradient accumulation (this process, one
@@ -31,7 +32,9 @@ configuration costs independently of how busy the machine is.
 With ``--device cuda`` the plain loop, the two lrmp workers and the torch ranks compute on the GPU
 (the lrmp driver, which holds no layers, stays on the CPU). lrmp's workers use ``cuda:0`` and
 ``cuda:1`` where there are two GPUs, else both ``cuda:0``; torch's ranks need two GPUs (NCCL
-refuses two ranks on one), so with one GPU its configurations are left out.
+refuses two ranks on one), so with one GPU its configurations are left out, and lrmp's two workers
+time-slice that GPU. The "micro-batch CPU penalty" and "GPipe ceiling" columns are CPU measures:
+ignore them on a GPU.
 """
 
 from __future__ import annotations

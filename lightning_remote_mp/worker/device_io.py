@@ -10,8 +10,8 @@ What leaves goes the other way: `download` queues a copy into a pinned buffer on
 stream, which first waits for the point on the compute stream where the tensor was produced, and
 `ready` records the event a send waits for. The worker sends a message once its event has
 completed (`lightning_remote_mp.worker.server` holds it until then, reading and starting the next
-requests meanwhile): no ``torch.cuda.synchronize()``, and the download of micro-batch i overlaps
-the compute of micro-batch i+1.
+requests meanwhile, and a thread that sleeps on the event wakes it): no ``torch.cuda.synchronize()``,
+and the download of micro-batch i overlaps the compute of micro-batch i+1.
 
 Memory stays safe by the usual rules: a tensor made on one stream and used on another is recorded
 on the other (``record_stream``), so the caching allocator does not hand out its memory while that
@@ -69,6 +69,10 @@ class DeviceIO:
         event of a later `ready` has completed."""
         if t.device.type != "cuda":
             return t
+        if t.device != self.device:
+            t = t.to(self.device)  # from another GPU: onto this one's compute stream first
+        # A lazy conjugate or negation would be applied on the host before an asynchronous copy lands.
+        t = t.resolve_conj().resolve_neg()
         host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         self._download.wait_stream(self._compute())  # the point where t was produced
         with torch.cuda.stream(self._download):
@@ -77,8 +81,9 @@ class DeviceIO:
         return host
 
     def ready(self) -> torch.cuda.Event:
-        """An event that completes once every download queued so far has."""
-        event = torch.cuda.Event()
+        """An event that completes once every download queued so far has. It is a blocking-sync
+        event: a thread that waits for it sleeps instead of spinning on a core."""
+        event = torch.cuda.Event(blocking=True)
         event.record(self._download)
         return event
 

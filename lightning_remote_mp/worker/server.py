@@ -17,13 +17,14 @@ import contextlib
 import dataclasses
 import logging
 import os
+import queue
 import signal
 import socket
 import threading
 import time
 import traceback
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -56,9 +57,8 @@ STAND_IN_AFTER = 0.2
 #: A worker that finished a request this recently still counts as computing in its heartbeats: it
 #: answers them between the short requests of a pipeline.
 _BUSY_WINDOW = 1.0
-#: While messages wait for their copies off a GPU and no request is queued, the serving loop
-#: checks their events this often (seconds) between polls of its socket.
-_HELD_NAP = 50e-6
+#: Seconds between attempts to hand a held message to a peer that could not take it yet.
+_PEER_RETRY = 0.01
 _DROP = "__drop__"
 _NEW = "__new__"
 
@@ -102,9 +102,43 @@ class _Held:
     """A message the outbox sends later: once its tensors' copies off the GPU are done (``ready``),
     or, with ``ready=None``, once the messages before it have gone (sends keep their order)."""
 
+    frames: list[Any]
     ready: Any  # a torch.cuda.Event, or None
-    send: Callable[[], None]  # called by the thread that holds the server's socket
     about: dict[str, Any]  # the micro-batch a failure is reported for (key, call, mb)
+    driver: bytes | None = None  # for the driver (or a requester): its identity on the server socket
+    peer: str = ""  # else for the peer worker at this address
+    kind: str = ""
+    give_up_at: float | None = None  # once a peer could not take it: when it is reported unreachable
+
+
+class _CopyWaiter:
+    """A thread that sleeps on each held message's copy (a blocking-sync CUDA event) and wakes the
+    serving loop when it is done, so that the loop sleeps in its poll meanwhile, not checking
+    events in a spin. A failed copy (a CUDA error) wakes it too: the loop's ``query`` raises it."""
+
+    def __init__(self, wake_endpoint: str) -> None:
+        self._endpoint = wake_endpoint
+        self._events: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="lrmp-copies", daemon=True)
+        self._thread.start()
+
+    def watch(self, event: Any) -> None:
+        self._events.put(event)
+
+    def stop(self) -> None:
+        self._events.put(None)
+        self._thread.join(timeout=_COMPUTE_GRACE)
+
+    def _run(self) -> None:
+        wake = transport.inproc_push(self._endpoint)
+        try:
+            while (event := self._events.get()) is not None:
+                with contextlib.suppress(Exception):
+                    event.synchronize()
+                with contextlib.suppress(zmq.Again):
+                    wake.send(b"", zmq.NOBLOCK)
+        finally:
+            wake.close(0)
 
 
 class _Outbox:
@@ -116,8 +150,9 @@ class _Outbox:
 
     A message whose tensors are still being copied off a GPU (``ready``, an event: see
     `lightning_remote_mp.worker.device_io`) is *held*, as is every message after it, and sent in
-    order by `flush`, which the serving loop calls between requests: the worker reads and starts
-    the next micro-batch while the GPU finishes the last one. On CPU nothing is ever held.
+    order by `flush`, which the serving loop calls whenever it wakes: the worker reads and starts
+    the next micro-batch while the GPU finishes the last one, and a `_CopyWaiter` wakes the loop
+    when a copy is done. On CPU nothing is ever held.
     """
 
     def __init__(self, server: WorkerServer, keys: KeyPair | None = None) -> None:
@@ -129,6 +164,7 @@ class _Outbox:
         self.peer_keys: dict[str, bytes] = {}  # address -> public key, announced by the driver
         self._peers: dict[str, zmq.Socket] = {}
         self._held: collections.deque[_Held] = collections.deque()
+        self._copies: _CopyWaiter | None = None  # started by the first held copy: never on CPU
 
     @property
     def holding(self) -> bool:
@@ -137,45 +173,94 @@ class _Outbox:
     def to_driver(self, kind: str, body: Any, ready: Any = None, about: dict[str, Any] | None = None) -> None:
         """Send to the driver (from a request's handler: the socket is taken for the send)."""
         frames = protocol.encode(kind, 0, self.session, body)
-        peer = self.driver_peer
         if ready is not None or self._held:
-            self._held.append(_Held(ready, lambda: self._send_driver(peer, frames), about or {}))
+            self._hold(_Held(frames, ready, about or {}, driver=self.driver_peer))
             return
         with self.server.socket():
-            self._send_driver(peer, frames)
+            self._send_driver(self.driver_peer, frames)
 
     def to_peer(
         self, address: str, kind: str, body: Any, ready: Any = None, about: dict[str, Any] | None = None
     ) -> None:
         frames = protocol.encode(kind, 0, self.session, body)
         if ready is not None or self._held:
-            self._held.append(_Held(ready, lambda: self._send_to_peer(address, kind, frames), about or {}))
+            self._hold(_Held(frames, ready, about or {}, peer=address, kind=kind))
             return
-        self._send_to_peer(address, kind, frames)
+        sock = self._socket(address)
+        deadline = time.monotonic() + self.peer_timeout
+        while True:
+            try:
+                sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+                return
+            except zmq.Again:
+                if time.monotonic() > deadline:
+                    raise self._unreachable(address, kind) from None
+                sock.poll(100, zmq.POLLOUT)
 
     def hold_reply(self, peer: bytes, frames: list[Any]) -> None:
         """Send a reply behind the held messages (the socket's holder calls this)."""
-        self._held.append(_Held(None, lambda: self._send_driver(peer, frames), {}))
+        self._hold(_Held(frames, None, {}, driver=peer))
+
+    def _hold(self, held: _Held) -> None:
+        self._held.append(held)
+        if held.ready is not None:
+            if self._copies is None:
+                self._copies = _CopyWaiter(self.server._wake_serving)
+            self._copies.watch(held.ready)
 
     def _send_driver(self, peer: bytes, frames: list[Any]) -> None:
         self.server.sock.send_multipart([peer, *frames], copy=False)
 
-    def flush(self, wait: bool) -> None:
-        """Send the held messages whose copies are done, in order; with ``wait``, all of them,
-        waiting for each copy's event (never for the whole device). Called by the thread that holds
-        the socket. A send that fails is reported to the driver as its micro-batch's ERROR."""
+    def flush(self) -> float | None:
+        """Send the held messages that can go, in order (by the thread that holds the socket).
+
+        Returns ``None`` when the rest wait for their copies (the copy waiter wakes the loop), or
+        the seconds after which to try again, when a peer could not take its message yet. A send
+        that fails is reported to the driver as its micro-batch's ERROR; so is a failed copy, which
+        is then raised: after a CUDA error the device is unusable, and the worker stops.
+        """
         while self._held:
             held = self._held[0]
-            if held.ready is not None and not held.ready.query():
-                if not wait:
-                    return
-                held.ready.synchronize()
-            self._held.popleft()
             try:
-                held.send()
+                if held.ready is not None and not held.ready.query():
+                    return None
             except Exception as err:
-                error = {**error_body(err), **held.about}
-                self._send_driver(self.driver_peer, protocol.encode(protocol.ERROR, 0, self.session, error))
+                self._held.popleft()
+                self._report(err, held.about)
+                raise
+            try:
+                if held.driver is not None:
+                    self._send_driver(held.driver, held.frames)
+                elif not self._offer(held):
+                    return _PEER_RETRY
+            except Exception as err:
+                self._report(err, held.about)
+            self._held.popleft()
+        return None
+
+    def _offer(self, held: _Held) -> bool:
+        """Try once to hand a held message to its peer; raise once it has been refused too long."""
+        try:
+            self._socket(held.peer).send_multipart(held.frames, flags=zmq.NOBLOCK, copy=False)
+            return True
+        except zmq.Again:
+            now = time.monotonic()
+            if held.give_up_at is None:
+                held.give_up_at = now + self.peer_timeout
+            if now > held.give_up_at:
+                raise self._unreachable(held.peer, held.kind) from None
+            return False
+
+    def _report(self, err: Exception, about: dict[str, Any]) -> None:
+        error = {**error_body(err), **about}
+        self._send_driver(self.driver_peer, protocol.encode(protocol.ERROR, 0, self.session, error))
+
+    def _unreachable(self, address: str, kind: str) -> PeerUnreachableError:
+        return PeerUnreachableError(
+            f"could not hand a {kind} message to the worker at {address} within {self.peer_timeout:.0f} s: no "
+            "connection to it from this worker (is it reachable from here, not only from the driver, and does "
+            "it accept this worker's key?)"
+        )
 
     def add_peer_keys(self, keys: dict[str, bytes]) -> None:
         self.peer_keys.update(keys)
@@ -195,22 +280,6 @@ class _Outbox:
             sock = self._peers[address] = transport.dealer(address, curve=curve, immediate=True)
         return sock
 
-    def _send_to_peer(self, address: str, kind: str, frames: list[Any]) -> None:
-        sock = self._socket(address)
-        deadline = time.monotonic() + self.peer_timeout
-        while True:
-            try:
-                sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
-                return
-            except zmq.Again:
-                if time.monotonic() > deadline:
-                    raise PeerUnreachableError(
-                        f"could not hand a {kind} message to the worker at {address} within "
-                        f"{self.peer_timeout:.0f} s: no connection to it from this worker (is it reachable "
-                        "from here, not only from the driver, and does it accept this worker's key?)"
-                    ) from None
-                sock.poll(100, zmq.POLLOUT)
-
     def close_peers(self) -> None:
         self._held.clear()  # the session's messages: its driver is gone
         for sock in self._peers.values():
@@ -220,6 +289,8 @@ class _Outbox:
 
     def close(self) -> None:
         self.close_peers()
+        if self._copies is not None:
+            self._copies.stop()
 
 
 def describe_duration(seconds: float) -> str:
@@ -749,16 +820,13 @@ class WorkerServer:
             while not self._stop.is_set():
                 # Read before each queued request too, so heartbeats are answered between them. With
                 # nothing queued, sleep until a message or the session's expiry: an idle worker uses no CPU.
-                holding = self._outbox.holding  # messages wait for copies off the GPU
-                ready = dict(poller.poll(0 if self._pending or holding else self._poll_timeout()))
+                # Messages held for their copies off a GPU go as soon as they can.
+                retry = self._outbox.flush() if self._outbox.holding else None
+                ready = dict(poller.poll(0 if self._pending else self._poll_timeout(retry)))
                 self._on_ready(ready, self._serving_rx)
                 self._expire_session()
-                if holding:
-                    self._outbox.flush(wait=False)
                 if self._pending and not self._stop.is_set():
                     self._run(self._pending.popleft())
-                elif holding and not ready and self._outbox.holding:
-                    time.sleep(_HELD_NAP)
         except BaseException:
             # A layer that raised SystemExit, say: a worker that stops answering would hang its driver.
             log.critical("the serving thread failed; stopping this worker", exc_info=True)
@@ -853,4 +921,7 @@ class WorkerServer:
             self._outbox.close_peers()
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
+                empty_host_cache = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
+                if empty_host_cache is not None:  # the pinned buffers of `device_io` (where torch has it)
+                    empty_host_cache()
             allocator.release()
