@@ -14,7 +14,7 @@ above that during a warm-up step and the timed steps: the activations a stage ke
 backward allocates.
 
     python benchmarks/memory.py            # 50 MB and 2 GB; an MLP of 32 x 512-wide layers, batch 4096
-    python benchmarks/memory.py --quick    # 32 MB only; a small MLP
+    python benchmarks/memory.py --quick    # 32 MB only; a small MLP; the two tables measured side by side
 """
 
 from __future__ import annotations
@@ -25,9 +25,11 @@ import os
 import resource
 import subprocess
 import sys
+import tempfile
+from typing import IO
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import markdown_table  # noqa: E402
+from _common import exit_now, exit_on_sigterm, markdown_table  # noqa: E402
 
 WIDTH = 2048  # a Linear(2048, 2048) is 16 MiB of float32 weights
 
@@ -147,11 +149,26 @@ def recompute_driver(width: int, blocks: int, batch: int, steps: int, every_conf
         workers.stop()
 
 
-def recompute_table(quick: bool) -> None:
-    width, blocks, batch, steps = (256, 4, 1024, 2) if quick else (512, 16, 4096, 3)
-    sizes = [str(v) for v in (width, blocks, batch, steps, 0 if quick else 1)]
+def recompute_sizes(quick: bool) -> tuple[int, int, int, int]:
+    """width, blocks, batch, timed steps of the recomputation table's MLP."""
+    return (256, 4, 1024, 2) if quick else (512, 16, 4096, 3)
+
+
+def start_recompute(quick: bool, log: IO[bytes]) -> subprocess.Popen:
+    """The recomputation measurements, in a fresh process with two fresh workers (its stderr to ``log``)."""
+    sizes = [str(v) for v in (*recompute_sizes(quick), 0 if quick else 1)]
     cmd = [sys.executable, os.path.abspath(__file__), "--_recompute", *sizes]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip().splitlines()
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True)
+
+
+def recompute_table(quick: bool, proc: subprocess.Popen, log: IO[bytes]) -> None:
+    width, blocks, batch, steps = recompute_sizes(quick)
+    stdout, _ = proc.communicate()
+    if proc.returncode:
+        log.seek(0)
+        tail = log.read().decode(errors="replace")[-3000:]
+        raise RuntimeError(f"the recomputation run failed (exit {proc.returncode}):\n{tail}")
+    out = stdout.strip().splitlines()
     results = [json.loads(line) for line in out if line.startswith("{")]
     mib = 1024**2
     activations = 2 * blocks * batch * width * 4 / mib  # Linear input and ReLU input per block, float32
@@ -173,20 +190,8 @@ def recompute_table(quick: bool) -> None:
     )
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--out", default=None, help="ignored; kept for the smoke test's interface")
-    p.add_argument("--_driver", nargs=2, type=int, help=argparse.SUPPRESS)
-    p.add_argument("--_recompute", nargs=5, type=int, help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    if args._driver:
-        driver(*args._driver)
-        return
-    if args._recompute:
-        recompute_driver(*args._recompute)
-        return
-    sizes = [(2, "32 MB")] if args.quick else [(3, "50 MB"), (128, "2 GB")]
+def driver_table(quick: bool) -> None:
+    sizes = [(2, "32 MB")] if quick else [(3, "50 MB"), (128, "2 GB")]
     rows, results = [], []
     for layers, label in sizes:
         out = (
@@ -221,7 +226,35 @@ def main(argv=None) -> None:
         f"driver peak, largest model over smallest: {big / small:.3f}x "
         f"for {results[-1]['params'] / results[0]['params']:.0f}x the parameters"
     )
-    recompute_table(args.quick)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--out", default=None, help="ignored; kept for the smoke test's interface")
+    p.add_argument("--_driver", nargs=2, type=int, help=argparse.SUPPRESS)
+    p.add_argument("--_recompute", nargs=5, type=int, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args._driver or args._recompute:
+        exit_on_sigterm()  # a terminated run still stops its workers
+        if args._driver:
+            driver(*args._driver)
+        else:
+            recompute_driver(*args._recompute)
+        exit_now(0)  # its workers are stopped and its results printed
+    with tempfile.TemporaryFile() as log:
+        # --quick: the recomputation run starts at once, beside the driver runs (each is a fresh process
+        # importing torch and starting two workers: seconds of CPU; a smoke run's numbers mean nothing).
+        # A full run keeps them apart, so that neither disturbs the other's memory and timings.
+        recompute = start_recompute(True, log) if args.quick else None
+        try:
+            driver_table(args.quick)
+            recompute = recompute or start_recompute(False, log)
+            recompute_table(args.quick, recompute, log)
+        finally:
+            if recompute is not None and recompute.poll() is None:
+                recompute.terminate()
+                recompute.wait()
 
 
 if __name__ == "__main__":

@@ -418,4 +418,4 @@ def plot(results: list[dict[str, Any]], args: argparse.Namespace, path: str) -> 
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    _common.exit_now(main())

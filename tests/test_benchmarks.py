@@ -19,7 +19,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BOUND_S = float(os.environ.get("LRMP_BENCH_SMOKE_TIMEOUT", "30"))
 # memory.py starts a fresh driver and two fresh workers for its one quick model size and once more
-# for its recomputation table (six torch imports): ~25 s.
+# for its recomputation table (six torch imports; --quick runs the two side by side): ~15 s (more on a busy machine).
 # tracing.py imports Lightning, starts two workers and traces a small LM with torch.export (the
 # trace alone takes several seconds): ~25 s.
 BOUNDS = {"memory.py": 2 * BOUND_S, "tracing.py": 4 / 3 * BOUND_S}

@@ -58,7 +58,7 @@ def test_checkpoint_holds_one_copy_and_resumes_with_another_replica_count(pool, 
 def test_lost_replica_worker_is_named_with_its_replica(start_workers):
     workers = start_workers(2)
     a = workers.addresses
-    strategy = RemoteModelParallelStrategy(hosts=[[a[0]], [a[1]]], heartbeat_timeout=3.0)  # 2 one-stage replicas
+    strategy = RemoteModelParallelStrategy(hosts=[[a[0]], [a[1]]], heartbeat_timeout=2.0)  # 2 one-stage replicas
     killer = _KillAt(lambda t: workers.procs[1].pid, step=1, sig=signal.SIGKILL)
     with pytest.raises(WorkerLostError) as info:
         trainer(strategy, epochs=1, callbacks=[killer]).fit(Net(residual_spec(probe=False)), data())

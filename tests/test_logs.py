@@ -1,7 +1,10 @@
 """lrmp's messages show like Lightning's own: with no logging set-up, once, and quieted the same way.
 
 Each case runs in a fresh interpreter: under pytest the root logger always has handlers, and
-whether it had them when Lightning was imported is exactly what is being tested.
+whether it had them when Lightning was imported is exactly what is being tested. Importing
+Lightning costs each interpreter seconds of CPU, so the three start together (`programs`) and
+each test reads its own; each skips the interpreter's slow teardown of torch and Lightning
+(`EXIT`: another second or two each) once its logs are flushed.
 """
 
 from __future__ import annotations
@@ -9,18 +12,33 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable, Iterator
 
 import pytest
 
 pytestmark = pytest.mark.timeout(120)
 
+EXIT = """
+    import logging, os, sys
 
-def run_python(source: str, *args: str) -> subprocess.CompletedProcess:
-    proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(source), *args], capture_output=True, text=True, timeout=110
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+"""
+
+
+def start_python(source: str, *args: str) -> subprocess.Popen:
+    program = textwrap.dedent(source) + textwrap.dedent(EXIT)
+    return subprocess.Popen(
+        [sys.executable, "-c", program, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return proc
+
+
+def finish(proc: subprocess.Popen) -> subprocess.CompletedProcess:
+    out, err = proc.communicate(timeout=110)
+    assert proc.returncode == 0, out + err
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 FIT = """
@@ -81,14 +99,6 @@ def shown(stderr: str, prefix: str = "") -> None:
     assert lines == [prefix + line for line in expected], stderr
 
 
-def test_the_placement_shows_on_stderr_once_without_any_logging_set_up(pool):
-    err = run_python(FIT + LEVELS, *pool[:2]).stderr
-    assert err.count("SpecSequential 'net' placed:") == 1, err
-    assert err.count(f"stage 0 @ {pool[0]}: layers 0-1 (Linear, ReLU)") == 1, err
-    assert err.count(f"stage 1 @ {pool[1]}: layers 2-2 (Linear)") == 1, err
-    shown(err)
-
-
 BASIC_CONFIG = """
     import logging
     import sys
@@ -103,8 +113,32 @@ BASIC_CONFIG = """
 """
 
 
+@pytest.fixture(scope="module")
+def programs(_worker_pool) -> Iterator[Callable[[str], subprocess.CompletedProcess]]:
+    """Starts every case's interpreter at once; ``programs(name)`` waits for that one's end."""
+    pool = _worker_pool.addresses
+    procs = {
+        "fit": start_python(FIT + LEVELS, *pool[:2]),
+        "before": start_python(BASIC_CONFIG + LEVELS, "before"),
+        "after": start_python(BASIC_CONFIG + LEVELS, "after"),
+    }
+    yield lambda name: finish(procs[name])
+    for proc in procs.values():
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
+
+
+def test_the_placement_shows_on_stderr_once_without_any_logging_set_up(programs, pool):
+    err = programs("fit").stderr
+    assert err.count("SpecSequential 'net' placed:") == 1, err
+    assert err.count(f"stage 0 @ {pool[0]}: layers 0-1 (Linear, ReLU)") == 1, err
+    assert err.count(f"stage 1 @ {pool[1]}: layers 2-2 (Linear)") == 1, err
+    shown(err)
+
+
 @pytest.mark.parametrize("when", ["before", "after"])
-def test_with_basic_config_each_line_shows_once_in_its_format(when):
+def test_with_basic_config_each_line_shows_once_in_its_format(programs, when):
     """Before importing Lightning or after: either way once (Lightning's own lines show twice
     when basicConfig comes first), and quieted as without it."""
-    shown(run_python(BASIC_CONFIG + LEVELS, when).stderr, prefix="ROOT ")
+    shown(programs(when).stderr, prefix="ROOT ")
