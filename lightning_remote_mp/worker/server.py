@@ -344,11 +344,14 @@ class _SignalWakeup:
 
 
 def _warm_up() -> None:
-    """The first ``torch.autograd.backward`` with explicit gradients in a process imports sympy
-    (seconds on a small machine); pay that before the first session needs it."""
+    """Pay, before the first session needs them, the imports torch does on first use (seconds
+    each on a small machine, which a driver's ``call_timeout`` would count): the first
+    ``torch.autograd.backward`` with explicit gradients imports sympy, the first optimizer
+    ``torch._dynamo``."""
     x = torch.ones(2, 2, requires_grad=True)
     y = x * x
     torch.autograd.backward([y], [torch.ones_like(y)])
+    torch.optim.SGD([x], lr=0.0).step()
 
 
 class WorkerServer:
