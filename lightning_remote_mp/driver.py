@@ -43,7 +43,7 @@ from lightning_remote_mp.keys import KeyPair
 from lightning_remote_mp.optim import OptimizerMirror
 from lightning_remote_mp.pipeline import RemoteSpec, RemoteStage, check_checkpoint_mode
 from lightning_remote_mp.preflight import Preflight, preflight
-from lightning_remote_mp.requests import GetState, GroupInit, LoadState, Profile, Setup
+from lightning_remote_mp.requests import GetState, GroupInit, Hello, LoadState, Profile, Setup
 from lightning_remote_mp.spec import (
     DEFAULT_ALLOWED_PREFIXES,
     SpecSequential,
@@ -307,15 +307,9 @@ class DriverSession:
 
     def _hello(self, timeout: float) -> list[dict[str, Any]]:
         driver = f"{socket.gethostname()} pid {os.getpid()}"
-        hello = {
-            "driver": driver,
-            "protocol": protocol.PROTOCOL_VERSION,
-            "lrmp": __version__,
-            "torch": torch.__version__,
-            "heartbeat_timeout": float(self.heartbeat_timeout),
-        }
+        hello = Hello(driver, protocol.PROTOCOL_VERSION, __version__, torch.__version__, float(self.heartbeat_timeout))
         deadline = time.monotonic() + timeout
-        pending = {id(c): (c, c.send(protocol.HELLO, hello)) for c in self.conns}
+        pending = {id(c): (c, c.send(protocol.HELLO, hello.body())) for c in self.conns}
         replies: dict[int, dict[str, Any]] = {}
         while pending:
             waits = []
@@ -332,7 +326,7 @@ class DriverSession:
                     waits.append(wait)
             if pending:  # held by sessions of a driver that is gone: ask again once they are dropped
                 time.sleep(max(waits))
-                pending = {key: (c, c.send(protocol.HELLO, hello)) for key, (c, _) in pending.items()}
+                pending = {key: (c, c.send(protocol.HELLO, hello.body())) for key, (c, _) in pending.items()}
         infos = [replies[id(c)] for c in self.conns]
         for c, info in zip(self.conns, infos):
             if info.get("protocol") != protocol.PROTOCOL_VERSION:

@@ -622,8 +622,57 @@ class GroupInit:
         )
 
 
-#: The type of every control request, by kind (HELLO, PING and BYE are the server's, FORWARD and
-#: BACKWARD the pipeline's: `lightning_remote_mp.messages`).
+# --- the session -----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Hello:
+    """HELLO: a driver opens its session (or asks again, while another one is being dropped).
+
+    Read leniently, on purpose: a driver of another lrmp version may send another body, and it must
+    still hear which versions differ; so only ``protocol`` (the wire version) decides, and the other
+    fields, informative, are shortened or dropped when malformed rather than refused. PING and BYE
+    carry no body: the session id in the header says it all.
+
+    >>> Hello.from_body({"protocol": 7, "driver": 3}).driver
+    '3'
+    """
+
+    KIND: ClassVar[str] = protocol.HELLO
+
+    driver: str  # who: "host pid N", for logs and the busy message
+    protocol_version: Any  # what the driver speaks (``protocol`` on the wire); compared, never trusted
+    lrmp: str
+    torch: str
+    heartbeat_timeout: float | None = None  # the driver's: how long this worker's peers may keep it waiting
+
+    def body(self) -> dict[str, Any]:
+        """The message body, as `protocol.encode` sends it."""
+        return {
+            "driver": self.driver,
+            "protocol": self.protocol_version,
+            "lrmp": self.lrmp,
+            "torch": self.torch,
+            "heartbeat_timeout": self.heartbeat_timeout,
+        }
+
+    @classmethod
+    def from_body(cls, body: Any) -> Hello:
+        """A received body, read leniently (see the class); never raises."""
+        body = body if isinstance(body, dict) else {}
+        timeout = body.get("heartbeat_timeout")
+        sane = isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and 0 < timeout < 3600
+        return cls(
+            driver=str(body.get("driver", "?"))[:200],
+            protocol_version=body.get("protocol", protocol.PROTOCOL_VERSION),
+            lrmp=str(body.get("lrmp", "?"))[:40],
+            torch=str(body.get("torch", "?"))[:40],
+            heartbeat_timeout=float(timeout) if sane else None,
+        )
+
+
+#: The type of every request but the pipeline's, by kind (FORWARD and BACKWARD:
+#: `lightning_remote_mp.messages`; PING and BYE carry no body).
 REQUESTS: dict[str, type[Any]] = {
     c.KIND: c
     for c in (
@@ -640,5 +689,6 @@ REQUESTS: dict[str, type[Any]] = {
         Grads,
         Timeline,
         GroupInit,
+        Hello,
     )
 }

@@ -19,6 +19,7 @@ from lightning_remote_mp.requests import (
     Grads,
     GradScale,
     GroupInit,
+    Hello,
     LoadOptimState,
     LoadState,
     OptimCreate,
@@ -125,8 +126,8 @@ def test_grads_arrive_as_the_operation_their_op_names():
 
 
 def test_every_request_kind_has_one_typed_definition():
-    # HELLO, PING and BYE are the server's own; FORWARD and BACKWARD are `messages`' Forward and Backward.
-    others = {protocol.HELLO, protocol.PING, protocol.BYE, protocol.FORWARD, protocol.BACKWARD}
+    # PING and BYE carry no body; FORWARD and BACKWARD are `messages`' Forward and Backward.
+    others = {protocol.PING, protocol.BYE, protocol.FORWARD, protocol.BACKWARD}
     assert set(REQUESTS) == protocol.REQUEST_KINDS - others
     assert all(cls.KIND == kind for kind, cls in REQUESTS.items())
 
@@ -181,3 +182,12 @@ GOOD_SETUP = SETUP.body()
 def test_a_malformed_request_is_refused_naming_the_kind_and_the_field(cls, body, match):
     with pytest.raises(ProtocolError, match=match):
         cls.from_body(_through_the_wire(cls.KIND, body))
+
+
+def test_a_hello_is_read_leniently_so_another_version_still_hears_what_differs():
+    sent = Hello("host pid 1", protocol.PROTOCOL_VERSION, "0.1.0", "2.13.0", 9.0)
+    assert Hello.from_body(protocol.decode(protocol.encode(protocol.HELLO, 1, "s", sent.body())).body) == sent
+    odd = Hello.from_body({"protocol": 99, "lrmp": ["x"] * 100, "heartbeat_timeout": True, "driver": None})
+    assert odd.protocol_version == 99 and odd.heartbeat_timeout is None and odd.driver == "None"
+    assert len(odd.lrmp) == 40
+    assert Hello.from_body("not a dict").protocol_version == protocol.PROTOCOL_VERSION

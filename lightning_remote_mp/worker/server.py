@@ -34,6 +34,7 @@ from lightning_remote_mp import __version__, protocol, transport
 from lightning_remote_mp.errors import ConfigurationError, PeerUnreachableError, ProtocolError, ProtocolVersionError
 from lightning_remote_mp.keys import KeyPair
 from lightning_remote_mp.messages import DRIVER as DRIVER_STAGE
+from lightning_remote_mp.requests import Hello
 from lightning_remote_mp.worker import allocator
 from lightning_remote_mp.worker.auth import DRIVER, WorkerAuth
 from lightning_remote_mp.worker.session import NO_REPLY, WorkerSession, describe_device
@@ -695,14 +696,12 @@ class WorkerServer:
     def _on_hello(self, peer: bytes, msg: protocol.Message) -> None:
         """Answered by the thread that holds the socket, at once, so a driver hears back even while
         a request runs (the main thread stands in then)."""
-        body = msg.body if isinstance(msg.body, dict) else {}
-        driver = str(body.get("driver", "?"))[:200]
+        hello = Hello.from_body(msg.body)
         if not msg.session:
             self._refuse(peer, msg.id, ProtocolError("hello without a session id"))
             return
-        theirs = body.get("protocol", protocol.PROTOCOL_VERSION)
-        if theirs != protocol.PROTOCOL_VERSION:
-            mismatch = protocol.version_mismatch("the driver", theirs, body.get("lrmp", "?"), "this worker")
+        if hello.protocol_version != protocol.PROTOCOL_VERSION:
+            mismatch = protocol.version_mismatch("the driver", hello.protocol_version, hello.lrmp, "this worker")
             self._refuse(peer, msg.id, "ProtocolVersionError", mismatch, **self._versions())
             return
         if self._session_id is not None and self._session_id != msg.session:
@@ -717,21 +716,19 @@ class WorkerServer:
             return
         if self._session_id is None:
             self._session_id = msg.session
-            self._session_peer = driver
+            self._session_peer = hello.driver
             self._session_started = time.monotonic()
-            log.info("session %s started by %s", msg.session[:8], driver)
-            if (body.get("lrmp"), body.get("torch")) != (__version__, torch.__version__):
+            log.info("session %s started by %s", msg.session[:8], hello.driver)
+            if (hello.lrmp, hello.torch) != (__version__, torch.__version__):
                 log.warning(
                     "driver %s runs lrmp %s / torch %s; this worker runs lrmp %s / torch %s",
-                    driver,
-                    str(body.get("lrmp"))[:40],
-                    str(body.get("torch"))[:40],
+                    hello.driver,
+                    hello.lrmp,
+                    hello.torch,
                     __version__,
                     torch.__version__,
                 )
-            timeout = body.get("heartbeat_timeout")
-            peer_timeout = float(timeout) if isinstance(timeout, (int, float)) and 0 < timeout < 3600 else None
-            self._pending.append(_Task(peer, protocol.Message(_NEW, 0, msg.session, peer_timeout)))
+            self._pending.append(_Task(peer, protocol.Message(_NEW, 0, msg.session, hello.heartbeat_timeout)))
         self._last_seen = time.monotonic()
         self._reply(
             peer,
