@@ -268,6 +268,12 @@ def check_timeout(name: str, value: Any, *, optional: bool = False) -> None:
         raise ConfigurationError(f"{name} must be a positive number of seconds, got {value!r}")
 
 
+def check_flag(name: str, value: Any) -> None:
+    """``value`` is ``True`` or ``False`` (a 0 or a ``"false"`` from a config file is not)."""
+    if not isinstance(value, bool):
+        raise ConfigurationError(f"{name} must be True or False, got {value!r}")
+
+
 def check_optional_text(name: str, value: Any) -> None:
     if value is not None and not (isinstance(value, (str, os.PathLike)) and os.fspath(value).strip()):
         raise ConfigurationError(f"{name} must be a non-empty string, got {value!r}")

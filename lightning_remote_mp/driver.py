@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from lightning_remote_mp import __version__, partition, protocol
-from lightning_remote_mp.config import Topology
+from lightning_remote_mp.config import Topology, check_flag
 from lightning_remote_mp.errors import (
     ConfigurationError,
     LrmpError,
@@ -446,6 +446,7 @@ class DriverSession:
         ``training``: the stages must fit their workers with gradients and optimizer state.
         ``checkpoint``: activation recomputation (`pipeline.CHECKPOINT_MODES`). ``checked``: what
         `preflight` found for ``module`` if the caller ran it already (it runs here otherwise)."""
+        check_flag("split_backward", split_backward)
         if key in self.placements:
             raise LrmpError(f"{module.kind} {key!r} is already placed")
         check_checkpoint_mode(checkpoint)

@@ -5,9 +5,10 @@
 every other request, which only the driver sends: placing a stage (`Setup`), moving weights
 (`GetState`, `LoadState`), the optimizer mirror (`OptimCreate`, `OptimStep`, `ZeroGrad`,
 `GetOptimState`, `LoadOptimState`, and the `Grads` operations), and the rest (`Release`,
-`Profile`, `Timeline`, `GroupInit`). Each is built by the driver, becomes a body with ``body()``,
-and is checked once on the worker by ``from_body``: a malformed body raises
-`lightning_remote_mp.errors.ProtocolError` naming the kind and the field. Only the shape is
+`Profile`, `Timeline`, `GroupInit`), and the session's first request, `Hello`. Each is built by the
+driver, becomes a body with ``body()``, and is checked once on the worker by ``from_body``: a
+malformed body raises `lightning_remote_mp.errors.ProtocolError` naming the kind and the field
+(except `Hello`'s, read leniently: see there). Only the shape is
 checked here; what the fields mean (a layer entry, a class path, a weight's shape) is checked by
 the code that uses them (`lightning_remote_mp.spec.normalize_entry`, the stage, the optimizer).
 
@@ -635,7 +636,7 @@ class Hello:
     carry no body: the session id in the header says it all.
 
     >>> Hello.from_body({"protocol": 7, "driver": 3}).driver
-    '3'
+    '?'
     """
 
     KIND: ClassVar[str] = protocol.HELLO
@@ -663,12 +664,17 @@ class Hello:
         timeout = body.get("heartbeat_timeout")
         sane = isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and 0 < timeout < 3600
         return cls(
-            driver=str(body.get("driver", "?"))[:200],
+            driver=_text(body.get("driver"), 200),
             protocol_version=body.get("protocol", protocol.PROTOCOL_VERSION),
-            lrmp=str(body.get("lrmp", "?"))[:40],
-            torch=str(body.get("torch", "?"))[:40],
+            lrmp=_text(body.get("lrmp"), 100),
+            torch=_text(body.get("torch"), 100),
             heartbeat_timeout=float(timeout) if sane else None,
         )
+
+
+def _text(value: Any, limit: int) -> str:
+    """A received string, shortened; anything else as ``"?"`` (never ``str()`` of what anyone sent)."""
+    return value[:limit] if isinstance(value, str) else "?"
 
 
 #: The type of every request but the pipeline's, by kind (FORWARD and BACKWARD:

@@ -611,6 +611,8 @@ class SpecSequential(nn.Module):
         """
         super().__init__()
         self.entries = normalize_spec(spec)
+        if init_seed is not None and (type(init_seed) is not int or not 0 <= init_seed < 2**62):
+            raise SpecError(f"init_seed must be None or an integer in [0, 2**62), got {init_seed!r}")
         self.init_seed = init_seed
         if device is not None and torch.device(device).type == "meta" and init_seed is None:
             raise SpecError("a SpecSequential on the meta device needs init_seed, so that workers can initialise it")

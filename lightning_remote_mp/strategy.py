@@ -32,6 +32,7 @@ from lightning_remote_mp.config import (
     check_balance,
     check_count,
     check_curve,
+    check_flag,
     check_optional_text,
     check_replicas,
     check_split,
@@ -187,6 +188,7 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
         self.replicas = check_replicas(replicas, self.topology, self.local_workers)
         check_balance(balance, self.num_stages)
         check_count("microbatches", microbatches)
+        check_flag("split_backward", split_backward)
         self.checkpoint = check_checkpoint_mode(checkpoint)
         check_timeout("heartbeat_timeout", heartbeat_timeout)
         check_timeout("connect_timeout", connect_timeout)

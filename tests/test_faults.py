@@ -461,9 +461,10 @@ def test_a_layer_that_never_returns_fails_the_pipeline_after_call_timeout(start_
             ("lrmp_testlayers.SlowIdentity", {"seconds": 60}, (2, 3)),
         ]
     )
-    # Twice the 1 s in which the heartbeat still counts stage 0 as computing after its setup: else
-    # both stages would be blamed.
-    call_timeout = 2.0
+    # Stage 0 still counts as computing for about 2 s after its forward: its heartbeats report busy
+    # for 1 s after a request, and the driver believes them for two ping intervals more. A second
+    # beyond that, or both stages would be blamed.
+    call_timeout = 1.0 + 2 * min(1.0, HEARTBEAT / 4) + 1.0
     session = DriverSession(workers.addresses, heartbeat_timeout=HEARTBEAT, call_timeout=call_timeout)
     try:
         session.place("net", net, balance=[1, 1])
@@ -485,8 +486,8 @@ def test_a_request_that_never_returns_fails_after_call_timeout(start_workers, tm
     overdue. Moving weights is exempt: a setup that takes longer than call_timeout still succeeds."""
     workers = start_workers(1)
     linear = ("torch.nn.Linear", {"in_features": 3, "out_features": 3}, (2, 3))
-    # A fresh worker's first optimizer imports torch._dynamo: more than a second, and bounded by
-    # call_timeout. Paid here, in a session without one, so that a short call_timeout fits the rest.
+    # A fresh worker pays its first-use imports at start (sympy, torch._dynamo: seconds here); a
+    # session without call_timeout waits for that, so that a short call_timeout fits the rest.
     warm_up = DriverSession(workers.addresses)
     try:
         net = SpecSequential([linear])

@@ -409,3 +409,9 @@ def test_loading_into_a_meta_module_keeps_the_state_quietly(recwarn):
     assert not [w for w in recwarn if "meta parameter" in str(w.message)]
     assert set(meta._pending_state) == {"0.weight", "0.bias", "1.weight", "1.bias"}
     assert torch.equal(meta._pending_state["0.weight"], state["layers.0.weight"])
+
+
+@pytest.mark.parametrize("seed", [True, 1.5, -1, "7"])
+def test_an_init_seed_that_the_workers_would_refuse_is_refused_here(seed):
+    with pytest.raises(SpecError, match=r"init_seed must be None or an integer in \[0, 2\*\*62\)"):
+        SpecSequential([("torch.nn.Linear", {"in_features": 3, "out_features": 3}, (2, 3))], init_seed=seed)

@@ -328,6 +328,7 @@ TWO_HOSTS = ["127.0.0.1:5555", "127.0.0.1:5556"]
         (lambda: dict(local_workers=LocalWorkerOptions(count=3), replicas=2), "replicas=2 does not divide"),
         (lambda: dict(hosts=[TWO_HOSTS[:1], TWO_HOSTS[1:]], replicas=3), "replicas=3, but hosts has 2 row"),
         (lambda: dict(microbatches=0), "microbatches must be at least 1, got 0"),
+        (lambda: dict(split_backward=1), "split_backward must be True or False, got 1"),
         (lambda: dict(checkpoint="sometimes"), "checkpoint must be one of 'never', 'except_last', 'always'"),
         (lambda: dict(balance=[5, 3, 2]), r"balance=\[5, 3, 2\] has 3 entries but there are 2 stages"),
         (lambda: dict(balance="speed"), "balance='speed' is unknown"),

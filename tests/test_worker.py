@@ -800,10 +800,16 @@ import os; os._exit(0)  # skips the interpreter's slow teardown of torch
         for mode in ("keep", "default")
     }
     faults = {}
-    for mode, proc in procs.items():
-        out, err = proc.communicate(timeout=60)
-        assert proc.returncode == 0, err.decode()
-        faults[mode] = int(out)
+    try:
+        for mode, proc in procs.items():
+            out, err = proc.communicate(timeout=60)
+            assert proc.returncode == 0, err.decode()
+            faults[mode] = int(out)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
     # With glibc's initial settings every step maps its 16 MiB afresh: ~4,000 faults a step. Kept,
     # none on a quiet machine; a loaded CI machine has shown ~250 a step (a reclaimed page here and
     # there), still a sixteenth of the default: the ratio is what this asserts.
