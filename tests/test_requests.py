@@ -191,3 +191,68 @@ def test_a_hello_is_read_leniently_so_another_version_still_hears_what_differs()
     assert odd.protocol_version == 99 and odd.heartbeat_timeout is None
     assert (odd.driver, odd.lrmp, len(odd.torch)) == ("?", "?", 100)
     assert Hello.from_body("not a dict").protocol_version == protocol.PROTOCOL_VERSION
+
+
+def _golden() -> dict[str, object]:
+    """One fixed request of every kind, with fixed tensors (no randomness)."""
+    t = torch.arange(6.0).reshape(2, 3)
+    return {
+        "setup": Setup(
+            key="net",
+            stage=1,
+            start=2,
+            entries=[["torch.nn.Linear", {"in_features": 3, "out_features": 2}, [2, 3]]],
+            exports=["r"],
+            sources=((0, ("r",)),),
+            targets=((-1, ()),),
+            peers={0: "tcp://127.0.0.1:5555"},
+            state={"2.weight": t[:, :2], "2.bias": torch.zeros(2)},
+            code_digests={"m": "00" * 32},
+            seed=5,
+            frozen=["2.bias"],
+        ),
+        "release": Release({"net": [1, 2]}),
+        "get_state": GetState(),
+        "load_state": LoadState({"net": {"2.bias": torch.ones(2)}}),
+        "profile": Profile([["torch.nn.ReLU", {}, [2, 3]]], repeats=3),
+        "optim_create": OptimCreate(0, "torch.optim.SGD", {"lr": 0.1}, [{"params": ["net.2.weight"], "lr": 0.1}]),
+        "optim_step": OptimStep(0, [{"lr": 0.05}]),
+        "zero_grad": ZeroGrad(0, set_to_none=False),
+        "get_optim_state": GetOptimState(0),
+        "load_optim_state": LoadOptimState(0, {"net.2.weight": {"momentum_buffer": t}}),
+        "grads": GradScale(0, torch.tensor(0.5)),
+        "timeline": Timeline("clock"),
+        "group": GroupInit("127.0.0.1", 29500, "p", 0, 2, "gloo", 30.0),
+        "hello": Hello("host pid 1", protocol.PROTOCOL_VERSION, "0.1.0", "2.13.0", 9.0),
+    }
+
+
+# sha256 of each request's frames. A change here changes what older workers receive: bump
+# protocol.PROTOCOL_VERSION with it (and say so in the CHANGELOG), then update these.
+GOLDEN = {
+    "setup": "51335f71a77a9882",
+    "release": "81840a6cb91ec619",
+    "get_state": "a5a83ff7de0c00d8",
+    "load_state": "8a4ab9b94f31d9b9",
+    "profile": "3a3abc82981f5208",
+    "optim_create": "b59a40830e58209c",
+    "optim_step": "766d09c24aaeacf2",
+    "zero_grad": "edea2335fd97c6d9",
+    "get_optim_state": "54127871af5e19ae",
+    "load_optim_state": "df6c6ad773d20043",
+    "grads": "9b453cadbfc53169",
+    "timeline": "3c314de23d41171b",
+    "group": "db4d0146772c0967",
+    "hello": "8c8b9dda49852da1",
+}
+
+
+def test_the_wire_format_of_every_request_is_pinned():
+    import hashlib
+
+    got = {}
+    for kind, request in _golden().items():
+        assert request.KIND == kind
+        frames = protocol.encode(kind, 1, "session", request.body())
+        got[kind] = hashlib.sha256(b"".join(bytes(f) for f in frames)).hexdigest()[:16]
+    assert got == GOLDEN, "the wire format changed: bump protocol.PROTOCOL_VERSION, then update GOLDEN"
