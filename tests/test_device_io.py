@@ -245,3 +245,68 @@ def test_the_gpu_check_says_plainly_that_there_is_no_gpu():
     script = Path(__file__).resolve().parent.parent / "scripts" / "gpu_check.py"
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "no CUDA device" in done.stderr
+
+
+class SlowCopies:
+    """A GPU stage's `DeviceIO` as the serving loop sees it, on CPU: tensors stay where they are,
+    and every message's "copy" completes ``delay`` seconds after it was queued."""
+
+    def __init__(self, delay: float) -> None:
+        self.delay = delay
+
+    def upload(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def download_all(self, body: object) -> object:
+        return body
+
+    def ready(self) -> Copy:
+        copy = Copy()
+        threading.Timer(self.delay, copy.finish).start()
+        return copy
+
+
+def test_a_pipeline_whose_sends_wait_for_copies_computes_what_a_local_run_does():
+    """Two in-process workers whose stages hold every outgoing message for a slow copy, as GPU
+    stages do: micro-batches, results, gradients and the replies behind them all arrive, in
+    order, and forward and backward equal a local run."""
+    import copy as copying
+
+    from lightning_remote_mp.driver import DriverSession
+
+    servers = [WorkerServer("tcp://127.0.0.1:*") for _ in range(2)]
+    threads = [threading.Thread(target=s.serve_forever, daemon=True) for s in servers]
+    for t in threads:
+        t.start()
+    torch.manual_seed(0)
+    spec = [
+        ("torch.nn.Linear", {"in_features": 4, "out_features": 8}, (8, 4)),
+        ("torch.nn.ReLU", {}, (8, 8)),
+        ("torch.nn.Linear", {"in_features": 8, "out_features": 2}, (8, 8)),
+    ]
+    net = SpecSequential(spec)
+    local = copying.deepcopy(net)
+    session = DriverSession([s.endpoint for s in servers], connect_timeout=30)
+    try:
+        session.place("net", net, balance=[2, 1], microbatches=4)
+        for server in servers:  # the serving threads are idle between requests
+            for stage in server._session.stages.values():
+                stage.io = SlowCopies(0.02)
+        for _ in range(2):
+            x = torch.randn(8, 4, requires_grad=True)
+            xl = x.detach().clone().requires_grad_(True)
+            y, yl = net(x), local(xl)
+            assert torch.allclose(y, yl, atol=1e-6)
+            g = torch.randn(8, 2)
+            y.backward(g)
+            yl.backward(g)
+            assert torch.allclose(x.grad, xl.grad, atol=1e-6)
+        assert all(s._outbox._copies is not None for s in servers), "no message was held for its copy"
+        assert not any(s._outbox.holding for s in servers)
+    finally:
+        session.close()
+        for server in servers:
+            server.stop()
+        for t in threads:
+            t.join(timeout=10)
+    assert not any(t.is_alive() for t in threads)
