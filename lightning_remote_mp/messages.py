@@ -43,6 +43,12 @@ def _field(what: str, body: dict[str, Any], name: str, kind: type | tuple[type, 
     return value
 
 
+def _dict_body(what: str, body: Any) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise ProtocolError(f"{what} message: the body must be a dict")
+    return body
+
+
 def _a(name: str) -> str:
     return f"an {name}" if name[0] in "aeiou" else f"a {name}"
 
@@ -99,8 +105,7 @@ class _Pipelined:
     @staticmethod
     def _checked_header(what: str, body: Any) -> dict[str, Any]:
         """The header fields of a received ``body``, as constructor arguments; raises `ProtocolError`."""
-        if not isinstance(body, dict):
-            raise ProtocolError(f"{what} message: the body must be a dict")
+        body = _dict_body(what, body)
         return {
             "key": _field(what, body, "key", str),
             "call": _field(what, body, "call", int),

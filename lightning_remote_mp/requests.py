@@ -33,16 +33,10 @@ import torch
 from lightning_remote_mp import protocol
 from lightning_remote_mp.errors import ProtocolError
 from lightning_remote_mp.keys import is_z85_key
-from lightning_remote_mp.messages import _field
+from lightning_remote_mp.messages import _dict_body, _field
 
 #: A stage's forward routes: ``(stage, variable names)`` pairs (`lightning_remote_mp.partition.Stage`).
 Routes = tuple[tuple[int, tuple[str, ...]], ...]
-
-
-def _dict_body(what: str, body: Any) -> dict[str, Any]:
-    if not isinstance(body, dict):
-        raise ProtocolError(f"{what} message: the body must be a dict")
-    return body
 
 
 def _is_int(value: Any) -> bool:
