@@ -28,10 +28,10 @@ stream may still read it; a pinned buffer lives as long as the ZeroMQ frame that
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 
 
 class DeviceIO:
@@ -89,15 +89,4 @@ class DeviceIO:
 
     def download_all(self, value: Any) -> Any:
         """`download` every tensor in a message body (nested dicts, lists and tuples)."""
-        return map_tensors(value, self.download)
-
-
-def map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """``value`` with ``fn`` applied to every tensor in it (through dicts, lists and tuples)."""
-    if isinstance(value, torch.Tensor):
-        return fn(value)
-    if isinstance(value, dict):
-        return {k: map_tensors(v, fn) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(map_tensors(v, fn) for v in value)
-    return value
+        return pytree.tree_map_only(torch.Tensor, self.download, value)
