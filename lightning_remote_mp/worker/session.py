@@ -117,14 +117,6 @@ class WorkerSession:
             raise ProtocolError(f"unexpected message kind {kind!r:.40}")
         return handler(body)
 
-    def stage(self, key: str) -> StageExecutor:
-        if key not in self.stages:
-            raise SpecError(f"no stage {key!r:.80} on this worker; send setup first")
-        return self.stages[key]
-
-    def stage_of(self, key: str) -> StageExecutor | None:
-        return self.stages.get(key)
-
     # --- stages ---------------------------------------------------------------
     def setup(self, body: Any) -> Any:
         msg = Setup.from_body(body)
@@ -242,7 +234,7 @@ class WorkerSession:
 
     def load_state(self, body: Any) -> Any:
         for key, state in LoadState.from_body(body).state.items():
-            self.stage(key).load_state_dict(state)
+            self.route(key).stage.load_state_dict(state)
         return None
 
     # --- optimizers -------------------------------------------------------------
