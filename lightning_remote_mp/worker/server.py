@@ -183,20 +183,12 @@ class _Outbox:
     def to_peer(
         self, address: str, kind: str, body: Any, ready: Any = None, about: dict[str, Any] | None = None
     ) -> None:
-        frames = protocol.encode(kind, 0, self.session, body)
+        held = _Held(protocol.encode(kind, 0, self.session, body), ready, about or {}, peer=address, kind=kind)
         if ready is not None or self._held:
-            self._hold(_Held(frames, ready, about or {}, peer=address, kind=kind))
+            self._hold(held)
             return
-        sock = self._socket(address)
-        deadline = time.monotonic() + self.peer_timeout
-        while True:
-            try:
-                sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
-                return
-            except zmq.Again:
-                if time.monotonic() > deadline:
-                    raise self._unreachable(address, kind) from None
-                sock.poll(100, zmq.POLLOUT)
+        while not self._offer(held):  # raises once the peer has refused it for peer_timeout
+            self._socket(address).poll(100, zmq.POLLOUT)
 
     def hold_reply(self, peer: bytes, frames: list[Any]) -> None:
         """Send a reply behind the held messages (the socket's holder calls this)."""
@@ -240,7 +232,7 @@ class _Outbox:
         return None
 
     def _offer(self, held: _Held) -> bool:
-        """Try once to hand a held message to its peer; raise once it has been refused too long."""
+        """Try once to hand a message to its peer; raise once it has been refused for ``peer_timeout``."""
         try:
             self._socket(held.peer).send_multipart(held.frames, flags=zmq.NOBLOCK, copy=False)
             return True
