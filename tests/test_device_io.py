@@ -129,20 +129,39 @@ def test_a_held_send_that_fails_is_reported_for_its_micro_batch(outbox):
 
 
 @needs_cuda
-def test_uploads_and_downloads_go_through_side_streams_and_pinned_memory():
-    from lightning_remote_mp.worker.device_io import DeviceIO
+def test_small_tensors_are_copied_at_once_and_large_ones_off_the_compute_stream():
+    from lightning_remote_mp.worker.device_io import OVERLAP_FROM, DeviceIO
 
     io = DeviceIO(torch.device("cuda"))
     received = torch.arange(12.0).reshape(3, 4)[:, 1:]  # not contiguous, not pinned: as frames are not
+    x = io.upload(received)
+    assert x.device.type == "cuda" and torch.equal(x.cpu(), received)
+    body, ready = io.to_host({"x": (x.t() * 2, None), "n": 3})
+    assert ready is None, "a small tensor's copy was left to finish later"
+    assert body["n"] == 3 and body["x"][1] is None and torch.equal(body["x"][0], received.t() * 2)
+    large = torch.ones(OVERLAP_FROM // 4)
+    body, ready = io.to_host({"small": x, "large": io.upload(large) * 2})
+    ready.synchronize()
+    assert body["large"].is_pinned() and torch.equal(body["large"], large * 2)
+    assert not body["small"].is_pinned() and torch.equal(body["small"], received)
+
+
+@needs_cuda
+def test_uploads_and_downloads_go_through_side_streams_and_pinned_memory():
+    from lightning_remote_mp.worker.device_io import DeviceIO
+
+    io = DeviceIO(torch.device("cuda"), overlap_from=0)
+    received = torch.arange(12.0).reshape(3, 4)[:, 1:]
     x = io.upload(received)
     assert x.device.type == "cuda" and torch.equal(x.cpu(), received)
     y = x.t() * 2
     host = io.download(y)
     io.ready().synchronize()
     assert host.is_pinned() and host.device.type == "cpu" and torch.equal(host, received.t() * 2)
-    body = io.download_all({"x": (y, None), "vars": {"r": y[0]}, "n": 3})
-    io.ready().synchronize()
+    body, ready = io.to_host({"x": (y, None), "vars": {"r": y[0]}, "n": 3})
+    ready.synchronize()
     assert body["n"] == 3 and body["x"][1] is None and torch.equal(body["vars"]["r"], received.t()[0] * 2)
+    assert body["vars"]["r"].is_pinned()
 
 
 @needs_cuda
@@ -151,7 +170,7 @@ def test_every_copy_waits_for_what_it_depends_on():
     reads unfinished data, or memory the allocator has already handed out again."""
     from lightning_remote_mp.worker.device_io import DeviceIO
 
-    io = DeviceIO(torch.device("cuda"))
+    io = DeviceIO(torch.device("cuda"), overlap_from=0)
     n, cycles = 1 << 22, 100_000_000
     src = torch.arange(n, dtype=torch.float32)
     with torch.cuda.stream(io._upload):
@@ -171,6 +190,9 @@ def test_every_copy_waits_for_what_it_depends_on():
     torch.full((n,), -1.0, device="cuda")
     io.ready().synchronize()
     assert torch.equal(host, src * 3), "the download read memory that was reused"
+    torch.cuda._sleep(cycles)  # a synchronous copy waits for the compute stream by itself
+    body, ready = DeviceIO(torch.device("cuda")).to_host({"y": x[:8] * 4})
+    assert ready is None and torch.equal(body["y"], src[:8] * 4)
 
 
 def _cnn_spec(batch: int, norm: tuple[str, dict]) -> list:
@@ -257,24 +279,21 @@ class SlowCopies:
     def upload(self, t: torch.Tensor) -> torch.Tensor:
         return t
 
-    def download_all(self, body: object) -> object:
-        return body
-
-    def ready(self) -> Copy:
+    def to_host(self, body: object) -> tuple[object, Copy]:
         copy = Copy()
         threading.Timer(self.delay, copy.finish).start()
-        return copy
+        return body, copy
 
 
-def test_a_pipeline_whose_sends_wait_for_copies_computes_what_a_local_run_does():
-    """Two in-process workers whose stages hold every outgoing message for a slow copy, as GPU
-    stages do: micro-batches, results, gradients and the replies behind them all arrive, in
-    order, and forward and backward equal a local run."""
+def _in_process_pipeline_equals_local(device: str, make_io) -> None:
+    """Two in-process workers on ``device`` whose stages copy through ``make_io(stage.device)``:
+    micro-batches, results, gradients and the replies behind them all arrive, in order, some held
+    for their copies, and forward and backward equal a local run."""
     import copy as copying
 
     from lightning_remote_mp.driver import DriverSession
 
-    servers = [WorkerServer("tcp://127.0.0.1:*") for _ in range(2)]
+    servers = [WorkerServer("tcp://127.0.0.1:*", device=device) for _ in range(2)]
     threads = [threading.Thread(target=s.serve_forever, daemon=True) for s in servers]
     for t in threads:
         t.start()
@@ -291,7 +310,7 @@ def test_a_pipeline_whose_sends_wait_for_copies_computes_what_a_local_run_does()
         session.place("net", net, balance=[2, 1], microbatches=4)
         for server in servers:  # the serving threads are idle between requests
             for stage in server._session.stages.values():
-                stage.io = SlowCopies(0.02)
+                stage.io = make_io(stage.device)
         for _ in range(2):
             x = torch.randn(8, 4, requires_grad=True)
             xl = x.detach().clone().requires_grad_(True)
@@ -310,3 +329,16 @@ def test_a_pipeline_whose_sends_wait_for_copies_computes_what_a_local_run_does()
         for t in threads:
             t.join(timeout=10)
     assert not any(t.is_alive() for t in threads)
+
+
+def test_a_pipeline_whose_sends_wait_for_copies_computes_what_a_local_run_does():
+    """As GPU stages hold messages for their copies, with a slow (simulated) copy on CPU."""
+    _in_process_pipeline_equals_local("cpu", lambda device: SlowCopies(0.02))
+
+
+@needs_cuda
+def test_a_pipeline_whose_copies_all_overlap_computes_what_a_local_run_does():
+    """Real CUDA stages, every copy (however small) off the compute stream and every send held for it."""
+    from lightning_remote_mp.worker.device_io import DeviceIO
+
+    _in_process_pipeline_equals_local("cuda:0", lambda device: DeviceIO(device, overlap_from=0))

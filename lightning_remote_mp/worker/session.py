@@ -207,7 +207,7 @@ class WorkerSession:
             body, ready, about = msg.body(), None, None
             io = self.stages[msg.key].io
             if io is not None:  # a GPU stage: the message leaves once its tensors are copied off the device
-                body, ready = io.download_all(body), io.ready()
+                body, ready = io.to_host(body)
                 about = {"key": msg.key, "call": msg.call, "mb": msg.mb}
             if target == DRIVER:
                 self.outbox.to_driver(driver_kind, body, ready, about)
