@@ -415,3 +415,22 @@ def test_loading_into_a_meta_module_keeps_the_state_quietly(recwarn):
 def test_an_init_seed_that_the_workers_would_refuse_is_refused_here(seed):
     with pytest.raises(SpecError, match=r"init_seed must be None or an integer in \[0, 2\*\*62\)"):
         SpecSequential([("torch.nn.Linear", {"in_features": 3, "out_features": 3}, (2, 3))], init_seed=seed)
+
+
+def test_a_layer_declares_its_variables_on_the_instance_on_its_class_or_by_a_property():
+    from lightning_remote_mp.spec import variables_of
+
+    class OnClass(nn.Module):
+        dependencies = ["a"]
+
+    class ByProperty(nn.Module):
+        @property
+        def out_variables(self):
+            return ["b"]
+
+    on_instance = nn.Identity()
+    on_instance.dependencies = ["c"]
+    assert variables_of(OnClass()) == (["a"], [])
+    assert variables_of(ByProperty()) == ([], ["b"])
+    assert variables_of(on_instance) == (["c"], [])
+    assert variables_of(nn.Linear(2, 2)) == ([], [])
