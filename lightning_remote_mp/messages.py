@@ -82,6 +82,15 @@ def _autocast(what: str, body: dict[str, Any]) -> dict[str, Any] | None:
     return value
 
 
+def _fence(what: str, body: dict[str, Any]) -> dict[int, int]:
+    """``fence``: stage number -> the id of a driver request to that stage's worker."""
+    value = _field(what, body, "fence", dict, {})
+    for k, v in value.items():
+        if type(k) is not int or type(v) is not int or v < 0:
+            raise ProtocolError(f"{what} message: 'fence' must map stage numbers to request ids")
+    return value
+
+
 @dataclasses.dataclass(frozen=True)
 class _Pipelined:
     """What every pipelined message carries: whose micro-batch it is and who sent it.
@@ -91,6 +100,10 @@ class _Pipelined:
         call: the driver's forward call; ``mb``: the micro-batch within it.
         sender: the sending stage's number, or `DRIVER`.
         sent_at: when it was sent (wall clock), while a timeline records.
+        fence: for each stage, the id of the last request the driver sent its worker without
+            waiting for the reply (the optimizer's step, zero_grad) before this micro-batch; the
+            stage runs the micro-batch only once it has run that request (it could arrive later
+            than the micro-batch, which comes from another worker). Stages pass it on unchanged.
     """
 
     key: str
@@ -98,9 +111,17 @@ class _Pipelined:
     mb: int
     sender: int
     sent_at: float | None = None
+    fence: dict[int, int] = dataclasses.field(default_factory=dict)
 
     def _header(self) -> dict[str, Any]:
-        return {"key": self.key, "call": self.call, "mb": self.mb, "from": self.sender, "sent_at": self.sent_at}
+        return {
+            "key": self.key,
+            "call": self.call,
+            "mb": self.mb,
+            "from": self.sender,
+            "sent_at": self.sent_at,
+            "fence": self.fence,
+        }
 
     @staticmethod
     def _checked_header(what: str, body: Any) -> dict[str, Any]:
@@ -112,6 +133,7 @@ class _Pipelined:
             "mb": _field(what, body, "mb", int),
             "sender": _field(what, body, "from", int),
             "sent_at": body["sent_at"] if isinstance(body.get("sent_at"), float) else None,
+            "fence": _fence(what, body),
         }
 
 

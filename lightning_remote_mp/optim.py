@@ -199,7 +199,7 @@ class OptimizerMirror:
         self.sync_grads()
         hparams = [_hparams(g) for g in optimizer.param_groups]
         # Not awaited: Lightning's loop goes on (hooks, logging, the next batch) while the workers
-        # step; the next forward or backward waits for the replies first (RemoteSpec._settle).
+        # step; micro-batches sent after it wait for it on each worker (RemoteSpec._fence).
         for c in self.conns:
             c.post(protocol.OPTIM_STEP, OptimStep(self.index, hparams).body())
 

@@ -198,17 +198,23 @@ class RemoteSpec:
             out[(r, msg.mb)] = msg
         return out
 
-    def _settle(self, what: str) -> None:
-        """Wait for the replies to requests posted without waiting (the optimizer step, zero_grad).
-        Each worker runs the driver's requests in order, but a micro-batch reaches a later stage
-        from another worker and could overtake a step the driver posted to that stage earlier."""
-        for conn in self.conns:
-            conn.settle(what=what)
+    def _fence(self, replica: int) -> dict[int, int]:
+        """What a micro-batch of ``replica`` must not overtake: the requests posted to its stages
+        without waiting for the reply (the optimizer's step, zero_grad). Each worker runs the
+        driver's requests in order, but a micro-batch reaches a later stage from another worker,
+        and could arrive before a step the driver posted to that stage earlier; the stage holds
+        it back until it has run the step (`lightning_remote_mp.worker.session`). The driver does
+        not wait for those replies: a failure among them is raised when its reply is read."""
+        fence = {}
+        for rs in self.replicas[replica]:
+            posted = rs.conn.unanswered_up_to
+            if posted:
+                fence[rs.stage.index] = posted
+        return fence
 
     def forward(
         self, x: Main, *, grad: bool, x_needs_grad: bool | list[bool], autocast: dict[str, Any] | None
     ) -> tuple[Main, int]:
-        self._settle("forward")
         self._flush_releases()
         call = next(self._ids)
         modes = self.modes()
@@ -221,6 +227,7 @@ class RemoteSpec:
         chunks = iter(self._chunks(x, flat))
         try:
             for r, row in enumerate(sizes):
+                fence = self._fence(r) if row else {}
                 for mb in range(len(row)):
                     self.replicas[r][0].conn.send(
                         protocol.FORWARD,
@@ -235,6 +242,7 @@ class RemoteSpec:
                             autocast=autocast,
                             modes=modes,
                             checkpoint=grad and self._recomputed(mb, len(row)),
+                            fence=fence,
                         ).body(),
                     )
             results = self._collect(protocol.RESULT, -1, call, sizes, "forward")
@@ -306,12 +314,14 @@ class RemoteSpec:
         else:
             grads = iter(grad_y.split(flat, dim=0) if grad_y is not None else [None] * len(flat))
         try:
-            self._settle("backward")
             for r, row in enumerate(record.sizes):
+                fence = self._fence(r) if row else {}
                 for mb in range(len(row)):
                     self.replicas[r][-1].conn.send(
                         protocol.BACKWARD,
-                        Backward(key=self.key, call=call, mb=mb, sender=DRIVER, grad_out=next(grads)).body(),
+                        Backward(
+                            key=self.key, call=call, mb=mb, sender=DRIVER, grad_out=next(grads), fence=fence
+                        ).body(),
                     )
             done = self._collect(protocol.DONE, 0, call, record.sizes, "backward")
         except BaseException:

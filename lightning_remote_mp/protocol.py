@@ -35,7 +35,7 @@ import torch
 # LimitExceeded lives with the other errors; ``protocol.LimitExceeded`` stays its name here too.
 from lightning_remote_mp.errors import ConfigurationError, LimitExceeded, ProtocolError, ProtocolVersionError
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 
 class Kind(str, enum.Enum):
@@ -86,7 +86,7 @@ def version_mismatch(other: str, other_version: Any, other_lrmp: Any, this: str)
     driver's errors and the worker's replies alike).
 
     >>> version_mismatch("the driver", 9, "9.0.0", "this worker")  # doctest: +ELLIPSIS
-    'the driver speaks lrmp wire protocol version 9 (lrmp 9.0.0); this worker speaks version 2 (lrmp ...): install ...'
+    'the driver speaks lrmp wire protocol version 9 (lrmp 9.0.0); this worker speaks version 3 (lrmp ...): install ...'
     """
     from lightning_remote_mp import __version__
 

@@ -388,6 +388,12 @@ class Connection:
         (or by `settle`)."""
         self._unanswered[self.send(kind, body)] = kind
 
+    @property
+    def unanswered_up_to(self) -> int:
+        """The id of the last posted request not answered yet, or 0: what a pipelined message's
+        ``fence`` names for this worker (`lightning_remote_mp.messages`)."""
+        return next(reversed(self._unanswered), 0)  # ids only grow, and dicts keep their order
+
     def settle(self, timeout: float | None = None, what: str = "") -> None:
         """Wait until every posted request has been answered (before ``what``); raise the first failure."""
         start = time.monotonic()
@@ -467,10 +473,13 @@ class Connection:
         raise AuthenticationError(self.lost_reason, **self.located())
 
     def _doing(self, what: str) -> str:
-        doing = f" during {what}" if what else ""
-        if self._unanswered:
-            doing += f" ({', '.join(dict.fromkeys(self._unanswered.values()))} still unanswered)"
-        return doing
+        return (f" during {what}" if what else "") + self.unanswered_note()
+
+    def unanswered_note(self) -> str:
+        """`` (optim_step still unanswered)``: what this worker was asked and has not answered, or ``""``."""
+        if not self._unanswered:
+            return ""
+        return f" ({', '.join(dict.fromkeys(self._unanswered.values()))} still unanswered)"
 
     def _check_alive(self, start: float, timeout: float | None, what: str) -> None:
         """Raise `WorkerLostError` if the worker is gone, or the call begun at ``start`` went on too long."""
@@ -681,7 +690,7 @@ def _check_overdue(conns: Sequence[Connection], progress: float, what: str, miss
         state = "answering heartbeats but computing nothing" if hb is not None else "not answering this call"
     message = (
         f"the pipeline made no progress during {what} for {waited:.0f} s (call_timeout={min(limits):g} s), with "
-        f"{missing} micro-batch result(s) missing: {', '.join(c.where() for c in blamed)} "
+        f"{missing} micro-batch result(s) missing: {', '.join(c.where() + c.unanswered_note() for c in blamed)} "
         f"{'is' if len(blamed) == 1 else 'are'} {state}. {_OVERDUE_CAUSES}"
     )
     for c in busy:

@@ -89,3 +89,48 @@ def test_a_malformed_forward_is_refused_naming_the_field(change, match):
 def test_a_malformed_backward_is_refused_naming_the_field(body, match):
     with pytest.raises(ProtocolError, match=match):
         Backward.from_body(body)
+
+
+def test_the_fence_travels_and_a_malformed_one_is_refused():
+    sent = Backward(key="net", call=1, mb=0, sender=2, grad_out=torch.ones(2), fence={0: 7, 1: 9})
+    assert Backward.from_body(protocol.decode(protocol.encode(protocol.BACKWARD, 0, "s", sent.body())).body).fence == {
+        0: 7,
+        1: 9,
+    }
+    body = Forward(key="net", call=1, mb=0, sender=DRIVER).body()
+    for bad in ({True: 1}, {0: -1}, {"0": 1}, {0: 1.5}, [1]):
+        with pytest.raises(ProtocolError, match="fence"):
+            Forward.from_body({**body, "fence": bad})
+
+
+# sha256 of a forward and a backward message's frames: a change here changes what older workers
+# receive. Bump protocol.PROTOCOL_VERSION with it (and say so in the CHANGELOG), then update these.
+PIPELINED_GOLDEN = {"forward": "a3337a4b26faa1c6", "backward": "2e911e46b95fca15"}
+
+
+def test_the_wire_format_of_pipelined_messages_is_pinned():
+    import hashlib
+
+    t = torch.arange(6.0).reshape(2, 3)
+    messages = {
+        "forward": Forward(
+            key="net",
+            call=3,
+            mb=1,
+            sender=0,
+            x=t,
+            vars={"r": t[0]},
+            requires_grad={"x": True, "r": False},
+            grad=True,
+            autocast={"enabled": True, "dtype": torch.bfloat16},
+            modes=[True, [1, 2]],
+            checkpoint=True,
+            fence={1: 4},
+        ),
+        "backward": Backward(key="net", call=3, mb=1, sender=1, grad_out=t, grads={"r": None}, fence={0: 2}),
+    }
+    got = {}
+    for kind, msg in messages.items():
+        frames = protocol.encode(kind, 0, "session", msg.body())
+        got[kind] = hashlib.sha256(b"".join(bytes(f) for f in frames)).hexdigest()[:16]
+    assert got == PIPELINED_GOLDEN, "the wire format changed: bump protocol.PROTOCOL_VERSION, then update the hashes"

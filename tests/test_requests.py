@@ -230,20 +230,20 @@ def _golden() -> dict[str, object]:
 # sha256 of each request's frames. A change here changes what older workers receive: bump
 # protocol.PROTOCOL_VERSION with it (and say so in the CHANGELOG), then update these.
 GOLDEN = {
-    "setup": "51335f71a77a9882",
-    "release": "81840a6cb91ec619",
-    "get_state": "a5a83ff7de0c00d8",
-    "load_state": "8a4ab9b94f31d9b9",
-    "profile": "3a3abc82981f5208",
-    "optim_create": "b59a40830e58209c",
-    "optim_step": "766d09c24aaeacf2",
-    "zero_grad": "edea2335fd97c6d9",
-    "get_optim_state": "54127871af5e19ae",
-    "load_optim_state": "df6c6ad773d20043",
-    "grads": "9b453cadbfc53169",
-    "timeline": "3c314de23d41171b",
-    "group": "db4d0146772c0967",
-    "hello": "8c8b9dda49852da1",
+    "setup": "6769d90a67be4218",
+    "release": "a0b4e083d86712f5",
+    "get_state": "eb8582a75899907e",
+    "load_state": "3fae7f33b965f0ef",
+    "profile": "579ba0f255b344ea",
+    "optim_create": "c0c392fa78941cfa",
+    "optim_step": "f1752e1631038b70",
+    "zero_grad": "4b4cb8cd16dc475d",
+    "get_optim_state": "250bed6bebdcc1a0",
+    "load_optim_state": "2837f505fd6e6316",
+    "grads": "0c35a90128461eeb",
+    "timeline": "bf6ef615d678e564",
+    "group": "13f7530543c6487f",
+    "hello": "5e15565e5f7afe6a",
 }
 
 

@@ -814,3 +814,49 @@ import os; os._exit(0)  # skips the interpreter's slow teardown of torch
     # none on a quiet machine; a loaded CI machine has shown ~250 a step (a reclaimed page here and
     # there), still a sixteenth of the default: the ratio is what this asserts.
     assert faults["keep"] * 10 < faults["default"] and faults["default"] > 20 * 1000, faults
+
+
+def test_a_micro_batch_from_a_peer_waits_for_the_driver_request_sent_before_it(pool):
+    """The driver posts requests (the optimizer's step, zero_grad) without waiting for their replies
+    and sends the next micro-batch to stage 0 at once, so stage 0's output can reach stage 1 before
+    the request does. Stage 1 holds such a micro-batch back (its fence) until it has run the request."""
+    from lightning_remote_mp import transport
+    from lightning_remote_mp.messages import Forward
+    from lightning_remote_mp.requests import LoadState
+
+    torch.manual_seed(0)
+    net = SpecSequential(
+        [
+            ("torch.nn.Linear", {"in_features": 4, "out_features": 4}, (2, 4)),
+            ("torch.nn.Linear", {"in_features": 4, "out_features": 3}, (2, 4)),
+        ]
+    )
+    session = DriverSession(pool[:2])
+    peer = None
+    try:
+        session.place("net", net, balance=[1, 1])
+        stage1 = session.conns[1]
+        assert stage1.address == pool[1]
+        request_id = stage1._next_id + 1  # the id of the driver's next request to stage 1
+        x = torch.randn(2, 4)
+        early = Forward(key="net", call=99, mb=0, sender=0, x=x, fence={1: request_id})
+        peer = transport.dealer(stage1.address)  # stage 0's link to stage 1, as a worker opens it
+        peer.send_multipart(protocol.encode(protocol.FORWARD, 0, stage1.session, early.body()))
+        assert not stage1._sock.poll(300), "stage 1 ran the micro-batch before the request it must wait for"
+        w, b = torch.randn(3, 4), torch.randn(3)
+        stage1.post(protocol.LOAD_STATE, LoadState({"net": {"1.weight": w, "1.bias": b}}).body())
+        assert stage1.unanswered_up_to == request_id
+        result = None
+        deadline = time.monotonic() + 10
+        while result is None and time.monotonic() < deadline:
+            if stage1._sock.poll(100):
+                result = stage1.read()  # the post's reply is consumed (None); then the result
+        assert result is not None and result.kind == protocol.RESULT, "the held-back micro-batch never ran"
+        assert not stage1.unanswered_up_to, "the result overtook the reply to the request it waited for"
+        out = Forward.from_body(result.body)
+        assert out.sender == 1 and out.fence == {1: request_id}
+        assert torch.allclose(out.x, x @ w.T + b, atol=1e-6), "the micro-batch ran with the old weights"
+    finally:
+        if peer is not None:
+            peer.close(0)
+        session.close()

@@ -837,21 +837,27 @@ class WorkerServer:
         self._want_io = False
 
     def _run(self, task: _Task) -> None:
-        """Run one request without holding the socket (the main thread may stand in), then reply."""
+        """Run one request without holding the socket (the main thread may stand in), then reply.
+        A peer's micro-batch that the driver sent after a request this worker has not run yet
+        waits for it (`WorkerSession.hold_back`); it runs right after that request."""
         msg = task.msg
+        session = self._session if self._session is not None and self._session.id == msg.session else None
+        from_driver = msg.kind not in (_DROP, _NEW) and not _from_peer(msg)
         if msg.kind not in (_DROP, _NEW):
-            if not _from_peer(msg):
+            if from_driver:
                 self._outbox.driver_peer = task.peer
             self._outbox.session = msg.session
         self._busy_since = time.monotonic()
         self._io.release()
         try:
-            frames = self._answer(msg)
+            frames = self._answer(task)
         finally:
             self._take_socket()
             self._busy_since = None
             if msg.kind not in (_DROP, _NEW):
                 self._last_busy = time.monotonic()
+        if session is not None and from_driver:
+            self._pending.extendleft(reversed(session.ran(msg.id)))
         if frames is None:
             return
         if self._outbox.holding:
@@ -859,8 +865,10 @@ class WorkerServer:
         else:
             self.sock.send_multipart([task.peer, *frames], copy=False)
 
-    def _answer(self, msg: protocol.Message) -> list[Any] | None:
-        """Run a request; its reply's frames, or ``None`` where the reply travels otherwise."""
+    def _answer(self, task: _Task) -> list[Any] | None:
+        """Run a request; its reply's frames, or ``None`` where the reply travels otherwise (or the
+        request waits: a peer's micro-batch held back for a driver request, `WorkerSession.hold_back`)."""
+        msg = task.msg
         if msg.kind == _DROP:
             self._drop_session(msg.session)
             return None
@@ -868,6 +876,14 @@ class WorkerServer:
             self._new_session(msg.session, msg.body)
             return None
         try:
+            session = self._session
+            if (
+                _from_peer(msg)
+                and session is not None
+                and session.id == msg.session
+                and session.hold_back(msg.body, task)
+            ):
+                return None
             body = self._handle(msg)
             if body is NO_REPLY:
                 return None

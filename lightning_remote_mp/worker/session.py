@@ -110,6 +110,37 @@ class WorkerSession:
         self.group: ReplicaGroup | None = None
         self.events: EventLog | None = None
         self._deferred_failure: Exception | None = None
+        self.driver_ran = 0  # the id of the driver's last request run here (they run in order)
+        self._held_back: list[Any] = []  # peers' micro-batches waiting for a driver request
+
+    # --- order between the driver's requests and the micro-batches from peers --------------
+    def hold_back(self, body: Any, task: Any) -> bool:
+        """Keep ``task`` (a peer's pipelined message, ``body``) for later if the driver sent it after
+        a request to this worker that has not run here yet: its `messages.Forward.fence`. Returns
+        whether it was kept; `ran` gives it back once that request has run."""
+        key = body.get("key") if isinstance(body, dict) else None
+        fence = body.get("fence") if isinstance(body, dict) else None
+        route = self.routes.get(key) if isinstance(key, str) else None
+        if route is None or not isinstance(fence, dict):
+            return False  # nothing to wait for; a malformed message is refused when it runs
+        wanted = fence.get(route.index)
+        if type(wanted) is not int or wanted <= self.driver_ran:
+            return False
+        if len(self._held_back) >= route.limit:
+            raise ProtocolError(
+                f"stage {route.index}: more than {route.limit} micro-batches wait for driver requests that never came"
+            )
+        self._held_back.append((wanted, task))
+        return True
+
+    def ran(self, req_id: int) -> list[Any]:
+        """The driver's request ``req_id`` has run: the held-back tasks that may run now, in the order they came."""
+        self.driver_ran = max(self.driver_ran, req_id)
+        if not self._held_back:
+            return []
+        ready = [task for wanted, task in self._held_back if wanted <= self.driver_ran]
+        self._held_back = [(wanted, task) for wanted, task in self._held_back if wanted > self.driver_ran]
+        return ready
 
     def handle(self, kind: str, body: Any) -> Any:
         handler = self._handlers.get(kind)
