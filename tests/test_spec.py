@@ -434,3 +434,16 @@ def test_a_layer_declares_its_variables_on_the_instance_on_its_class_or_by_a_pro
     assert variables_of(ByProperty()) == ([], ["b"])
     assert variables_of(on_instance) == (["c"], [])
     assert variables_of(nn.Linear(2, 2)) == ([], [])
+
+    class Delegating(nn.Module):  # as torch.compile's wrapper: what it lacks, its module has
+        def __init__(self, inner: nn.Module) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def __getattr__(self, name: str):
+            try:
+                return super().__getattr__(name)
+            except AttributeError:
+                return getattr(self.inner, name)
+
+    assert variables_of(Delegating(on_instance)) == (["c"], [])
