@@ -502,18 +502,17 @@ class Connection:
 
     def _check_reachable(self, start: float, timeout: float | None, what: str) -> None:
         """Raise `WorkerLostError` if the worker died, went silent, or never answered within ``timeout``."""
-        doing = self._doing(what)
         self._check_handshake()
         if self.is_alive is not None and (why := self.is_alive()):
-            self._lost(f"{self.where()} died{doing}: {why}")
+            self._lost(f"{self.where()} died{self._doing(what)}: {why}")
         hb = self.heartbeat
         if hb is not None:
             if self.address in hb.lost:
-                self._lost(f"{self.where()} lost{doing}: {hb.lost[self.address]}")
+                self._lost(f"{self.where()} lost{self._doing(what)}: {hb.lost[self.address]}")
             silent = hb.silent_for(self.address)
             if silent > self.heartbeat_timeout:
                 self._lost(
-                    f"{self.where()} stopped answering{doing}: no reply or heartbeat for {silent:.1f} s "
+                    f"{self.where()} stopped answering{self._doing(what)}: no reply or heartbeat for {silent:.1f} s "
                     f"(heartbeat_timeout={self.heartbeat_timeout} s). "
                     "Is the worker process still running and reachable?"
                 )
@@ -523,13 +522,13 @@ class Connection:
             silent = time.monotonic() - self._tcp_connected_at
             if silent > self.heartbeat_timeout:
                 self._lost(
-                    f"{self.where()} accepted the TCP connection {silent:.1f} s ago but has not answered{doing} "
-                    f"(heartbeat_timeout={self.heartbeat_timeout} s): is the worker hung (stopped), or is "
-                    "something other than lrmp-worker listening on that port?"
+                    f"{self.where()} accepted the TCP connection {silent:.1f} s ago but has not answered"
+                    f"{self._doing(what)} (heartbeat_timeout={self.heartbeat_timeout} s): is the worker hung "
+                    "(stopped), or is something other than lrmp-worker listening on that port?"
                 )
         if timeout is not None and time.monotonic() - start > timeout:
             self._lost(
-                f"{self.where()} did not answer{doing} within {timeout:.0f} s. "
+                f"{self.where()} did not answer{self._doing(what)} within {timeout:.0f} s. "
                 "Is lrmp-worker running at that address, and is the port reachable from this machine?"
             )
 

@@ -839,22 +839,34 @@ def test_a_micro_batch_from_a_peer_waits_for_the_driver_request_sent_before_it(p
         assert stage1.address == pool[1]
         request_id = stage1._next_id + 1  # the id of the driver's next request to stage 1
         x = torch.randn(2, 4)
-        early = Forward(key="net", call=99, mb=0, sender=0, x=x, fence={1: request_id})
         peer = transport.dealer(stage1.address)  # stage 0's link to stage 1, as a worker opens it
+        early = Forward(key="net", call=99, mb=0, sender=0, x=x, fence={1: request_id})
         peer.send_multipart(protocol.encode(protocol.FORWARD, 0, stage1.session, early.body()))
-        assert not stage1._sock.poll(300), "stage 1 ran the micro-batch before the request it must wait for"
+        # A second micro-batch behind it on the same link, with nothing to wait for: its result proves
+        # that stage 1 has read the first one (a link keeps the order, and so does the worker).
+        unfenced = Forward(key="net", call=98, mb=0, sender=0, x=x)
+        peer.send_multipart(protocol.encode(protocol.FORWARD, 0, stage1.session, unfenced.body()))
+
+        def next_result(timeout: float = 10.0) -> Any:
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                if stage1._sock.poll(100):
+                    msg = stage1.read()  # the reply to a posted request is consumed here (None)
+                    if msg is not None:
+                        return msg
+            return None
+
+        first = next_result()
+        assert first is not None and first.kind == protocol.RESULT and first.body["call"] == 98, first
+        assert not stage1._sock.poll(200), "stage 1 ran the micro-batch before the request it must wait for"
         w, b = torch.randn(3, 4), torch.randn(3)
         stage1.post(protocol.LOAD_STATE, LoadState({"net": {"1.weight": w, "1.bias": b}}).body())
         assert stage1.unanswered_up_to == request_id
-        result = None
-        deadline = time.monotonic() + 10
-        while result is None and time.monotonic() < deadline:
-            if stage1._sock.poll(100):
-                result = stage1.read()  # the post's reply is consumed (None); then the result
+        result = next_result()
         assert result is not None and result.kind == protocol.RESULT, "the held-back micro-batch never ran"
         assert not stage1.unanswered_up_to, "the result overtook the reply to the request it waited for"
         out = Forward.from_body(result.body)
-        assert out.sender == 1 and out.fence == {1: request_id}
+        assert out.call == 99 and out.sender == 1 and out.fence == {1: request_id}
         assert torch.allclose(out.x, x @ w.T + b, atol=1e-6), "the micro-batch ran with the old weights"
     finally:
         if peer is not None:

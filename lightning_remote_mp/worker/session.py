@@ -126,11 +126,11 @@ class WorkerSession:
         wanted = fence.get(route.index)
         if type(wanted) is not int or wanted <= self.driver_ran:
             return False
-        if len(self._held_back) >= route.limit:
+        if sum(1 for _, held_key, _ in self._held_back if held_key == key) >= route.limit:
             raise ProtocolError(
                 f"stage {route.index}: more than {route.limit} micro-batches wait for driver requests that never came"
             )
-        self._held_back.append((wanted, task))
+        self._held_back.append((wanted, key, task))
         return True
 
     def ran(self, req_id: int) -> list[Any]:
@@ -138,8 +138,8 @@ class WorkerSession:
         self.driver_ran = max(self.driver_ran, req_id)
         if not self._held_back:
             return []
-        ready = [task for wanted, task in self._held_back if wanted <= self.driver_ran]
-        self._held_back = [(wanted, task) for wanted, task in self._held_back if wanted > self.driver_ran]
+        ready = [task for wanted, _, task in self._held_back if wanted <= self.driver_ran]
+        self._held_back = [held for held in self._held_back if held[0] > self.driver_ran]
         return ready
 
     def handle(self, kind: str, body: Any) -> Any:
