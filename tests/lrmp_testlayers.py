@@ -137,11 +137,17 @@ class ChattyIdentity(nn.Module):
 
 class Explode(nn.Module):
     """Identity on the meta device (so setup's dry run passes); raises on real data, as a layer with a
-    bug only real inputs reach would."""
+    bug only real inputs reach would. ``as_cuda_error``: raises what torch raises after a GPU fault."""
+
+    def __init__(self, as_cuda_error: bool = False) -> None:
+        super().__init__()
+        self.as_cuda_error = as_cuda_error
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_meta:
             return x
+        if self.as_cuda_error:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered (exploded on purpose)")
         raise ValueError("exploded on purpose")
 
 

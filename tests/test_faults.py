@@ -555,3 +555,19 @@ def test_a_killed_driver_frees_its_workers_at_once(start_workers, tmp_path):
         _end(driver)
     print(f"workers reused {reused:.1f} s after the driver was killed (session timeout 60 s)")
     assert reused < 8, reused
+
+
+def test_a_cuda_error_in_a_layer_is_reported_and_stops_the_worker(start_workers):
+    """After a CUDA error the device's context is unusable: the worker reports the error for its
+    micro-batch and then stops, instead of failing every later request on a broken GPU."""
+    workers = start_workers(1)
+    net = SpecSequential([("lrmp_testlayers.Explode", {"as_cuda_error": True}, (2, 3))])
+    session = DriverSession(workers.addresses, heartbeat_timeout=HEARTBEAT)
+    try:
+        session.place("net", net)
+        with pytest.raises(WorkerError) as info, torch.no_grad():
+            net(torch.ones(2, 3))
+        assert "CUDA error: an illegal memory access" in info.value.remote_message
+    finally:
+        session.close()
+    workers.procs[0].wait(timeout=20)  # raises TimeoutExpired if the worker serves on

@@ -70,6 +70,14 @@ class _Task:
     msg: protocol.Message
 
 
+def _device_failed(err: BaseException) -> bool:
+    """A CUDA error: after one, the device's context is unusable for every later request too."""
+    accelerator_error = getattr(torch, "AcceleratorError", None)
+    if accelerator_error is not None and isinstance(err, accelerator_error):
+        return True
+    return isinstance(err, RuntimeError) and "CUDA error" in str(err)
+
+
 def error_body(err: BaseException, session: WorkerSession | None = None, *, trace: bool = True) -> dict[str, Any]:
     """The body of an ERROR reply. ``trace=False`` leaves the traceback out: for malformed input
     from anyone, it is costly to format and tells a stranger about this worker's files."""
@@ -422,6 +430,7 @@ class WorkerServer:
         self._wake_main = f"inproc://lrmp-main-{uuid.uuid4().hex}"
         self._main_rx = transport.inproc_pull(self._wake_main)
         self._last_busy = 0.0
+        self._device_failure: Exception | None = None  # a CUDA error, raised once reported: the worker stops
         self._session: WorkerSession | None = None  # owned by the serving thread
         self.served = 0
         # The serving thread runs with this thread's torch thread count (the worker's --threads).
@@ -858,12 +867,13 @@ class WorkerServer:
                 self._last_busy = time.monotonic()
         if session is not None and from_driver:
             self._pending.extendleft(reversed(session.ran(msg.id)))
-        if frames is None:
-            return
-        if self._outbox.holding:
-            self._outbox.hold_reply(task.peer, frames)  # after the pipelined messages before it
-        else:
-            self.sock.send_multipart([task.peer, *frames], copy=False)
+        if frames is not None:
+            if self._outbox.holding:
+                self._outbox.hold_reply(task.peer, frames)  # after the pipelined messages before it
+            else:
+                self.sock.send_multipart([task.peer, *frames], copy=False)
+        if self._device_failure is not None:
+            raise self._device_failure
 
     def _answer(self, task: _Task) -> list[Any] | None:
         """Run a request; its reply's frames, or ``None`` where the reply travels otherwise (or the
@@ -888,7 +898,9 @@ class WorkerServer:
             if body is NO_REPLY:
                 return None
             return protocol.encode(protocol.OK, msg.id, msg.session, body)
-        except Exception as err:  # every failure becomes an error reply; the worker stays up
+        except Exception as err:  # every failure becomes an error reply; the worker stays up, unless its GPU failed
+            if _device_failed(err):
+                self._device_failure = err  # reported first, then raised by `_run`: the worker stops
             if not isinstance(err, ProtocolError):
                 self._throttle.warning(
                     "failed:" + msg.kind, "request %s failed: %s: %s", msg.kind, type(err).__name__, err
