@@ -278,7 +278,9 @@ class DriverSession:
         requests = []
         for s in range(self.num_stages):
             column = [row[s] for row in self.grid]
-            cuda = all(str(infos[c.address].get("device", "cpu")).startswith("cuda") for c in column)
+            backend = replica_backend([infos[c.address] for c in column])
+            if backend == "gloo" and all(str(infos[c.address].get("device")).startswith("cuda") for c in column):
+                log.info("stage %d: replicas share a GPU, so their gradients are summed through gloo", s)
             for r, conn in enumerate(column):
                 join = GroupInit(
                     host=host,
@@ -286,7 +288,7 @@ class DriverSession:
                     prefix=f"{self.id}/stage{s}",
                     rank=r,
                     world=self.replicas,
-                    backend="nccl" if cuda else "gloo",
+                    backend=backend,
                     timeout=float(timeout),
                 )
                 requests.append((conn, protocol.GROUP, join.body()))
@@ -620,6 +622,25 @@ class DriverSession:
         for c in self.conns:
             c.close()
         self._store = None
+
+
+def replica_backend(workers: Sequence[Mapping[str, Any]]) -> str:
+    """The torch.distributed backend for one stage's replicas, from what their workers said of their
+    devices: NCCL where each has a GPU of its own, else gloo (NCCL refuses two ranks on one GPU,
+    which is how the zero-config default places replicas on a one-GPU machine).
+
+    >>> gpu = lambda uuid: {"device": "cuda:0", "device_uuid": uuid}
+    >>> replica_backend([gpu("GPU-a"), gpu("GPU-b")]), replica_backend([gpu("GPU-a"), gpu("GPU-a")])
+    ('nccl', 'gloo')
+    >>> replica_backend([gpu("GPU-a"), {"device": "cpu"}])
+    'gloo'
+    """
+    if not all(str(w.get("device", "cpu")).startswith("cuda") for w in workers):
+        return "gloo"
+    gpus = [w.get("device_uuid") for w in workers]
+    if all(isinstance(g, str) for g in gpus) and len(set(gpus)) < len(gpus):
+        return "gloo"
+    return "nccl"
 
 
 def _address_towards(address: str) -> str:

@@ -442,10 +442,15 @@ def constructor_kwargs(cls: type, defaults: Mapping[str, Any]) -> dict[str, Any]
 
 
 def describe_device(device: torch.device) -> Mapping[str, Any]:
-    """What the driver needs to plan stages: device name and free memory in bytes."""
+    """What the driver needs to plan stages: device name and free memory in bytes; for a GPU, its
+    UUID too (two workers on one GPU cannot join one NCCL group)."""
+    gpu: dict[str, Any] = {}
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         name = torch.cuda.get_device_name(device)
+        uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
+        if uuid is not None:
+            gpu["device_uuid"] = str(uuid)
     else:
         free = total = 0
         try:
@@ -456,4 +461,4 @@ def describe_device(device: torch.device) -> Mapping[str, Any]:
         except (OSError, KeyError, ValueError):
             pass
         name = "cpu"
-    return {"device": str(device), "device_name": name, "free_memory": free, "total_memory": total}
+    return {"device": str(device), "device_name": name, **gpu, "free_memory": free, "total_memory": total}
