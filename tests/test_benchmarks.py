@@ -28,7 +28,9 @@ SEPARATOR = re.compile(r"^\|(-+\|)+\s*$", re.M)
 
 
 @pytest.mark.timeout(3 * BOUND_S + 30)
-@pytest.mark.parametrize("script", ["throughput.py", "transport.py", "protocol_cycle.py", "memory.py", "tracing.py"])
+@pytest.mark.parametrize(
+    "script", ["throughput.py", "transport.py", "protocol_cycle.py", "memory.py", "tracing.py", "split_backward.py"]
+)
 def test_quick_mode_prints_a_table(script, tmp_path):
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", script), "--quick", "--out", str(tmp_path)]
     bound = BOUNDS.get(script, BOUND_S)

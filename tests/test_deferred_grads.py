@@ -194,3 +194,38 @@ def test_gradient_hooks_on_a_weight_see_its_gradient_during_backward():
             self.weight.register_hook(lambda g: g * mask)  # prunes all but the first row
 
     _compare(Masked, torch.randn(3, 4))
+
+
+def test_plain_linear_layers_defer_without_a_torch_function_mode():
+    """A stage whose only 2-d weights are plain nn.Linear (and nn.Embedding) layers defers through
+    their forward; anything that may call F.linear on a weight of its own needs the mode."""
+
+    class Embedded(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed, self.norm, self.head = nn.Embedding(10, 4), nn.LayerNorm(4), nn.Linear(4, 4)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.head(self.norm(self.embed(ids)))
+
+    assert not DeferredWeightGrads(Embedded())._intercept
+    assert not DeferredWeightGrads(nn.Sequential(nn.Linear(4, 4), nn.ReLU()))._intercept
+    assert DeferredWeightGrads(nn.Sequential(WrappedLinear(4, 4)))._intercept
+    assert DeferredWeightGrads(nn.MultiheadAttention(4, 2))._intercept
+    assert _compare(lambda: nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)), torch.randn(5, 4))
+
+
+def test_a_plain_linear_weight_also_used_functionally_keeps_exact_gradients():
+    """A layer with no 2-d weight of its own may still call F.linear on a child Linear's weight: the
+    direct path defers the child's own call, plain autograd takes the other, and the sum is exact."""
+
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x) + torch.nn.functional.linear(x.flip(0), self.lin.weight)
+
+    assert not DeferredWeightGrads(Tied())._intercept
+    assert _compare(Tied, torch.randn(3, 4))
