@@ -236,6 +236,8 @@ class Heartbeat:
         now = time.monotonic()
         self._last_seen = {a: now for a in self.addresses}
         self._last_busy = {a: now for a in self.addresses}  # last heartbeat that found the worker computing
+        # From the last heartbeat: micro-batches a worker holds back for a driver request (count, request id).
+        self.held_back: dict[str, tuple[int, int]] = {}
         self.lost: dict[str, str] = {}
         self._stop = threading.Event()
         self._wake = f"inproc://lrmp-heartbeat-{id(self)}-{time.monotonic_ns()}"
@@ -290,8 +292,14 @@ class Heartbeat:
                         except ProtocolError:
                             continue
                         self.touch(address)
-                        if msg.kind == protocol.OK and (msg.body or {}).get("busy"):
+                        body = msg.body if isinstance(msg.body, dict) else {}
+                        if msg.kind == protocol.OK and body.get("busy"):
                             self._last_busy[address] = time.monotonic()
+                        held, waits_for = body.get("held_back"), body.get("waits_for")
+                        if type(held) is int and type(waits_for) is int and held > 0:
+                            self.held_back[address] = (held, waits_for)
+                        else:
+                            self.held_back.pop(address, None)
                         if msg.kind == protocol.OK and not (msg.body or {}).get("session_alive", True):
                             self.lost.setdefault(address, "the worker no longer knows this session (it restarted?)")
         finally:
@@ -665,6 +673,16 @@ def _check_stall(conns: Sequence[Connection], progress: float, what: str, missin
     if hb is None or time.monotonic() - progress < limit:
         return
     if all(hb.idle_for(c.address) > limit for c in conns):
+        waiting = [(c, hb.held_back[c.address]) for c in conns if c.address in hb.held_back]
+        if waiting:
+            c, (held, request) = waiting[0]
+            message = (
+                f"the pipeline stalled during {what}: {c.where()} holds back {held} micro-batch(es) until it has "
+                f"run the driver's request {request}{c.unanswered_note()}, which has not reached it (posted "
+                "without waiting for the reply, and lost on the way?); every worker has been idle for over "
+                f"{limit:.0f} s with {missing} micro-batch result(s) missing."
+            )
+            raise WorkerLostError(message, **c.located())
         message = (
             f"the pipeline stalled during {what}: every worker has been idle for over {limit:.0f} s with "
             f"{missing} micro-batch result(s) missing. Can the workers reach each other at the addresses "

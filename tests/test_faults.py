@@ -571,3 +571,34 @@ def test_a_cuda_error_in_a_layer_is_reported_and_stops_the_worker(start_workers)
     finally:
         session.close()
     workers.procs[0].wait(timeout=20)  # raises TimeoutExpired if the worker serves on
+
+
+def test_a_lost_posted_request_is_named_when_the_pipeline_stalls(pool):
+    """A request the driver posted without waiting (the optimizer's step) never reaches stage 1:
+    the micro-batch that must follow it waits there, and once every worker has been idle for a
+    heartbeat timeout the driver says which stage waits for which request (not: check the network)."""
+    net = SpecSequential(
+        [
+            ("torch.nn.Linear", {"in_features": 4, "out_features": 4}, (3, 4)),
+            ("torch.nn.Linear", {"in_features": 4, "out_features": 2}, (3, 4)),
+        ]
+    )
+    session = DriverSession(pool[:2], heartbeat_timeout=HEARTBEAT)
+    stage1 = session.conns[1]
+    try:
+        session.place("net", net, balance=[1, 1])
+        stage1._next_id += 1  # lost on the way: the driver counts it as posted, the worker never sees it
+        lost = stage1._next_id
+        stage1._unanswered[lost] = protocol.OPTIM_STEP
+        start = time.monotonic()
+        with pytest.raises(WorkerLostError) as info, torch.no_grad():
+            net(torch.randn(3, 4))
+        detected = time.monotonic() - start
+    finally:
+        stage1._unanswered.clear()  # nothing will ever answer it
+        session.close()
+    text = str(info.value)
+    assert info.value.address == pool[1] and info.value.stage == 1, text
+    assert f"holds back 1 micro-batch(es) until it has run the driver's request {lost} (optim_step" in text, text
+    assert "reach each other" not in text, text
+    assert detected < 5 * HEARTBEAT, detected

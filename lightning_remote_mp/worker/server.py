@@ -656,7 +656,11 @@ class WorkerServer:
             alive = msg.session == self._session_id
             if alive:
                 self._last_seen = time.monotonic()
-            self._reply(peer, protocol.OK, msg.id, {"session_alive": alive, "busy": self._computing()})
+            answer = {"session_alive": alive, "busy": self._computing()}
+            session = self._session
+            if alive and session is not None and session.id == msg.session:
+                answer.update(session.held_back())  # what waits for the driver: named when the pipeline stalls
+            self._reply(peer, protocol.OK, msg.id, answer)
             return
         if msg.kind == protocol.HELLO:
             self._on_hello(peer, msg)

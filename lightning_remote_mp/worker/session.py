@@ -133,6 +133,14 @@ class WorkerSession:
         self._held_back.append((wanted, key, task))
         return True
 
+    def held_back(self) -> dict[str, int]:
+        """``{"held_back": n, "waits_for": request id}`` while micro-batches wait for a driver request
+        (the heartbeat's answer carries it), else ``{}``."""
+        held = list(self._held_back)  # read by the thread answering heartbeats
+        if not held:
+            return {}
+        return {"held_back": len(held), "waits_for": min(wanted for wanted, _, _ in held)}
+
     def ran(self, req_id: int) -> list[Any]:
         """The driver's request ``req_id`` has run: the held-back tasks that may run now, in the order they came."""
         self.driver_ran = max(self.driver_ran, req_id)
