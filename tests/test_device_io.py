@@ -16,6 +16,7 @@ import lightning as L
 import pytest
 import torch
 import zmq
+from test_strategy import assert_same_forward_and_backward
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -312,14 +313,7 @@ def _in_process_pipeline_equals_local(device: str, make_io) -> None:
             for stage in server._session.stages.values():
                 stage.io = make_io(stage.device)
         for _ in range(2):
-            x = torch.randn(8, 4, requires_grad=True)
-            xl = x.detach().clone().requires_grad_(True)
-            y, yl = net(x), local(xl)
-            assert torch.allclose(y, yl, atol=1e-6)
-            g = torch.randn(8, 2)
-            y.backward(g)
-            yl.backward(g)
-            assert torch.allclose(x.grad, xl.grad, atol=1e-6)
+            assert_same_forward_and_backward(net, local, torch.randn(8, 4), torch.randn(8, 2))
         assert all(s._outbox._copies is not None for s in servers), "no message was held for its copy"
         assert not any(s._outbox.holding for s in servers)
     finally:

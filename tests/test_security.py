@@ -22,7 +22,15 @@ import pytest
 import torch
 import zmq
 from lrmp_relay import Relay
-from test_strategy import Net, assert_same_losses, assert_same_weights, data, residual_spec, trainer
+from test_strategy import (
+    Net,
+    assert_same_forward_and_backward,
+    assert_same_losses,
+    assert_same_weights,
+    data,
+    residual_spec,
+    trainer,
+)
 from zmq.utils.monitor import recv_monitor_message
 
 from lightning_remote_mp import (
@@ -115,13 +123,7 @@ def _check_serves(addresses: list[str], keyring: Keyring) -> None:
     )
     try:
         session.place("net", net)
-        x = torch.randn(4, 3, requires_grad=True)
-        xl = x.detach().clone().requires_grad_(True)
-        y, yl = net(x), local(xl)
-        assert torch.allclose(y, yl, atol=1e-6)
-        y.sum().backward()
-        yl.sum().backward()
-        assert torch.allclose(x.grad, xl.grad, atol=1e-6)
+        assert_same_forward_and_backward(net, local, torch.randn(4, 3), torch.ones(4, 2))  # as .sum().backward()
     finally:
         session.close()
 

@@ -122,6 +122,20 @@ def assert_same_weights(a: nn.Module, b: nn.Module, tol: float = TOL) -> None:
         assert torch.allclose(sa[k].float(), sb[k].float(), atol=tol, rtol=0), f"{k} differs"
 
 
+def assert_same_forward_and_backward(
+    remote: nn.Module, local: nn.Module, x: torch.Tensor, grad_out: torch.Tensor, tol: float = 1e-6
+) -> None:
+    """One forward and backward of ``remote`` (placed on workers) and of its ``local`` twin from the
+    same input: the outputs and the input's gradients are equal."""
+    xr = x.detach().clone().requires_grad_(True)
+    xl = x.detach().clone().requires_grad_(True)
+    y, yl = remote(xr), local(xl)
+    assert torch.allclose(y, yl, atol=tol)
+    y.backward(grad_out)
+    yl.backward(grad_out)
+    assert torch.allclose(xr.grad, xl.grad, atol=tol)
+
+
 def assert_same_losses(a: list[float], b: list[float], tol: float = TOL) -> None:
     assert len(a) == len(b) and len(a) > 0
     diffs = [abs(x - y) for x, y in zip(a, b)]

@@ -25,6 +25,7 @@ import msgpack
 import pytest
 import torch
 import zmq
+from test_strategy import assert_same_forward_and_backward
 
 from lightning_remote_mp import __version__, protocol
 from lightning_remote_mp.driver import DriverSession
@@ -239,14 +240,7 @@ def _check_serves(worker: Worker) -> None:
         assert session.workers[0]["pid"] == worker.proc.pid
         session.place("net", net)
         assert net.is_remote
-        x = torch.randn(4, 3, requires_grad=True)
-        xl = x.detach().clone().requires_grad_(True)
-        y, yl = net(x), local(xl)
-        assert torch.allclose(y, yl, atol=1e-6)
-        g = torch.randn(4, 2)
-        y.backward(g)
-        yl.backward(g)
-        assert torch.allclose(x.grad, xl.grad, atol=1e-6)
+        assert_same_forward_and_backward(net, local, torch.randn(4, 3), torch.randn(4, 2))
     finally:
         session.close()
     worker.assert_alive()
