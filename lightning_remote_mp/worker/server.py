@@ -855,7 +855,8 @@ class WorkerServer:
         waits for it (`WorkerSession.hold_back`); it runs right after that request."""
         msg = task.msg
         session = self._session if self._session is not None and self._session.id == msg.session else None
-        from_driver = msg.kind not in (_DROP, _NEW) and not _from_peer(msg)
+        from_peer = _from_peer(msg)
+        from_driver = msg.kind not in (_DROP, _NEW) and not from_peer
         if msg.kind not in (_DROP, _NEW):
             if from_driver:
                 self._outbox.driver_peer = task.peer
@@ -863,7 +864,7 @@ class WorkerServer:
         self._busy_since = time.monotonic()
         self._io.release()
         try:
-            frames = self._answer(task)
+            frames = self._answer(task, session if from_peer else None)
         finally:
             self._take_socket()
             self._busy_since = None
@@ -879,9 +880,10 @@ class WorkerServer:
         if self._device_failure is not None:
             raise self._device_failure
 
-    def _answer(self, task: _Task) -> list[Any] | None:
+    def _answer(self, task: _Task, peer_session: WorkerSession | None) -> list[Any] | None:
         """Run a request; its reply's frames, or ``None`` where the reply travels otherwise (or the
-        request waits: a peer's micro-batch held back for a driver request, `WorkerSession.hold_back`)."""
+        request waits: a peer's micro-batch that ``peer_session``, the session it belongs to, holds
+        back for a driver request, `WorkerSession.hold_back`)."""
         msg = task.msg
         if msg.kind == _DROP:
             self._drop_session(msg.session)
@@ -890,13 +892,7 @@ class WorkerServer:
             self._new_session(msg.session, msg.body)
             return None
         try:
-            session = self._session
-            if (
-                _from_peer(msg)
-                and session is not None
-                and session.id == msg.session
-                and session.hold_back(msg.body, task)
-            ):
+            if peer_session is not None and peer_session.hold_back(msg.body, task):
                 return None
             body = self._handle(msg)
             if body is NO_REPLY:
