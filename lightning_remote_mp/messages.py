@@ -91,6 +91,14 @@ def _fence(what: str, body: dict[str, Any]) -> dict[int, int]:
     return value
 
 
+def _count(what: str, body: dict[str, Any]) -> int:
+    """``microbatches``: a positive count (1 where a sender leaves it out)."""
+    value = _field(what, body, "microbatches", int, 1)
+    if value < 1:
+        raise ProtocolError(f"{what} message: 'microbatches' must be at least 1, got {value}")
+    return value
+
+
 @dataclasses.dataclass(frozen=True)
 class _Pipelined:
     """What every pipelined message carries: whose micro-batch it is and who sent it.
@@ -104,6 +112,10 @@ class _Pipelined:
             waiting for the reply (the optimizer's step, zero_grad) before this micro-batch; the
             stage runs the micro-batch only once it has run that request (it could arrive later
             than the micro-batch, which comes from another worker). Stages pass it on unchanged.
+        microbatches: how many micro-batches the call has (on this replica). The stage that
+            answers the driver (the last one's RESULTs, stage 0's DONEs) sends its answers for a
+            call together, in one message, once it has them all: the driver needs them all before
+            it goes on, and each message costs both sides a send and a wake-up. Stages pass it on.
     """
 
     key: str
@@ -112,6 +124,7 @@ class _Pipelined:
     sender: int
     sent_at: float | None = None
     fence: dict[int, int] = dataclasses.field(default_factory=dict)
+    microbatches: int = 1
 
     def _header(self) -> dict[str, Any]:
         return {
@@ -121,6 +134,7 @@ class _Pipelined:
             "from": self.sender,
             "sent_at": self.sent_at,
             "fence": self.fence,
+            "microbatches": self.microbatches,
         }
 
     @staticmethod
@@ -134,6 +148,7 @@ class _Pipelined:
             "sender": _field(what, body, "from", int),
             "sent_at": body["sent_at"] if isinstance(body.get("sent_at"), float) else None,
             "fence": _fence(what, body),
+            "microbatches": _count(what, body),
         }
 
 

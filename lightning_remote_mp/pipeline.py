@@ -228,23 +228,25 @@ class RemoteSpec:
         try:
             for r, row in enumerate(sizes):
                 fence = self._fence(r) if row else {}
-                for mb in range(len(row)):
-                    self.replicas[r][0].conn.send(
-                        protocol.FORWARD,
-                        Forward(
-                            key=self.key,
-                            call=call,
-                            mb=mb,
-                            sender=DRIVER,
-                            x=next(chunks),
-                            requires_grad={"x": x_needs_grad},
-                            grad=grad,
-                            autocast=autocast,
-                            modes=modes,
-                            checkpoint=grad and self._recomputed(mb, len(row)),
-                            fence=fence,
-                        ).body(),
-                    )
+                forwards = [
+                    Forward(
+                        key=self.key,
+                        call=call,
+                        mb=mb,
+                        sender=DRIVER,
+                        microbatches=len(row),
+                        x=next(chunks),
+                        requires_grad={"x": x_needs_grad},
+                        grad=grad,
+                        autocast=autocast,
+                        modes=modes,
+                        checkpoint=grad and self._recomputed(mb, len(row)),
+                        fence=fence,
+                    ).body()
+                    for mb in range(len(row))
+                ]
+                if forwards:  # one message to stage 0 for the whole call (`Connection.send_all`)
+                    self.replicas[r][0].conn.send_all(protocol.FORWARD, forwards)
             results = self._collect(protocol.RESULT, -1, call, sizes, "forward")
         except BaseException:
             self._abandon(call)
@@ -316,13 +318,20 @@ class RemoteSpec:
         try:
             for r, row in enumerate(record.sizes):
                 fence = self._fence(r) if row else {}
-                for mb in range(len(row)):
-                    self.replicas[r][-1].conn.send(
-                        protocol.BACKWARD,
-                        Backward(
-                            key=self.key, call=call, mb=mb, sender=DRIVER, grad_out=next(grads), fence=fence
-                        ).body(),
-                    )
+                backwards = [
+                    Backward(
+                        key=self.key,
+                        call=call,
+                        mb=mb,
+                        sender=DRIVER,
+                        microbatches=len(row),
+                        grad_out=next(grads),
+                        fence=fence,
+                    ).body()
+                    for mb in range(len(row))
+                ]
+                if backwards:
+                    self.replicas[r][-1].conn.send_all(protocol.BACKWARD, backwards)
             done = self._collect(protocol.DONE, 0, call, record.sizes, "backward")
         except BaseException:
             self._abandon(call)

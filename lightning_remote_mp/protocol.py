@@ -11,6 +11,11 @@ their entry in ``metas`` (``[dtype name, shape]``) and at their raw frame. Tuple
 or ``dtype=torch.bfloat16`` arrive as they were sent. Decoding builds only tensors, tuples,
 dtypes and plain msgpack values: nothing that arrives can name a class or run code.
 
+One ZeroMQ message may also carry several messages, one after the other: a *bundle*
+(`encode_all`, `decode_all`). Each header says how many tensor frames follow it. The driver sends a
+call's micro-batches to a stage as one bundle, and a stage answers them in one, so that a call
+costs a send and a wake-up per side rather than one per micro-batch.
+
 The first three header fields (``version``, ``kind``, ``id``) keep their place and meaning in every
 protocol version, so two sides of different versions can still tell which versions they speak and
 answer the request that failed (`lightning_remote_mp.errors.ProtocolVersionError`).
@@ -26,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import msgpack
@@ -35,7 +40,7 @@ import torch
 # LimitExceeded lives with the other errors; ``protocol.LimitExceeded`` stays its name here too.
 from lightning_remote_mp.errors import ConfigurationError, LimitExceeded, ProtocolError, ProtocolVersionError
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 
 class Kind(str, enum.Enum):
@@ -86,7 +91,7 @@ def version_mismatch(other: str, other_version: Any, other_lrmp: Any, this: str)
     driver's errors and the worker's replies alike).
 
     >>> version_mismatch("the driver", 9, "9.0.0", "this worker")  # doctest: +ELLIPSIS
-    'the driver speaks lrmp wire protocol version 9 (lrmp 9.0.0); this worker speaks version 3 (lrmp ...): install ...'
+    'the driver speaks lrmp wire protocol version 9 (lrmp 9.0.0); this worker speaks version 4 (lrmp ...): install ...'
     """
     from lightning_remote_mp import __version__
 
@@ -386,27 +391,105 @@ def _frame_buffer(frame: Any) -> memoryview:
 
 
 def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Message:
-    """Decode frames into a `Message`; raises `ProtocolError` on anything malformed."""
+    """Decode the frames of one message into a `Message`; raises `ProtocolError` on anything malformed."""
+    buffers = _buffers(frames, limits, bundle=False)
+    header = _header(buffers[0], limits)
+    if len(header[4]) != len(buffers) - 1:
+        raise ProtocolError(f"header describes {len(header[4])} tensors but {len(buffers) - 1} tensor frames arrived")
+    return _message(header, buffers[1:], limits)
+
+
+def _buffers(frames: Sequence[Any], limits: Limits, *, bundle: bool) -> list[memoryview]:
+    """The frames' buffers, once their count and size are within ``limits`` (a bundle may hold as
+    many headers as tensors)."""
     if not frames:
         raise ProtocolError("empty message")
-    if len(frames) - 1 > limits.max_frames:
+    if bundle and len(frames) > 2 * limits.max_frames:
+        raise LimitExceeded(
+            f"message has {len(frames)} frames; a bundle holds at most {limits.max_frames} messages and "
+            f"{limits.max_frames} tensors",
+            "max_frames",
+        )
+    if not bundle and len(frames) - 1 > limits.max_frames:
         raise LimitExceeded(
             f"message has {len(frames) - 1} tensor frames; the limit is {limits.max_frames}", "max_frames"
         )
-    header_buf = _frame_buffer(frames[0])
-    if len(header_buf) > limits.max_header_bytes:
-        raise LimitExceeded(
-            f"header of {len(header_buf)} bytes exceeds the limit of {limits.max_header_bytes}", "max_header_bytes"
-        )
-    buffers = [_frame_buffer(f) for f in frames[1:]]
-    total = sum(len(b) for b in buffers)
+    buffers = [_frame_buffer(f) for f in frames]
+    if not bundle:
+        _check_bytes(sum(len(b) for b in buffers[1:]), limits)
+    return buffers
+
+
+def _check_bytes(total: int, limits: Limits) -> None:
     if total > limits.max_message_bytes:
         raise LimitExceeded(
             f"message of {total} bytes exceeds the limit of {limits.max_message_bytes}", "max_message_bytes"
         )
 
+
+def encode_all(messages: Iterable[list[Any]], limits: Limits = DEFAULT_LIMITS) -> list[list[Any]]:
+    """Several encoded messages (`encode`'s frames) as few ZeroMQ messages, *bundles*: a bundle
+    costs one send and one wake-up of the receiver instead of one per message. Each bundle stays
+    within the receiver's ``limits`` (`decode_all`, which splits it); a message that is within
+    them alone makes a bundle of its own.
+
+    >>> bundles = encode_all([encode("forward", 1, "s", {"mb": 0}), encode("forward", 2, "s", {"mb": 1})])
+    >>> [[m.body["mb"] for m in decode_all(bundle)] for bundle in bundles]
+    [[0, 1]]
+    """
+    bundles: list[list[Any]] = []
+    bundle: list[Any] = []
+    count = tensors = size = 0
+    for frames in messages:
+        more, more_bytes = len(frames) - 1, sum(len(f) for f in frames[1:])
+        if bundle and (
+            count >= limits.max_frames
+            or tensors + more > limits.max_frames
+            or size + more_bytes > limits.max_message_bytes
+        ):
+            bundles.append(bundle)
+            bundle, count, tensors, size = [], 0, 0, 0
+        bundle.extend(frames)
+        count, tensors, size = count + 1, tensors + more, size + more_bytes
+    if bundle:
+        bundles.append(bundle)
+    return bundles
+
+
+def decode_all(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> list[Message]:
+    """Decode one message, or a bundle of them (`encode_all`), in order. A bundle is taken whole or
+    not at all: anything malformed in it raises `ProtocolError`, and none of it is returned.
+
+    Each header says how many tensor frames follow it. ``limits`` bound the bundle as a whole (its
+    tensors and their bytes, and its messages: at most ``max_frames`` of each) and each header."""
+    buffers = _buffers(frames, limits, bundle=True)
+    parts: list[tuple[list[Any], list[memoryview]]] = []  # every header checked before any body is decoded
+    at = 0
+    while at < len(buffers):  # at most 2 x max_frames headers (`_buffers`)
+        header = _header(buffers[at], limits)
+        metas = header[4]
+        tensors = buffers[at + 1 : at + 1 + len(metas)]
+        if len(tensors) != len(metas):
+            raise ProtocolError(f"header describes {len(metas)} tensors but {len(tensors)} tensor frames arrived")
+        parts.append((header, tensors))
+        at += 1 + len(tensors)
+    if len(parts) > limits.max_frames:
+        raise LimitExceeded(f"a bundle of {len(parts)} messages; the limit is {limits.max_frames}", "max_frames")
+    tensor_count = sum(len(tensors) for _, tensors in parts)
+    if tensor_count > limits.max_frames:
+        raise LimitExceeded(f"message has {tensor_count} tensor frames; the limit is {limits.max_frames}", "max_frames")
+    _check_bytes(sum(len(b) for _, tensors in parts for b in tensors), limits)
+    return [_message(header, tensors, limits) for header, tensors in parts]
+
+
+def _header(buffer: memoryview, limits: Limits) -> list[Any]:
+    """A message's header, checked: ``[version, kind, id, session, metas, body]``."""
+    if len(buffer) > limits.max_header_bytes:
+        raise LimitExceeded(
+            f"header of {len(buffer)} bytes exceeds the limit of {limits.max_header_bytes}", "max_header_bytes"
+        )
     try:
-        header = msgpack.unpackb(header_buf, raw=False, strict_map_key=False, use_list=True)
+        header = msgpack.unpackb(buffer, raw=False, strict_map_key=False, use_list=True)
     except Exception as err:  # msgpack raises several unrelated types on bad input
         raise ProtocolError(f"undecodable header: {err}") from None
     if not isinstance(header, list) or not header:
@@ -424,14 +507,16 @@ def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Message:
     _, kind, req_id, session, metas, packed = header
     if not isinstance(kind, str) or not isinstance(req_id, int) or not isinstance(session, str):
         raise ProtocolError("header fields kind/id/session have the wrong types")
-    if not isinstance(metas, list) or len(metas) != len(buffers):
-        raise ProtocolError(
-            f"header describes {len(metas) if isinstance(metas, list) else '?'} tensors "
-            f"but {len(buffers)} tensor frames arrived"
-        )
+    if not isinstance(metas, list):
+        raise ProtocolError("header describes no tensors (its tensor list is missing)")
     if not (isinstance(packed, msgpack.ExtType) and packed.code == 0):
         raise ProtocolError("header body is missing")
+    return header
 
+
+def _message(header: list[Any], buffers: Sequence[memoryview], limits: Limits) -> Message:
+    """One message from its checked header and its tensor frames."""
+    _, kind, req_id, session, metas, packed = header
     tensors: list[torch.Tensor] = []
     depth = 0
     for i, (meta, buf) in enumerate(zip(metas, buffers)):

@@ -12,6 +12,7 @@ pair and checks the server's public key; a server socket asks the worker's ZAP h
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import threading
@@ -354,6 +355,7 @@ class Connection:
         self._heard = False
         self._next_id = 0
         self._unanswered: dict[int, str] = {}  # posted requests whose reply has not been read: id -> what
+        self._inbox: collections.deque[protocol.Message] = collections.deque()  # the rest of a bundle read
         self.closed = False
         self.lost_reason: str | None = None
 
@@ -365,13 +367,28 @@ class Connection:
         return {"address": self.address, "stage": self.stage, "replica": self.replica}
 
     def send(self, kind: str, body: Any = None) -> int:
+        return self.send_all(kind, [body])[0]
+
+    def send_all(self, kind: str, bodies: Sequence[Any]) -> list[int]:
+        """Send one message of ``kind`` per body, bundled (`protocol.encode_all`) into as few ZeroMQ
+        messages as the worker's limits allow: each costs a send and a wake-up on either side."""
         if self.lost_reason is not None:
             raise WorkerLostError(self.lost_reason, **self.located())
         if self.closed:
             raise WorkerLostError(f"{self.where()}: connection already closed", **self.located())
+        ids = []
+        encoded = []
+        for body in bodies:
+            encoded.append(self._encode(kind, body))
+            ids.append(self._next_id)
+        for bundle in protocol.encode_all(encoded, self.remote_limits or protocol.DEFAULT_LIMITS):
+            self._send_frames(kind, bundle)
+        return ids
+
+    def _encode(self, kind: str, body: Any) -> list[Any]:
         self._next_id += 1
         try:
-            frames = protocol.encode(kind, self._next_id, self.session, body, self.remote_limits)
+            return protocol.encode(kind, self._next_id, self.session, body, self.remote_limits)
         except protocol.LimitExceeded as err:
             flag = protocol.LIMIT_FLAGS.get(err.limit, err.limit)
             raise protocol.LimitExceeded(
@@ -381,11 +398,13 @@ class Connection:
             ) from None
         except ProtocolError as err:
             raise ProtocolError(f"{self.where()}: {err}") from None
+
+    def _send_frames(self, kind: str, frames: list[Any]) -> None:
         start = time.monotonic()
         while True:  # bounded: a full queue to a worker that stopped reading ends with the heartbeat
             try:
                 self._sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
-                return self._next_id
+                return
             except zmq.Again:
                 self._sock.poll(_POLL_SLICE_MS, zmq.POLLOUT)
                 self._check_alive(start, None if self.heartbeat else self.heartbeat_timeout, f"sending {kind}")
@@ -406,25 +425,21 @@ class Connection:
         """Wait until every posted request has been answered (before ``what``); raise the first failure."""
         start = time.monotonic()
         while self._unanswered:
-            if self._sock.poll(_POLL_SLICE_MS, zmq.POLLIN):
+            if self.readable(_POLL_SLICE_MS):
                 self.read()
             else:
                 self._check_alive(start, timeout, what)
 
+    def readable(self, timeout_ms: int = 0) -> bool:
+        """Whether a message waits to be `read` (the rest of a bundle, or one on the socket)."""
+        return bool(self._inbox) or bool(self._sock.poll(timeout_ms, zmq.POLLIN))
+
     def read(self) -> protocol.Message | None:
-        """Read one waiting message (the socket must be readable). The reply to a posted request
-        is consumed here (``None``), or raised if it reports a failure."""
-        try:
-            msg = protocol.decode(self._sock.recv_multipart(copy=False), self.limits)
-        except ProtocolVersionError as err:
-            info = err.info
-            raise ProtocolVersionError(
-                protocol.version_mismatch(self.where(), err.remote_version, info.get("lrmp", "?"), "this driver"),
-                remote_version=err.remote_version,
-                info=info,
-            ) from None
-        except ProtocolError as err:
-            raise ProtocolError(f"{self.where()} sent an undecodable message: {err}") from None
+        """Read one waiting message (`readable` must be true). The reply to a posted request is
+        consumed here (``None``), or raised if it reports a failure."""
+        if not self._inbox:
+            self._inbox.extend(self._receive())
+        msg = self._inbox.popleft()
         self._heard = True
         if self.heartbeat is not None:
             self.heartbeat.touch(self.address)
@@ -435,6 +450,19 @@ class Connection:
             raise self._remote_error(msg.body, f"{posted} (reported late: the driver does not wait for it)")
         return None
 
+    def _receive(self) -> list[protocol.Message]:
+        try:
+            return protocol.decode_all(self._sock.recv_multipart(copy=False), self.limits)
+        except ProtocolVersionError as err:
+            info = err.info
+            raise ProtocolVersionError(
+                protocol.version_mismatch(self.where(), err.remote_version, info.get("lrmp", "?"), "this driver"),
+                remote_version=err.remote_version,
+                info=info,
+            ) from None
+        except ProtocolError as err:
+            raise ProtocolError(f"{self.where()} sent an undecodable message: {err}") from None
+
     def recv(self, req_id: int, *, timeout: float | None = None, what: str = "", bounded: bool = True) -> Any:
         """Wait for the reply to ``req_id``; return its body or raise WorkerError / WorkerLostError.
         ``bounded=False`` exempts the call from ``call_timeout``: moving a stage's weights (setup,
@@ -442,7 +470,7 @@ class Connection:
         the heartbeat still catches a worker that dies or hangs meanwhile."""
         start = time.monotonic()
         while True:
-            if self._sock.poll(_POLL_SLICE_MS, zmq.POLLIN):
+            if self.readable(_POLL_SLICE_MS):
                 msg = self.read()
                 if msg is None:
                     continue
@@ -643,8 +671,9 @@ def gather(
     got: list[tuple[Connection, protocol.Message]] = []
     start = progress = time.monotonic()
     while len(got) < count:
-        for sock, _ in poller.poll(_POLL_SLICE_MS):
-            conn = by_sock[id(sock)]
+        # The rest of a bundle first: the socket it came on may have nothing more to read.
+        ready = [c for c in by_sock.values() if c._inbox] or [by_sock[id(s)] for s, _ in poller.poll(_POLL_SLICE_MS)]
+        for conn in ready:
             msg = conn.read()
             if msg is None:
                 continue

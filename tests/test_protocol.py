@@ -393,6 +393,89 @@ def test_limits_max_message_bytes():
         decode(frames, Limits(max_message_bytes=87))
 
 
+# --- bundles: several messages in one ZeroMQ message ------------------------------------------
+
+
+def test_a_bundle_decodes_into_its_messages_in_order():
+    parts = [
+        encode("forward", 1, "s", {"mb": 0, "x": torch.ones(2, 3)}),
+        encode("forward", 2, "s", {"mb": 1}),  # no tensor: a header alone
+        encode("backward", 3, "s", {"mb": 2, "g": (torch.zeros(1), torch.arange(4))}),
+    ]
+    [bundle] = protocol.encode_all(parts)
+    assert len(bundle) == sum(map(len, parts))
+    messages = protocol.decode_all(bundle)
+    got = [(m.kind, m.id, m.body["mb"]) for m in messages]
+    assert got == [("forward", 1, 0), ("forward", 2, 1), ("backward", 3, 2)]
+    assert torch.equal(messages[0].body["x"], torch.ones(2, 3))
+    assert torch.equal(messages[2].body["g"][1], torch.arange(4))
+    # One message is a bundle of one; decode takes only that.
+    assert [m.id for m in protocol.decode_all(parts[0])] == [1]
+    with pytest.raises(ProtocolError, match="1 tensors but 5 tensor frames"):
+        decode(bundle)
+
+
+def test_a_bundle_is_taken_whole_or_refused_whole():
+    good = encode("forward", 1, "s", {"x": torch.ones(2)})
+    bad = [b"\xc1"]  # an undecodable header after a good message
+    with pytest.raises(ProtocolError, match="undecodable header"):
+        protocol.decode_all([*good, *bad])
+    short = encode("forward", 2, "s", {"x": torch.ones(2), "y": torch.ones(3)})[:-1]  # its last tensor is missing
+    with pytest.raises(ProtocolError, match="2 tensors but 1 tensor frames"):
+        protocol.decode_all([*good, *short])
+    with pytest.raises(protocol.ProtocolVersionError):
+        old = msgpack.packb([protocol.PROTOCOL_VERSION - 1, "forward", 3, "s", [], msgpack.ExtType(0, b"\xc0")])
+        protocol.decode_all([*good, old])
+
+
+def test_encode_all_keeps_each_bundle_within_the_receivers_limits():
+    parts = [encode("forward", i, "s", {"x": torch.ones(4)}) for i in range(5)]  # 16 bytes of tensor each
+    sizes = [len(protocol.decode_all(b)) for b in protocol.encode_all(parts, Limits(max_message_bytes=40))]
+    assert sizes == [2, 2, 1]
+    sizes = [len(protocol.decode_all(b)) for b in protocol.encode_all(parts, Limits(max_frames=3))]
+    assert sizes == [3, 2]
+    # A message that is alone over a limit makes a bundle of its own (encode's limits refuse it).
+    assert [len(b) for b in protocol.encode_all(parts[:2], Limits(max_message_bytes=8))] == [2, 2]
+    assert protocol.encode_all([]) == []
+
+
+def test_a_bundle_over_the_limits_is_refused():
+    parts = [encode("forward", i, "s", {"x": torch.ones(4)}) for i in range(3)]
+    [bundle] = protocol.encode_all(parts)
+    protocol.decode_all(bundle, Limits(max_frames=3, max_message_bytes=48))
+    with pytest.raises(protocol.LimitExceeded, match="6 frames; a bundle holds at most 2 messages and 2 tensors"):
+        protocol.decode_all(bundle, Limits(max_frames=2))
+    with pytest.raises(protocol.LimitExceeded, match="3 tensor frames; the limit is 2"):
+        protocol.decode_all(encode("forward", 1, "s", [torch.ones(1)] * 3), Limits(max_frames=2))
+    with pytest.raises(protocol.LimitExceeded, match="message of 48 bytes exceeds the limit of 47"):
+        protocol.decode_all(bundle, Limits(max_message_bytes=47))
+    headers_only = [f for i in range(3) for f in encode("ok", i, "s", None)]
+    protocol.decode_all(headers_only, Limits(max_frames=3))
+    with pytest.raises(protocol.LimitExceeded, match="bundle of 3 messages; the limit is 2"):
+        protocol.decode_all(headers_only, Limits(max_frames=2))
+
+
+@FUZZ
+@given(st.data())
+def test_mutated_bundles_decode_or_raise_protocol_error(data):
+    parts = data.draw(st.lists(st.sampled_from(_SEED_MESSAGES), min_size=2, max_size=3))
+    frames = [bytearray(f) for part in parts for f in part]
+    for _ in range(data.draw(st.integers(1, 3))):
+        i = data.draw(st.integers(0, len(frames) - 1))
+        op = data.draw(st.sampled_from(["flip", "drop_frame", "dup_frame", "swap"]))
+        if op == "flip" and frames[i]:
+            pos = data.draw(st.integers(0, len(frames[i]) - 1))
+            frames[i][pos] ^= 1 << data.draw(st.integers(0, 7))
+        elif op == "drop_frame" and len(frames) > 1:
+            del frames[i]
+        elif op == "dup_frame":
+            frames.insert(i, bytearray(frames[i]))
+        elif op == "swap":
+            j = data.draw(st.integers(0, len(frames) - 1))
+            frames[i], frames[j] = frames[j], frames[i]
+    _decode_or_protocol_error(frames)
+
+
 def test_decoding_never_names_a_class():
     # A body cannot smuggle an object in: msgpack has no object type, and extensions are closed.
     frames = _raw([], msgpack.packb({"__class__": "os.system", "args": ["echo hi"]}))
@@ -460,12 +543,20 @@ def test_encode_accepts_int_and_str_subclasses_as_plain_values():
 
 
 def _decode_or_protocol_error(frames):
+    """``decode``, and ``decode_all`` (what the worker and the driver call), of frames from anyone:
+    messages, or a `ProtocolError`; never another exception."""
+    try:
+        messages = protocol.decode_all(frames)
+    except ProtocolError:
+        messages = []
+    for msg in messages:
+        assert isinstance(msg, Message)
+        assert isinstance(msg.kind, str) and isinstance(msg.id, int) and isinstance(msg.session, str)
     try:
         msg = decode(frames)
     except ProtocolError:
         return None
-    assert isinstance(msg, Message)
-    assert isinstance(msg.kind, str) and isinstance(msg.id, int) and isinstance(msg.session, str)
+    assert len(messages) == 1 and messages[0].id == msg.id, "decode and decode_all disagree"
     return msg
 
 

@@ -230,20 +230,20 @@ def _golden() -> dict[str, object]:
 # sha256 of each request's frames. A change here changes what older workers receive: bump
 # protocol.PROTOCOL_VERSION with it (and say so in the CHANGELOG), then update these.
 GOLDEN = {
-    "setup": "6769d90a67be4218",
-    "release": "a0b4e083d86712f5",
-    "get_state": "eb8582a75899907e",
-    "load_state": "3fae7f33b965f0ef",
-    "profile": "579ba0f255b344ea",
-    "optim_create": "c0c392fa78941cfa",
-    "optim_step": "f1752e1631038b70",
-    "zero_grad": "4b4cb8cd16dc475d",
-    "get_optim_state": "250bed6bebdcc1a0",
-    "load_optim_state": "2837f505fd6e6316",
-    "grads": "0c35a90128461eeb",
-    "timeline": "bf6ef615d678e564",
-    "group": "13f7530543c6487f",
-    "hello": "5e15565e5f7afe6a",
+    "setup": "66dcc4784750bf6a",
+    "release": "62169b7c631ebd06",
+    "get_state": "94def060025b5705",
+    "load_state": "f61f82310c8ef623",
+    "profile": "424ffbf591c2c502",
+    "optim_create": "0c7ea0ccb6f59734",
+    "optim_step": "295c170520a93d4c",
+    "zero_grad": "2562c6a557f5bcda",
+    "get_optim_state": "818c945e830efe36",
+    "load_optim_state": "4bc4f969d04dd2c2",
+    "grads": "a1a01ecb3699852f",
+    "timeline": "1ff8a7364ef9ad64",
+    "group": "464a5fff78acef89",
+    "hello": "8359b084a2b6b5ff",
 }
 
 

@@ -866,3 +866,56 @@ def test_a_micro_batch_from_a_peer_waits_for_the_driver_request_sent_before_it(p
         if peer is not None:
             peer.close(0)
         session.close()
+
+
+def test_a_calls_micro_batches_travel_as_one_message_each_way(worker):
+    """The driver sends a call's micro-batches to a stage in one ZeroMQ message, and the stage that
+    answers the driver sends their results back in one, once it has them all (each message costs
+    both sides a send and a wake-up). A call that fails midway sends its error, and the results it
+    kept are dropped when the driver releases the call."""
+    from lightning_remote_mp.messages import DRIVER, Forward
+    from lightning_remote_mp.requests import Release
+
+    net = _spec()
+    local = copy.deepcopy(net)
+    session = DriverSession([worker.address], connect_timeout=REPLY_TIMEOUT)
+    try:
+        session.place("net", net)
+        conn = session.conns[0]
+
+        def bodies(call: int, xs: list[torch.Tensor]) -> list[dict]:
+            return [
+                Forward(key="net", call=call, mb=i, sender=DRIVER, x=x, microbatches=len(xs)).body()
+                for i, x in enumerate(xs)
+            ]
+
+        def next_zmq_message(timeout: float = REPLY_TIMEOUT) -> list[protocol.Message] | None:
+            if not conn._sock.poll(timeout * 1000):
+                return None
+            return protocol.decode_all(conn._sock.recv_multipart(copy=False))
+
+        xs = [torch.randn(4, 3) for _ in range(3)]
+        with torch.no_grad():
+            conn.send_all(protocol.FORWARD, bodies(7, xs))
+            results = next_zmq_message()
+            assert results is not None, "no results"
+            got = [(m.kind, m.body["call"], m.body["mb"]) for m in results]
+            assert got == [(protocol.RESULT, 7, i) for i in range(3)]
+            for m, x in zip(results, xs):
+                assert torch.allclose(Forward.from_body(m.body).x, local(x), atol=1e-6)
+            assert next_zmq_message(0.3) is None, "a result came twice"
+
+            # Micro-batch 1 of call 8 fails (a wrong input width); micro-batch 0's result is kept, then dropped.
+            conn.send_all(protocol.FORWARD, bodies(8, [xs[0], torch.randn(4, 5)]))
+            error = next_zmq_message()
+            assert error is not None and [m.kind for m in error] == [protocol.ERROR]
+            assert (error[0].body["call"], error[0].body["mb"]) == (8, 1)
+            conn.recv(conn.send(protocol.RELEASE, Release({"net": [8]}).body()), timeout=REPLY_TIMEOUT)
+            conn.send_all(protocol.FORWARD, bodies(9, xs[:1]))
+            after = next_zmq_message()
+            assert after is not None and [(m.kind, m.body["call"]) for m in after] == [(protocol.RESULT, 9)], (
+                "the failed call's kept result reached the driver"
+            )
+    finally:
+        session.close()
+    worker.assert_alive()

@@ -190,6 +190,7 @@ class RoutedStage:
                     grad_out=_wanted(grad_x, meta.x_grad) if source == self.x_from else None,
                     grads={n: grad_imports.get(n) for n in names if meta.var_grad.get(n)},
                     fence=first.fence,
+                    microbatches=first.microbatches,
                 ),
             )
             for source, names in self.sources.items()

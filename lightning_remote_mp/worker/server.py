@@ -188,6 +188,19 @@ class _Outbox:
         with self.server.socket():
             self._send_driver(self.driver_peer, frames)
 
+    def to_driver_all(self, kind: str, answers: Sequence[tuple[Any, Any, dict[str, Any] | None]]) -> None:
+        """Send several messages to the driver as bundles (`protocol.encode_all`): one send, one
+        wake-up of the driver, for a call's answers. Each bundle stays within this worker's own
+        limits; messages whose tensors are still being copied off a GPU go one by one, in order."""
+        if self._held or any(ready is not None for _, ready, _ in answers):
+            for body, ready, about in answers:
+                self.to_driver(kind, body, ready, about)
+            return
+        encoded = [protocol.encode(kind, 0, self.session, body) for body, _, _ in answers]
+        with self.server.socket():
+            for bundle in protocol.encode_all(encoded, self.server.limits):
+                self._send_driver(self.driver_peer, bundle)
+
     def to_peer(
         self, address: str, kind: str, body: Any, ready: Any = None, about: dict[str, Any] | None = None
     ) -> None:
@@ -629,7 +642,7 @@ class WorkerServer:
             return  # not even an identity and a header: nothing to answer
         peer, payload = frames[0].bytes, frames[1:]
         try:
-            msg = protocol.decode(payload, self.limits)
+            messages = protocol.decode_all(payload, self.limits)  # one, or a bundle of a call's micro-batches
         except ProtocolVersionError as err:
             theirs = err.info.get("lrmp", "?")
             mismatch = protocol.version_mismatch("the message", err.remote_version, theirs, "this worker")
@@ -639,11 +652,16 @@ class WorkerServer:
             self._throttle.warning("malformed", "dropped a malformed message from peer %s: %s", peer.hex()[:16], err)
             self._refuse(peer, protocol.peek_id(payload), err)
             return
+        for msg in messages:
+            self._on_message(peer, payload[0], msg)
+
+    def _on_message(self, peer: bytes, header: Any, msg: protocol.Message) -> None:
+        """Answer what the I/O side answers (heartbeats, drivers' greetings, refusals); queue the rest."""
         if msg.kind not in protocol.REQUEST_KINDS:
             self._refuse(peer, msg.id, ProtocolError(f"unexpected message kind {msg.kind!r:.40}"))
             return
         from_peer = _from_peer(msg)
-        if self.auth is not None and not self._authorized(payload[0], msg, from_peer):
+        if self.auth is not None and not self._authorized(header, msg, from_peer):
             self._refuse(
                 peer,
                 msg.id,

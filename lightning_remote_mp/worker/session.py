@@ -55,6 +55,9 @@ class Outbox(Protocol):
 
     def to_driver(self, kind: str, body: Any, ready: Any = None, about: dict[str, Any] | None = None) -> None: ...
 
+    def to_driver_all(self, kind: str, answers: Sequence[tuple[Any, Any, dict[str, Any] | None]]) -> None:
+        """Several ``(body, ready, about)`` of ``kind`` for the driver, in as few messages as can be."""
+
     def to_peer(
         self, address: str, kind: str, body: Any, ready: Any = None, about: dict[str, Any] | None = None
     ) -> None: ...
@@ -112,6 +115,8 @@ class WorkerSession:
         self._deferred_failure: Exception | None = None
         self.driver_ran = 0  # the id of the driver's last request run here (they run in order)
         self._held_back: list[Any] = []  # peers' micro-batches waiting for a driver request
+        # A call's answers to the driver (RESULTs, DONEs), kept until they are all there: (key, call, kind) -> answers.
+        self._answers: dict[tuple[str, int, str], list[tuple[Any, Any, dict[str, Any] | None]]] = {}
 
     # --- order between the driver's requests and the micro-batches from peers --------------
     def hold_back(self, body: Any, task: Any) -> bool:
@@ -248,10 +253,21 @@ class WorkerSession:
             if io is not None:  # a GPU stage: the message leaves once its tensors are copied off the device
                 body, ready = io.to_host(body)
                 about = {"key": msg.key, "call": msg.call, "mb": msg.mb}
-            if target == DRIVER:
+            if target == DRIVER and msg.microbatches > 1:
+                self._answer_together(msg, driver_kind, (body, ready, about))
+            elif target == DRIVER:
                 self.outbox.to_driver(driver_kind, body, ready, about)
             else:
                 self.outbox.to_peer(self.peers[msg.key][target], peer_kind, body, ready, about)
+
+    def _answer_together(self, msg: Forward | Backward, kind: str, answer: tuple[Any, Any, Any]) -> None:
+        """Keep a micro-batch's answer to the driver until the call's others are there too, then
+        send them all at once (`messages.Forward.microbatches`)."""
+        answers = self._answers.setdefault((msg.key, msg.call, kind), [])
+        answers.append(answer)
+        if len(answers) >= msg.microbatches:
+            del self._answers[(msg.key, msg.call, kind)]
+            self.outbox.to_driver_all(kind, answers)
 
     def route(self, key: str) -> RoutedStage:
         if key not in self.routes:
@@ -262,6 +278,8 @@ class WorkerSession:
         for key, calls in Release.from_body(body).calls.items():
             if key in self.routes:  # a stage whose setup failed holds nothing to release
                 self.routes[key].release(calls)
+            for held in [h for h in self._answers if h[0] == key and h[1] in calls]:
+                del self._answers[held]  # a failed call's answers: the driver stopped waiting
         return None
 
     def _named_parameters(self) -> dict[str, torch.nn.Parameter]:
@@ -411,6 +429,7 @@ class WorkerSession:
 
     def close(self) -> None:
         self.group = None
+        self._answers.clear()
         self.routes.clear()
         self.stages.clear()
         self.optimizers.clear()
