@@ -169,7 +169,8 @@ class DriverSession:
         connect_timeout: seconds to wait for each worker's first answer.
         call_timeout: seconds one call may go on without progress while its worker still answers
             heartbeats (a layer that never returns, a deadlock) before it fails with WorkerLostError;
-            in a pipeline, the seconds between two results. ``None`` waits forever.
+            in a pipeline, per micro-batch (a call's results come together, after up to m times
+            it for m micro-batches). ``None`` waits forever.
         liveness: optional per-address callables returning why a local worker process died (or None).
         store_host: the address workers reach this process at, for the rendezvous of replicas
             (default: this machine's address towards the first worker).
@@ -309,7 +310,14 @@ class DriverSession:
 
     def _hello(self, timeout: float) -> list[dict[str, Any]]:
         driver = f"{socket.gethostname()} pid {os.getpid()}"
-        hello = Hello(driver, protocol.PROTOCOL_VERSION, __version__, torch.__version__, float(self.heartbeat_timeout))
+        hello = Hello(
+            driver,
+            protocol.PROTOCOL_VERSION,
+            __version__,
+            torch.__version__,
+            float(self.heartbeat_timeout),
+            limits=self.conns[0].limits if self.conns else protocol.DEFAULT_LIMITS,
+        )
         deadline = time.monotonic() + timeout
         pending = {id(c): (c, c.send(protocol.HELLO, hello.body())) for c in self.conns}
         replies: dict[int, dict[str, Any]] = {}

@@ -182,6 +182,7 @@ class RemoteSpec:
             count,
             call=call,
             what=what,
+            patience=max(map(len, sizes), default=1),  # a stage answers a call's micro-batches together
         )
         parse = Forward.from_body if kind == protocol.RESULT else Backward.from_body
         out: dict[tuple[int, int], Any] = {}

@@ -64,6 +64,7 @@ class Kind(str, enum.Enum):
     PROFILE = "profile"
     TIMELINE = "timeline"
     GROUP = "group"
+    SYNC = "sync"  # answered once every request sent before it has run (the quiet ones below included)
     RESULT = "result"  # worker -> driver: the last stage's output of one micro-batch
     DONE = "done"  # worker -> driver: stage 0 finished one micro-batch's backward
     BYE = "bye"
@@ -82,7 +83,7 @@ HELLO, SETUP, FORWARD, BACKWARD = Kind.HELLO, Kind.SETUP, Kind.FORWARD, Kind.BAC
 RELEASE, OPTIM_CREATE, OPTIM_STEP, ZERO_GRAD = Kind.RELEASE, Kind.OPTIM_CREATE, Kind.OPTIM_STEP, Kind.ZERO_GRAD
 GET_STATE, LOAD_STATE = Kind.GET_STATE, Kind.LOAD_STATE
 GET_OPTIM_STATE, LOAD_OPTIM_STATE = Kind.GET_OPTIM_STATE, Kind.LOAD_OPTIM_STATE
-GRADS, PROFILE, TIMELINE, GROUP = Kind.GRADS, Kind.PROFILE, Kind.TIMELINE, Kind.GROUP
+GRADS, PROFILE, TIMELINE, GROUP, SYNC = Kind.GRADS, Kind.PROFILE, Kind.TIMELINE, Kind.GROUP, Kind.SYNC
 RESULT, DONE, BYE, PING, OK, ERROR = Kind.RESULT, Kind.DONE, Kind.BYE, Kind.PING, Kind.OK, Kind.ERROR
 
 
@@ -105,6 +106,12 @@ def version_mismatch(other: str, other_version: Any, other_lrmp: Any, this: str)
 
 #: What a worker accepts; the others travel worker -> driver.
 REQUEST_KINDS = frozenset(Kind) - {RESULT, DONE, OK, ERROR}
+
+#: Requests a worker answers only when they fail: the driver posts them every step without
+#: waiting (`lightning_remote_mp.transport.Connection.post`), and an OK per step and worker would
+#: cost both sides a message for nothing. The ERROR of one says ``"posted": kind``; a SYNC
+#: request is answered once they have all run.
+QUIET_KINDS = frozenset({OPTIM_STEP, ZERO_GRAD})
 
 _EXT_TENSOR = 1
 _EXT_TUPLE = 2
@@ -464,21 +471,26 @@ def decode_all(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> list[M
     tensors and their bytes, and its messages: at most ``max_frames`` of each) and each header."""
     buffers = _buffers(frames, limits, bundle=True)
     parts: list[tuple[list[Any], list[memoryview]]] = []  # every header checked before any body is decoded
-    at = 0
-    while at < len(buffers):  # at most 2 x max_frames headers (`_buffers`)
+    tensor_count = tensor_bytes = at = 0
+    while at < len(buffers):
+        if len(parts) == limits.max_frames:
+            raise LimitExceeded(
+                f"a bundle of over {limits.max_frames} messages; the limit is {limits.max_frames}", "max_frames"
+            )
         header = _header(buffers[at], limits)
         metas = header[4]
         tensors = buffers[at + 1 : at + 1 + len(metas)]
         if len(tensors) != len(metas):
             raise ProtocolError(f"header describes {len(metas)} tensors but {len(tensors)} tensor frames arrived")
+        tensor_count += len(tensors)
+        if tensor_count > limits.max_frames:
+            raise LimitExceeded(
+                f"message has at least {tensor_count} tensor frames; the limit is {limits.max_frames}", "max_frames"
+            )
+        tensor_bytes += sum(len(b) for b in tensors)
+        _check_bytes(tensor_bytes, limits)
         parts.append((header, tensors))
         at += 1 + len(tensors)
-    if len(parts) > limits.max_frames:
-        raise LimitExceeded(f"a bundle of {len(parts)} messages; the limit is {limits.max_frames}", "max_frames")
-    tensor_count = sum(len(tensors) for _, tensors in parts)
-    if tensor_count > limits.max_frames:
-        raise LimitExceeded(f"message has {tensor_count} tensor frames; the limit is {limits.max_frames}", "max_frames")
-    _check_bytes(sum(len(b) for _, tensors in parts for b in tensors), limits)
     return [_message(header, tensors, limits) for header, tensors in parts]
 
 

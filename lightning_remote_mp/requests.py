@@ -276,6 +276,25 @@ class GetState:
 
 
 @dataclasses.dataclass(frozen=True)
+class Sync:
+    """SYNC: answered once every request sent before it has run, those answered only when they fail
+    (`protocol.QUIET_KINDS`) included. It carries nothing."""
+
+    KIND: ClassVar[str] = protocol.SYNC
+
+    def body(self) -> dict[str, Any] | None:
+        """The message body, as `protocol.encode` sends it: none."""
+        return None
+
+    @classmethod
+    def from_body(cls, body: Any) -> Sync:
+        """A received body, checked; raises `ProtocolError` if it is malformed."""
+        if body is not None:
+            _dict_body(cls.KIND, body)
+        return cls()
+
+
+@dataclasses.dataclass(frozen=True)
 class LoadState:
     """LOAD_STATE: copy weights and buffers into stages. ``state``: by SpecSequential key, tensors
     named ``"<layer index>.<name>"``."""
@@ -640,6 +659,8 @@ class Hello:
     lrmp: str
     torch: str
     heartbeat_timeout: float | None = None  # the driver's: how long this worker's peers may keep it waiting
+    #: What the driver accepts (`protocol.Limits.as_dict`): the worker's bundles of answers stay within it.
+    limits: protocol.Limits = protocol.DEFAULT_LIMITS
 
     def body(self) -> dict[str, Any]:
         """The message body, as `protocol.encode` sends it."""
@@ -649,6 +670,7 @@ class Hello:
             "lrmp": self.lrmp,
             "torch": self.torch,
             "heartbeat_timeout": self.heartbeat_timeout,
+            "limits": self.limits.as_dict(),
         }
 
     @classmethod
@@ -663,6 +685,7 @@ class Hello:
             lrmp=_text(body.get("lrmp"), 100),
             torch=_text(body.get("torch"), 100),
             heartbeat_timeout=float(timeout) if sane else None,
+            limits=protocol.Limits.from_dict(body.get("limits")),
         )
 
 
@@ -689,6 +712,7 @@ REQUESTS: dict[str, type[Any]] = {
         Grads,
         Timeline,
         GroupInit,
+        Sync,
         Hello,
     )
 }

@@ -127,8 +127,9 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
         heartbeat_timeout: seconds of silence after which a worker is declared lost (the run fails
             with an error naming it).
         connect_timeout: seconds to wait for each worker's first answer.
-        call_timeout: seconds a worker may compute one request (in a pipeline: the time between two
-            results) while it still answers heartbeats, before the run fails naming it: a layer that
+        call_timeout: seconds a worker may compute one request (in a pipeline: one micro-batch; a
+            call's results come together, so a call of m micro-batches may take m times it) while it
+            still answers heartbeats, before the run fails naming it: a layer that
             never returns, a deadlock. ``None`` waits as long as the worker lives.
         store_host: with replicas, the address workers reach this machine at for their rendezvous
             (default: this machine's address on the route to the first worker).

@@ -239,6 +239,8 @@ class Heartbeat:
         self._last_busy = {a: now for a in self.addresses}  # last heartbeat that found the worker computing
         # From the last heartbeat: micro-batches a worker holds back for a driver request (count, request id).
         self.held_back: dict[str, tuple[int, int]] = {}
+        # From the last heartbeat: the id of the last driver request each worker has run.
+        self.ran: dict[str, int] = {}
         self.lost: dict[str, str] = {}
         self._stop = threading.Event()
         self._wake = f"inproc://lrmp-heartbeat-{id(self)}-{time.monotonic_ns()}"
@@ -296,6 +298,8 @@ class Heartbeat:
                         body = msg.body if isinstance(msg.body, dict) else {}
                         if msg.kind == protocol.OK and body.get("busy"):
                             self._last_busy[address] = time.monotonic()
+                        if type(body.get("ran")) is int:
+                            self.ran[address] = body["ran"]
                         held, waits_for = body.get("held_back"), body.get("waits_for")
                         if type(held) is int and type(waits_for) is int and held > 0:
                             self.held_back[address] = (held, waits_for)
@@ -412,18 +416,32 @@ class Connection:
     def post(self, kind: str, body: Any = None) -> None:
         """Send a request without waiting for its reply. The worker runs requests in order, so what
         is sent next sees its effect; a failure is raised by whichever later call reads the reply
-        (or by `settle`)."""
+        (or by `settle`). Requests of `protocol.QUIET_KINDS` are answered only when they fail: one
+        counts as run once a later request's reply arrives, or the heartbeat says so."""
         self._unanswered[self.send(kind, body)] = kind
 
     @property
     def unanswered_up_to(self) -> int:
-        """The id of the last posted request not answered yet, or 0: what a pipelined message's
-        ``fence`` names for this worker (`lightning_remote_mp.messages`)."""
+        """The id of the last posted request not known to have run, or 0: what a pipelined
+        message's ``fence`` names for this worker (`lightning_remote_mp.messages`)."""
+        if self.heartbeat is not None and self._unanswered:
+            self._ran_up_to(self.heartbeat.ran.get(self.address, 0) + 1)
         return next(reversed(self._unanswered), 0)  # ids only grow, and dicts keep their order
+
+    def _ran_up_to(self, req_id: int) -> None:
+        """The worker has run every request before ``req_id`` (it runs them in order): forget the
+        quiet ones among them, which no reply will name (a failure came before: `read` raised it)."""
+        while self._unanswered:
+            first = next(iter(self._unanswered))
+            if first >= req_id or self._unanswered[first] not in protocol.QUIET_KINDS:
+                return
+            del self._unanswered[first]
 
     def settle(self, timeout: float | None = None, what: str = "") -> None:
         """Wait until every posted request has been answered (before ``what``); raise the first failure."""
         start = time.monotonic()
+        if any(kind in protocol.QUIET_KINDS for kind in self._unanswered.values()):
+            self.post(protocol.SYNC)  # answered once the quiet requests before it have run
         while self._unanswered:
             if self.readable(_POLL_SLICE_MS):
                 self.read()
@@ -444,6 +462,10 @@ class Connection:
         if self.heartbeat is not None:
             self.heartbeat.touch(self.address)
         posted = self._unanswered.pop(msg.id, None) if msg.id else None
+        if msg.id and msg.kind in (protocol.OK, protocol.ERROR):
+            self._ran_up_to(msg.id)
+        if msg.kind == protocol.ERROR and isinstance(msg.body, dict) and msg.body.get("posted") in protocol.QUIET_KINDS:
+            posted = msg.body["posted"]  # a quiet request failed (maybe counted as run already, by the heartbeat)
         if posted is None:
             return msg
         if msg.kind == protocol.ERROR:
@@ -655,12 +677,15 @@ def gather(
     *,
     call: int,
     what: str,
+    patience: int = 1,
 ) -> list[tuple[Connection, protocol.Message]]:
     """Collect ``count`` unsolicited messages that ``want`` accepts, from any of ``conns``.
 
     An error a worker reports for this ``call`` is raised at once; leftovers of earlier calls are
     dropped; a lost worker fails the wait like `Connection.recv` does. ``call_timeout`` bounds the
     time between two accepted messages, not the whole wait: a long pipeline that moves is fine.
+    ``patience`` multiplies it where one message answers for several micro-batches (a stage
+    sends a call's answers together, once it has them all).
     """
     poller = zmq.Poller()
     by_sock = {}
@@ -690,7 +715,7 @@ def gather(
         for c in by_sock.values():
             c._check_reachable(start, None, what)
         _check_stall(list(by_sock.values()), progress, what, count - len(got))
-        _check_overdue(list(by_sock.values()), progress, what, count - len(got))
+        _check_overdue(list(by_sock.values()), progress, what, count - len(got), patience)
     return got
 
 
@@ -720,12 +745,13 @@ def _check_stall(conns: Sequence[Connection], progress: float, what: str, missin
         raise WorkerLostError(message, **conns[0].located())
 
 
-def _check_overdue(conns: Sequence[Connection], progress: float, what: str, missing: int) -> None:
-    """Nothing arrived for longer than ``call_timeout`` although every worker answers its heartbeat:
-    blame the ones still computing (all, if none is), and let no later call wait for them."""
+def _check_overdue(conns: Sequence[Connection], progress: float, what: str, missing: int, patience: int = 1) -> None:
+    """Nothing arrived for longer than ``call_timeout`` (times ``patience``) although every worker
+    answers its heartbeat: blame the ones still computing (all, if none is), and let no later call
+    wait for them."""
     limits = [c.call_timeout for c in conns if c.call_timeout is not None]
     waited = time.monotonic() - progress
-    if not limits or waited <= min(limits):
+    if not limits or waited <= min(limits) * patience:
         return
     hb = conns[0].heartbeat
     busy = [c for c in conns if hb is not None and hb.busy(c.address)]
@@ -735,7 +761,8 @@ def _check_overdue(conns: Sequence[Connection], progress: float, what: str, miss
     else:
         state = "answering heartbeats but computing nothing" if hb is not None else "not answering this call"
     message = (
-        f"the pipeline made no progress during {what} for {waited:.0f} s (call_timeout={min(limits):g} s), with "
+        f"the pipeline made no progress during {what} for {waited:.0f} s (call_timeout={min(limits):g} s"
+        f"{f' per micro-batch, {patience} of them' if patience > 1 else ''}), with "
         f"{missing} micro-batch result(s) missing: {', '.join(c.where() + c.unanswered_note() for c in blamed)} "
         f"{'is' if len(blamed) == 1 else 'are'} {state}. {_OVERDUE_CAUSES}"
     )

@@ -155,5 +155,12 @@ def test_the_driver_limits_what_workers_send_it(pool):
         assert net(torch.ones(4, 8)).shape == (4, 8)  # 128 bytes: fine
         with pytest.raises(ProtocolError, match="exceeds the limit of 1024"):
             net(torch.ones(128, 8))
+        # A stage sends a call's results together, in bundles within the limits the driver's HELLO
+        # gave: 4 micro-batches of 768 bytes travel as 4 messages, not one of 3 KiB.
+        split, local = _net(2), _net(2)
+        session.place("split", split, microbatches=4)
+        x = torch.randn(96, 8)
+        with torch.no_grad():
+            assert torch.allclose(split(x), local(x), atol=1e-6)
     finally:
         session.close()

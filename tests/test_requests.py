@@ -27,6 +27,7 @@ from lightning_remote_mp.requests import (
     Profile,
     Release,
     Setup,
+    Sync,
     Timeline,
     ZeroGrad,
 )
@@ -223,6 +224,7 @@ def _golden() -> dict[str, object]:
         "grads": GradScale(0, torch.tensor(0.5)),
         "timeline": Timeline("clock"),
         "group": GroupInit("127.0.0.1", 29500, "p", 0, 2, "gloo", 30.0),
+        "sync": Sync(),
         "hello": Hello("host pid 1", protocol.PROTOCOL_VERSION, "0.1.0", "2.13.0", 9.0),
     }
 
@@ -242,8 +244,9 @@ GOLDEN = {
     "load_optim_state": "4bc4f969d04dd2c2",
     "grads": "a1a01ecb3699852f",
     "timeline": "1ff8a7364ef9ad64",
+    "sync": "6a4b3fa1709b4282",
     "group": "464a5fff78acef89",
-    "hello": "8359b084a2b6b5ff",
+    "hello": "2d4fb12813399f89",
 }
 
 

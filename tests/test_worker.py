@@ -621,7 +621,7 @@ def test_heartbeats_and_other_drivers_are_answered_while_a_layer_runs(worker, co
                 start = time.monotonic()
                 reply = pinger.request(protocol.PING)
                 assert time.monotonic() - start < 0.5, "a ping waited for the running layer"
-                assert reply.body == {"session_alive": True, "busy": True}
+                assert reply.body == {"session_alive": True, "busy": True, "ran": 2}  # hello's and setup's ids
         finally:
             pinger.sock.close(0)
         other = connect(worker.address)
@@ -844,7 +844,7 @@ def test_a_micro_batch_from_a_peer_waits_for_the_driver_request_sent_before_it(p
         def next_result(timeout: float = 10.0) -> Any:
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline:
-                if stage1._sock.poll(100):
+                if stage1.readable(100):
                     msg = stage1.read()  # the reply to a posted request is consumed here (None)
                     if msg is not None:
                         return msg
@@ -852,7 +852,7 @@ def test_a_micro_batch_from_a_peer_waits_for_the_driver_request_sent_before_it(p
 
         first = next_result()
         assert first is not None and first.kind == protocol.RESULT and first.body["call"] == 98, first
-        assert not stage1._sock.poll(200), "stage 1 ran the micro-batch before the request it must wait for"
+        assert not stage1.readable(200), "stage 1 ran the micro-batch before the request it must wait for"
         w, b = torch.randn(3, 4), torch.randn(3)
         stage1.post(protocol.LOAD_STATE, LoadState({"net": {"1.weight": w, "1.bias": b}}).body())
         assert stage1.unanswered_up_to == request_id
@@ -919,3 +919,50 @@ def test_a_calls_micro_batches_travel_as_one_message_each_way(worker):
     finally:
         session.close()
     worker.assert_alive()
+
+
+def test_the_optimizers_requests_are_answered_only_when_they_fail(worker, connect):
+    """The driver posts zero_grad and the optimizer's step every step without waiting: the worker
+    answers them only when they fail (an ERROR that says it answers a posted request), and SYNC
+    once everything before it has run."""
+    client = connect(worker.address)
+    client.ok(protocol.HELLO, {"driver": "pytest"})
+    client.ok(protocol.SETUP, _stage_body())
+    client.send(protocol.ZERO_GRAD, {"index": 0, "set_to_none": True})
+    assert client.recv(timeout=0.5) is None, "a zero_grad that worked was answered"
+    bad = client.send(protocol.ZERO_GRAD, {"index": "first"})
+    error = client.recv()
+    assert error is not None and (error.kind, error.id) == (protocol.ERROR, bad)
+    assert error.body["posted"] == protocol.ZERO_GRAD and "index" in error.body["message"]
+    assert client.ok(protocol.SYNC) is None
+    assert client.recv(timeout=0.3) is None
+
+
+def test_the_driver_forgets_quiet_requests_once_they_have_run_and_raises_their_failures(worker):
+    """Posted zero_grads are answered only if they fail, so the driver counts them run once a later
+    request's reply arrives (the worker runs requests in order) or the heartbeat says so; `settle`
+    asks with a SYNC. A failed one is raised by whichever read meets its ERROR."""
+    from lightning_remote_mp.requests import GetState, ZeroGrad
+
+    session = DriverSession([worker.address], connect_timeout=REPLY_TIMEOUT)
+    try:
+        session.place("net", _spec())
+        conn = session.conns[0]
+        for _ in range(50):
+            conn.post(protocol.ZERO_GRAD, ZeroGrad(0).body())
+        assert conn.unanswered_up_to == conn._next_id
+        assert "net" in conn.request(protocol.GET_STATE, GetState().body())
+        assert not conn._unanswered and not conn.unanswered_up_to, "50 zero_grads are still counted as pending"
+        conn.post(protocol.ZERO_GRAD, ZeroGrad(0).body())
+        deadline = time.monotonic() + 10
+        while conn.unanswered_up_to and time.monotonic() < deadline:  # the heartbeat says it ran
+            time.sleep(0.1)
+        assert not conn.unanswered_up_to, "the heartbeat never confirmed the posted zero_grad"
+        conn.post(protocol.ZERO_GRAD, {"index": "first"})  # fails on the worker
+        conn.post(protocol.ZERO_GRAD, ZeroGrad(0).body())
+        with pytest.raises(WorkerError, match=r"zero_grad \(reported late"):
+            conn.settle()
+        conn.settle()  # the SYNC's reply came after the error: nothing is left
+        assert not conn._unanswered
+    finally:
+        session.close()

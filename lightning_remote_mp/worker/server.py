@@ -170,6 +170,7 @@ class _Outbox:
         self.driver_peer = b""
         self.session = ""
         self.peer_timeout = DEFAULT_PEER_TIMEOUT
+        self.driver_limits = protocol.DEFAULT_LIMITS  # what the session's driver accepts (its HELLO)
         self.peer_keys: dict[str, bytes] = {}  # address -> public key, announced by the driver
         self._peers: dict[str, zmq.Socket] = {}
         self._held: collections.deque[_Held] = collections.deque()
@@ -190,15 +191,16 @@ class _Outbox:
 
     def to_driver_all(self, kind: str, answers: Sequence[tuple[Any, Any, dict[str, Any] | None]]) -> None:
         """Send several messages to the driver as bundles (`protocol.encode_all`): one send, one
-        wake-up of the driver, for a call's answers. Each bundle stays within this worker's own
-        limits; messages whose tensors are still being copied off a GPU go one by one, in order."""
+        wake-up of the driver, for a call's answers. Each bundle stays within the driver's limits
+        (its HELLO says them); messages whose tensors are still being copied off a GPU go one by
+        one, in order."""
         if self._held or any(ready is not None for _, ready, _ in answers):
             for body, ready, about in answers:
                 self.to_driver(kind, body, ready, about)
             return
         encoded = [protocol.encode(kind, 0, self.session, body) for body, _, _ in answers]
         with self.server.socket():
-            for bundle in protocol.encode_all(encoded, self.server.limits):
+            for bundle in protocol.encode_all(encoded, self.driver_limits):
                 self._send_driver(self.driver_peer, bundle)
 
     def to_peer(
@@ -678,6 +680,7 @@ class WorkerServer:
             session = self._session
             if alive and session is not None and session.id == msg.session:
                 answer.update(session.held_back())  # what waits for the driver: named when the pipeline stalls
+                answer["ran"] = session.driver_ran  # the driver's requests up to this one have run
             self._reply(peer, protocol.OK, msg.id, answer)
             return
         if msg.kind == protocol.HELLO:
@@ -751,7 +754,7 @@ class WorkerServer:
                     __version__,
                     torch.__version__,
                 )
-            self._pending.append(_Task(peer, protocol.Message(_NEW, 0, msg.session, hello.heartbeat_timeout)))
+            self._pending.append(_Task(peer, protocol.Message(_NEW, 0, msg.session, hello)))
         self._last_seen = time.monotonic()
         self._reply(
             peer,
@@ -913,7 +916,7 @@ class WorkerServer:
             if peer_session is not None and peer_session.hold_back(msg.body, task):
                 return None
             body = self._handle(msg)
-            if body is NO_REPLY:
+            if body is NO_REPLY or msg.kind in protocol.QUIET_KINDS:
                 return None
             return protocol.encode(protocol.OK, msg.id, msg.session, body)
         except Exception as err:  # every failure becomes an error reply; the worker stays up, unless its GPU failed
@@ -932,9 +935,11 @@ class WorkerServer:
                     )
                 self._outbox.to_driver(protocol.ERROR, error)
                 return None
+            if msg.kind in protocol.QUIET_KINDS:
+                error["posted"] = msg.kind  # the driver did not wait for it: its next read raises this
             return protocol.encode(protocol.ERROR, msg.id, msg.session, error)
 
-    def _new_session(self, session_id: str, peer_timeout: Any) -> None:
+    def _new_session(self, session_id: str, hello: Hello) -> None:
         self._drop_session(None)
         self._session = WorkerSession(
             session_id,
@@ -944,7 +949,8 @@ class WorkerServer:
             limits=self.limits,
             announce_peer_keys=lambda keys: self.announce_peer_keys(session_id, keys),
         )
-        self._outbox.peer_timeout = peer_timeout if isinstance(peer_timeout, float) else DEFAULT_PEER_TIMEOUT
+        self._outbox.peer_timeout = hello.heartbeat_timeout or DEFAULT_PEER_TIMEOUT
+        self._outbox.driver_limits = hello.limits
         self.served += 1
 
     def _handle(self, msg: protocol.Message) -> Any:

@@ -36,6 +36,7 @@ from lightning_remote_mp.requests import (
     Profile,
     Release,
     Setup,
+    Sync,
     Timeline,
     ZeroGrad,
 )
@@ -109,6 +110,7 @@ class WorkerSession:
             protocol.PROFILE: self.profile,
             protocol.TIMELINE: self.timeline,
             protocol.GROUP: self.group_init,
+            protocol.SYNC: self.sync,
         }
         self.group: ReplicaGroup | None = None
         self.events: EventLog | None = None
@@ -273,6 +275,10 @@ class WorkerSession:
         if key not in self.routes:
             raise SpecError(f"no stage {key!r:.80} on this worker; send setup first")
         return self.routes[key]
+
+    def sync(self, body: Any) -> Any:
+        Sync.from_body(body)
+        return None  # the requests before it have run: they run in order
 
     def release(self, body: Any) -> Any:
         for key, calls in Release.from_body(body).calls.items():
