@@ -360,6 +360,8 @@ class Connection:
         self._next_id = 0
         self._unanswered: dict[int, str] = {}  # posted requests whose reply has not been read: id -> what
         self._inbox: collections.deque[protocol.Message] = collections.deque()  # the rest of a bundle read
+        self._quiet_up_to = 0  # the id of the last request posted of `protocol.QUIET_KINDS`
+        self._replied_up_to = 0  # the highest id an OK came for: everything before it has run
         self.closed = False
         self.lost_reason: str | None = None
 
@@ -418,19 +420,27 @@ class Connection:
         is sent next sees its effect; a failure is raised by whichever later call reads the reply
         (or by `settle`). Requests of `protocol.QUIET_KINDS` are answered only when they fail: one
         counts as run once a later request's reply arrives, or the heartbeat says so."""
-        self._unanswered[self.send(kind, body)] = kind
+        req_id = self.send(kind, body)
+        self._unanswered[req_id] = kind
+        if kind in protocol.QUIET_KINDS:
+            self._quiet_up_to = req_id
 
     @property
     def unanswered_up_to(self) -> int:
         """The id of the last posted request not known to have run, or 0: what a pipelined
         message's ``fence`` names for this worker (`lightning_remote_mp.messages`)."""
+        self._heartbeat_ran()
+        return next(reversed(self._unanswered), 0)  # ids only grow, and dicts keep their order
+
+    def _heartbeat_ran(self) -> None:
         if self.heartbeat is not None and self._unanswered:
             self._ran_up_to(self.heartbeat.ran.get(self.address, 0) + 1)
-        return next(reversed(self._unanswered), 0)  # ids only grow, and dicts keep their order
 
     def _ran_up_to(self, req_id: int) -> None:
         """The worker has run every request before ``req_id`` (it runs them in order): forget the
-        quiet ones among them, which no reply will name (a failure came before: `read` raised it)."""
+        quiet ones among them, which no reply will name. A failure of one may still wait to be read
+        (the heartbeat answers on another socket): `read` raises it whenever it comes, and `settle`
+        sends a SYNC that comes after it."""
         while self._unanswered:
             first = next(iter(self._unanswered))
             if first >= req_id or self._unanswered[first] not in protocol.QUIET_KINDS:
@@ -440,8 +450,8 @@ class Connection:
     def settle(self, timeout: float | None = None, what: str = "") -> None:
         """Wait until every posted request has been answered (before ``what``); raise the first failure."""
         start = time.monotonic()
-        if any(kind in protocol.QUIET_KINDS for kind in self._unanswered.values()):
-            self.post(protocol.SYNC)  # answered once the quiet requests before it have run
+        if self._quiet_up_to > self._replied_up_to:
+            self.post(protocol.SYNC)  # answered after the quiet requests before it have run (or failed)
         while self._unanswered:
             if self.readable(_POLL_SLICE_MS):
                 self.read()
@@ -462,7 +472,8 @@ class Connection:
         if self.heartbeat is not None:
             self.heartbeat.touch(self.address)
         posted = self._unanswered.pop(msg.id, None) if msg.id else None
-        if msg.id and msg.kind in (protocol.OK, protocol.ERROR):
+        if msg.id and msg.kind == protocol.OK:  # an ERROR may be a refusal, answered before the queue ran
+            self._replied_up_to = max(self._replied_up_to, msg.id)
             self._ran_up_to(msg.id)
         if msg.kind == protocol.ERROR and isinstance(msg.body, dict) and msg.body.get("posted") in protocol.QUIET_KINDS:
             posted = msg.body["posted"]  # a quiet request failed (maybe counted as run already, by the heartbeat)
@@ -535,6 +546,7 @@ class Connection:
 
     def unanswered_note(self) -> str:
         """`` (optim_step still unanswered)``: what this worker was asked and has not answered, or ``""``."""
+        self._heartbeat_ran()
         if not self._unanswered:
             return ""
         return f" ({', '.join(dict.fromkeys(self._unanswered.values()))} still unanswered)"
