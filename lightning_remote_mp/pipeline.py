@@ -213,6 +213,10 @@ class RemoteSpec:
                 fence[rs.stage.index] = posted
         return fence
 
+    def _from_driver(self, call: int, mb: int, microbatches: int, fence: dict[int, int]) -> dict[str, Any]:
+        """The header fields of micro-batch ``mb`` of ``call`` as the driver sends it (`messages._Pipelined`)."""
+        return {"key": self.key, "call": call, "mb": mb, "sender": DRIVER, "microbatches": microbatches, "fence": fence}
+
     def forward(
         self, x: Main, *, grad: bool, x_needs_grad: bool | list[bool], autocast: dict[str, Any] | None
     ) -> tuple[Main, int]:
@@ -231,18 +235,13 @@ class RemoteSpec:
                 fence = self._fence(r) if row else {}
                 forwards = [
                     Forward(
-                        key=self.key,
-                        call=call,
-                        mb=mb,
-                        sender=DRIVER,
-                        microbatches=len(row),
+                        **self._from_driver(call, mb, len(row), fence),
                         x=next(chunks),
                         requires_grad={"x": x_needs_grad},
                         grad=grad,
                         autocast=autocast,
                         modes=modes,
                         checkpoint=grad and self._recomputed(mb, len(row)),
-                        fence=fence,
                     ).body()
                     for mb in range(len(row))
                 ]
@@ -320,15 +319,7 @@ class RemoteSpec:
             for r, row in enumerate(record.sizes):
                 fence = self._fence(r) if row else {}
                 backwards = [
-                    Backward(
-                        key=self.key,
-                        call=call,
-                        mb=mb,
-                        sender=DRIVER,
-                        microbatches=len(row),
-                        grad_out=next(grads),
-                        fence=fence,
-                    ).body()
+                    Backward(**self._from_driver(call, mb, len(row), fence), grad_out=next(grads)).body()
                     for mb in range(len(row))
                 ]
                 if backwards:
