@@ -399,32 +399,18 @@ def _frame_buffer(frame: Any) -> memoryview:
 
 def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Message:
     """Decode the frames of one message into a `Message`; raises `ProtocolError` on anything malformed."""
-    buffers = _buffers(frames, limits, bundle=False)
-    header = _header(buffers[0], limits)
-    if len(header[4]) != len(buffers) - 1:
-        raise ProtocolError(f"header describes {len(header[4])} tensors but {len(buffers) - 1} tensor frames arrived")
-    return _message(header, buffers[1:], limits)
-
-
-def _buffers(frames: Sequence[Any], limits: Limits, *, bundle: bool) -> list[memoryview]:
-    """The frames' buffers, once their count and size are within ``limits`` (a bundle may hold as
-    many headers as tensors)."""
     if not frames:
         raise ProtocolError("empty message")
-    if bundle and len(frames) > 2 * limits.max_frames:
-        raise LimitExceeded(
-            f"message has {len(frames)} frames; a bundle holds at most {limits.max_frames} messages and "
-            f"{limits.max_frames} tensors",
-            "max_frames",
-        )
-    if not bundle and len(frames) - 1 > limits.max_frames:
+    if len(frames) - 1 > limits.max_frames:
         raise LimitExceeded(
             f"message has {len(frames) - 1} tensor frames; the limit is {limits.max_frames}", "max_frames"
         )
     buffers = [_frame_buffer(f) for f in frames]
-    if not bundle:
-        _check_bytes(sum(len(b) for b in buffers[1:]), limits)
-    return buffers
+    _check_bytes(sum(len(b) for b in buffers[1:]), limits)
+    header = _header(buffers[0], limits)
+    if len(header[4]) != len(buffers) - 1:
+        raise ProtocolError(f"header describes {len(header[4])} tensors but {len(buffers) - 1} tensor frames arrived")
+    return _message(header, buffers[1:], limits)
 
 
 def _check_bytes(total: int, limits: Limits) -> None:
@@ -469,7 +455,15 @@ def decode_all(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> list[M
 
     Each header says how many tensor frames follow it. ``limits`` bound the bundle as a whole (its
     tensors and their bytes, and its messages: at most ``max_frames`` of each) and each header."""
-    buffers = _buffers(frames, limits, bundle=True)
+    if not frames:
+        raise ProtocolError("empty message")
+    if len(frames) > 2 * limits.max_frames:  # at most max_frames headers and max_frames tensors
+        raise LimitExceeded(
+            f"message has {len(frames)} frames; a bundle holds at most {limits.max_frames} messages and "
+            f"{limits.max_frames} tensors",
+            "max_frames",
+        )
+    buffers = [_frame_buffer(f) for f in frames]
     parts: list[tuple[list[Any], list[memoryview]]] = []  # every header checked before any body is decoded
     tensor_count = tensor_bytes = at = 0
     while at < len(buffers):
