@@ -8,7 +8,8 @@ Configurations (all in the same run, interleaved round by round, median over rou
 
 (a) ``plain``: this process, a plain PyTorch loop (forward, loss, backward, step, zero_grad);
 (b) ``lrmp m=M``: Lightning's Trainer with RemoteModelParallelStrategy(balance=[8, 8],
-    microbatches=M) (and, for comparison, ``split_backward=False``: plain autograd on the workers)
+    microbatches=M) (its default ``split_backward="auto"``; for comparison, ``split_backward=False``:
+    plain autograd on the workers, and ``split_backward=True``: every linear call deferred)
     on two lrmp-worker processes (``LocalWorkers(2, threads=1)``, the same workers the
     strategy starts for ``local_workers=LocalWorkerOptions(threads=1)``; started once and reused by every fit so that
     the rounds can alternate), timed by a callback over the steps after the warm-up;
@@ -141,7 +142,7 @@ def ceiling(m: int, penalty: float) -> float:
 
 # --- (b) lrmp through Lightning ------------------------------------------------------------------
 def run_lrmp(
-    cfg: dict[str, Any], addresses: list[str], pids: list[int], m: int, split: bool = True
+    cfg: dict[str, Any], addresses: list[str], pids: list[int], m: int, split: bool | str = "auto"
 ) -> tuple[float, list[float]]:
     """Wall seconds, and CPU seconds of the driver and of each worker, of the steps after the warm-up."""
     import lightning as L
@@ -328,6 +329,7 @@ def configurations(args: argparse.Namespace) -> list[tuple[str, str, int]]:
     configs = [("plain", "", 1)]
     configs += [("lrmp", "", m) for m in args.lrmp_m]
     configs += [("lrmp-nosplit", "", m) for m in args.lrmp_nosplit_m]
+    configs += [("lrmp-split", "", m) for m in args.lrmp_split_m]
     configs += [("torch", s, m) for s in args.schedules for m in args.torch_m]
     return configs
 
@@ -339,6 +341,8 @@ def label(kind: str, schedule: str, m: int) -> str:
         return f"(b) lrmp + Lightning, m={m}"
     if kind == "lrmp-nosplit":
         return f"(b) lrmp, m={m}, split_backward=False"
+    if kind == "lrmp-split":
+        return f"(b) lrmp, m={m}, split_backward=True"
     return f"(c) torch {schedule}, m={m}"
 
 
@@ -353,6 +357,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=5, help="rounds; each runs every configuration once")
     p.add_argument("--lrmp-m", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--lrmp-nosplit-m", type=int, nargs="*", default=[4], help="lrmp with split_backward=False")
+    p.add_argument("--lrmp-split-m", type=int, nargs="*", default=[], help="lrmp with split_backward=True")
     p.add_argument("--torch-m", type=int, nargs="+", default=[4, 8])
     p.add_argument("--schedules", nargs="+", default=["GPipe", "1F1B"], choices=["GPipe", "1F1B"])
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the model computes")
@@ -426,7 +431,8 @@ def main(argv: list[str] | None = None) -> int:
                 if kind == "plain":
                     s, cpu_s = run_plain(cfg)
                 elif kind.startswith("lrmp"):
-                    s, cpu_s = run_lrmp(cfg, addresses, pids, m, split=kind == "lrmp")
+                    split = {"lrmp": "auto", "lrmp-split": True, "lrmp-nosplit": False}[kind]
+                    s, cpu_s = run_lrmp(cfg, addresses, pids, m, split=split)
                 else:
                     assert pipeline is not None
                     s, cpu_s = pipeline.run(schedule, m, args.warmup, args.steps)
@@ -528,7 +534,13 @@ def plot(results: list[dict[str, Any]], args: argparse.Namespace, path: str) -> 
     plt = _common.pyplot()
     if plt is None:
         return
-    colors = {"plain": "tab:gray", "lrmp": "tab:blue", "lrmp-nosplit": "tab:cyan", "torch": "tab:orange"}
+    colors = {
+        "plain": "tab:gray",
+        "lrmp": "tab:blue",
+        "lrmp-nosplit": "tab:cyan",
+        "lrmp-split": "tab:purple",
+        "torch": "tab:orange",
+    }
     fig, ax = plt.subplots(figsize=(10, 5))
     names = [r["config"] for r in results]
     med = [_common.median(r["samples_per_s"]) for r in results]

@@ -21,7 +21,7 @@ import dataclasses
 import logging
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 from lightning_remote_mp.errors import ConfigurationError
 from lightning_remote_mp.transport import normalize_address
@@ -268,10 +268,15 @@ def check_timeout(name: str, value: Any, *, optional: bool = False) -> None:
         raise ConfigurationError(f"{name} must be a positive number of seconds, got {value!r}")
 
 
-def check_flag(name: str, value: Any) -> None:
-    """``value`` is ``True`` or ``False`` (a 0 or a ``"false"`` from a config file is not)."""
-    if not isinstance(value, bool):
-        raise ConfigurationError(f"{name} must be True or False, got {value!r}")
+#: ``split_backward``: defer every eligible linear layer's weight gradient (``True``), none
+#: (``False``), or only those large enough to repay it (``"auto"``; `worker.deferred_grads`).
+SplitBackward = bool | Literal["auto"]
+
+
+def check_split_backward(value: Any) -> None:
+    """``split_backward`` is ``True``, ``False`` or ``"auto"``."""
+    if not (isinstance(value, bool) or (isinstance(value, str) and value == "auto")):
+        raise ConfigurationError(f"split_backward must be True, False or 'auto', got {value!r}")
 
 
 def check_optional_text(name: str, value: Any) -> None:

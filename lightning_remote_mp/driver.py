@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from lightning_remote_mp import __version__, partition, protocol
-from lightning_remote_mp.config import Topology, check_flag
+from lightning_remote_mp.config import SplitBackward, Topology, check_split_backward
 from lightning_remote_mp.errors import (
     ConfigurationError,
     LrmpError,
@@ -445,18 +445,19 @@ class DriverSession:
         module: SpecSequential,
         balance: Balance = None,
         microbatches: int = 1,
-        split_backward: bool = True,
+        split_backward: SplitBackward = "auto",
         training: bool = True,
         checkpoint: str = "never",
         checked: Preflight | None = None,
     ) -> None:
         """Ship ``module``'s layers to the workers and make its forward run there, splitting each
         batch into ``microbatches`` that flow through the stages concurrently; with
-        ``split_backward`` the workers defer linear layers' weight gradients (`worker.deferred_grads`).
+        ``split_backward`` the workers defer linear layers' weight gradients (`worker.deferred_grads`;
+        ``"auto"``: where the product is large enough to repay it).
         ``training``: the stages must fit their workers with gradients and optimizer state.
         ``checkpoint``: activation recomputation (`pipeline.CHECKPOINT_MODES`). ``checked``: what
         `preflight` found for ``module`` if the caller ran it already (it runs here otherwise)."""
-        check_flag("split_backward", split_backward)
+        check_split_backward(split_backward)
         if key in self.placements:
             raise LrmpError(f"{module.kind} {key!r} is already placed")
         check_checkpoint_mode(checkpoint)

@@ -40,7 +40,7 @@ import torch
 # LimitExceeded lives with the other errors; ``protocol.LimitExceeded`` stays its name here too.
 from lightning_remote_mp.errors import ConfigurationError, LimitExceeded, ProtocolError, ProtocolVersionError
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 
 
 class Kind(str, enum.Enum):

@@ -147,7 +147,8 @@ class Setup:
         peer_keys: with CURVE, those peers' public keys (Z85), by stage.
         state: its weights and buffers, named ``"<layer index>.<name>"``; or ``None``, with ``init_seed``.
         init_seed: layer ``i`` starts from seed ``init_seed + i`` (`lightning_remote_mp.spec.build_layer`).
-        split_backward: defer the weight gradients of linear layers (`lightning_remote_mp.worker.deferred_grads`).
+        split_backward: defer the weight gradients of linear layers: ``True``, ``False``, or ``"auto"``
+            for the calls whose product is large enough (`lightning_remote_mp.worker.deferred_grads`).
         code_digests: the driver's source digest of each user module the entries import.
         seed: the stage's random stream (dropout); ``None`` leaves the worker's.
         frozen: the names of parameters that take no gradient.
@@ -166,7 +167,7 @@ class Setup:
     peer_keys: Mapping[int, str] = dataclasses.field(default_factory=dict)
     state: Mapping[str, torch.Tensor] | None = None
     init_seed: int | None = None
-    split_backward: bool = False
+    split_backward: bool | str = False
     code_digests: Mapping[str, str] = dataclasses.field(default_factory=dict)
     seed: int | None = None
     frozen: Sequence[str] = ()
@@ -226,11 +227,20 @@ class Setup:
             peer_keys=peer_keys,
             state=state,
             init_seed=init_seed,
-            split_backward=_field(what, body, "split_backward", bool, False),
+            split_backward=_split_backward(what, body),
             code_digests=_mapping(what, body, "code_digests", _is_str, _is_str, "module names to digests", {}),
             seed=seed,
             frozen=_list_of(what, body, "frozen", _is_str, "parameter names", []),
         )
+
+
+def _split_backward(what: str, body: dict[str, Any]) -> bool | str:
+    value = body.get("split_backward")
+    if value is None:
+        return False
+    if not (isinstance(value, bool) or (isinstance(value, str) and value == "auto")):
+        raise ProtocolError(f"{what} message: field 'split_backward' must be a bool or 'auto', got {value!r:.40}")
+    return value
 
 
 def _is_z85(value: Any) -> bool:

@@ -28,14 +28,15 @@ from lightning_remote_mp import protocol
 from lightning_remote_mp.config import (
     CurveOptions,
     LocalWorkerOptions,
+    SplitBackward,
     Topology,
     check_balance,
     check_count,
     check_curve,
-    check_flag,
     check_optional_text,
     check_replicas,
     check_split,
+    check_split_backward,
     check_timeout,
 )
 from lightning_remote_mp.driver import DriverSession, allow_modules_for, checked_for_workers
@@ -111,7 +112,10 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
             weight gradients of its linear layers (``F.linear``: ``nn.Linear``, ``WrappedLinear``),
             which they compute once per batch after the last micro-batch, while the earlier stages
             still work (the B/W split of zero-bubble schedules). Same gradients, less idle time and
-            less micro-batching overhead; ``False`` runs plain autograd on the workers.
+            less micro-batching overhead, for some Python per linear call. ``"auto"`` (the default)
+            defers only the calls whose weight-gradient product is large enough to repay that (on a
+            CPU worker, at least 2 M multiply-adds: rows x in x out; on a GPU, every call); ``True``
+            every call; ``False`` none: plain autograd on the workers.
         checkpoint: activation recomputation on the workers, as torchgpipe names it: ``"never"``
             (keep every micro-batch's activations until its backward); ``"always"`` (keep only each
             micro-batch's stage inputs and recompute the forward at backward: activation memory of one
@@ -161,7 +165,7 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
         *,
         balance: list[int] | list[str] | dict[str, list[int] | list[str] | str] | str | None = None,
         microbatches: int = 1,
-        split_backward: bool = True,
+        split_backward: SplitBackward = "auto",
         checkpoint: Literal["never", "except_last", "always"] = "never",
         replicas: int = 1,
         local_workers: LocalWorkerOptions | None = None,
@@ -189,7 +193,7 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
         self.replicas = check_replicas(replicas, self.topology, self.local_workers)
         check_balance(balance, self.num_stages)
         check_count("microbatches", microbatches)
-        check_flag("split_backward", split_backward)
+        check_split_backward(split_backward)
         self.checkpoint = check_checkpoint_mode(checkpoint)
         check_timeout("heartbeat_timeout", heartbeat_timeout)
         check_timeout("connect_timeout", connect_timeout)

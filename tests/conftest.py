@@ -17,8 +17,14 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))  # the workers import lrmp_testlayers from here too
 
 from lightning_remote_mp.launch import LocalWorkers  # noqa: E402
+from lightning_remote_mp.worker.deferred_grads import MIN_MACS_ENV  # noqa: E402
 
 torch.set_num_threads(1)
+# The tests' models are tiny: with split_backward="auto" (the default) no linear layer of theirs
+# would defer its weight gradient on a CPU worker, and every Lightning feature would go untested
+# with split backward. Every worker the tests start (they inherit this) defers every call; the
+# tests of the threshold itself set the variable as they need.
+os.environ[MIN_MACS_ENV] = "0"
 logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
 
 

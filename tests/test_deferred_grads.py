@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from lightning_remote_mp.layers import WrappedLinear
-from lightning_remote_mp.worker.deferred_grads import DeferredWeightGrads
+from lightning_remote_mp.worker.deferred_grads import CPU_MIN_MACS, MIN_MACS_ENV, DeferredWeightGrads, auto_min_macs
 from lightning_remote_mp.worker.stage import StageExecutor
 
 WIDTH = 8
@@ -35,7 +35,7 @@ ENTRIES = [
 ]
 
 
-def executor(split: bool, seed: int = 0) -> StageExecutor:
+def executor(split: bool | str, seed: int = 0) -> StageExecutor:
     torch.manual_seed(seed)
     stage = StageExecutor(
         "net", 1, 3, ENTRIES, [], torch.device("cpu"), ["torch.nn", "lightning_remote_mp"], split_backward=split
@@ -229,3 +229,56 @@ def test_a_plain_linear_weight_also_used_functionally_keeps_exact_gradients():
 
     assert not DeferredWeightGrads(Tied())._intercept
     assert _compare(Tied, torch.randn(3, 4))
+
+
+@pytest.mark.parametrize("layer", [nn.Linear, WrappedLinear], ids=["direct", "torch-function-mode"])
+def test_only_products_of_at_least_min_macs_defer(layer):
+    """A call defers when rows x in x out reaches ``min_macs``; a smaller one takes plain autograd
+    (its weight gradient is there right after backward), on either path."""
+    torch.manual_seed(0)
+    module = nn.Sequential(layer(4, 8))
+    deferred = DeferredWeightGrads(module, min_macs=10 * 4 * 8)
+    weight = module[0].weight
+
+    def step(rows: int) -> None:
+        with deferred.recording():
+            y = module(torch.randn(rows, 4))
+        with deferred.filing_backward():
+            y.sum().backward()
+
+    step(9)  # 288 multiply-adds: below
+    assert weight.grad is not None and not deferred.waiting
+    small = weight.grad.clone()
+    step(10)  # 320: at the threshold
+    torch.testing.assert_close(weight.grad, small)  # this call's gradient waits
+    assert deferred.waiting and deferred.flush()
+    assert not torch.equal(weight.grad, small)
+
+
+def test_split_backward_auto_defers_on_a_cpu_worker_only_what_repays_it(monkeypatch):
+    """``"auto"``: a CPU stage defers the calls of at least `CPU_MIN_MACS` multiply-adds, and the
+    worker's environment may move the threshold. The gradients are the same either way."""
+    monkeypatch.delenv(MIN_MACS_ENV, raising=False)
+    assert auto_min_macs(torch.device("cpu")) == CPU_MIN_MACS == 2**21
+    assert auto_min_macs(torch.device("cuda")) == 0  # not measured on a GPU: every call defers there
+    monkeypatch.setenv(MIN_MACS_ENV, "1000")
+    assert auto_min_macs(torch.device("cuda")) == 1000
+    monkeypatch.setenv(MIN_MACS_ENV, "lots")
+    with pytest.raises(ValueError, match=f"{MIN_MACS_ENV} must be a count of multiply-adds"):
+        auto_min_macs(torch.device("cpu"))
+    monkeypatch.delenv(MIN_MACS_ENV)
+
+    plain, auto = executor(False), executor("auto")
+    # The stage's largest product is WIDTH x WIDTH per row: 64 rows stay below the threshold, and
+    # the batch whose rows reach it defers every linear call of the stage whose output has WIDTH.
+    rows = CPU_MIN_MACS // (WIDTH * WIDTH)
+    for call, n in ((1, 64), (2, rows)):
+        g = torch.Generator().manual_seed(call)
+        xs, outs = [torch.randn(n, WIDTH, generator=g)], [torch.randn(n, 3, generator=g)]
+        run_call(plain, call, xs, [outs[0]])
+        auto.forward((call, 0), xs[0], {}, grad=True, needs_grad={"x": True})
+        auto.backward((call, 0), outs[0], {})
+        assert auto.flush_weight_grads(call) == (n == rows), f"{n} rows"
+        expected, got = grads_of(plain), grads_of(auto)
+        for name in expected:
+            torch.testing.assert_close(got[name], expected[name], msg=f"{name}, {n} rows")

@@ -49,7 +49,7 @@ SETUP = Setup(
     peer_keys={0: PEER_KEY},
     state={"3.weight": torch.randn(4, 4), "3.bias": torch.zeros(4, dtype=torch.bfloat16)},
     init_seed=None,
-    split_backward=True,
+    split_backward="auto",
     code_digests={"my_layers": "ab" * 32},
     seed=2**62 - 1,
     frozen=["3.bias"],
@@ -116,7 +116,7 @@ def test_setup_arrives_with_its_fields_typed():
     assert got.peers == {0: "tcp://10.0.0.1:5555", 2: "tcp://10.0.0.3:5555"} and got.peer_keys == {0: PEER_KEY}
     assert got.entries[1][1]["kernel_size"] == (3, 3)  # a tuple stays a tuple
     assert got.state is not None and got.state["3.bias"].dtype == torch.bfloat16
-    assert (got.init_seed, got.split_backward, got.seed, got.frozen) == (None, True, 2**62 - 1, ["3.bias"])
+    assert (got.init_seed, got.split_backward, got.seed, got.frozen) == (None, "auto", 2**62 - 1, ["3.bias"])
 
 
 def test_grads_arrive_as_the_operation_their_op_names():
@@ -152,7 +152,8 @@ GOOD_SETUP = SETUP.body()
         (Setup, {**GOOD_SETUP, "state": {"3.weight": b"\x80"}}, "field 'state' must map names to tensors"),
         (Setup, {**GOOD_SETUP, "state": None}, "setup message: needs the stage's 'state' or an 'init_seed'"),
         (Setup, {**GOOD_SETUP, "seed": -1}, "setup message: field 'seed' must be in \\[0, 2\\*\\*63\\)"),
-        (Setup, {**GOOD_SETUP, "split_backward": 1}, "field 'split_backward' must be a bool, got int"),
+        (Setup, {**GOOD_SETUP, "split_backward": 1}, "field 'split_backward' must be a bool or 'auto', got 1"),
+        (Setup, {**GOOD_SETUP, "split_backward": "always"}, "field 'split_backward' must be a bool or 'auto', got 'a"),
         (Setup, {**GOOD_SETUP, "code_digests": [1]}, "field 'code_digests' must be a dict, got list"),
         (Setup, {**GOOD_SETUP, "code_digests": {1: 2}}, "field 'code_digests' must map module names to digests"),
         (Setup, {**GOOD_SETUP, "frozen": 5}, "setup message: field 'frozen' must be a list, got int"),
@@ -232,21 +233,21 @@ def _golden() -> dict[str, object]:
 # sha256 of each request's frames. A change here changes what older workers receive: bump
 # protocol.PROTOCOL_VERSION with it (and say so in the CHANGELOG), then update these.
 GOLDEN = {
-    "setup": "66dcc4784750bf6a",
-    "release": "62169b7c631ebd06",
-    "get_state": "94def060025b5705",
-    "load_state": "f61f82310c8ef623",
-    "profile": "424ffbf591c2c502",
-    "optim_create": "0c7ea0ccb6f59734",
-    "optim_step": "295c170520a93d4c",
-    "zero_grad": "2562c6a557f5bcda",
-    "get_optim_state": "818c945e830efe36",
-    "load_optim_state": "4bc4f969d04dd2c2",
-    "grads": "a1a01ecb3699852f",
-    "timeline": "1ff8a7364ef9ad64",
-    "sync": "6a4b3fa1709b4282",
-    "group": "464a5fff78acef89",
-    "hello": "2d4fb12813399f89",
+    "setup": "ee6186ecac7a924b",
+    "release": "a2f7ad9015383c2b",
+    "get_state": "4dcf20e36087a3cc",
+    "load_state": "250a444173f435d7",
+    "profile": "61799a5f74fc0348",
+    "optim_create": "2293cf11f4aa119d",
+    "optim_step": "8ad503fc0d5df15e",
+    "zero_grad": "460605b5b9828f30",
+    "get_optim_state": "5110109c12443bf9",
+    "load_optim_state": "26f3315b184fdd41",
+    "grads": "ec44d6178717f0c5",
+    "timeline": "21a9ada772742393",
+    "sync": "4cc05cce5af11eb1",
+    "group": "8fb37d3b70355506",
+    "hello": "278e964c7d7bcdbe",
 }
 
 

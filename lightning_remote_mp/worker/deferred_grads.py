@@ -11,6 +11,11 @@ re-reads and re-writes the whole weight gradient each time, one product over the
 it once. The gradients are the same sums, computed as local training computes them (over the whole
 batch).
 
+Deferring costs each linear call a Python autograd Function (forward and backward) and a copy
+of its output gradient: tens of microseconds, more than a small product saves. With
+``split_backward="auto"`` (the default) a call defers only when its weight-gradient product has
+at least `auto_min_macs` multiply-adds (rows x in x out); smaller ones take plain autograd.
+
 It applies to every ``torch.nn.functional.linear`` call (``nn.Linear``, ``WrappedLinear``, custom
 layers that call ``F.linear``) whose weight is a trainable parameter of the stage, outside autocast
 and outside activation checkpointing (``torch.utils.checkpoint``, saved-tensor hooks). Everything
@@ -38,12 +43,37 @@ tensor([[4., 4., 4.],
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
+
+#: ``split_backward="auto"`` on a CPU stage: the smallest weight-gradient product (multiply-adds)
+#: that defers. Measured on a 2-core x86 VM (``benchmarks/README.md``, section 1f): below about
+#: 2 M multiply-adds the Function's Python costs more than batching the product saves.
+CPU_MIN_MACS = 2**21
+
+#: Overrides `auto_min_macs` for every device (a count of multiply-adds; ``0`` defers every call).
+MIN_MACS_ENV = "LRMP_SPLIT_BACKWARD_MIN_MACS"
+
+
+def auto_min_macs(device: torch.device) -> int:
+    """The smallest product that ``split_backward="auto"`` defers on ``device``: `CPU_MIN_MACS`
+    on CPU; 0 (every call) on an accelerator, where it is not measured yet. The environment
+    variable `MIN_MACS_ENV`, where set on the worker, overrides both."""
+    override = os.environ.get(MIN_MACS_ENV, "").strip()
+    if override:
+        try:
+            value = int(override)
+        except ValueError:
+            value = -1
+        if value < 0:
+            raise ValueError(f"{MIN_MACS_ENV} must be a count of multiply-adds (an int >= 0), got {override!r}")
+        return value
+    return CPU_MIN_MACS if device.type == "cpu" else 0
 
 
 class _Pending:
@@ -113,7 +143,7 @@ class _DirectLinear:
 
     def __call__(self, input: torch.Tensor) -> torch.Tensor:
         weight, bias = self.layer.weight, self.layer.bias
-        if self.owner._direct:
+        if self.owner._direct and input.numel() * weight.shape[0] >= self.owner.min_macs:
             pending = self.owner._pending_for(input, weight, bias)
             if pending is not None:
                 return _LinearInputGrad.apply(input, weight, bias, pending)
@@ -145,10 +175,13 @@ class DeferredWeightGrads:
     Args:
         module: whose parameters may defer (those it holds when `recording` starts: loading a
             state dict with ``assign=True`` replaces them); frozen ones never do.
+        min_macs: a call defers only if its weight-gradient product has at least this many
+            multiply-adds (rows x in_features x out_features); smaller ones take plain autograd.
     """
 
-    def __init__(self, module: torch.nn.Module) -> None:
+    def __init__(self, module: torch.nn.Module, min_macs: int = 0) -> None:
         self.module = module
+        self.min_macs = min_macs
         self.filing = False
         self._params: set[int] | None = None  # ids of the module's parameters, while they stay the same
         self._pending: dict[tuple[int, int], _Pending] = {}
@@ -207,6 +240,7 @@ class DeferredWeightGrads:
             or torch.is_autocast_enabled(input.device.type)
             or input.dtype != weight.dtype
             or input.dim() == 0
+            or input.numel() * weight.shape[0] < self.min_macs
         ):
             return None
         key = (id(weight), id(bias))

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_remote_mp.config import SplitBackward
 from lightning_remote_mp.errors import SpecError
 from lightning_remote_mp.spec import (
     LayerEntry,
@@ -25,7 +26,7 @@ from lightning_remote_mp.spec import (
     normalize_entry,
     run_layers,
 )
-from lightning_remote_mp.worker.deferred_grads import DeferredWeightGrads
+from lightning_remote_mp.worker.deferred_grads import DeferredWeightGrads, auto_min_macs
 from lightning_remote_mp.worker.device_io import DeviceIO
 
 
@@ -83,7 +84,8 @@ class StageExecutor:
         allowed_prefixes: module prefixes classes may be built from.
         init_seed: build the layers from this seed (the driver sends no weights).
         split_backward: defer linear layers' weight gradients to `flush_weight_grads` (see
-            `deferred_grads`), so input gradients leave sooner.
+            `deferred_grads`), so input gradients leave sooner; ``"auto"``: only calls whose
+            weight-gradient product is large enough to repay it (`deferred_grads.auto_min_macs`).
 
     A forward may be *recomputed* (activation checkpointing, per micro-batch as the driver asks):
     it then keeps only its inputs and runs again, with grad, at backward, with the random state
@@ -100,7 +102,7 @@ class StageExecutor:
         device: torch.device,
         allowed_prefixes: Sequence[str],
         init_seed: int | None = None,
-        split_backward: bool = False,
+        split_backward: SplitBackward = False,
     ) -> None:
         self.key = key
         self.index = index
@@ -122,7 +124,8 @@ class StageExecutor:
         ).to(device)
         self._saved: dict[tuple[int, int], _Saved] = {}  # by (call, micro-batch)
         self._modes: Any = None  # the train/eval flags last applied
-        self.deferred = DeferredWeightGrads(self.layers) if split_backward else None
+        min_macs = auto_min_macs(device) if split_backward == "auto" else 0
+        self.deferred = DeferredWeightGrads(self.layers, min_macs) if split_backward else None
         # On a GPU, tensors come and go through side streams (see `device_io`).
         self.io = DeviceIO(device) if device.type == "cuda" else None
 
