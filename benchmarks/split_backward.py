@@ -1,8 +1,9 @@
 """What split backward costs a stage in Python, per micro-batch, against plain autograd.
 
-A worker with ``split_backward=True`` (the default) computes each linear layer's weight gradient
-once per batch (`lightning_remote_mp.worker.deferred_grads`). That needs every linear call of the
-stage's forward to go through a custom autograd Function, found one of two ways:
+A worker with ``split_backward=True`` (and ``"auto"``, the default, for large enough calls)
+computes each linear layer's weight gradient once per batch
+(`lightning_remote_mp.worker.deferred_grads`). That needs every linear call of the stage's forward
+to go through a custom autograd Function, found one of two ways:
 
 - ``direct nn.Linear``: where the stage's only 2-d weights are plain ``nn.Linear`` (and
   ``nn.Embedding``) layers, each Linear's own forward defers;
@@ -11,15 +12,18 @@ stage's forward to go through a custom autograd Function, found one of two ways:
 
 Each row times one micro-batch's forward, backward and weight-gradient flush on the stage's real
 executor code (``run_layers`` under ``DeferredWeightGrads``), on CPU with one thread, the layers
-small enough that Python overhead decides (as it does on a GPU).
+small enough that Python overhead decides (as it does on a GPU). A second table times one
+``Linear(width, width)`` per call size, plain against deferred: where deferring starts to pay is
+the threshold of ``split_backward="auto"`` (``deferred_grads.CPU_MIN_MACS``).
 
-    python benchmarks/split_backward.py            # full run (about 20 s)
+    python benchmarks/split_backward.py            # full run (about a minute)
     python benchmarks/split_backward.py --quick    # smoke run (seconds)
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -105,6 +109,67 @@ def measure(layers: list, x: object, repeats: int, rounds: int) -> dict[str, lis
     return times
 
 
+#: (width, rows per micro-batch) for the size table: products from 2**18 to 2**26 multiply-adds.
+SIZES = [(128, 16), (128, 64), (256, 16), (256, 64), (512, 16), (512, 64), (1024, 16), (1024, 64)]
+
+
+def measure_size(width: int, rows: int, m: int, repeats: int, rounds: int) -> dict[str, list[float]]:
+    """Microseconds per micro-batch of one ``Linear(width, width)``: ``m`` micro-batches of ``rows``
+    forward, then backward, then the flush; plain autograd against every call deferred."""
+    import torch
+    from torch import nn
+
+    from lightning_remote_mp.worker.deferred_grads import DeferredWeightGrads
+
+    torch.manual_seed(0)
+    layer = nn.Linear(width, width)
+    deferred = DeferredWeightGrads(layer)
+    xs = [torch.randn(rows, width, requires_grad=True) for _ in range(m)]
+    g = torch.randn(rows, width)
+
+    def step(split: bool) -> None:
+        ys = []
+        for x in xs:
+            with deferred.recording() if split else contextlib.nullcontext():
+                ys.append(layer(x))
+        for y in ys:
+            with deferred.filing_backward() if split else contextlib.nullcontext():
+                y.backward(g)
+        deferred.flush()
+        layer.weight.grad = layer.bias.grad = None
+
+    times: dict[str, list[float]] = {"plain": [], "split": []}
+    for _ in range(rounds):
+        for name in times:
+            for _ in range(max(1, repeats // 8)):
+                step(name == "split")
+            start = time.process_time()
+            for _ in range(repeats):
+                step(name == "split")
+            times[name].append((time.process_time() - start) / repeats / m * 1e6)
+    return times
+
+
+def size_table(repeats: int, rounds: int, quick: bool) -> None:
+    """Where deferring starts to pay: ``split_backward="auto"``'s threshold (`CPU_MIN_MACS`)."""
+    from lightning_remote_mp.worker.deferred_grads import CPU_MIN_MACS
+
+    rows = []
+    for width, r in SIZES[:2] if quick else SIZES:
+        n = repeats if width <= 256 else max(1, repeats // 5)
+        for m in (1, 4):
+            times = measure_size(width, r, m, n, rounds)
+            plain, split = (statistics.median(times[k]) for k in ("plain", "split"))
+            macs = r * width * width
+            rows.append(
+                [f"Linear({width}, {width}), {r} rows", m, f"{macs:,}", "yes" if macs >= CPU_MIN_MACS else "no"]
+                + [f"{plain:,.0f}", f"{split:,.0f}", f"{split - plain:+,.0f}"]
+            )
+    header = ["call", "m", "multiply-adds", '"auto" defers', "plain us/mb", "split us/mb", "split - plain"]
+    print("\nOne linear layer, per micro-batch (CPU time; forward, backward and the flush's share):\n")
+    print(_common.markdown_table(header, rows))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="smoke run: few repeats, one round")
@@ -129,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(_common.markdown_table(header, rows))
     print(f"\n{rounds} round(s) of {repeats} micro-batches each (forward, backward, weight-gradient flush).")
+    size_table(repeats, rounds, args.quick)
     _common.exit_now(0)
     return 0
 

@@ -19,7 +19,7 @@ alternate, after one untimed warm-up fit: a fresh worker's first optimizer impor
 ``--fresh-workers`` lets the strategy start its own for every fit instead), with the same stage
 boundary (the middle block) for both, at each ``--microbatches`` value.
 
-With the strategy's default ``split_backward=True`` the spec's linear layers (the blocks' projections,
+With ``split_backward=True`` (which this benchmark passes) the spec's linear layers (the blocks' projections,
 the head) compute their weight gradients after sending the input gradients on, once per batch;
 traced units cannot (their programs call ATen's ``linear``, which the split backward does not see;
 docs/tracing.md), so *traced / spec* includes that difference as well as the cost of interpreting
@@ -377,7 +377,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         dest="split_backward",
         action="store_false",
         help="split_backward=False for both models (traced units never defer weight gradients; the spec's "
-        "linear layers do by default)",
+        "linear layers do with split_backward=True, which this benchmark passes otherwise)",
     )
     p.add_argument(
         "--no-cold-trace",

@@ -31,6 +31,7 @@ from typing import Any, ClassVar, Literal, get_args
 import torch
 
 from lightning_remote_mp import protocol
+from lightning_remote_mp.config import SplitBackward
 from lightning_remote_mp.errors import ProtocolError
 from lightning_remote_mp.keys import is_z85_key
 from lightning_remote_mp.messages import _dict_body, _field
@@ -167,7 +168,7 @@ class Setup:
     peer_keys: Mapping[int, str] = dataclasses.field(default_factory=dict)
     state: Mapping[str, torch.Tensor] | None = None
     init_seed: int | None = None
-    split_backward: bool | str = False
+    split_backward: SplitBackward = False
     code_digests: Mapping[str, str] = dataclasses.field(default_factory=dict)
     seed: int | None = None
     frozen: Sequence[str] = ()
@@ -234,7 +235,7 @@ class Setup:
         )
 
 
-def _split_backward(what: str, body: dict[str, Any]) -> bool | str:
+def _split_backward(what: str, body: dict[str, Any]) -> SplitBackward:
     value = body.get("split_backward")
     if value is None:
         return False

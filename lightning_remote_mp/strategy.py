@@ -114,7 +114,8 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
             still work (the B/W split of zero-bubble schedules). Same gradients, less idle time and
             less micro-batching overhead, for some Python per linear call. ``"auto"`` (the default)
             defers only the calls whose weight-gradient product is large enough to repay that (on a
-            CPU worker, at least 2 M multiply-adds: rows x in x out; on a GPU, every call); ``True``
+            CPU worker, at least 2 M multiply-adds: a micro-batch's rows x in x out; on a GPU, every
+            call, as ``True``); ``True``
             every call; ``False`` none: plain autograd on the workers.
         checkpoint: activation recomputation on the workers, as torchgpipe names it: ``"never"``
             (keep every micro-batch's activations until its backward); ``"always"`` (keep only each

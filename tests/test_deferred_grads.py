@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_remote_mp.errors import ConfigurationError
 from lightning_remote_mp.layers import WrappedLinear
 from lightning_remote_mp.worker.deferred_grads import CPU_MIN_MACS, MIN_MACS_ENV, DeferredWeightGrads, auto_min_macs
 from lightning_remote_mp.worker.stage import StageExecutor
@@ -263,9 +264,10 @@ def test_split_backward_auto_defers_on_a_cpu_worker_only_what_repays_it(monkeypa
     assert auto_min_macs(torch.device("cuda")) == 0  # not measured on a GPU: every call defers there
     monkeypatch.setenv(MIN_MACS_ENV, "1000")
     assert auto_min_macs(torch.device("cuda")) == 1000
-    monkeypatch.setenv(MIN_MACS_ENV, "lots")
-    with pytest.raises(ValueError, match=f"{MIN_MACS_ENV} must be a count of multiply-adds"):
-        auto_min_macs(torch.device("cpu"))
+    for bad in ("lots", "-1"):
+        monkeypatch.setenv(MIN_MACS_ENV, bad)
+        with pytest.raises(ConfigurationError, match=f"{MIN_MACS_ENV} must be a count of multiply-adds"):
+            auto_min_macs(torch.device("cpu"))
     monkeypatch.delenv(MIN_MACS_ENV)
 
     plain, auto = executor(False), executor("auto")
@@ -282,3 +284,19 @@ def test_split_backward_auto_defers_on_a_cpu_worker_only_what_repays_it(monkeypa
         expected, got = grads_of(plain), grads_of(auto)
         for name in expected:
             torch.testing.assert_close(got[name], expected[name], msg=f"{name}, {n} rows")
+
+
+def test_a_one_dimensional_weight_takes_plain_autograd():
+    """``F.linear`` takes a 1-d weight (a dot product per row); the deferred products assume 2-d."""
+
+    class Dot(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(4))
+            self.proj = nn.Parameter(torch.randn(4, 4))  # a 2-d weight of its own: the mode intercepts
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.linear(torch.nn.functional.linear(x, self.proj), self.w)
+
+    assert DeferredWeightGrads(Dot())._intercept
+    assert _compare(Dot, torch.randn(3, 4))  # proj defers, w does not, and both are exact

@@ -176,6 +176,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             if not curve_available():
                 raise ConfigurationError("this libzmq was built without CURVE support; install pyzmq's own wheel")
             keys = load_keypair(args.secret_key)
+        from lightning_remote_mp.worker.deferred_grads import auto_min_macs
+
+        auto_min_macs(torch.device("cpu"))  # a malformed LRMP_SPLIT_BACKWARD_MIN_MACS fails here, not at setup
         limits = protocol.Limits(**{name: getattr(args, name) for name in protocol.LIMIT_FLAGS})
         bind = transport.normalize_address(args.bind)
         server = WorkerServer(

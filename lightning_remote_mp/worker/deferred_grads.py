@@ -51,6 +51,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from lightning_remote_mp.errors import ConfigurationError
+
 #: ``split_backward="auto"`` on a CPU stage: the smallest weight-gradient product (multiply-adds)
 #: that defers. Measured on a 2-core x86 VM (``benchmarks/README.md``, section 1f): below about
 #: 2 M multiply-adds the Function's Python costs more than batching the product saves.
@@ -62,8 +64,13 @@ MIN_MACS_ENV = "LRMP_SPLIT_BACKWARD_MIN_MACS"
 
 def auto_min_macs(device: torch.device) -> int:
     """The smallest product that ``split_backward="auto"`` defers on ``device``: `CPU_MIN_MACS`
-    on CPU; 0 (every call) on an accelerator, where it is not measured yet. The environment
-    variable `MIN_MACS_ENV`, where set on the worker, overrides both."""
+    on CPU; 0 (every call, as ``split_backward=True``) on an accelerator, where it is not measured
+    yet. The environment variable `MIN_MACS_ENV`, where set on the worker, overrides both (the
+    worker checks it at start). The rows are a micro-batch's: more micro-batches, smaller calls.
+
+    A stage whose linear calls go through the TorchFunctionMode (`_may_call_linear`: ``WrappedLinear``,
+    custom ``F.linear`` callers, traced programs) still pays the mode's per-op cost under ``"auto"``
+    when none of its calls is large enough to defer."""
     override = os.environ.get(MIN_MACS_ENV, "").strip()
     if override:
         try:
@@ -71,7 +78,7 @@ def auto_min_macs(device: torch.device) -> int:
         except ValueError:
             value = -1
         if value < 0:
-            raise ValueError(f"{MIN_MACS_ENV} must be a count of multiply-adds (an int >= 0), got {override!r}")
+            raise ConfigurationError(f"{MIN_MACS_ENV} must be a count of multiply-adds (an int >= 0), got {override!r}")
         return value
     return CPU_MIN_MACS if device.type == "cpu" else 0
 
@@ -240,6 +247,7 @@ class DeferredWeightGrads:
             or torch.is_autocast_enabled(input.device.type)
             or input.dtype != weight.dtype
             or input.dim() == 0
+            or weight.dim() != 2  # F.linear takes a 1-d weight too; the deferred products assume 2-d
             or input.numel() * weight.shape[0] < self.min_macs
         ):
             return None

@@ -29,6 +29,7 @@ def configured(hosts: list[str]) -> RemoteModelParallelStrategy:
         microbatches=4,
         checkpoint="except_last",
         balance="time",
+        split_backward="auto",
     )
     remote = RemoteModelParallelStrategy(
         hosts,
