@@ -115,8 +115,7 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
             less micro-batching overhead, for some Python per linear call. ``"auto"`` (the default)
             defers only the calls whose weight-gradient product is large enough to repay that (on a
             CPU worker, at least 2 M multiply-adds: a micro-batch's rows x in x out; on a GPU, every
-            call, as ``True``); ``True``
-            every call; ``False`` none: plain autograd on the workers.
+            call, as ``True``); ``True`` every call; ``False`` none: plain autograd on the workers.
         checkpoint: activation recomputation on the workers, as torchgpipe names it: ``"never"``
             (keep every micro-batch's activations until its backward); ``"always"`` (keep only each
             micro-batch's stage inputs and recompute the forward at backward: activation memory of one
