@@ -84,10 +84,11 @@ def measure(layers: list, x: object, repeats: int, rounds: int) -> dict[str, lis
     def plain() -> None:
         run().sum().backward()
 
-    def split(with_mode: bool) -> Callable[[], None]:
+    def split(with_mode: bool, min_macs: int = 0) -> Callable[[], None]:
         def step() -> None:
             deferred._intercept = with_mode  # the mode the stage would need with any other 2-d weight
-            with deferred.recording():
+            deferred.min_macs = min_macs
+            with deferred.recording(signature=x.shape):
                 y = run()
             with deferred.filing_backward():
                 y.sum().backward()
@@ -95,7 +96,13 @@ def measure(layers: list, x: object, repeats: int, rounds: int) -> dict[str, lis
 
         return step
 
-    ways = {"plain autograd": plain, "split, TorchFunctionMode": split(True), "split, direct nn.Linear": split(False)}
+    ways = {
+        "plain autograd": plain,
+        "split, TorchFunctionMode": split(True),
+        "split, direct nn.Linear": split(False),
+        # split_backward="auto" where no call is large enough: after the first forward, no mode either.
+        '"auto", calls too small, TorchFunctionMode': split(True, min_macs=2**62),
+    }
     times: dict[str, list[float]] = {name: [] for name in ways}
     for _ in range(rounds):
         for name, step in ways.items():
@@ -105,7 +112,7 @@ def measure(layers: list, x: object, repeats: int, rounds: int) -> dict[str, lis
             for _ in range(repeats):
                 step()
             times[name].append((time.perf_counter() - start) / repeats * 1e6)
-    deferred._intercept = False
+    deferred._intercept, deferred.min_macs = False, 0
     return times
 
 

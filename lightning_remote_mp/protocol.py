@@ -92,7 +92,7 @@ def version_mismatch(other: str, other_version: Any, other_lrmp: Any, this: str)
     driver's errors and the worker's replies alike).
 
     >>> version_mismatch("the driver", 9, "9.0.0", "this worker")  # doctest: +ELLIPSIS
-    'the driver speaks lrmp wire protocol version 9 (lrmp 9.0.0); this worker speaks version ... (lrmp ...): install ...'
+    'the driver speaks lrmp wire protocol version 9 (lrmp 9.0.0); this worker speaks version ...'
     """
     from lightning_remote_mp import __version__
 

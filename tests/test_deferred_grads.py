@@ -3,6 +3,7 @@ the call's last micro-batch, then equal what plain autograd gives."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 
 import pytest
@@ -300,3 +301,47 @@ def test_a_one_dimensional_weight_takes_plain_autograd():
 
     assert DeferredWeightGrads(Dot())._intercept
     assert _compare(Dot, torch.randn(3, 4))  # proj defers, w does not, and both are exact
+
+
+def test_a_forward_too_small_to_defer_skips_the_torch_function_mode_next_time():
+    """Under the mode (a WrappedLinear here) every op of the forward costs a Python call. A forward
+    that deferred nothing is remembered by its inputs' signature, and the next one with the same
+    signature runs without the mode; a larger one still defers, and every gradient stays exact."""
+    torch.manual_seed(0)
+
+    class Spy(nn.Module):
+        """Records whether a TorchFunctionMode is active while it runs."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: list[bool] = []
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.seen.append(torch._C._len_torch_function_stack() > 0)
+            return torch.tanh(x)
+
+    spy = Spy()
+    module = nn.Sequential(WrappedLinear(4, 8), spy, WrappedLinear(8, 2))
+    plain = copy.deepcopy(module)
+    deferred = DeferredWeightGrads(module, min_macs=10 * 4 * 8)
+    assert deferred._intercept
+
+    def step(x: torch.Tensor) -> bool:
+        with deferred.recording(x.shape):
+            y = module(x)
+        with deferred.filing_backward():
+            y.sum().backward()
+        plain(x).sum().backward()
+        flushed = deferred.flush()
+        for (name, p), q in zip(plain.named_parameters(), module.parameters()):
+            torch.testing.assert_close(q.grad, p.grad, msg=name)
+        return flushed
+
+    g = torch.Generator().manual_seed(1)
+    assert not step(torch.randn(3, 4, generator=g))  # small: under the mode, nothing deferred
+    assert not step(torch.randn(3, 4, generator=g))  # the same shapes: no mode
+    assert step(torch.randn(16, 4, generator=g))  # large: the mode, and the first layer defers
+    assert not step(torch.randn(3, 4, generator=g))
+    assert spy.seen == [True, False, True, False]
+    deferred.parameters_replaced()  # new parameters: nothing is known about them
+    assert not step(torch.randn(3, 4, generator=g)) and spy.seen[-1] is True

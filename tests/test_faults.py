@@ -220,7 +220,7 @@ def test_failed_deferred_weight_gradients_fail_the_step(pool):
     # failure must still reach the driver (through the optimizer step), not vanish.
     spec = residual_spec(probe=False)
     spec.insert(5, ("lrmp_testlayers.BrokenWeightGradients", {"features": 16}, (32, 16)))
-    strategy = RemoteModelParallelStrategy(hosts=pool[:2], balance=[4, 7])
+    strategy = RemoteModelParallelStrategy(hosts=pool[:2], balance=[4, 7], split_backward=True)
     model = Net(spec)
     with pytest.raises(WorkerError) as info:
         trainer(strategy, epochs=1).fit(model, data())

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Hashable, Iterator
 from typing import Any
 
 import torch
@@ -58,6 +58,9 @@ from lightning_remote_mp.errors import ConfigurationError
 #: 2 M multiply-adds the Function's Python costs more than batching the product saves.
 CPU_MIN_MACS = 2**21
 
+#: How many input signatures `DeferredWeightGrads` remembers as too small to defer (then it starts over).
+_MAX_SIGNATURES = 256
+
 #: Overrides `auto_min_macs` for every device (a count of multiply-adds; ``0`` defers every call).
 MIN_MACS_ENV = "LRMP_SPLIT_BACKWARD_MIN_MACS"
 
@@ -69,8 +72,8 @@ def auto_min_macs(device: torch.device) -> int:
     worker checks it at start). The rows are a micro-batch's: more micro-batches, smaller calls.
 
     A stage whose linear calls go through the TorchFunctionMode (`_may_call_linear`: ``WrappedLinear``,
-    custom ``F.linear`` callers, traced programs) still pays the mode's per-op cost under ``"auto"``
-    when none of its calls is large enough to defer."""
+    custom ``F.linear`` callers, traced programs) leaves the mode out of a forward whose inputs have
+    the shapes of one that deferred nothing (`DeferredWeightGrads.recording`)."""
     override = os.environ.get(MIN_MACS_ENV, "").strip()
     if override:
         try:
@@ -129,12 +132,14 @@ class _Intercept(TorchFunctionMode):
     def __init__(self, owner: DeferredWeightGrads) -> None:
         super().__init__()
         self.owner = owner
+        self.deferred = 0  # calls deferred in this block
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.linear:
             pending = self.owner._pending_for(*args, **kwargs)
             if pending is not None:
+                self.deferred += 1
                 x = args[0] if args else kwargs["input"]
                 return _LinearInputGrad.apply(x, pending.weight, pending.bias, pending)
         return func(*args, **kwargs)
@@ -178,6 +183,9 @@ class DeferredWeightGrads:
 
     Plain ``nn.Linear`` layers defer through their own forward. Where some other layer may call
     ``F.linear`` on a weight (`_may_call_linear`), a TorchFunctionMode catches every call instead.
+    With ``min_macs``, a forward whose inputs have the ``signature`` (their shapes) of one that
+    deferred nothing runs without the mode, which costs every op of the forward a Python call: its
+    calls are as small again (shapes decide them), and plain autograd gives the same gradients.
 
     Args:
         module: whose parameters may defer (those it holds when `recording` starts: loading a
@@ -193,6 +201,7 @@ class DeferredWeightGrads:
         self._params: set[int] | None = None  # ids of the module's parameters, while they stay the same
         self._pending: dict[tuple[int, int], _Pending] = {}
         self._intercept = _may_call_linear(module)
+        self._small: set[Hashable] = set()  # signatures of forwards under the mode that deferred nothing
         self._direct = False  # recording without the mode: plain nn.Linear layers defer by themselves
         if not self._intercept:
             for m in module.modules():
@@ -200,16 +209,25 @@ class DeferredWeightGrads:
                     m.forward = _DirectLinear(self, m)
 
     @contextlib.contextmanager
-    def recording(self) -> Iterator[None]:
-        """Within this block, eligible ``F.linear`` calls under grad defer their weight gradients."""
+    def recording(self, signature: Hashable = None) -> Iterator[None]:
+        """Within this block, eligible ``F.linear`` calls under grad defer their weight gradients.
+        ``signature``: what decides the size of the block's calls (its inputs' shapes), if known."""
         if not torch.is_grad_enabled():
             yield
             return
         if self._params is None:
             self._params = {id(p) for p in self.module.parameters()}
         if self._intercept:
-            with _Intercept(self):
+            known = signature is not None and self.min_macs > 0
+            if known and signature in self._small:
+                yield  # a forward of these shapes deferred nothing: no mode, plain autograd
+                return
+            with _Intercept(self) as mode:
                 yield
+            if known and mode.deferred == 0:
+                if len(self._small) >= _MAX_SIGNATURES:
+                    self._small.clear()
+                self._small.add(signature)
             return
         self._direct = True
         try:
@@ -220,6 +238,7 @@ class DeferredWeightGrads:
     def parameters_replaced(self) -> None:
         """The module's parameters are new objects (a state dict loaded with ``assign=True``)."""
         self._params = None
+        self._small.clear()
 
     @contextlib.contextmanager
     def filing_backward(self) -> Iterator[None]:

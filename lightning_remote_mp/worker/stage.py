@@ -34,6 +34,14 @@ def _elements(value: Main) -> tuple[torch.Tensor, ...]:
     return value if isinstance(value, tuple) else (value,)
 
 
+def _signature(x: Main, variables: Mapping[str, torch.Tensor]) -> tuple[Any, ...]:
+    """The shapes and dtypes of a forward's inputs: what decides the sizes of its linear calls."""
+    return (
+        tuple((t.shape, t.dtype) for t in _elements(x)),
+        tuple((n, t.shape, t.dtype) for n, t in sorted(variables.items())),
+    )
+
+
 def _pairs(y: Main, grad: Any) -> list[tuple[torch.Tensor, Any]]:
     """(output, its gradient or None) pairs, for a tensor or a tuple."""
     if isinstance(y, tuple):
@@ -259,8 +267,10 @@ class StageExecutor:
         cast = contextlib.nullcontext()
         if autocast and autocast.get("enabled"):
             cast = torch.autocast(self.device.type, dtype=autocast.get("dtype"))
-        deferring = self.deferred is not None and grad and split
-        defer = self.deferred.recording() if deferring else contextlib.nullcontext()
+        defer: contextlib.AbstractContextManager = contextlib.nullcontext()
+        if self.deferred is not None and grad and split:
+            signature = (_signature(x, variables), bool(autocast and autocast.get("enabled")))
+            defer = self.deferred.recording(signature)
         with torch.set_grad_enabled(grad), cast, defer:
             y = run_layers(((int(k), m) for k, m in self.layers.items()), x, variables)
         if not is_main(y):
