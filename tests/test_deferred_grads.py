@@ -282,6 +282,9 @@ def test_split_backward_auto_defers_on_a_cpu_worker_only_what_repays_it(monkeypa
         auto.forward((call, 0), xs[0], {}, grad=True, needs_grad={"x": True})
         auto.backward((call, 0), outs[0], {})
         assert auto.flush_weight_grads(call) == (n == rows), f"{n} rows"
+        # The stage's WrappedLinears need the TorchFunctionMode: the forward that deferred nothing
+        # is remembered by its inputs' shapes (and runs without the mode next time), the other not.
+        assert auto.deferred is not None and len(auto.deferred._small) == 1, f"{n} rows"
         expected, got = grads_of(plain), grads_of(auto)
         for name in expected:
             torch.testing.assert_close(got[name], expected[name], msg=f"{name}, {n} rows")

@@ -185,7 +185,9 @@ class DeferredWeightGrads:
     ``F.linear`` on a weight (`_may_call_linear`), a TorchFunctionMode catches every call instead.
     With ``min_macs``, a forward whose inputs have the ``signature`` (their shapes) of one that
     deferred nothing runs without the mode, which costs every op of the forward a Python call: its
-    calls are as small again (shapes decide them), and plain autograd gives the same gradients.
+    calls are as small again where shapes decide them, and plain autograd gives the same gradients.
+    Where they do not (tokens routed or masked by value), a later forward of those shapes that could
+    defer runs with plain autograd: slower than it could be, never wrong.
 
     Args:
         module: whose parameters may defer (those it holds when `recording` starts: loading a
@@ -218,7 +220,7 @@ class DeferredWeightGrads:
         if self._params is None:
             self._params = {id(p) for p in self.module.parameters()}
         if self._intercept:
-            known = signature is not None and self.min_macs > 0
+            known = signature is not None and self.skips_small
             if known and signature in self._small:
                 yield  # a forward of these shapes deferred nothing: no mode, plain autograd
                 return
@@ -234,6 +236,11 @@ class DeferredWeightGrads:
             yield
         finally:
             self._direct = False
+
+    @property
+    def skips_small(self) -> bool:
+        """Whether `recording` uses a signature: under the mode, with a threshold."""
+        return self._intercept and self.min_macs > 0
 
     def parameters_replaced(self) -> None:
         """The module's parameters are new objects (a state dict loaded with ``assign=True``)."""

@@ -269,7 +269,9 @@ class StageExecutor:
             cast = torch.autocast(self.device.type, dtype=autocast.get("dtype"))
         defer: contextlib.AbstractContextManager = contextlib.nullcontext()
         if self.deferred is not None and grad and split:
-            signature = (_signature(x, variables), bool(autocast and autocast.get("enabled")))
+            signature = None
+            if self.deferred.skips_small:
+                signature = (_signature(x, variables), bool(autocast and autocast.get("enabled")))
             defer = self.deferred.recording(signature)
         with torch.set_grad_enabled(grad), cast, defer:
             y = run_layers(((int(k), m) for k, m in self.layers.items()), x, variables)
