@@ -21,7 +21,7 @@ import dataclasses
 import logging
 import os
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any, Literal, TypeGuard
 
 from lightning_remote_mp.errors import ConfigurationError
 from lightning_remote_mp.transport import normalize_address
@@ -273,9 +273,14 @@ def check_timeout(name: str, value: Any, *, optional: bool = False) -> None:
 SplitBackward = bool | Literal["auto"]
 
 
+def is_split_backward(value: Any) -> TypeGuard[SplitBackward]:
+    """Whether ``value`` is ``True``, ``False`` or ``"auto"``."""
+    return isinstance(value, bool) or (isinstance(value, str) and value == "auto")
+
+
 def check_split_backward(value: Any) -> None:
     """``split_backward`` is ``True``, ``False`` or ``"auto"``."""
-    if not (isinstance(value, bool) or (isinstance(value, str) and value == "auto")):
+    if not is_split_backward(value):
         raise ConfigurationError(f"split_backward must be True, False or 'auto', got {value!r}")
 
 

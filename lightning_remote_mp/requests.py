@@ -26,12 +26,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, ClassVar, Literal, get_args
+from typing import Any, ClassVar, Literal, TypeVar, get_args
 
 import torch
 
 from lightning_remote_mp import protocol
-from lightning_remote_mp.config import SplitBackward
+from lightning_remote_mp.config import SplitBackward, is_split_backward
 from lightning_remote_mp.errors import ProtocolError
 from lightning_remote_mp.keys import is_z85_key
 from lightning_remote_mp.messages import _dict_body, _field
@@ -239,7 +239,7 @@ def _split_backward(what: str, body: dict[str, Any]) -> SplitBackward:
     value = body.get("split_backward")
     if value is None:
         return False
-    if not (isinstance(value, bool) or (isinstance(value, str) and value == "auto")):
+    if not is_split_backward(value):
         raise ProtocolError(f"{what} message: field 'split_backward' must be a bool or 'auto', got {value!r:.40}")
     return value
 
@@ -268,18 +268,21 @@ class Release:
         return cls(_mapping(what, _dict_body(what, body), "calls", _is_str, _is_call_list, "keys to lists of calls"))
 
 
-@dataclasses.dataclass(frozen=True)
-class GetState:
-    """GET_STATE: the weights and buffers of every stage on the worker. It carries nothing."""
+_Bodiless = TypeVar("_Bodiless", bound="_NoBody")
 
-    KIND: ClassVar[str] = protocol.GET_STATE
+
+class _NoBody:
+    """A request that carries nothing: its body is ``None`` (a dict is accepted and ignored; anything
+    else is malformed)."""
+
+    KIND: ClassVar[str]
 
     def body(self) -> dict[str, Any] | None:
         """The message body, as `protocol.encode` sends it: none (typed as the others' for callers)."""
         return None
 
     @classmethod
-    def from_body(cls, body: Any) -> GetState:
+    def from_body(cls: type[_Bodiless], body: Any) -> _Bodiless:
         """A received body, checked; raises `ProtocolError` if it is malformed."""
         if body is not None:
             _dict_body(cls.KIND, body)
@@ -287,22 +290,18 @@ class GetState:
 
 
 @dataclasses.dataclass(frozen=True)
-class Sync:
+class GetState(_NoBody):
+    """GET_STATE: the weights and buffers of every stage on the worker. It carries nothing."""
+
+    KIND: ClassVar[str] = protocol.GET_STATE
+
+
+@dataclasses.dataclass(frozen=True)
+class Sync(_NoBody):
     """SYNC: answered once every request sent before it has run, those answered only when they fail
     (`protocol.QUIET_KINDS`) included. It carries nothing."""
 
     KIND: ClassVar[str] = protocol.SYNC
-
-    def body(self) -> dict[str, Any] | None:
-        """The message body, as `protocol.encode` sends it: none."""
-        return None
-
-    @classmethod
-    def from_body(cls, body: Any) -> Sync:
-        """A received body, checked; raises `ProtocolError` if it is malformed."""
-        if body is not None:
-            _dict_body(cls.KIND, body)
-        return cls()
 
 
 @dataclasses.dataclass(frozen=True)
