@@ -155,7 +155,7 @@ class _DirectLinear:
 
     def __call__(self, input: torch.Tensor) -> torch.Tensor:
         weight, bias = self.layer.weight, self.layer.bias
-        if self.owner._direct and input.numel() * weight.shape[0] >= self.owner.min_macs:
+        if self.owner._direct:
             pending = self.owner._pending_for(input, weight, bias)
             if pending is not None:
                 return _LinearInputGrad.apply(input, weight, bias, pending)
@@ -262,10 +262,12 @@ class DeferredWeightGrads:
     ) -> _Pending | None:
         params = self._params or set()
         if (
-            not torch.is_grad_enabled()
+            id(weight) not in params
+            or weight.dim() != 2  # F.linear takes a 1-d weight too; the deferred products assume 2-d
+            or input.numel() * weight.shape[0] < self.min_macs  # before the costlier checks: small calls stop here
+            or not torch.is_grad_enabled()
             or _saved_tensor_hooks_active()
             or _functorch_active()
-            or id(weight) not in params
             or not weight.requires_grad
             or not weight.is_floating_point()  # complex gradients need conjugates; plain autograd has them
             or _has_grad_hooks(weight)
@@ -273,8 +275,6 @@ class DeferredWeightGrads:
             or torch.is_autocast_enabled(input.device.type)
             or input.dtype != weight.dtype
             or input.dim() == 0
-            or weight.dim() != 2  # F.linear takes a 1-d weight too; the deferred products assume 2-d
-            or input.numel() * weight.shape[0] < self.min_macs
         ):
             return None
         key = (id(weight), id(bias))
