@@ -54,8 +54,6 @@ NO_REPLY = object()
 class Outbox(Protocol):
     """Where a session's pipelined messages go: the driver, or a peer worker by address."""
 
-    def to_driver(self, kind: str, body: Any, ready: Any = None, about: dict[str, Any] | None = None) -> None: ...
-
     def to_driver_all(self, kind: str, answers: Sequence[tuple[Any, Any, dict[str, Any] | None]]) -> None:
         """Several ``(body, ready, about)`` of ``kind`` for the driver, in as few messages as can be."""
 
@@ -255,16 +253,14 @@ class WorkerSession:
             if io is not None:  # a GPU stage: the message leaves once its tensors are copied off the device
                 body, ready = io.to_host(body)
                 about = {"key": msg.key, "call": msg.call, "mb": msg.mb}
-            if target == DRIVER and msg.microbatches > 1:
+            if target == DRIVER:
                 self._answer_together(msg, driver_kind, (body, ready, about))
-            elif target == DRIVER:
-                self.outbox.to_driver(driver_kind, body, ready, about)
             else:
                 self.outbox.to_peer(self.peers[msg.key][target], peer_kind, body, ready, about)
 
     def _answer_together(self, msg: Forward | Backward, kind: str, answer: tuple[Any, Any, Any]) -> None:
         """Keep a micro-batch's answer to the driver until the call's others are there too, then
-        send them all at once (`messages.Forward.microbatches`)."""
+        send them all at once (`messages.Forward.microbatches`; a call of one goes at once)."""
         answers = self._answers.setdefault((msg.key, msg.call, kind), [])
         answers.append(answer)
         if len(answers) >= msg.microbatches:
