@@ -11,10 +11,9 @@ import importlib.machinery
 import sys
 from typing import Any
 
-__version__ = "0.1.0"  # the one place it is written: pyproject.toml reads it from here
-
-from lightning_remote_mp.config import CurveOptions, LocalWorkerOptions  # noqa: E402
-from lightning_remote_mp.errors import (  # noqa: E402
+from lightning_remote_mp._version import __version__
+from lightning_remote_mp.config import CurveOptions, LocalWorkerOptions
+from lightning_remote_mp.errors import (
     AuthenticationError,
     ConfigurationError,
     KeyFileError,
@@ -32,7 +31,7 @@ from lightning_remote_mp.errors import (  # noqa: E402
     WorkerLostError,
     WorkerStartError,
 )
-from lightning_remote_mp.spec import SpecSequential  # noqa: E402
+from lightning_remote_mp.spec import SpecSequential
 
 __all__ = [
     "AuthenticationError",
@@ -112,6 +111,6 @@ class _RegisteringLoader(importlib.abc.Loader):
 
 if any(name in sys.modules for name in _LIGHTNING):
     # A program that already uses Lightning gets the strategy registered right away.
-    from lightning_remote_mp.strategy import RemoteModelParallelStrategy  # noqa: E402,F401
+    from lightning_remote_mp.strategy import RemoteModelParallelStrategy  # noqa: F401
 elif not any(isinstance(f, _RegisterWithLightning) for f in sys.meta_path):
     sys.meta_path.insert(0, _RegisterWithLightning())

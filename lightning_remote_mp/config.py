@@ -21,9 +21,10 @@ import dataclasses
 import logging
 import os
 from collections.abc import Sequence
-from typing import Any, Literal, TypeGuard
+from typing import Any
 
 from lightning_remote_mp.errors import ConfigurationError
+from lightning_remote_mp.flow import is_split_backward
 from lightning_remote_mp.transport import normalize_address
 
 log = logging.getLogger(__name__)
@@ -266,16 +267,6 @@ def check_timeout(name: str, value: Any, *, optional: bool = False) -> None:
         return
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         raise ConfigurationError(f"{name} must be a positive number of seconds, got {value!r}")
-
-
-#: ``split_backward``: defer every eligible linear layer's weight gradient (``True``), none
-#: (``False``), or only those large enough to repay it (``"auto"``; `worker.deferred_grads`).
-SplitBackward = bool | Literal["auto"]
-
-
-def is_split_backward(value: Any) -> TypeGuard[SplitBackward]:
-    """Whether ``value`` is ``True``, ``False`` or ``"auto"``."""
-    return isinstance(value, bool) or (isinstance(value, str) and value == "auto")
 
 
 def check_split_backward(value: Any) -> None:

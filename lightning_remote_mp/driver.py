@@ -29,8 +29,9 @@ from typing import Any
 
 import torch
 
-from lightning_remote_mp import __version__, partition, protocol
-from lightning_remote_mp.config import SplitBackward, Topology, check_split_backward
+from lightning_remote_mp import partition, protocol
+from lightning_remote_mp._version import __version__
+from lightning_remote_mp.config import Topology, check_split_backward
 from lightning_remote_mp.errors import (
     ConfigurationError,
     LrmpError,
@@ -39,6 +40,7 @@ from lightning_remote_mp.errors import (
     WorkerError,
     WorkerLostError,
 )
+from lightning_remote_mp.flow import SplitBackward
 from lightning_remote_mp.keys import KeyPair
 from lightning_remote_mp.optim import OptimizerMirror
 from lightning_remote_mp.pipeline import RemoteSpec, RemoteStage, check_checkpoint_mode

@@ -8,6 +8,7 @@ back to the driver. A `Backward` travels the other way, and stage 0's reaches th
 `from_body` is the only place a received body is checked: a malformed one raises
 `lightning_remote_mp.errors.ProtocolError` whoever sent it, and nothing in it is executed.
 
+>>> from lightning_remote_mp.flow import DRIVER
 >>> m = Forward(key="net", call=3, mb=0, sender=DRIVER, x=torch.ones(2, 4), requires_grad={"x": True})
 >>> Forward.from_body(m.body()).requires_grad
 {'x': True}
@@ -25,10 +26,7 @@ from typing import Any
 import torch
 
 from lightning_remote_mp.errors import ProtocolError
-from lightning_remote_mp.spec import is_main
-
-#: The stage number of the driver in a pipelined message's ``from`` (and in a stage's routes).
-DRIVER = -1
+from lightning_remote_mp.flow import is_main
 
 
 def _field(what: str, body: dict[str, Any], name: str, kind: type | tuple[type, ...], default: Any = ...) -> Any:

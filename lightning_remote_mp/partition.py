@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from torch import nn
 
 from lightning_remote_mp.errors import SpecError
-from lightning_remote_mp.messages import DRIVER
+from lightning_remote_mp.flow import DRIVER
 from lightning_remote_mp.spec import LayerEntry, Wiring
 
 #: Bytes kept per float32 parameter while training: the weight, its gradient and two optimizer moments.

@@ -25,10 +25,10 @@ import torch
 
 from lightning_remote_mp import protocol
 from lightning_remote_mp.errors import ConfigurationError, ProtocolError, RemoteInputError
-from lightning_remote_mp.messages import DRIVER, Backward, Forward
+from lightning_remote_mp.flow import DRIVER, Main, is_floating, is_main
+from lightning_remote_mp.messages import Backward, Forward
 from lightning_remote_mp.partition import Stage
 from lightning_remote_mp.requests import Release
-from lightning_remote_mp.spec import Main, is_floating, is_main
 from lightning_remote_mp.transport import Connection, broadcast, gather
 
 #: Activation recomputation choices (torchgpipe's names).

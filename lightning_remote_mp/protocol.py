@@ -37,6 +37,8 @@ from typing import Any
 import msgpack
 import torch
 
+from lightning_remote_mp._version import __version__
+
 # LimitExceeded lives with the other errors; ``protocol.LimitExceeded`` stays its name here too.
 from lightning_remote_mp.errors import ConfigurationError, LimitExceeded, ProtocolError, ProtocolVersionError
 
@@ -94,8 +96,6 @@ def version_mismatch(other: str, other_version: Any, other_lrmp: Any, this: str)
     >>> version_mismatch("the driver", 9, "9.0.0", "this worker")  # doctest: +ELLIPSIS
     'the driver speaks lrmp wire protocol version 9 (lrmp 9.0.0); this worker speaks version ...'
     """
-    from lightning_remote_mp import __version__
-
     other_lrmp = other_lrmp[:40] if isinstance(other_lrmp, str) else "?"  # sent by anyone: no str() of it
     return (
         f"{other} speaks lrmp wire protocol version {other_version!r:.20} (lrmp {other_lrmp}); "

@@ -31,13 +31,10 @@ from typing import Any, ClassVar, Literal, TypeVar, get_args
 import torch
 
 from lightning_remote_mp import protocol
-from lightning_remote_mp.config import SplitBackward, is_split_backward
 from lightning_remote_mp.errors import ProtocolError
+from lightning_remote_mp.flow import Routes, SplitBackward, is_split_backward
 from lightning_remote_mp.keys import is_z85_key
 from lightning_remote_mp.messages import _dict_body, _field
-
-#: A stage's forward routes: ``(stage, variable names)`` pairs (`lightning_remote_mp.partition.Stage`).
-Routes = tuple[tuple[int, tuple[str, ...]], ...]
 
 
 def _is_int(value: Any) -> bool:

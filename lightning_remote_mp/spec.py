@@ -735,22 +735,6 @@ class SpecSequential(nn.Module):
         return f"remote={self._remote!r}" if self._remote is not None else ""
 
 
-#: What flows from stage to stage: a tensor, or for a traced model a tuple of tensors (its live values).
-Main = torch.Tensor | tuple[torch.Tensor, ...]
-
-
-def is_main(value: Any) -> bool:
-    """Whether ``value`` is a `Main`: a tensor or a non-empty tuple of tensors."""
-    if isinstance(value, tuple):
-        return bool(value) and all(isinstance(t, torch.Tensor) for t in value)
-    return isinstance(value, torch.Tensor)
-
-
-def is_floating(t: torch.Tensor) -> bool:
-    """Whether ``t`` can carry a gradient (floating point or complex)."""
-    return t.is_floating_point() or t.is_complex()
-
-
 #: Train/eval flags: one bool for every layer, or per layer a bool (for all its submodules) or a
 #: list of bools (one per ``layer.modules()`` entry, in that order).
 Modes = bool | list[bool | list[bool]]

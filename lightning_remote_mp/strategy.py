@@ -28,7 +28,6 @@ from lightning_remote_mp import protocol
 from lightning_remote_mp.config import (
     CurveOptions,
     LocalWorkerOptions,
-    SplitBackward,
     Topology,
     check_balance,
     check_count,
@@ -41,6 +40,7 @@ from lightning_remote_mp.config import (
 )
 from lightning_remote_mp.driver import DriverSession, allow_modules_for, checked_for_workers
 from lightning_remote_mp.errors import ConfigurationError, LrmpError, SpecError, TraceError
+from lightning_remote_mp.flow import SplitBackward
 from lightning_remote_mp.keys import KeyPair, generate_keypair, load_keypair, load_public_key, write_public_key
 from lightning_remote_mp.launch import LocalWorkers
 from lightning_remote_mp.logs import follow_lightning

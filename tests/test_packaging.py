@@ -25,7 +25,7 @@ def test_the_version_is_written_once_and_read_without_torch():
     project = pyproject()
     assert "version" not in project["project"] and "version" in project["project"]["dynamic"]
     attr = project["tool"]["setuptools"]["dynamic"]["version"]["attr"]
-    assert attr == "lightning_remote_mp.__version__"
+    assert attr == "lightning_remote_mp._version.__version__"
     # setuptools must read it statically: importing the package would import torch, which a build
     # environment does not have.
     source = f"""

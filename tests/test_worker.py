@@ -873,7 +873,8 @@ def test_a_calls_micro_batches_travel_as_one_message_each_way(worker):
     answers the driver sends their results back in one, once it has them all (each message costs
     both sides a send and a wake-up). A call that fails midway sends its error, and the results it
     kept are dropped when the driver releases the call."""
-    from lightning_remote_mp.messages import DRIVER, Forward
+    from lightning_remote_mp.flow import DRIVER
+    from lightning_remote_mp.messages import Forward
     from lightning_remote_mp.requests import Release
 
     net = _spec()

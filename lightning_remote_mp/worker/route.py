@@ -20,8 +20,8 @@ from typing import Any, TypeVar
 import torch
 
 from lightning_remote_mp.errors import ProtocolError
-from lightning_remote_mp.messages import DRIVER, Backward, Forward
-from lightning_remote_mp.requests import Routes
+from lightning_remote_mp.flow import DRIVER, Routes
+from lightning_remote_mp.messages import Backward, Forward
 from lightning_remote_mp.worker.stage import StageExecutor
 from lightning_remote_mp.worker.timeline import EventLog
 

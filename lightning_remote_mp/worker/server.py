@@ -30,10 +30,11 @@ from typing import Any
 import torch
 import zmq
 
-from lightning_remote_mp import __version__, protocol, transport
+from lightning_remote_mp import protocol, transport
+from lightning_remote_mp._version import __version__
 from lightning_remote_mp.errors import ConfigurationError, PeerUnreachableError, ProtocolError, ProtocolVersionError
+from lightning_remote_mp.flow import DRIVER as DRIVER_STAGE
 from lightning_remote_mp.keys import KeyPair
-from lightning_remote_mp.messages import DRIVER as DRIVER_STAGE
 from lightning_remote_mp.requests import Hello
 from lightning_remote_mp.worker import allocator
 from lightning_remote_mp.worker.auth import DRIVER, WorkerAuth

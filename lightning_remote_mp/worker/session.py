@@ -19,7 +19,8 @@ import torch
 
 from lightning_remote_mp import protocol
 from lightning_remote_mp.errors import LrmpError, ProtocolError, SpecError
-from lightning_remote_mp.messages import DRIVER, Backward, Forward
+from lightning_remote_mp.flow import DRIVER
+from lightning_remote_mp.messages import Backward, Forward
 from lightning_remote_mp.requests import (
     GetOptimState,
     GetState,

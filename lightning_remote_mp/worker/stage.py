@@ -14,18 +14,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_remote_mp.config import SplitBackward
 from lightning_remote_mp.errors import SpecError
-from lightning_remote_mp.spec import (
-    LayerEntry,
-    Main,
-    apply_modes,
-    build_layer,
-    is_floating,
-    is_main,
-    normalize_entry,
-    run_layers,
-)
+from lightning_remote_mp.flow import Main, SplitBackward, is_floating, is_main
+from lightning_remote_mp.spec import LayerEntry, apply_modes, build_layer, normalize_entry, run_layers
 from lightning_remote_mp.worker.deferred_grads import DeferredWeightGrads, auto_min_macs
 from lightning_remote_mp.worker.device_io import DeviceIO
 
