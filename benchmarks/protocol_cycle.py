@@ -56,7 +56,7 @@ _PATCHES = [
 def protocol_module(variant: str) -> Any:
     """lrmp's protocol module (``"lrmp"``), or a copy of it with the cycle broken (``"lrmp-nocycle"``);
     None when the patch no longer applies to the library's source."""
-    from lightning_remote_mp import protocol
+    from lightning_remote_mp.wire import protocol
 
     if variant == "lrmp":
         return protocol
@@ -68,7 +68,7 @@ def protocol_module(variant: str) -> Any:
     module = types.ModuleType("lrmp_protocol_nocycle")
     module.__file__ = protocol.__file__
     sys.modules[module.__name__] = module
-    exec(compile(source, "<lightning_remote_mp.protocol without the closure cycle>", "exec"), module.__dict__)
+    exec(compile(source, "<lightning_remote_mp.wire.protocol without the closure cycle>", "exec"), module.__dict__)
     return module
 
 

@@ -301,7 +301,7 @@ def run_fit(
 # --- the traced program ----------------------------------------------------------------------------
 def entry_bytes(entries: list[Any]) -> list[int]:
     """Bytes of each entry as it travels in a SETUP message (its own header frame, no weights)."""
-    from lightning_remote_mp import protocol
+    from lightning_remote_mp.wire import protocol
 
     return [sum(len(f) for f in protocol.encode(protocol.SETUP, 0, "s", {"entries": [e.to_wire()]})) for e in entries]
 

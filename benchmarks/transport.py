@@ -4,7 +4,7 @@ Methods (all over 127.0.0.1 TCP unless said otherwise, all measured in the same 
 
 - ``raw pyzmq``: DEALER -> ROUTER echo, ``send_multipart([buffer], copy=False)`` both ways,
   ``recv_multipart(copy=False)`` -- the floor any ZeroMQ protocol pays;
-- ``lrmp protocol``: lrmp's own :class:`~lightning_remote_mp.transport.Connection` (``send`` /
+- ``lrmp protocol``: lrmp's own :class:`~lightning_remote_mp.wire.transport.Connection` (``send`` /
   ``recv``: ``protocol.encode`` + zero-copy send, poll + ``protocol.decode``) against an echo that
   decodes each request and encodes the tensor back with ``protocol`` (one thread, like raw);
 - ``lrmp worker``: a real ``lrmp-worker`` holding a one-layer stage (``torch.nn.Identity``), driven
@@ -49,7 +49,7 @@ def serve_zmq(kind: str) -> int:
     import zmq
 
     if kind == "lrmp":
-        from lightning_remote_mp import protocol, transport
+        from lightning_remote_mp.wire import protocol, transport
 
         sock, _ = transport.bind_router("tcp://127.0.0.1:*")
     else:
@@ -147,8 +147,8 @@ class LrmpProtocolClient:
     name = "lrmp protocol"
 
     def __init__(self, endpoint: str) -> None:
-        from lightning_remote_mp import protocol
-        from lightning_remote_mp.transport import Connection
+        from lightning_remote_mp.wire import protocol
+        from lightning_remote_mp.wire.transport import Connection
 
         self.kind = protocol.FORWARD
         self.conn = Connection(endpoint)

@@ -25,7 +25,7 @@ from typing import Any
 
 from lightning_remote_mp.errors import ConfigurationError
 from lightning_remote_mp.flow import is_split_backward
-from lightning_remote_mp.transport import normalize_address
+from lightning_remote_mp.wire.transport import normalize_address
 
 log = logging.getLogger(__name__)
 

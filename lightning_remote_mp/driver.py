@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from lightning_remote_mp import partition, protocol
+from lightning_remote_mp import partition
 from lightning_remote_mp._version import __version__
 from lightning_remote_mp.config import Topology, check_split_backward
 from lightning_remote_mp.errors import (
@@ -41,11 +41,9 @@ from lightning_remote_mp.errors import (
     WorkerLostError,
 )
 from lightning_remote_mp.flow import SplitBackward
-from lightning_remote_mp.keys import KeyPair
 from lightning_remote_mp.optim import OptimizerMirror
 from lightning_remote_mp.pipeline import RemoteSpec, RemoteStage, check_checkpoint_mode
 from lightning_remote_mp.preflight import Preflight, preflight
-from lightning_remote_mp.requests import GetState, GroupInit, Hello, LoadState, Profile, Setup
 from lightning_remote_mp.spec import (
     DEFAULT_ALLOWED_PREFIXES,
     SpecSequential,
@@ -54,7 +52,10 @@ from lightning_remote_mp.spec import (
     source_digest,
     user_code_modules,
 )
-from lightning_remote_mp.transport import (
+from lightning_remote_mp.wire import protocol
+from lightning_remote_mp.wire.keys import KeyPair
+from lightning_remote_mp.wire.requests import GetState, GroupInit, Hello, LoadState, Profile, Setup
+from lightning_remote_mp.wire.transport import (
     DEFAULT_CALL_TIMEOUT,
     DEFAULT_CONNECT_TIMEOUT,
     DEFAULT_HEARTBEAT_TIMEOUT,

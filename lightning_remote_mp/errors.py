@@ -39,7 +39,7 @@ class ProtocolVersionError(ProtocolError):
 
 
 class LimitExceeded(ProtocolError):
-    """A message is over one of the receiver's `lightning_remote_mp.protocol.Limits` (``limit``
+    """A message is over one of the receiver's `lightning_remote_mp.wire.protocol.Limits` (``limit``
     names which, e.g. ``"max_message_bytes"``)."""
 
     def __init__(self, message: str, limit: str) -> None:

@@ -56,9 +56,10 @@ from typing import Any
 
 import torch
 
-from lightning_remote_mp import protocol
 from lightning_remote_mp.errors import LrmpError
-from lightning_remote_mp.requests import (
+from lightning_remote_mp.spec import layer_path, refuse_main
+from lightning_remote_mp.wire import protocol
+from lightning_remote_mp.wire.requests import (
     GetOptimState,
     GradAllreduce,
     GradClamp,
@@ -69,8 +70,7 @@ from lightning_remote_mp.requests import (
     OptimStep,
     ZeroGrad,
 )
-from lightning_remote_mp.spec import layer_path, refuse_main
-from lightning_remote_mp.transport import Connection, broadcast, post_all, request_all
+from lightning_remote_mp.wire.transport import Connection, broadcast, post_all, request_all
 
 log = logging.getLogger(__name__)
 

@@ -23,13 +23,13 @@ from typing import Any
 
 import torch
 
-from lightning_remote_mp import protocol
 from lightning_remote_mp.errors import ConfigurationError, ProtocolError, RemoteInputError
 from lightning_remote_mp.flow import DRIVER, Main, is_floating, is_main
-from lightning_remote_mp.messages import Backward, Forward
 from lightning_remote_mp.partition import Stage
-from lightning_remote_mp.requests import Release
-from lightning_remote_mp.transport import Connection, broadcast, gather
+from lightning_remote_mp.wire import protocol
+from lightning_remote_mp.wire.messages import Backward, Forward
+from lightning_remote_mp.wire.requests import Release
+from lightning_remote_mp.wire.transport import Connection, broadcast, gather
 
 #: Activation recomputation choices (torchgpipe's names).
 CHECKPOINT_MODES = ("never", "except_last", "always")

@@ -36,7 +36,6 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from lightning_remote_mp import protocol
 from lightning_remote_mp.errors import SpecError
 from lightning_remote_mp.spec import (
     LayerEntry,
@@ -46,6 +45,7 @@ from lightning_remote_mp.spec import (
     nested_class_paths,
     refuse_main,
 )
+from lightning_remote_mp.wire import protocol
 
 log = logging.getLogger(__name__)
 

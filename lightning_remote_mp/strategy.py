@@ -24,7 +24,6 @@ from lightning.pytorch.callbacks import BaseFinetuning, ModelSummary, Stochastic
 from lightning.pytorch.strategies import SingleDeviceStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 
-from lightning_remote_mp import protocol
 from lightning_remote_mp.config import (
     CurveOptions,
     LocalWorkerOptions,
@@ -41,7 +40,6 @@ from lightning_remote_mp.config import (
 from lightning_remote_mp.driver import DriverSession, allow_modules_for, checked_for_workers
 from lightning_remote_mp.errors import ConfigurationError, LrmpError, SpecError, TraceError
 from lightning_remote_mp.flow import SplitBackward
-from lightning_remote_mp.keys import KeyPair, generate_keypair, load_keypair, load_public_key, write_public_key
 from lightning_remote_mp.launch import LocalWorkers
 from lightning_remote_mp.logs import follow_lightning
 from lightning_remote_mp.optim import mirror_of
@@ -51,7 +49,9 @@ from lightning_remote_mp.spec import SpecSequential
 from lightning_remote_mp.summary import RemoteModelSummary
 from lightning_remote_mp.timeline import TimelineCallback
 from lightning_remote_mp.trace import TracedForward, TracedSequential, find_modules
-from lightning_remote_mp.transport import DEFAULT_CALL_TIMEOUT, DEFAULT_CONNECT_TIMEOUT, DEFAULT_HEARTBEAT_TIMEOUT
+from lightning_remote_mp.wire import protocol
+from lightning_remote_mp.wire.keys import KeyPair, generate_keypair, load_keypair, load_public_key, write_public_key
+from lightning_remote_mp.wire.transport import DEFAULT_CALL_TIMEOUT, DEFAULT_CONNECT_TIMEOUT, DEFAULT_HEARTBEAT_TIMEOUT
 
 log = logging.getLogger(__name__)
 

@@ -22,10 +22,10 @@ from typing import Any
 
 import lightning.pytorch as pl
 
-from lightning_remote_mp import protocol
 from lightning_remote_mp.pipeline import RemoteStage
-from lightning_remote_mp.requests import Timeline
-from lightning_remote_mp.transport import Connection, broadcast
+from lightning_remote_mp.wire import protocol
+from lightning_remote_mp.wire.requests import Timeline
+from lightning_remote_mp.wire.transport import Connection, broadcast
 
 log = logging.getLogger(__name__)
 

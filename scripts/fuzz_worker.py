@@ -39,9 +39,9 @@ import msgpack
 import torch
 import zmq
 
-from lightning_remote_mp import protocol
 from lightning_remote_mp.driver import DriverSession
 from lightning_remote_mp.spec import SpecSequential
+from lightning_remote_mp.wire import protocol
 
 KEY = "fz"
 WIDTH = 4

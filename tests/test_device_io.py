@@ -20,7 +20,8 @@ from test_strategy import assert_same_forward_and_backward
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_remote_mp import LocalWorkerOptions, RemoteModelParallelStrategy, SpecSequential, protocol, transport
+from lightning_remote_mp import LocalWorkerOptions, RemoteModelParallelStrategy, SpecSequential
+from lightning_remote_mp.wire import protocol, transport
 from lightning_remote_mp.worker.server import WorkerServer, _Outbox
 
 pytestmark = pytest.mark.timeout(120)

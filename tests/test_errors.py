@@ -15,10 +15,10 @@ from lightning_remote_mp import (
     RemoteInputError,
     WorkerError,
     WorkerLostError,
-    protocol,
 )
 from lightning_remote_mp.errors import worker_location
-from lightning_remote_mp.transport import Connection
+from lightning_remote_mp.wire import protocol
+from lightning_remote_mp.wire.transport import Connection
 
 ADDRESS = "tcp://10.0.0.5:5555"
 

@@ -28,10 +28,11 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lrmp_relay import Relay, wait_for
 from test_strategy import Net, assert_same_weights, data, residual_spec, trainer
 
-from lightning_remote_mp import RemoteModelParallelStrategy, WorkerError, WorkerLostError, protocol
+from lightning_remote_mp import RemoteModelParallelStrategy, WorkerError, WorkerLostError
 from lightning_remote_mp.driver import DriverSession
 from lightning_remote_mp.launch import LocalWorkers
 from lightning_remote_mp.spec import SpecSequential
+from lightning_remote_mp.wire import protocol
 
 pytestmark = pytest.mark.timeout(120)
 

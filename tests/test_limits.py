@@ -14,11 +14,12 @@ import pytest
 import torch
 import zmq
 
-from lightning_remote_mp import ProtocolError, SpecError, protocol
+from lightning_remote_mp import ProtocolError, SpecError
 from lightning_remote_mp.driver import DriverSession
 from lightning_remote_mp.launch import LocalWorkers
-from lightning_remote_mp.protocol import LimitExceeded
 from lightning_remote_mp.spec import SpecSequential
+from lightning_remote_mp.wire import protocol
+from lightning_remote_mp.wire.protocol import LimitExceeded
 from lightning_remote_mp.worker.cli import parse_size
 
 pytestmark = pytest.mark.timeout(120)

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_remote_mp import protocol
 from lightning_remote_mp.errors import ProtocolError
 from lightning_remote_mp.flow import DRIVER
-from lightning_remote_mp.messages import Backward, Forward
+from lightning_remote_mp.wire import protocol
+from lightning_remote_mp.wire.messages import Backward, Forward
 
 
 def _through_the_wire(kind: str, body: dict) -> dict:

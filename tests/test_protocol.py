@@ -14,9 +14,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lightning_remote_mp import protocol
 from lightning_remote_mp.errors import ProtocolError
-from lightning_remote_mp.protocol import DTYPES, Limits, Message, decode, encode
+from lightning_remote_mp.wire import protocol
+from lightning_remote_mp.wire.protocol import DTYPES, Limits, Message, decode, encode
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -7,9 +7,9 @@ import pytest
 import torch
 import zmq
 
-from lightning_remote_mp import protocol
 from lightning_remote_mp.errors import ProtocolError
-from lightning_remote_mp.requests import (
+from lightning_remote_mp.wire import protocol
+from lightning_remote_mp.wire.requests import (
     REQUESTS,
     GetOptimState,
     GetState,

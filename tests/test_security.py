@@ -40,12 +40,12 @@ from lightning_remote_mp import (
     LocalWorkerOptions,
     LrmpError,
     RemoteModelParallelStrategy,
-    protocol,
 )
 from lightning_remote_mp.driver import DriverSession
-from lightning_remote_mp.keys import KeyPair, load_keypair, load_public_key
 from lightning_remote_mp.launch import LocalWorkers
 from lightning_remote_mp.spec import SpecSequential
+from lightning_remote_mp.wire import protocol
+from lightning_remote_mp.wire.keys import KeyPair, load_keypair, load_public_key
 from lightning_remote_mp.worker import cli
 from lightning_remote_mp.worker.cli import insecure_bind_warning
 

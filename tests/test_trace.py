@@ -15,10 +15,11 @@ from test_strategy import assert_same_losses, assert_same_weights, trainer
 from test_worker import Client
 from test_zoo import TOL, fit, remote_equals_local
 
-from lightning_remote_mp import RemoteModelParallelStrategy, protocol
+from lightning_remote_mp import RemoteModelParallelStrategy
 from lightning_remote_mp.errors import RefusedOperatorError, SpecError, TraceError
 from lightning_remote_mp.graph import GraphLayer, load_program
 from lightning_remote_mp.trace import find_modules, trace_module
+from lightning_remote_mp.wire import protocol
 
 
 def _entries_sent(strategy: RemoteModelParallelStrategy, key: str = "model") -> list:

@@ -27,11 +27,12 @@ import torch
 import zmq
 from test_strategy import assert_same_forward_and_backward
 
-from lightning_remote_mp import __version__, protocol
+from lightning_remote_mp import __version__
 from lightning_remote_mp.driver import DriverSession
 from lightning_remote_mp.errors import WorkerError
 from lightning_remote_mp.launch import WorkerOutput
 from lightning_remote_mp.spec import SpecSequential
+from lightning_remote_mp.wire import protocol
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -814,9 +815,9 @@ def test_a_micro_batch_from_a_peer_waits_for_the_driver_request_sent_before_it(p
     """The driver posts requests (the optimizer's step, zero_grad) without waiting for their replies
     and sends the next micro-batch to stage 0 at once, so stage 0's output can reach stage 1 before
     the request does. Stage 1 holds such a micro-batch back (its fence) until it has run the request."""
-    from lightning_remote_mp import transport
-    from lightning_remote_mp.messages import Forward
-    from lightning_remote_mp.requests import LoadState
+    from lightning_remote_mp.wire import transport
+    from lightning_remote_mp.wire.messages import Forward
+    from lightning_remote_mp.wire.requests import LoadState
 
     torch.manual_seed(0)
     net = SpecSequential(
@@ -874,8 +875,8 @@ def test_a_calls_micro_batches_travel_as_one_message_each_way(worker):
     both sides a send and a wake-up). A call that fails midway sends its error, and the results it
     kept are dropped when the driver releases the call."""
     from lightning_remote_mp.flow import DRIVER
-    from lightning_remote_mp.messages import Forward
-    from lightning_remote_mp.requests import Release
+    from lightning_remote_mp.wire.messages import Forward
+    from lightning_remote_mp.wire.requests import Release
 
     net = _spec()
     local = copy.deepcopy(net)
@@ -943,7 +944,7 @@ def test_the_driver_forgets_quiet_requests_once_they_have_run_and_raises_their_f
     """Posted zero_grads are answered only if they fail, so the driver counts them run once a later
     request's reply arrives (the worker runs requests in order) or the heartbeat says so; `settle`
     asks with a SYNC. A failed one is raised by whichever read meets its ERROR."""
-    from lightning_remote_mp.requests import GetState, ZeroGrad
+    from lightning_remote_mp.wire.requests import GetState, ZeroGrad
 
     session = DriverSession([worker.address], connect_timeout=REPLY_TIMEOUT)
     try:

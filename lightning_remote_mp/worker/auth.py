@@ -25,8 +25,8 @@ from pathlib import Path
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
-from lightning_remote_mp.keys import load_authorized_keys
-from lightning_remote_mp.transport import ZAP_DOMAIN
+from lightning_remote_mp.wire.keys import load_authorized_keys
+from lightning_remote_mp.wire.transport import ZAP_DOMAIN
 from lightning_remote_mp.worker.throttle import Throttle
 
 log = logging.getLogger(__name__)

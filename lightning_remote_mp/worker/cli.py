@@ -19,8 +19,8 @@ import signal
 import sys
 from collections.abc import Sequence
 
-from lightning_remote_mp import protocol, transport
 from lightning_remote_mp.errors import ConfigurationError
+from lightning_remote_mp.wire import protocol, transport
 from lightning_remote_mp.worker import allocator
 from lightning_remote_mp.worker.server import DEFAULT_SESSION_TIMEOUT, WorkerServer
 
@@ -124,7 +124,7 @@ def insecure_bind_warning(endpoint: str, secure: bool) -> str | None:
 
 
 def keygen(argv: Sequence[str]) -> int:
-    from lightning_remote_mp.keys import DEFAULT_KEY_DIR, KeyFileError, generate_keypair
+    from lightning_remote_mp.wire.keys import DEFAULT_KEY_DIR, KeyFileError, generate_keypair
 
     p = argparse.ArgumentParser(
         prog="lrmp-worker keygen",
@@ -164,7 +164,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     allocator.keep_freed_memory()
     try:
-        from lightning_remote_mp.keys import curve_available, load_keypair
+        from lightning_remote_mp.wire.keys import curve_available, load_keypair
 
         if (args.secret_key is None) != (args.authorized_keys is None):
             raise ConfigurationError(

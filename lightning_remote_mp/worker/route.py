@@ -21,7 +21,7 @@ import torch
 
 from lightning_remote_mp.errors import ProtocolError
 from lightning_remote_mp.flow import DRIVER, Routes
-from lightning_remote_mp.messages import Backward, Forward
+from lightning_remote_mp.wire.messages import Backward, Forward
 from lightning_remote_mp.worker.stage import StageExecutor
 from lightning_remote_mp.worker.timeline import EventLog
 

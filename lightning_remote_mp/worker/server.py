@@ -30,12 +30,12 @@ from typing import Any
 import torch
 import zmq
 
-from lightning_remote_mp import protocol, transport
 from lightning_remote_mp._version import __version__
 from lightning_remote_mp.errors import ConfigurationError, PeerUnreachableError, ProtocolError, ProtocolVersionError
 from lightning_remote_mp.flow import DRIVER as DRIVER_STAGE
-from lightning_remote_mp.keys import KeyPair
-from lightning_remote_mp.requests import Hello
+from lightning_remote_mp.wire import protocol, transport
+from lightning_remote_mp.wire.keys import KeyPair
+from lightning_remote_mp.wire.requests import Hello
 from lightning_remote_mp.worker import allocator
 from lightning_remote_mp.worker.auth import DRIVER, WorkerAuth
 from lightning_remote_mp.worker.session import NO_REPLY, WorkerSession, describe_device

@@ -17,11 +17,12 @@ from typing import Any, Protocol
 
 import torch
 
-from lightning_remote_mp import protocol
 from lightning_remote_mp.errors import LrmpError, ProtocolError, SpecError
 from lightning_remote_mp.flow import DRIVER
-from lightning_remote_mp.messages import Backward, Forward
-from lightning_remote_mp.requests import (
+from lightning_remote_mp.spec import resolve_class, source_digest
+from lightning_remote_mp.wire import protocol
+from lightning_remote_mp.wire.messages import Backward, Forward
+from lightning_remote_mp.wire.requests import (
     GetOptimState,
     GetState,
     GradAllreduce,
@@ -41,7 +42,6 @@ from lightning_remote_mp.requests import (
     Timeline,
     ZeroGrad,
 )
-from lightning_remote_mp.spec import resolve_class, source_digest
 from lightning_remote_mp.worker.collective import ReplicaGroup
 from lightning_remote_mp.worker.profile import profile_layers
 from lightning_remote_mp.worker.route import Outgoing, RoutedStage

@@ -23,7 +23,6 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from lightning_remote_mp import protocol
 from lightning_remote_mp.errors import (
     AuthenticationError,
     ConfigurationError,
@@ -33,7 +32,8 @@ from lightning_remote_mp.errors import (
     WorkerLostError,
     worker_location,
 )
-from lightning_remote_mp.keys import KeyPair
+from lightning_remote_mp.wire import protocol
+from lightning_remote_mp.wire.keys import KeyPair
 
 log = logging.getLogger(__name__)
 
@@ -428,7 +428,7 @@ class Connection:
     @property
     def unanswered_up_to(self) -> int:
         """The id of the last posted request not known to have run, or 0: what a pipelined
-        message's ``fence`` names for this worker (`lightning_remote_mp.messages`)."""
+        message's ``fence`` names for this worker (`lightning_remote_mp.wire.messages`)."""
         self._heartbeat_ran()
         return next(reversed(self._unanswered), 0)  # ids only grow, and dicts keep their order
 

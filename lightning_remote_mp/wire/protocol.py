@@ -108,7 +108,7 @@ def version_mismatch(other: str, other_version: Any, other_lrmp: Any, this: str)
 REQUEST_KINDS = frozenset(Kind) - {RESULT, DONE, OK, ERROR}
 
 #: Requests a worker answers only when they fail: the driver posts them every step without
-#: waiting (`lightning_remote_mp.transport.Connection.post`), and an OK per step and worker would
+#: waiting (`lightning_remote_mp.wire.transport.Connection.post`), and an OK per step and worker would
 #: cost both sides a message for nothing. The ERROR of one says ``"posted": kind``; a SYNC
 #: request is answered once they have all run.
 QUIET_KINDS = frozenset({OPTIM_STEP, ZERO_GRAD})

@@ -1,7 +1,7 @@
 """The driver's control requests, typed: what it asks of a worker besides running micro-batches.
 
-`messages` holds the pipeline's data (`~lightning_remote_mp.messages.Forward`,
-`~lightning_remote_mp.messages.Backward`), which stages also send each other; this module holds
+`messages` holds the pipeline's data (`~lightning_remote_mp.wire.messages.Forward`,
+`~lightning_remote_mp.wire.messages.Backward`), which stages also send each other; this module holds
 every other request, which only the driver sends: placing a stage (`Setup`), moving weights
 (`GetState`, `LoadState`), the optimizer mirror (`OptimCreate`, `OptimStep`, `ZeroGrad`,
 `GetOptimState`, `LoadOptimState`, and the `Grads` operations), and the rest (`Release`,
@@ -30,11 +30,11 @@ from typing import Any, ClassVar, Literal, TypeVar, get_args
 
 import torch
 
-from lightning_remote_mp import protocol
 from lightning_remote_mp.errors import ProtocolError
 from lightning_remote_mp.flow import Routes, SplitBackward, is_split_backward
-from lightning_remote_mp.keys import is_z85_key
-from lightning_remote_mp.messages import _dict_body, _field
+from lightning_remote_mp.wire import protocol
+from lightning_remote_mp.wire.keys import is_z85_key
+from lightning_remote_mp.wire.messages import _dict_body, _field
 
 
 def _is_int(value: Any) -> bool:
@@ -702,7 +702,7 @@ def _text(value: Any, limit: int) -> str:
 
 
 #: The type of every request but the pipeline's, by kind (FORWARD and BACKWARD:
-#: `lightning_remote_mp.messages`; PING and BYE carry no body).
+#: `lightning_remote_mp.wire.messages`; PING and BYE carry no body).
 REQUESTS: dict[str, type[Any]] = {
     c.KIND: c
     for c in (
