@@ -25,7 +25,7 @@ from _common import markdown_table, median  # noqa: E402
 
 from lightning_remote_mp.driver import DriverSession  # noqa: E402
 from lightning_remote_mp.launch import LocalWorkers  # noqa: E402
-from lightning_remote_mp.spec import SpecSequential  # noqa: E402
+from lightning_remote_mp.model.spec import SpecSequential  # noqa: E402
 
 
 def spec(width: int, blocks: int, batch: int) -> list:

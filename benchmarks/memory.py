@@ -48,7 +48,7 @@ def driver(layers: int, steps: int) -> None:
 
     from lightning_remote_mp.driver import DriverSession
     from lightning_remote_mp.launch import LocalWorkers
-    from lightning_remote_mp.spec import SpecSequential
+    from lightning_remote_mp.model.spec import SpecSequential
 
     torch.set_num_threads(1)
     spec = [("torch.nn.Linear", {"in_features": WIDTH, "out_features": WIDTH}, (8, WIDTH))] * layers
@@ -101,7 +101,7 @@ def recompute_driver(width: int, blocks: int, batch: int, steps: int, every_conf
 
     from lightning_remote_mp.driver import DriverSession
     from lightning_remote_mp.launch import LocalWorkers
-    from lightning_remote_mp.spec import SpecSequential
+    from lightning_remote_mp.model.spec import SpecSequential
 
     torch.set_num_threads(1)
     spec = []

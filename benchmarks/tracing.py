@@ -27,7 +27,7 @@ programs. ``--no-split-backward`` runs both with plain autograd, to compare like
 
 Measured for every fit, timed inside it by wrapping lrmp's own functions (no library file is changed):
 
-- *trace s*: ``lightning_remote_mp.trace.trace_module`` (both exports, the cut, the programs);
+- *trace s*: ``lightning_remote_mp.model.trace.trace_module`` (both exports, the cut, the programs);
 - *place s*: ``DriverSession.place`` (shipping the units or layers and their weights, the workers
   building their stages) and ``DriverSession.mirror_optimizer`` (the optimizer built on the workers);
 - *setup s*: trace + place; *first step s*: the first training step, which for (b) includes the trace
@@ -159,8 +159,8 @@ RECORD: dict[str, Any] = {}
 def instrument() -> None:
     """Wrap ``trace.trace_module``, ``trace._export`` and ``DriverSession.place`` (in this process
     only) so that each fit records how long they took, and the traced module."""
-    from lightning_remote_mp import trace
     from lightning_remote_mp.driver import DriverSession
+    from lightning_remote_mp.model import trace
 
     def timed(fn: Any, key: str, keep: bool = False) -> Any:
         @functools.wraps(fn)
@@ -194,7 +194,7 @@ def instrument() -> None:
 def cold_trace(lm: nn.Module, cfg: dict[str, Any]) -> dict[str, float]:
     """``trace_module`` of a copy of the module, timed outside any fit: called first in the process,
     it also pays torch.export's one-off start-up, as the first fit of a training script does."""
-    from lightning_remote_mp import trace
+    from lightning_remote_mp.model import trace
 
     RECORD.clear()
     trace.trace_module(copy.deepcopy(lm), (make_batch(cfg)[0],), {}, "net")

@@ -166,7 +166,7 @@ class LrmpWorkerClient:
 
     def __init__(self, endpoint: str, numel: int) -> None:
         from lightning_remote_mp.driver import DriverSession
-        from lightning_remote_mp.spec import SpecSequential
+        from lightning_remote_mp.model.spec import SpecSequential
 
         self.session = DriverSession([endpoint])
         self.net = SpecSequential([("torch.nn.Identity", {}, (1, numel))])

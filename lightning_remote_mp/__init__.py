@@ -31,7 +31,7 @@ from lightning_remote_mp.errors import (
     WorkerLostError,
     WorkerStartError,
 )
-from lightning_remote_mp.spec import SpecSequential
+from lightning_remote_mp.model.spec import SpecSequential
 
 __all__ = [
     "AuthenticationError",

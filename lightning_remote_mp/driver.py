@@ -3,7 +3,7 @@ move weights back and forth, and close. No Lightning here: the strategy is a thi
 
 >>> import torch
 >>> from lightning_remote_mp.launch import LocalWorkers
->>> from lightning_remote_mp.spec import SpecSequential
+>>> from lightning_remote_mp.model.spec import SpecSequential
 >>> workers = LocalWorkers(2, threads=1)
 >>> net = SpecSequential([("torch.nn.Linear", {"in_features": 4, "out_features": 4}, (1, 4))] * 2)
 >>> expected = net(torch.ones(1, 4))
@@ -29,7 +29,6 @@ from typing import Any
 
 import torch
 
-from lightning_remote_mp import partition
 from lightning_remote_mp._version import __version__
 from lightning_remote_mp.config import Topology, check_split_backward
 from lightning_remote_mp.errors import (
@@ -41,10 +40,8 @@ from lightning_remote_mp.errors import (
     WorkerLostError,
 )
 from lightning_remote_mp.flow import SplitBackward
-from lightning_remote_mp.optim import OptimizerMirror
-from lightning_remote_mp.pipeline import RemoteSpec, RemoteStage, check_checkpoint_mode
-from lightning_remote_mp.preflight import Preflight, preflight
-from lightning_remote_mp.spec import (
+from lightning_remote_mp.model import partition
+from lightning_remote_mp.model.spec import (
     DEFAULT_ALLOWED_PREFIXES,
     SpecSequential,
     is_allowed,
@@ -52,6 +49,9 @@ from lightning_remote_mp.spec import (
     source_digest,
     user_code_modules,
 )
+from lightning_remote_mp.optim import OptimizerMirror
+from lightning_remote_mp.pipeline import RemoteSpec, RemoteStage, check_checkpoint_mode
+from lightning_remote_mp.preflight import Preflight, preflight
 from lightning_remote_mp.wire import protocol
 from lightning_remote_mp.wire.keys import KeyPair
 from lightning_remote_mp.wire.requests import GetState, GroupInit, Hello, LoadState, Profile, Setup

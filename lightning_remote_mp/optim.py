@@ -57,7 +57,7 @@ from typing import Any
 import torch
 
 from lightning_remote_mp.errors import LrmpError
-from lightning_remote_mp.spec import layer_path, refuse_main
+from lightning_remote_mp.model.spec import layer_path, refuse_main
 from lightning_remote_mp.wire import protocol
 from lightning_remote_mp.wire.requests import (
     GetOptimState,

@@ -25,7 +25,7 @@ import torch
 
 from lightning_remote_mp.errors import ConfigurationError, ProtocolError, RemoteInputError
 from lightning_remote_mp.flow import DRIVER, Main, is_floating, is_main
-from lightning_remote_mp.partition import Stage
+from lightning_remote_mp.model.partition import Stage
 from lightning_remote_mp.wire import protocol
 from lightning_remote_mp.wire.messages import Backward, Forward
 from lightning_remote_mp.wire.requests import Release
@@ -93,7 +93,7 @@ class RemoteSpec:
         key: the SpecSequential's name in the LightningModule (how workers tell stages apart).
         replicas: for each replica (data parallel), its stages in order; usually one replica.
         microbatches: how many micro-batches each replica's share of a batch is split into.
-        modes: returns the driver-side layers' train/eval flags (`lightning_remote_mp.spec.Modes`);
+        modes: returns the driver-side layers' train/eval flags (`lightning_remote_mp.model.spec.Modes`);
             they travel with every forward, so the workers follow whatever Lightning set.
         checkpoint: activation recomputation, as torchgpipe names it: ``"never"``; ``"always"``
             (every stage keeps only each micro-batch's inputs and recomputes its forward at

@@ -13,7 +13,7 @@ the layer, its class and the kwarg:
   its output matches the next layer's declared ``input_shape``, and its FLOPs are counted, so that
   stages can be balanced by compute.
 
->>> from lightning_remote_mp.spec import SpecSequential
+>>> from lightning_remote_mp.model.spec import SpecSequential
 >>> net = SpecSequential([
 ...     ("torch.nn.Linear", {"in_features": 4, "out_features": 8}, (32, 4)),
 ...     ("torch.nn.Linear", {"in_features": 16, "out_features": 2}, (32, 16)),
@@ -37,7 +37,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_remote_mp.errors import SpecError
-from lightning_remote_mp.spec import (
+from lightning_remote_mp.model.spec import (
     LayerEntry,
     SpecSequential,
     build_layer,

@@ -42,13 +42,13 @@ from lightning_remote_mp.errors import ConfigurationError, LrmpError, SpecError,
 from lightning_remote_mp.flow import SplitBackward
 from lightning_remote_mp.launch import LocalWorkers
 from lightning_remote_mp.logs import follow_lightning
+from lightning_remote_mp.model.spec import SpecSequential
+from lightning_remote_mp.model.trace import TracedForward, TracedSequential, find_modules
 from lightning_remote_mp.optim import mirror_of
 from lightning_remote_mp.pipeline import check_checkpoint_mode
 from lightning_remote_mp.preflight import Preflight
-from lightning_remote_mp.spec import SpecSequential
 from lightning_remote_mp.summary import RemoteModelSummary
 from lightning_remote_mp.timeline import TimelineCallback
-from lightning_remote_mp.trace import TracedForward, TracedSequential, find_modules
 from lightning_remote_mp.wire import protocol
 from lightning_remote_mp.wire.keys import KeyPair, generate_keypair, load_keypair, load_public_key, write_public_key
 from lightning_remote_mp.wire.transport import DEFAULT_CALL_TIMEOUT, DEFAULT_CONNECT_TIMEOUT, DEFAULT_HEARTBEAT_TIMEOUT

@@ -40,7 +40,7 @@ import torch
 import zmq
 
 from lightning_remote_mp.driver import DriverSession
-from lightning_remote_mp.spec import SpecSequential
+from lightning_remote_mp.model.spec import SpecSequential
 from lightning_remote_mp.wire import protocol
 
 KEY = "fz"

@@ -75,7 +75,7 @@ def test_the_users_own_input_raises_lrmp_errors():
 
 
 def test_a_remote_module_called_with_a_non_tensor_raises_a_type_error():
-    from lightning_remote_mp.partition import Stage
+    from lightning_remote_mp.model.partition import Stage
     from lightning_remote_mp.pipeline import RemoteSpec, RemoteStage
 
     conn = Connection(ADDRESS, stage=0)

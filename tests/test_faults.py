@@ -31,7 +31,7 @@ from test_strategy import Net, assert_same_weights, data, residual_spec, trainer
 from lightning_remote_mp import RemoteModelParallelStrategy, WorkerError, WorkerLostError
 from lightning_remote_mp.driver import DriverSession
 from lightning_remote_mp.launch import LocalWorkers
-from lightning_remote_mp.spec import SpecSequential
+from lightning_remote_mp.model.spec import SpecSequential
 from lightning_remote_mp.wire import protocol
 
 pytestmark = pytest.mark.timeout(120)
@@ -330,7 +330,7 @@ def _end(driver: subprocess.Popen) -> None:
 DRIVER_SCRIPT = """
 import sys, time, torch
 from lightning_remote_mp.driver import DriverSession
-from lightning_remote_mp.spec import SpecSequential
+from lightning_remote_mp.model.spec import SpecSequential
 session = DriverSession(sys.stdin.readline().split(), connect_timeout=30)
 net = SpecSequential([("torch.nn.Linear", {"in_features": 3, "out_features": 3}, (2, 3))] * 2)
 session.place("net", net)
@@ -548,7 +548,7 @@ def test_a_killed_driver_frees_its_workers_at_once(start_workers, tmp_path):
     program = (
         "import sys, time, torch\n"
         "from lightning_remote_mp.driver import DriverSession\n"
-        "from lightning_remote_mp.spec import SpecSequential\n"
+        "from lightning_remote_mp.model.spec import SpecSequential\n"
         "s = DriverSession(sys.stdin.readline().split())\n"
         "net = SpecSequential([('torch.nn.Linear', {'in_features': 4, 'out_features': 4}, (2, 4))] * 2)\n"
         "s.place('net', net)\n"

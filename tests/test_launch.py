@@ -17,7 +17,7 @@ import torch
 
 from lightning_remote_mp.driver import DriverSession
 from lightning_remote_mp.launch import LocalWorkers
-from lightning_remote_mp.spec import SpecSequential
+from lightning_remote_mp.model.spec import SpecSequential
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from lrmp_testlayers import ScaleBy
 
 from lightning_remote_mp.errors import SpecError
-from lightning_remote_mp.partition import (
+from lightning_remote_mp.model.partition import (
     TRAINING_BYTES_PER_PARAM_ELEMENT,
     Stage,
     check_balance,
@@ -21,7 +21,7 @@ from lightning_remote_mp.partition import (
     plan_stages,
     split_contiguous,
 )
-from lightning_remote_mp.spec import SpecSequential, Wiring
+from lightning_remote_mp.model.spec import SpecSequential, Wiring
 
 PROPS = settings(max_examples=300, deadline=None)
 

@@ -43,7 +43,7 @@ from lightning_remote_mp import (
 )
 from lightning_remote_mp.driver import DriverSession
 from lightning_remote_mp.launch import LocalWorkers
-from lightning_remote_mp.spec import SpecSequential
+from lightning_remote_mp.model.spec import SpecSequential
 from lightning_remote_mp.wire import protocol
 from lightning_remote_mp.wire.keys import KeyPair, load_keypair, load_public_key
 from lightning_remote_mp.worker import cli

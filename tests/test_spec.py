@@ -11,7 +11,7 @@ from torch import nn
 
 from lightning_remote_mp.errors import RefusedClassError, SpecError
 from lightning_remote_mp.layers import WrappedLinear
-from lightning_remote_mp.spec import (
+from lightning_remote_mp.model.spec import (
     DEFAULT_ALLOWED_PREFIXES,
     LayerEntry,
     SpecSequential,
@@ -330,7 +330,7 @@ def test_layer_failures_are_tagged_with_their_index():
         ("torch.nn.Linear", ["torch.n"], "torch.nn"),
         ("lrmp_testlayers_evil.ScaleBy", ["lrmp_testlayers"], "lrmp_testlayers_evil"),
         ("lightning_remote_mp.layersX.WrappedLinear", DEFAULT_ALLOWED_PREFIXES, "lightning_remote_mp.layersX"),
-        ("lightning_remote_mp.spec.SpecSequential", DEFAULT_ALLOWED_PREFIXES, "lightning_remote_mp.spec"),
+        ("lightning_remote_mp.model.spec.SpecSequential", DEFAULT_ALLOWED_PREFIXES, "lightning_remote_mp.model.spec"),
     ],
 )
 def test_allowlist_refuses(path, allowed, module):
@@ -418,7 +418,7 @@ def test_an_init_seed_that_the_workers_would_refuse_is_refused_here(seed):
 
 
 def test_a_layer_declares_its_variables_on_the_instance_on_its_class_or_by_a_property():
-    from lightning_remote_mp.spec import variables_of
+    from lightning_remote_mp.model.spec import variables_of
 
     class OnClass(nn.Module):
         dependencies = ["a"]

@@ -17,8 +17,8 @@ from test_zoo import TOL, fit, remote_equals_local
 
 from lightning_remote_mp import RemoteModelParallelStrategy
 from lightning_remote_mp.errors import RefusedOperatorError, SpecError, TraceError
-from lightning_remote_mp.graph import GraphLayer, load_program
-from lightning_remote_mp.trace import find_modules, trace_module
+from lightning_remote_mp.model.graph import GraphLayer, load_program
+from lightning_remote_mp.model.trace import find_modules, trace_module
 from lightning_remote_mp.wire import protocol
 
 

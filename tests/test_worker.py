@@ -31,7 +31,7 @@ from lightning_remote_mp import __version__
 from lightning_remote_mp.driver import DriverSession
 from lightning_remote_mp.errors import WorkerError
 from lightning_remote_mp.launch import WorkerOutput
-from lightning_remote_mp.spec import SpecSequential
+from lightning_remote_mp.model.spec import SpecSequential
 from lightning_remote_mp.wire import protocol
 
 pytestmark = pytest.mark.timeout(120)
@@ -283,7 +283,7 @@ REFUSED = [
     ("subprocess.Popen", "subprocess"),
     ("builtins.eval", "builtins"),
     ("collections.OrderedDict", "collections"),
-    ("lightning_remote_mp.spec.SpecSequential", "lightning_remote_mp.spec"),
+    ("lightning_remote_mp.model.spec.SpecSequential", "lightning_remote_mp.model.spec"),
     ("lrmp_marker_mod.Layer", "lrmp_marker_mod"),
     ("torch.nnx.Linear", "torch.nnx"),
     ("lrmp_testlayers_x.ScaleBy", "lrmp_testlayers_x"),

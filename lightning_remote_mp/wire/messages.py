@@ -162,7 +162,7 @@ class Forward(_Pipelined):
         requires_grad: which of ``x`` (key ``"x"``) and ``vars`` need a gradient back.
         grad: whether the forward runs under grad (the stages keep what backward needs).
         autocast: the driver's autocast state (``{"enabled", "dtype"}``), or ``None``.
-        modes: the driver-side layers' train/eval flags (`lightning_remote_mp.spec.Modes`).
+        modes: the driver-side layers' train/eval flags (`lightning_remote_mp.model.spec.Modes`).
         checkpoint: recompute this micro-batch's forward at backward.
     """
 

@@ -10,7 +10,7 @@ driver, becomes a body with ``body()``, and is checked once on the worker by ``f
 malformed body raises `lightning_remote_mp.errors.ProtocolError` naming the kind and the field
 (except `Hello`'s, read leniently: see there). Only the shape is
 checked here; what the fields mean (a layer entry, a class path, a weight's shape) is checked by
-the code that uses them (`lightning_remote_mp.spec.normalize_entry`, the stage, the optimizer).
+the code that uses them (`lightning_remote_mp.model.spec.normalize_entry`, the stage, the optimizer).
 
 >>> ZeroGrad.from_body(ZeroGrad(index=0).body())
 ZeroGrad(index=0, set_to_none=True)
@@ -138,13 +138,13 @@ class Setup:
 
     Attributes:
         key: the SpecSequential's name; ``stage``: the stage's number; ``start``: its first layer's index.
-        entries: its layer entries as `lightning_remote_mp.spec.LayerEntry.to_wire` writes them.
+        entries: its layer entries as `lightning_remote_mp.model.spec.LayerEntry.to_wire` writes them.
         exports: the residual variables it produces for later stages.
-        sources, targets: its forward routes (`lightning_remote_mp.partition.Stage`).
+        sources, targets: its forward routes (`lightning_remote_mp.model.partition.Stage`).
         peers: the worker address of every other stage on its routes (the driver is no peer).
         peer_keys: with CURVE, those peers' public keys (Z85), by stage.
         state: its weights and buffers, named ``"<layer index>.<name>"``; or ``None``, with ``init_seed``.
-        init_seed: layer ``i`` starts from seed ``init_seed + i`` (`lightning_remote_mp.spec.build_layer`).
+        init_seed: layer ``i`` starts from seed ``init_seed + i`` (`lightning_remote_mp.model.spec.build_layer`).
         split_backward: defer the weight gradients of linear layers: ``True``, ``False``, or ``"auto"``
             for the calls whose product is large enough (`lightning_remote_mp.worker.deferred_grads`).
         code_digests: the driver's source digest of each user module the entries import.

@@ -394,7 +394,7 @@ class WorkerServer:
         keys: KeyPair | None = None,
         authorized_keys: str | os.PathLike[str] | None = None,
     ) -> None:
-        from lightning_remote_mp.spec import DEFAULT_ALLOWED_PREFIXES
+        from lightning_remote_mp.model.spec import DEFAULT_ALLOWED_PREFIXES
 
         if (keys is None) != (authorized_keys is None):
             raise ConfigurationError(

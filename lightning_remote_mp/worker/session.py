@@ -19,7 +19,7 @@ import torch
 
 from lightning_remote_mp.errors import LrmpError, ProtocolError, SpecError
 from lightning_remote_mp.flow import DRIVER
-from lightning_remote_mp.spec import resolve_class, source_digest
+from lightning_remote_mp.model.spec import resolve_class, source_digest
 from lightning_remote_mp.wire import protocol
 from lightning_remote_mp.wire.messages import Backward, Forward
 from lightning_remote_mp.wire.requests import (

@@ -16,7 +16,7 @@ from torch import nn
 
 from lightning_remote_mp.errors import SpecError
 from lightning_remote_mp.flow import Main, SplitBackward, is_floating, is_main
-from lightning_remote_mp.spec import LayerEntry, apply_modes, build_layer, normalize_entry, run_layers
+from lightning_remote_mp.model.spec import LayerEntry, apply_modes, build_layer, normalize_entry, run_layers
 from lightning_remote_mp.worker.deferred_grads import DeferredWeightGrads, auto_min_macs
 from lightning_remote_mp.worker.device_io import DeviceIO
 
@@ -60,7 +60,7 @@ class _Recompute:
 
 
 def _well_formed_modes(modes: Any, layers: int) -> bool:
-    """A `lightning_remote_mp.spec.Modes` value: a bool, or one bool or list of bools per layer."""
+    """A `lightning_remote_mp.model.spec.Modes` value: a bool, or one bool or list of bools per layer."""
     if isinstance(modes, bool):
         return True
     return (
@@ -160,7 +160,7 @@ class StageExecutor:
                     tensor.copy_(state[name])
 
     def apply_modes(self, modes: Any) -> None:
-        """Follow the driver's train/eval flags (a `lightning_remote_mp.spec.Modes` value), sent
+        """Follow the driver's train/eval flags (a `lightning_remote_mp.model.spec.Modes` value), sent
         with every forward; unchanged flags cost one comparison."""
         if not _well_formed_modes(modes, self.start + len(self.names)):
             raise SpecError(f"stage {self.index}: malformed train/eval flags")

@@ -1,5 +1,5 @@
 """Splitting an unchanged ``nn.Module`` by tracing it: ``torch.export`` at its first call, then cut
-into pieces that workers run as `lightning_remote_mp.graph.GraphLayer` layers, with no user code.
+into pieces that workers run as `lightning_remote_mp.model.graph.GraphLayer` layers, with no user code.
 
 1. `trace_module` exports the module twice, in train and in eval mode (code may branch on
    ``self.training``), with every dimension of every tensor input dynamic where the code allows
@@ -42,8 +42,8 @@ from torch.fx.experimental.symbolic_shapes import is_concrete_int
 from torch.utils import _pytree as pytree
 
 from lightning_remote_mp.errors import TraceError
-from lightning_remote_mp.graph import TRACED_PYTHON_NAMES, GraphLayer, allowed_operator
-from lightning_remote_mp.spec import LayerEntry, SpecSequential
+from lightning_remote_mp.model.graph import TRACED_PYTHON_NAMES, GraphLayer, allowed_operator
+from lightning_remote_mp.model.spec import LayerEntry, SpecSequential
 
 log = logging.getLogger(__name__)
 _MARKER_NAMES = {
@@ -56,6 +56,7 @@ _MARKER_NAMES = {
 }
 _CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 _MATMULS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "conv1d", "conv2d", "conv3d", "convolution"}
+#: The name a traced unit's layer travels under (`lightning_remote_mp.graph`).
 LAYER_PATH = "lightning_remote_mp.graph.GraphLayer"
 
 
@@ -305,7 +306,7 @@ def _target(node: fx.Node, name: str) -> list[str]:
         return ["python", TRACED_PYTHON_NAMES[target]]
     raise TraceError(
         f"module {name!r}: the traced graph calls {getattr(target, '__name__', target)!s}{_where(node)}, which "
-        "workers do not run: they run the ATen operators on their allowlist (lightning_remote_mp.graph: core "
+        "workers do not run: they run the ATen operators on their allowlist (lightning_remote_mp.model.graph: core "
         "ATen and COMPOSITE_OPERATORS), and torch.no_grad() and torch.autocast blocks. Custom operators and "
         "control-flow operators (torch.cond, torch.while_loop) are not supported; split around that module "
         "(split= takes dotted names) or describe it as a layer spec."

@@ -63,7 +63,14 @@ Shape = tuple[int, ...]
 LayerRef = type[nn.Module] | str
 
 #: Module prefixes every worker may build classes from.
-DEFAULT_ALLOWED_PREFIXES: tuple[str, ...] = ("torch.nn", "lightning_remote_mp.layers", "lightning_remote_mp.graph")
+#: ``lightning_remote_mp.graph`` is the name traced units travel under (`lightning_remote_mp.graph`);
+#: ``lightning_remote_mp.model.graph`` where that class is defined, which the worker checks too.
+DEFAULT_ALLOWED_PREFIXES: tuple[str, ...] = (
+    "torch.nn",
+    "lightning_remote_mp.layers",
+    "lightning_remote_mp.graph",
+    "lightning_remote_mp.model.graph",
+)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,556 @@
+"""Traced programs as plain data, checked against an operator allowlist, and the layer that runs them.
+
+A program is one piece of a model traced by ``torch.export`` (see `lightning_remote_mp.model.trace`): a
+list of steps, each calling one operator on earlier values, with its weights named. It travels as
+msgpack data inside an ordinary spec entry for `GraphLayer`, so stages of traced models are placed,
+checkpointed, pipelined and mirrored exactly like layers of a spec; the worker needs no user code.
+
+What a worker accepts, checked before anything runs (`load_program`):
+
+- ATen and prims operators (``torch.ops.aten.*``, ``torch.ops.prims.*``) by namespace, name and
+  overload, except those that reach outside the process (`DENIED_OPERATORS`: ``from_file`` reads
+  files);
+- a few Python operators on shapes and tuples (`PYTHON_OPERATORS`: ``getitem``, integer arithmetic);
+- argument values that are numbers, strings, dtypes, lists and tuples of them, references to earlier
+  steps, and a device/layout/memory-format marker. Nothing names a class, a module or a function
+  outside those tables, so a received program cannot run code that came with it;
+- per step, an optional context: grad mode on or off and autocast settings (what a
+  ``torch.no_grad()`` or ``torch.autocast`` block inside the traced forward asked for).
+
+>>> import torch
+>>> program = {
+...     "inputs": ["x"], "tensors": {"w": "weight"},
+...     "steps": [["y", ["aten", "mm", "default"], [{"ref": "x"}, {"ref": "w"}], {}],
+...               ["z", ["aten", "relu", "default"], [{"ref": "y"}], {}]],
+...     "outputs": ["z"],
+... }
+>>> layer = GraphLayer({"train": program}, {"weight": {"shape": [2, 2], "dtype": torch.float32}})
+>>> with torch.no_grad():
+...     _ = layer.weight.copy_(torch.eye(2))
+>>> layer((torch.tensor([[1.0, -1.0]]),))
+(tensor([[1., 0.]]),)
+>>> load_program({**program, "steps": [["y", ["aten", "from_file", "default"], ["/etc/passwd"], {}]]}, "unit 0")
+Traceback (most recent call last):
+...
+lightning_remote_mp.errors.RefusedOperatorError: unit 0, step 'y': operator aten.from_file.default is not ...
+"""  # noqa: E501
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import operator
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_remote_mp.errors import RefusedOperatorError, SpecError
+
+#: Operator namespaces whose operators a traced program may call.
+ALLOWED_NAMESPACES = ("aten",)
+#: ATen operators a program may call besides those tagged ``core`` (ATen's core IR, ~160 functional
+#: operators): the composite ones that traced training graphs keep (torch.export's default IR is
+#: pre-dispatch: ``linear``, ``batch_norm``, ``dropout``... stay whole). Reviewed by name: each reads
+#: and writes only within its tensors' bounds. Backward operators are never needed and never allowed.
+COMPOSITE_OPERATORS = frozenset(
+    """
+    linear bilinear conv1d conv2d conv3d conv_transpose1d conv_transpose2d conv_transpose3d batch_norm
+    instance_norm group_norm layer_norm rms_norm dropout feature_dropout alpha_dropout
+    feature_alpha_dropout scaled_dot_product_attention softmax log_softmax matmul einsum reshape
+    flatten unflatten transpose t contiguous view_as reshape_as expand_as type_as to chunk split
+    unbind tensor_split narrow movedim swapaxes repeat_interleave tile masked_fill silu relu6 hardswish
+    hardsigmoid mish softplus selu celu glu logsigmoid sigmoid_ tanh_ relu_ square exp2 erfinv
+    clamp_min clamp_max clip norm linalg_vector_norm frobenius_norm std var_mean std_mean
+    cumprod logsumexp argsort zeros ones zeros_like ones_like new_zeros new_ones new_full rand_like
+    randn_like randint tril triu diff outer adaptive_avg_pool1d adaptive_avg_pool2d adaptive_avg_pool3d
+    adaptive_max_pool1d adaptive_max_pool2d avg_pool1d max_pool1d max_pool2d max_pool3d pad
+    upsample_nearest1d upsample_nearest3d upsample_linear1d upsample_bicubic2d pixel_shuffle
+    pixel_unshuffle one_hot cross_entropy_loss nll_loss mse_loss l1_loss smooth_l1_loss
+    binary_cross_entropy_with_logits __and__ __or__ __xor__ __lshift__ __rshift__ __iand__ __ior__
+    bitwise_left_shift bitwise_right_shift floor_divide true_divide cosine_similarity pairwise_distance
+    add_ sub_ mul_ div_ copy_ fill_ zero_ clamp_ masked_fill_ index_copy index_add index_fill
+    masked_select detach item lift_fresh_copy all isfinite nan_to_num sgn expand_copy
+    view_as_real view_as_complex polar complex real imag angle rsub addcmul addcdiv baddbmm addmv
+    addbmm lerp hypot logaddexp xlogy frac heaviside dot vdot mv kron cross diag diag_embed
+    diagonal_scatter take_along_dim flip fliplr flipud roll rot90 meshgrid broadcast_to
+    """.split()
+)
+#: Operators whose results start uninitialised: run zero-filled, so a program never reads memory
+#: the worker freed (weights of another session, keys).
+_ZERO_FILLED = frozenset({"empty", "empty_strided"})
+#: Steps dropped on load: shape and metadata assertions the tracer inserts, which would pin the
+#: trace's device (a CUDA worker runs a program traced on a CPU driver) or re-check its guards.
+DROPPED_OPERATORS = frozenset(
+    {"_assert_tensor_metadata", "_assert_scalar", "sym_constrain_range_for_size", "sym_constrain_range"}
+)
+#: The most a Python operator's integer operand or result may be, and a power's exponent: they
+#: compute sizes, and unbounded Python integers would hold the interpreter lock for ever.
+_MAX_INT = 2**63
+_MAX_EXPONENT = 64
+
+
+def _number_operator(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
+    """``fn`` on plain numbers only, within `_MAX_INT` (sizes, not strings or lists)."""
+
+    def checked(*args: Any) -> Any:
+        for a in args:
+            if not isinstance(a, (bool, int, float)) or (isinstance(a, int) and abs(a) > _MAX_INT):
+                raise SpecError(f"Python operator {name!r} takes numbers within 2**63, got {a!r:.60}")
+        if name == "pow" and (not isinstance(args[1], (int, float)) or abs(args[1]) > _MAX_EXPONENT):
+            raise SpecError(f"Python operator 'pow' takes an exponent of at most {_MAX_EXPONENT}")
+        out = fn(*args)
+        if isinstance(out, int) and abs(out) > _MAX_INT:
+            raise SpecError(f"Python operator {name!r} gave a number beyond 2**63")
+        return out
+
+    return checked
+
+
+def _getitem(container: Any, index: Any) -> Any:
+    """``container[index]`` for a multi-output operator's tuple and an integer index only."""
+    if not isinstance(container, (tuple, list)) or not isinstance(index, int) or isinstance(index, bool):
+        raise SpecError("Python operator 'getitem' takes a tuple of results and an integer index")
+    return container[index]
+
+
+_ARITHMETIC = {
+    "add": operator.add,
+    "sub": operator.sub,
+    "mul": operator.mul,
+    "floordiv": operator.floordiv,
+    "truediv": operator.truediv,
+    "mod": operator.mod,
+    "neg": operator.neg,
+    "pow": operator.pow,
+    "eq": operator.eq,
+    "ne": operator.ne,
+    "lt": operator.lt,
+    "le": operator.le,
+    "gt": operator.gt,
+    "ge": operator.ge,
+    "sym_max": torch.sym_max,
+    "sym_min": torch.sym_min,
+    "sym_not": torch.sym_not,
+    "sym_int": torch.sym_int,
+    "sym_float": torch.sym_float,
+}
+#: Python callables a traced program may use, by the name they travel under: arithmetic and
+#: comparisons on sizes, and taking one result of a multi-output operator.
+PYTHON_OPERATORS: dict[str, Callable[..., Any]] = {
+    "getitem": _getitem,
+    **{name: _number_operator(fn, name) for name, fn in _ARITHMETIC.items()},
+}
+#: What the tracer's graphs call, by the name it travels under (driver side).
+TRACED_PYTHON_NAMES: dict[Any, str] = {operator.getitem: "getitem", **{fn: n for n, fn in _ARITHMETIC.items()}}
+_PYTHON_ENTRY: dict[Any, Callable[..., Any]] = {torch.ops.aten.linear.default: torch.nn.functional.linear}
+_MARKERS = {
+    "layout": {"strided": torch.strided},
+    "memory_format": {
+        "contiguous_format": torch.contiguous_format,
+        "channels_last": torch.channels_last,
+        "channels_last_3d": torch.channels_last_3d,
+        "preserve_format": torch.preserve_format,
+    },
+}
+#: Values a step's arguments may hold besides references and markers.
+_PLAIN = (bool, int, float, str, type(None), torch.dtype)
+_MAX_DEPTH = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ref:
+    name: str
+
+
+class _Device:
+    """Stands for the device the layer runs on (a program traced on the driver's CPU runs on a GPU)."""
+
+
+_DEVICE = _Device()
+
+
+def resolve_operator(target: Any, where: str) -> Callable[..., Any] | None:
+    """The callable a step names (``[namespace, name, overload]`` or ``["python", name]``), or
+    ``None`` for a step to drop; `RefusedOperatorError` for anything outside the allowlist."""
+    if not (isinstance(target, list) and all(isinstance(t, str) for t in target) and len(target) in (2, 3)):
+        raise SpecError(f"{where}: malformed operator {target!r:.120}")
+    if target[0] == "python" and len(target) == 2:
+        fn = PYTHON_OPERATORS.get(target[1])
+        if fn is None:
+            raise RefusedOperatorError(f"{where}: Python operator {target[1]!r} is not allowed on a worker")
+        return fn
+    if len(target) != 3:
+        raise SpecError(f"{where}: malformed operator {target!r:.120}")
+    namespace, name, overload = target
+    shown = ".".join(target)
+    if namespace not in ALLOWED_NAMESPACES:
+        raise RefusedOperatorError(
+            f"{where}: operator {shown} is not allowed on a worker; only {', '.join(ALLOWED_NAMESPACES)} operators "
+            "are (custom operators and other namespaces are refused)"
+        )
+    if not (name.isidentifier() and overload.isidentifier()):
+        raise RefusedOperatorError(f"{where}: {shown!r} is not an operator name")
+    if name in DROPPED_OPERATORS:
+        return None
+    try:
+        packet = getattr(getattr(torch.ops, namespace), name)
+    except (AttributeError, RuntimeError):
+        raise SpecError(f"{where}: this worker's torch {torch.__version__} has no operator {shown}") from None
+    # Only attribute lookups happened so far; what they found must be an operator (``__class__``
+    # and friends are attributes too), and its overload too.
+    if not isinstance(packet, torch._ops.OpOverloadPacket):
+        raise RefusedOperatorError(f"{where}: {shown} is not an operator")
+    if overload not in packet.overloads():
+        raise SpecError(f"{where}: this worker's torch {torch.__version__} has no operator {shown}")
+    op = getattr(packet, overload)
+    if not isinstance(op, torch._ops.OpOverload):
+        raise RefusedOperatorError(f"{where}: {shown} is not an operator")
+    if not allowed_operator(op):
+        raise RefusedOperatorError(
+            f"{where}: operator {shown} is not on this worker's operator allowlist (ATen's core operators "
+            "and the composite ones traced models use, see lightning_remote_mp.model.graph.COMPOSITE_OPERATORS)"
+        )
+    if name in _ZERO_FILLED:
+        return _zero_filled(op)
+    # The same operator through its Python entry point, so that split backward (which intercepts
+    # F.linear, see worker.deferred_grads) defers traced linear layers' weight gradients too.
+    return _PYTHON_ENTRY.get(op, op)
+
+
+def allowed_operator(op: torch._ops.OpOverload) -> bool:
+    """Whether a worker runs ``op``: an ATen operator tagged core or listed in `COMPOSITE_OPERATORS`,
+    and no backward operator."""
+    namespace, _, name = op._schema.name.partition("::")
+    if namespace not in ALLOWED_NAMESPACES or name.endswith("_backward"):
+        return False
+    return name in COMPOSITE_OPERATORS or name in DROPPED_OPERATORS or _core(op.overloadpacket)
+
+
+@functools.cache
+def _core(packet: torch._ops.OpOverloadPacket) -> bool:
+    # Core is tagged per overload (arange.start_step, not arange.default); the name is what counts.
+    return any(torch.Tag.core in getattr(packet, overload).tags for overload in packet.overloads())
+
+
+def _zero_filled(op: Callable[..., Any]) -> Callable[..., Any]:
+    def zeroed(*args: Any, **kwargs: Any) -> torch.Tensor:
+        return op(*args, **kwargs).zero_()
+
+    zeroed.__wrapped_op__ = op  # type: ignore[attr-defined]  # whose schema the arguments are checked against
+    return zeroed
+
+
+def _check_devices(op: Any, args: Sequence[Any], kwargs: Mapping[str, Any], where: str) -> None:
+    """Arguments the operator's schema types as a device must be the layer's own (the marker): a
+    program does not pick the worker's GPU, nor the meta device."""
+    schema = getattr(op, "_schema", None)
+    if schema is None:
+        return
+    named = dict(zip((a.name for a in schema.arguments), args))
+    named.update(kwargs)
+    for arg in schema.arguments:
+        if "Device" in str(arg.type) and named.get(arg.name) not in (None, _DEVICE):
+            raise RefusedOperatorError(f"{where}: argument {arg.name!r} must be the layer's device marker")
+
+
+def _nothing(*args: Any, **kwargs: Any) -> None:
+    """What a dropped step (an assertion) computes."""
+
+
+def _decode_value(value: Any, known: set[str], where: str, depth: int = 0) -> Any:
+    if depth > _MAX_DEPTH:
+        raise SpecError(f"{where}: arguments nested deeper than {_MAX_DEPTH} levels")
+    if isinstance(value, _PLAIN):
+        return value
+    if isinstance(value, (list, tuple)):
+        items = [_decode_value(v, known, where, depth + 1) for v in value]
+        return tuple(items) if isinstance(value, tuple) else items
+    if isinstance(value, dict) and len(value) == 1:
+        ((tag, item),) = value.items()
+        if tag == "ref":
+            if item not in known:
+                raise SpecError(f"{where}: refers to {item!r}, which no earlier step or input defines")
+            return _Ref(item)
+        if tag == "device":
+            return _DEVICE
+        if tag in _MARKERS and item in _MARKERS[tag]:
+            return _MARKERS[tag][item]
+    raise SpecError(f"{where}: argument {value!r:.120} is not a value a program may hold")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Step:
+    name: str
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    drop: tuple[str, ...]  # values no later step or output needs
+    grad: bool | None = None  # run with autograd on or off (a torch.no_grad block), None: as called
+    autocast: tuple[bool, torch.dtype | None] | None = None  # (enabled, dtype) of an autocast block
+
+
+def _context(value: Any, where: str) -> tuple[bool | None, tuple[bool, torch.dtype | None] | None]:
+    """A step's optional context: ``{"grad": bool, "autocast": {"enabled": bool, "dtype": dtype}}``."""
+    if not isinstance(value, dict) or not set(value) <= {"grad", "autocast"}:
+        raise SpecError(f"{where}: malformed step context {value!r:.120}")
+    grad = value.get("grad")
+    if grad is not None and not isinstance(grad, bool):
+        raise SpecError(f"{where}: grad must be a bool")
+    cast = value.get("autocast")
+    if cast is None:
+        return grad, None
+    if not (
+        isinstance(cast, dict)
+        and isinstance(cast.get("enabled"), bool)
+        and (cast.get("dtype") is None or isinstance(cast.get("dtype"), torch.dtype))
+    ):
+        raise SpecError(f"{where}: autocast must be {{'enabled': bool, 'dtype': dtype or None}}")
+    return grad, (cast["enabled"], cast.get("dtype"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """A checked program: run it with `run`."""
+
+    inputs: tuple[str, ...]
+    scalar_inputs: frozenset[str]
+    tensors: dict[str, str]  # value name -> the layer's attribute holding it
+    steps: tuple[_Step, ...]
+    outputs: tuple[str, ...]
+    scalar_outputs: frozenset[str]
+
+
+def _names(value: Any, field: str, where: str) -> list[str]:
+    if not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+        raise SpecError(f"{where}: {field} must be a list of names")
+    return value
+
+
+def load_program(data: Any, where: str) -> Program:
+    """Check a program that arrived (see the module docstring) and resolve its operators."""
+    if not isinstance(data, dict):
+        raise SpecError(f"{where}: a program is a dict, got {type(data).__name__}")
+    inputs = _names(data.get("inputs"), "inputs", where)
+    tensors = data.get("tensors", {})
+    if not (isinstance(tensors, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in tensors.items())):
+        raise SpecError(f"{where}: tensors must map value names to attribute names")
+    known = set(inputs) | set(tensors)
+    if len(known) != len(inputs) + len(tensors):
+        raise SpecError(f"{where}: input and tensor names must be unique")
+    raw_steps = data.get("steps")
+    if not isinstance(raw_steps, list):
+        raise SpecError(f"{where}: steps must be a list")
+    resolved = []
+    for raw in raw_steps:
+        if not (isinstance(raw, list) and len(raw) in (4, 5) and isinstance(raw[0], str) and isinstance(raw[3], dict)):
+            raise SpecError(f"{where}: malformed step {raw!r:.120}")
+        name, target, args, kwargs = raw[:4]
+        at = f"{where}, step {name!r}"
+        context = _context(raw[4], at) if len(raw) == 5 else (None, None)
+        if name in known:
+            raise SpecError(f"{at}: the name is defined twice")
+        fn = resolve_operator(target, at)
+        if not isinstance(args, (list, tuple)) or not all(isinstance(k, str) for k in kwargs):
+            raise SpecError(f"{at}: malformed arguments")
+        decoded_args = tuple(_decode_value(a, known, at) for a in args)
+        decoded_kwargs = {k: _decode_value(v, known, at) for k, v in kwargs.items()}
+        if fn is not None:
+            _check_devices(getattr(fn, "__wrapped_op__", fn), decoded_args, decoded_kwargs, at)
+        known.add(name)
+        resolved.append((name, fn or _nothing, decoded_args, decoded_kwargs, context))
+    outputs = _names(data.get("outputs"), "outputs", where)
+    for name in outputs:
+        if name not in known:
+            raise SpecError(f"{where}: output {name!r} is not defined")
+    scalar_inputs = set(_names(data.get("scalar_inputs", []), "scalar_inputs", where))
+    scalar_outputs = set(_names(data.get("scalar_outputs", []), "scalar_outputs", where))
+    if not scalar_inputs <= set(inputs) or not scalar_outputs <= set(outputs):
+        raise SpecError(f"{where}: scalar inputs and outputs must be inputs and outputs")
+    return Program(
+        tuple(inputs),
+        frozenset(scalar_inputs),
+        dict(tensors),
+        _with_drops(resolved, outputs),
+        tuple(outputs),
+        frozenset(scalar_outputs),
+    )
+
+
+def _refs(value: Any) -> list[str]:
+    if isinstance(value, _Ref):
+        return [value.name]
+    if isinstance(value, (list, tuple)):
+        return [n for v in value for n in _refs(v)]
+    if isinstance(value, dict):
+        return [n for v in value.values() for n in _refs(v)]
+    return []
+
+
+def _with_drops(steps: Sequence[tuple[Any, ...]], outputs: Sequence[str]) -> tuple[_Step, ...]:
+    last_use: dict[str, int] = {}
+    for i, (_, _, args, kwargs, _) in enumerate(steps):
+        for name in _refs(args) + _refs(kwargs):
+            last_use[name] = i
+    keep = set(outputs)
+    drops: dict[int, list[str]] = {}
+    for name, i in last_use.items():
+        if name not in keep:
+            drops.setdefault(i, []).append(name)
+    return tuple(
+        _Step(n, fn, a, k, tuple(drops.get(i, ())), grad, cast) for i, (n, fn, a, k, (grad, cast)) in enumerate(steps)
+    )
+
+
+def _fill(value: Any, env: Mapping[str, Any], device: torch.device) -> Any:
+    if isinstance(value, _Ref):
+        return env[value.name]
+    if value is _DEVICE:
+        return device
+    if isinstance(value, list):
+        return [_fill(v, env, device) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_fill(v, env, device) for v in value)
+    return value
+
+
+def run(program: Program, inputs: Sequence[Any], tensors: Mapping[str, torch.Tensor], device: torch.device) -> tuple:
+    """Run ``program`` on ``inputs`` with its weights from ``tensors`` (by attribute name)."""
+    if len(inputs) != len(program.inputs):
+        raise SpecError(f"the program takes {len(program.inputs)} inputs, got {len(inputs)}")
+    env: dict[str, Any] = {}
+    for name, value in zip(program.inputs, inputs):
+        env[name] = value.item() if name in program.scalar_inputs and isinstance(value, torch.Tensor) else value
+    for name, attr in program.tensors.items():
+        env[name] = tensors[attr]
+    for step in program.steps:
+        args = _fill(step.args, env, device)
+        kwargs = {k: _fill(v, env, device) for k, v in step.kwargs.items()}
+        if step.grad is None and step.autocast is None:
+            env[step.name] = step.fn(*args, **kwargs)
+        else:
+            env[step.name] = _in_context(step, device, args, kwargs)
+        for name in step.drop:
+            env.pop(name, None)
+    return tuple(
+        torch.tensor(env[n], device=device) if n in program.scalar_outputs else env[n] for n in program.outputs
+    )
+
+
+def _in_context(step: _Step, device: torch.device, args: Any, kwargs: Any) -> Any:
+    grad = torch.set_grad_enabled(step.grad) if step.grad is not None else contextlib.nullcontext()
+    cast: Any = contextlib.nullcontext()
+    if step.autocast is not None:
+        enabled, dtype = step.autocast
+        cast = torch.autocast(device.type, dtype=dtype, enabled=enabled)
+    with grad, cast:
+        return step.fn(*args, **kwargs)
+
+
+def _shape(value: Any, where: str) -> tuple[int, ...]:
+    if not (isinstance(value, (list, tuple)) and all(isinstance(d, int) and d >= 0 for d in value)):
+        raise SpecError(f"{where}: malformed shape {value!r:.60}")
+    return tuple(value)
+
+
+_DTYPES = {str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
+
+
+def _dtype(value: Any, where: str) -> torch.dtype:
+    # A fixed table: ``getattr(torch, name)`` would import torch's lazy submodules (``_dynamo``).
+    if isinstance(value, torch.dtype):
+        return value
+    if isinstance(value, str) and value in _DTYPES:
+        return _DTYPES[value]
+    raise SpecError(f"{where}: {value!r:.60} is not a dtype")
+
+
+class GraphLayer(nn.Module):
+    """A piece of a traced model: runs a program (one for train mode, one for eval) on a tuple of
+    values and returns a tuple of values.
+
+    Args:
+        programs: ``{"train": program, "eval": program}`` as plain data (see the module docstring);
+            ``self.training`` picks one, so the driver's train/eval switches apply as for any layer.
+        tensors: the weights, buffers and constants the programs use, by attribute name:
+            ``{"shape": [...], "dtype": ..., "parameter": bool, "requires_grad": bool}``. They are
+            allocated empty here; the driver's values arrive as the layer's state.
+        examples: what the traced call gave each input: ``{"shape": [...], "dtype": ...}`` for a
+            tensor, ``{"scalar": value}`` for a number (a length); `example_inputs` builds inputs
+            like them, to time the layer for ``balance="time"``.
+        values: on the driver, the tensors themselves (shared with the traced module, not copied).
+    """
+
+    def __init__(
+        self,
+        programs: Mapping[str, Any],
+        tensors: Mapping[str, Mapping[str, Any]],
+        examples: Sequence[Mapping[str, Any]] = (),
+        values: Mapping[str, torch.Tensor] | None = None,
+    ) -> None:
+        super().__init__()
+        self.examples = list(examples)
+        if not isinstance(programs, Mapping) or not programs or not set(programs) <= {"train", "eval"}:
+            raise SpecError("GraphLayer: programs must map 'train' and/or 'eval' to a program")
+        self.programs = {mode: load_program(p, f"GraphLayer {mode} program") for mode, p in programs.items()}
+        if not isinstance(tensors, Mapping) or not all(isinstance(d, Mapping) for d in tensors.values()):
+            raise SpecError("GraphLayer: tensors must map attribute names to {'shape': ..., 'dtype': ...}")
+        for name, desc in tensors.items():
+            where = f"GraphLayer tensor {name!r}"
+            if not (isinstance(name, str) and name.isidentifier() and not name.startswith("_")):
+                raise SpecError(f"{where}: not a valid attribute name")
+            if values is not None:
+                t = values[name]
+            else:
+                # Zeros, not empty: the driver might send no weights (init_seed), and state taken
+                # before any arrive must not be memory this process freed.
+                t = torch.zeros(_shape(desc.get("shape"), where), dtype=_dtype(desc.get("dtype"), where))
+            if desc.get("parameter"):
+                param = (
+                    t
+                    if isinstance(t, nn.Parameter)
+                    else nn.Parameter(t, requires_grad=bool(desc.get("requires_grad", True)))
+                )
+                self.register_parameter(name, param)
+            else:
+                self.register_buffer(name, t)
+        for mode, program in self.programs.items():
+            missing = sorted(set(program.tensors.values()) - set(tensors))
+            if missing:
+                raise SpecError(f"GraphLayer {mode} program uses tensors {missing[:5]} it was not given")
+
+    def example_inputs(self, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """Inputs shaped like the traced call's (random floats, zero integers), for timing."""
+        out = []
+        for i, example in enumerate(self.examples):
+            where = f"GraphLayer example input {i}"
+            if not isinstance(example, Mapping):
+                raise SpecError(f"{where}: malformed")
+            if "scalar" in example:
+                if not isinstance(example["scalar"], (bool, int, float)):
+                    raise SpecError(f"{where}: a scalar must be a number")
+                out.append(torch.tensor(example["scalar"], device=device))
+                continue
+            shape, dtype = _shape(example.get("shape"), where), _dtype(example.get("dtype"), where)
+            if dtype.is_floating_point:
+                out.append(torch.randn(shape, dtype=dtype, device=device, requires_grad=True))
+            else:
+                out.append(torch.zeros(shape, dtype=dtype, device=device))
+        return tuple(out)
+
+    def _device(self, inputs: Sequence[Any]) -> torch.device:
+        for t in (*self._parameters.values(), *self._buffers.values(), *inputs):
+            if isinstance(t, torch.Tensor):
+                return t.device
+        return torch.device("cpu")
+
+    def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        program = self.programs.get("train" if self.training else "eval") or next(iter(self.programs.values()))
+        tensors = {**self._parameters, **self._buffers}
+        return run(program, inputs, tensors, self._device(inputs))  # type: ignore[arg-type]
+
+    def extra_repr(self) -> str:
+        steps = max(len(p.steps) for p in self.programs.values())
+        return f"{steps} steps, {len(self._parameters)} parameters, {len(self._buffers)} buffers"
