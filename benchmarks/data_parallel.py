@@ -23,8 +23,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import markdown_table, median  # noqa: E402
 
-from lightning_remote_mp.driver import DriverSession  # noqa: E402
-from lightning_remote_mp.launch import LocalWorkers  # noqa: E402
+from lightning_remote_mp.driver.launch import LocalWorkers  # noqa: E402
+from lightning_remote_mp.driver.session import DriverSession  # noqa: E402
 from lightning_remote_mp.model.spec import SpecSequential  # noqa: E402
 
 

@@ -46,8 +46,8 @@ def driver(layers: int, steps: int) -> None:
     """Runs in its own process: prints one JSON line with the peaks."""
     import torch
 
-    from lightning_remote_mp.driver import DriverSession
-    from lightning_remote_mp.launch import LocalWorkers
+    from lightning_remote_mp.driver.launch import LocalWorkers
+    from lightning_remote_mp.driver.session import DriverSession
     from lightning_remote_mp.model.spec import SpecSequential
 
     torch.set_num_threads(1)
@@ -99,8 +99,8 @@ def recompute_driver(width: int, blocks: int, batch: int, steps: int, every_conf
 
     import torch
 
-    from lightning_remote_mp.driver import DriverSession
-    from lightning_remote_mp.launch import LocalWorkers
+    from lightning_remote_mp.driver.launch import LocalWorkers
+    from lightning_remote_mp.driver.session import DriverSession
     from lightning_remote_mp.model.spec import SpecSequential
 
     torch.set_num_threads(1)

@@ -384,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.pp_rank is not None:
         return pp_rank(args.pp_rank, args.pp_store, json.loads(args.pp_config))
 
-    from lightning_remote_mp.launch import LocalWorkers
+    from lightning_remote_mp.driver.launch import LocalWorkers
 
     torch.set_num_threads(1)
     _common.exit_on_sigterm()

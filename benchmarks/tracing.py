@@ -159,7 +159,7 @@ RECORD: dict[str, Any] = {}
 def instrument() -> None:
     """Wrap ``trace.trace_module``, ``trace._export`` and ``DriverSession.place`` (in this process
     only) so that each fit records how long they took, and the traced module."""
-    from lightning_remote_mp.driver import DriverSession
+    from lightning_remote_mp.driver.session import DriverSession
     from lightning_remote_mp.model import trace
 
     def timed(fn: Any, key: str, keep: bool = False) -> Any:
@@ -401,7 +401,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from lightning_remote_mp.launch import LocalWorkers
+    from lightning_remote_mp.driver.launch import LocalWorkers
 
     torch.set_num_threads(1)
     _common.exit_on_sigterm()

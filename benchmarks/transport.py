@@ -165,7 +165,7 @@ class LrmpWorkerClient:
     name = "lrmp worker"
 
     def __init__(self, endpoint: str, numel: int) -> None:
-        from lightning_remote_mp.driver import DriverSession
+        from lightning_remote_mp.driver.session import DriverSession
         from lightning_remote_mp.model.spec import SpecSequential
 
         self.session = DriverSession([endpoint])
@@ -294,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from lightning_remote_mp.launch import LocalWorkers
+    from lightning_remote_mp.driver.launch import LocalWorkers
 
     _common.exit_on_sigterm()
 

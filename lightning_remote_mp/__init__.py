@@ -12,7 +12,7 @@ import sys
 from typing import Any
 
 from lightning_remote_mp._version import __version__
-from lightning_remote_mp.config import CurveOptions, LocalWorkerOptions
+from lightning_remote_mp.driver.options import CurveOptions, LocalWorkerOptions
 from lightning_remote_mp.errors import (
     AuthenticationError,
     ConfigurationError,

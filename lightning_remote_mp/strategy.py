@@ -24,7 +24,9 @@ from lightning.pytorch.callbacks import BaseFinetuning, ModelSummary, Stochastic
 from lightning.pytorch.strategies import SingleDeviceStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 
-from lightning_remote_mp.config import (
+from lightning_remote_mp.driver.launch import LocalWorkers
+from lightning_remote_mp.driver.optim import mirror_of
+from lightning_remote_mp.driver.options import (
     CurveOptions,
     LocalWorkerOptions,
     Topology,
@@ -37,16 +39,14 @@ from lightning_remote_mp.config import (
     check_split_backward,
     check_timeout,
 )
-from lightning_remote_mp.driver import DriverSession, allow_modules_for, checked_for_workers
+from lightning_remote_mp.driver.pipeline import check_checkpoint_mode
+from lightning_remote_mp.driver.preflight import Preflight
+from lightning_remote_mp.driver.session import DriverSession, allow_modules_for, checked_for_workers
 from lightning_remote_mp.errors import ConfigurationError, LrmpError, SpecError, TraceError
 from lightning_remote_mp.flow import SplitBackward
-from lightning_remote_mp.launch import LocalWorkers
 from lightning_remote_mp.logs import follow_lightning
 from lightning_remote_mp.model.spec import SpecSequential
 from lightning_remote_mp.model.trace import TracedForward, TracedSequential, find_modules
-from lightning_remote_mp.optim import mirror_of
-from lightning_remote_mp.pipeline import check_checkpoint_mode
-from lightning_remote_mp.preflight import Preflight
 from lightning_remote_mp.summary import RemoteModelSummary
 from lightning_remote_mp.timeline import TimelineCallback
 from lightning_remote_mp.wire import protocol

@@ -8,7 +8,7 @@ from lightning.pytorch.callbacks import ModelSummary
 from lightning.pytorch.utilities.model_summary import ModelSummary as Summary
 
 if TYPE_CHECKING:
-    from lightning_remote_mp.driver import DriverSession
+    from lightning_remote_mp.driver.session import DriverSession
 
 
 def _where(session: DriverSession | None) -> dict[str, str]:

@@ -22,7 +22,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 
-from lightning_remote_mp.pipeline import RemoteStage
+from lightning_remote_mp.driver.pipeline import RemoteStage
 from lightning_remote_mp.wire import protocol
 from lightning_remote_mp.wire.requests import Timeline
 from lightning_remote_mp.wire.transport import Connection, broadcast

@@ -39,7 +39,7 @@ import msgpack
 import torch
 import zmq
 
-from lightning_remote_mp.driver import DriverSession
+from lightning_remote_mp.driver.session import DriverSession
 from lightning_remote_mp.model.spec import SpecSequential
 from lightning_remote_mp.wire import protocol
 
@@ -526,7 +526,7 @@ def main(argv: list[str] | None = None) -> int:
     workers = None
     address = args.address
     if address is None:
-        from lightning_remote_mp.launch import LocalWorkers
+        from lightning_remote_mp.driver.launch import LocalWorkers
 
         workers = LocalWorkers(1, devices=["cpu"], threads=1, log_level="ERROR")
         address = workers.start()[0]

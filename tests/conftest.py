@@ -16,7 +16,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))  # the workers import lrmp_testlayers from here too
 
-from lightning_remote_mp.launch import LocalWorkers  # noqa: E402
+from lightning_remote_mp.driver.launch import LocalWorkers  # noqa: E402
 from lightning_remote_mp.worker.deferred_grads import MIN_MACS_ENV  # noqa: E402
 
 torch.set_num_threads(1)

@@ -293,7 +293,7 @@ def _in_process_pipeline_equals_local(device: str, make_io) -> None:
     for their copies, and forward and backward equal a local run."""
     import copy as copying
 
-    from lightning_remote_mp.driver import DriverSession
+    from lightning_remote_mp.driver.session import DriverSession
 
     servers = [WorkerServer("tcp://127.0.0.1:*", device=device) for _ in range(2)]
     threads = [threading.Thread(target=s.serve_forever, daemon=True) for s in servers]

@@ -65,7 +65,7 @@ def test_the_users_own_input_raises_lrmp_errors():
         protocol.Limits(max_frames=0)
     with pytest.raises(ValueError):  # still a ValueError for code that catches those
         protocol.Limits(max_layers=-1)
-    from lightning_remote_mp.driver import DriverSession
+    from lightning_remote_mp.driver.session import DriverSession
     from lightning_remote_mp.worker.server import WorkerServer
 
     with pytest.raises(ConfigurationError, match="CURVE needs both"):
@@ -75,8 +75,8 @@ def test_the_users_own_input_raises_lrmp_errors():
 
 
 def test_a_remote_module_called_with_a_non_tensor_raises_a_type_error():
+    from lightning_remote_mp.driver.pipeline import RemoteSpec, RemoteStage
     from lightning_remote_mp.model.partition import Stage
-    from lightning_remote_mp.pipeline import RemoteSpec, RemoteStage
 
     conn = Connection(ADDRESS, stage=0)
     try:

@@ -29,8 +29,8 @@ from lrmp_relay import Relay, wait_for
 from test_strategy import Net, assert_same_weights, data, residual_spec, trainer
 
 from lightning_remote_mp import RemoteModelParallelStrategy, WorkerError, WorkerLostError
-from lightning_remote_mp.driver import DriverSession
-from lightning_remote_mp.launch import LocalWorkers
+from lightning_remote_mp.driver.launch import LocalWorkers
+from lightning_remote_mp.driver.session import DriverSession
 from lightning_remote_mp.model.spec import SpecSequential
 from lightning_remote_mp.wire import protocol
 
@@ -329,7 +329,7 @@ def _end(driver: subprocess.Popen) -> None:
 
 DRIVER_SCRIPT = """
 import sys, time, torch
-from lightning_remote_mp.driver import DriverSession
+from lightning_remote_mp.driver.session import DriverSession
 from lightning_remote_mp.model.spec import SpecSequential
 session = DriverSession(sys.stdin.readline().split(), connect_timeout=30)
 net = SpecSequential([("torch.nn.Linear", {"in_features": 3, "out_features": 3}, (2, 3))] * 2)
@@ -547,7 +547,7 @@ def test_a_killed_driver_frees_its_workers_at_once(start_workers, tmp_path):
     ready = tmp_path / "placed"
     program = (
         "import sys, time, torch\n"
-        "from lightning_remote_mp.driver import DriverSession\n"
+        "from lightning_remote_mp.driver.session import DriverSession\n"
         "from lightning_remote_mp.model.spec import SpecSequential\n"
         "s = DriverSession(sys.stdin.readline().split())\n"
         "net = SpecSequential([('torch.nn.Linear', {'in_features': 4, 'out_features': 4}, (2, 4))] * 2)\n"

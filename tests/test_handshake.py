@@ -18,7 +18,7 @@ import torch
 import zmq
 
 from lightning_remote_mp import ProtocolVersionError, __version__
-from lightning_remote_mp.driver import DriverSession
+from lightning_remote_mp.driver.session import DriverSession
 from lightning_remote_mp.wire import protocol
 
 pytestmark = pytest.mark.timeout(120)

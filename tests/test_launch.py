@@ -1,4 +1,4 @@
-"""Local workers (`lightning_remote_mp.launch`): their output reaches the driver's stderr without
+"""Local workers (`lightning_remote_mp.driver.launch`): their output reaches the driver's stderr without
 ever blocking them, and `LocalWorkers.stop` is quick.
 
 Measured on a 2-core machine: stop() after a clean session took 10.0 s before (SIGTERM reached a
@@ -15,8 +15,8 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from lightning_remote_mp.driver import DriverSession
-from lightning_remote_mp.launch import LocalWorkers
+from lightning_remote_mp.driver.launch import LocalWorkers
+from lightning_remote_mp.driver.session import DriverSession
 from lightning_remote_mp.model.spec import SpecSequential
 
 pytestmark = pytest.mark.timeout(120)

@@ -15,8 +15,8 @@ import torch
 import zmq
 
 from lightning_remote_mp import ProtocolError, SpecError
-from lightning_remote_mp.driver import DriverSession
-from lightning_remote_mp.launch import LocalWorkers
+from lightning_remote_mp.driver.launch import LocalWorkers
+from lightning_remote_mp.driver.session import DriverSession
 from lightning_remote_mp.model.spec import SpecSequential
 from lightning_remote_mp.wire import protocol
 from lightning_remote_mp.wire.protocol import LimitExceeded

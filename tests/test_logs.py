@@ -80,7 +80,7 @@ FIT = """
 LEVELS = """
     import logging
 
-    log = logging.getLogger("lightning_remote_mp.driver")
+    log = logging.getLogger("lightning_remote_mp.driver.session")
     log.info("shown: info by default")
     log.warning("shown: a warning")
     log.debug("hidden: debug by default")

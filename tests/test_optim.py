@@ -11,7 +11,7 @@ import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
 
 from lightning_remote_mp import LrmpError, SpecSequential
-from lightning_remote_mp.driver import DriverSession
+from lightning_remote_mp.driver.session import DriverSession
 
 WIDTH = 8
 SPEC = [("torch.nn.Linear", {"in_features": WIDTH, "out_features": WIDTH, "bias": False}, (4, WIDTH))] * 2 + [

@@ -20,8 +20,8 @@ from lightning_remote_mp import (
     SpecSequential,
     WorkerError,
 )
-from lightning_remote_mp.driver import DriverSession
-from lightning_remote_mp.preflight import preflight
+from lightning_remote_mp.driver.preflight import preflight
+from lightning_remote_mp.driver.session import DriverSession
 
 # Nothing listens here: a check that contacted the workers would fail with a connection error instead.
 NOWHERE = ["tcp://127.0.0.1:9", "tcp://127.0.0.1:10"]

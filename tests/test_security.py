@@ -41,8 +41,8 @@ from lightning_remote_mp import (
     LrmpError,
     RemoteModelParallelStrategy,
 )
-from lightning_remote_mp.driver import DriverSession
-from lightning_remote_mp.launch import LocalWorkers
+from lightning_remote_mp.driver.launch import LocalWorkers
+from lightning_remote_mp.driver.session import DriverSession
 from lightning_remote_mp.model.spec import SpecSequential
 from lightning_remote_mp.wire import protocol
 from lightning_remote_mp.wire.keys import KeyPair, load_keypair, load_public_key

@@ -24,7 +24,7 @@ from lightning_remote_mp import (
     WorkerError,
     WorkerLostError,
 )
-from lightning_remote_mp.driver import DriverSession
+from lightning_remote_mp.driver.session import DriverSession
 from lightning_remote_mp.errors import LrmpError
 from lightning_remote_mp.layers import WrappedLinear
 from lightning_remote_mp.worker.deferred_grads import MIN_MACS_ENV

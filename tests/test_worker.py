@@ -28,9 +28,9 @@ import zmq
 from test_strategy import assert_same_forward_and_backward
 
 from lightning_remote_mp import __version__
-from lightning_remote_mp.driver import DriverSession
+from lightning_remote_mp.driver.launch import WorkerOutput
+from lightning_remote_mp.driver.session import DriverSession
 from lightning_remote_mp.errors import WorkerError
-from lightning_remote_mp.launch import WorkerOutput
 from lightning_remote_mp.model.spec import SpecSequential
 from lightning_remote_mp.wire import protocol
 

@@ -664,7 +664,7 @@ class SpecSequential(nn.Module):
     # --- the remote life cycle (the driver session calls these) --------------------------------------
     @property
     def remote(self) -> Any:
-        """What runs the layers while they live on workers (a `lightning_remote_mp.pipeline.RemoteSpec`),
+        """What runs the layers while they live on workers (a `lightning_remote_mp.driver.pipeline.RemoteSpec`),
         else ``None``."""
         return self._remote
 

@@ -2,7 +2,7 @@
 move weights back and forth, and close. No Lightning here: the strategy is a thin layer on top.
 
 >>> import torch
->>> from lightning_remote_mp.launch import LocalWorkers
+>>> from lightning_remote_mp.driver.launch import LocalWorkers
 >>> from lightning_remote_mp.model.spec import SpecSequential
 >>> workers = LocalWorkers(2, threads=1)
 >>> net = SpecSequential([("torch.nn.Linear", {"in_features": 4, "out_features": 4}, (1, 4))] * 2)
@@ -30,7 +30,10 @@ from typing import Any
 import torch
 
 from lightning_remote_mp._version import __version__
-from lightning_remote_mp.config import Topology, check_split_backward
+from lightning_remote_mp.driver.optim import OptimizerMirror
+from lightning_remote_mp.driver.options import Topology, check_split_backward
+from lightning_remote_mp.driver.pipeline import RemoteSpec, RemoteStage, check_checkpoint_mode
+from lightning_remote_mp.driver.preflight import Preflight, preflight
 from lightning_remote_mp.errors import (
     ConfigurationError,
     LrmpError,
@@ -49,9 +52,6 @@ from lightning_remote_mp.model.spec import (
     source_digest,
     user_code_modules,
 )
-from lightning_remote_mp.optim import OptimizerMirror
-from lightning_remote_mp.pipeline import RemoteSpec, RemoteStage, check_checkpoint_mode
-from lightning_remote_mp.preflight import Preflight, preflight
 from lightning_remote_mp.wire import protocol
 from lightning_remote_mp.wire.keys import KeyPair
 from lightning_remote_mp.wire.requests import GetState, GroupInit, Hello, LoadState, Profile, Setup

@@ -1,0 +1,12 @@
+"""The driver: the process that holds the user's training loop and drives the workers.
+
+- `options`: the strategy's configuration as typed values, checked when built;
+- `launch`: local ``lrmp-worker`` processes (the zero-config default);
+- `preflight`: what is checked of a spec before any worker is contacted;
+- `session`: the session with the workers: connect, place, move weights, close;
+- `pipeline`: the autograd front end that runs a placed module's micro-batches through its stages;
+- `optim`: the optimizer mirror that steps the workers' share of the parameters.
+
+No Lightning here: `lightning_remote_mp.lightning` is a thin layer on top. The driver never imports
+the worker's modules; it starts workers as processes and talks to them over `lightning_remote_mp.wire`.
+"""
