@@ -60,7 +60,7 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name == "RemoteModelParallelStrategy":
-        from lightning_remote_mp.strategy import RemoteModelParallelStrategy
+        from lightning_remote_mp.lightning.strategy import RemoteModelParallelStrategy
 
         return RemoteModelParallelStrategy
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -96,9 +96,9 @@ class _RegisteringLoader(importlib.abc.Loader):
     def exec_module(self, module: Any) -> None:
         self.loader.exec_module(module)  # type: ignore[attr-defined]
         # The strategy module registers itself when it finishes; it may be what imports Lightning now.
-        if module.__name__ == "lightning.pytorch" and "lightning_remote_mp.strategy" not in sys.modules:
+        if module.__name__ == "lightning.pytorch" and "lightning_remote_mp.lightning.strategy" not in sys.modules:
             try:
-                from lightning_remote_mp.strategy import RemoteModelParallelStrategy  # noqa: F401  (registers it)
+                from lightning_remote_mp.lightning.strategy import RemoteModelParallelStrategy  # noqa: F401  (registers it)
             except Exception as err:  # never break `import lightning` itself
                 import warnings
 
@@ -111,6 +111,6 @@ class _RegisteringLoader(importlib.abc.Loader):
 
 if any(name in sys.modules for name in _LIGHTNING):
     # A program that already uses Lightning gets the strategy registered right away.
-    from lightning_remote_mp.strategy import RemoteModelParallelStrategy  # noqa: F401
+    from lightning_remote_mp.lightning.strategy import RemoteModelParallelStrategy  # noqa: F401
 elif not any(isinstance(f, _RegisterWithLightning) for f in sys.meta_path):
     sys.meta_path.insert(0, _RegisterWithLightning())

@@ -104,7 +104,7 @@ def test_worker_page_documents_every_flag():
 
 
 def test_features_page_lists_every_refused_callback():
-    from lightning_remote_mp.strategy import _REFUSED_CALLBACKS
+    from lightning_remote_mp.lightning.strategy import _REFUSED_CALLBACKS
 
     page = read("features.md")
     refused = page[page.index("## Refused at setup") :]

@@ -363,7 +363,7 @@ def test_configuration_errors_are_raised_at_construction_naming_the_argument(arg
 
 def test_construction_reads_no_file_and_a_missing_key_is_named_at_setup(monkeypatch):
     started = []
-    monkeypatch.setattr("lightning_remote_mp.strategy.LocalWorkers", lambda *a, **k: started.append(a))
+    monkeypatch.setattr("lightning_remote_mp.lightning.strategy.LocalWorkers", lambda *a, **k: started.append(a))
     missing = "/nonexistent/driver.key_secret"
     strategy = RemoteModelParallelStrategy(curve=CurveOptions(secret_key=missing))  # no error: nothing read yet
     assert strategy.curve.secret_key == missing and strategy._keys is None

@@ -44,11 +44,11 @@ from lightning_remote_mp.driver.preflight import Preflight
 from lightning_remote_mp.driver.session import DriverSession, allow_modules_for, checked_for_workers
 from lightning_remote_mp.errors import ConfigurationError, LrmpError, SpecError, TraceError
 from lightning_remote_mp.flow import SplitBackward
+from lightning_remote_mp.lightning.summary import RemoteModelSummary
+from lightning_remote_mp.lightning.timeline import TimelineCallback
 from lightning_remote_mp.logs import follow_lightning
 from lightning_remote_mp.model.spec import SpecSequential
 from lightning_remote_mp.model.trace import TracedForward, TracedSequential, find_modules
-from lightning_remote_mp.summary import RemoteModelSummary
-from lightning_remote_mp.timeline import TimelineCallback
 from lightning_remote_mp.wire import protocol
 from lightning_remote_mp.wire.keys import KeyPair, generate_keypair, load_keypair, load_public_key, write_public_key
 from lightning_remote_mp.wire.transport import DEFAULT_CALL_TIMEOUT, DEFAULT_CONNECT_TIMEOUT, DEFAULT_HEARTBEAT_TIMEOUT
