@@ -127,9 +127,8 @@ def test_grads_arrive_as_the_operation_their_op_names():
 
 
 def test_every_request_kind_has_one_typed_definition():
-    # PING and BYE carry no body; FORWARD and BACKWARD are `messages`' Forward and Backward.
-    others = {protocol.PING, protocol.BYE, protocol.FORWARD, protocol.BACKWARD}
-    assert set(REQUESTS) == protocol.REQUEST_KINDS - others
+    # One table, every kind a worker accepts: FORWARD and BACKWARD are `messages`' Forward and Backward.
+    assert set(REQUESTS) == protocol.REQUEST_KINDS
     assert all(cls.KIND == kind for kind, cls in REQUESTS.items())
 
 

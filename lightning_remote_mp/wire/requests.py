@@ -6,9 +6,11 @@ every other request, which only the driver sends: placing a stage (`Setup`), mov
 (`GetState`, `LoadState`), the optimizer mirror (`OptimCreate`, `OptimStep`, `ZeroGrad`,
 `GetOptimState`, `LoadOptimState`, and the `Grads` operations), and the rest (`Release`,
 `Profile`, `Timeline`, `GroupInit`), and the session's first request, `Hello`. Each is built by the
-driver, becomes a body with ``body()``, and is checked once on the worker by ``from_body``: a
-malformed body raises `lightning_remote_mp.errors.ProtocolError` naming the kind and the field
-(except `Hello`'s, read leniently: see there). Only the shape is
+driver, becomes a body with ``body()``, and is checked once on the worker by ``from_body``, both
+made from the fields each declares (`lightning_remote_mp.wire.fields`): a malformed body raises
+`lightning_remote_mp.errors.ProtocolError` naming the kind and the field (except `Hello`'s, read
+leniently: see there). `REQUESTS` maps every kind a worker accepts to its class, the pipeline's
+two included: the worker parses what arrives there, and nowhere else. Only the shape is
 checked here; what the fields mean (a layer entry, a class path, a weight's shape) is checked by
 the code that uses them (`lightning_remote_mp.model.spec.normalize_entry`, the stage, the optimizer).
 
@@ -25,114 +27,89 @@ lightning_remote_mp.errors.ProtocolError: optim_step message: field 'hparams' mu
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, ClassVar, Literal, TypeVar, get_args
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar, Literal, get_args
 
 import torch
 
-from lightning_remote_mp.errors import ProtocolError
 from lightning_remote_mp.flow import Routes, SplitBackward, is_split_backward
 from lightning_remote_mp.wire import protocol
+from lightning_remote_mp.wire.fields import (
+    BOOL,
+    INT,
+    LIST,
+    STR,
+    TENSOR,
+    Body,
+    anything,
+    as_dict,
+    as_dict_of_dicts,
+    as_list_of_dicts,
+    choice,
+    field,
+    is_int,
+    is_str,
+    is_str_keyed,
+    is_tensor,
+    lenient,
+    list_of,
+    map_of,
+    number,
+    refuse,
+)
 from lightning_remote_mp.wire.keys import is_z85_key
-from lightning_remote_mp.wire.messages import _dict_body, _field
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_str(value: Any) -> bool:
-    return isinstance(value, str)
-
-
-def _is_tensor(value: Any) -> bool:
-    return isinstance(value, torch.Tensor)
-
-
-def _is_anything(value: Any) -> bool:
-    return True
-
-
-def _is_call_list(value: Any) -> bool:
-    return isinstance(value, list) and all(map(_is_int, value))
-
-
-def _is_str_keyed(value: Any) -> bool:
-    return isinstance(value, dict) and all(isinstance(k, str) for k in value)
+from lightning_remote_mp.wire.messages import Backward, Forward
 
 
 def _is_tensor_map(value: Any) -> bool:
-    return isinstance(value, dict) and all(isinstance(k, str) and _is_tensor(v) for k, v in value.items())
+    return isinstance(value, dict) and all(isinstance(k, str) and is_tensor(v) for k, v in value.items())
 
 
-def _list_of(
-    what: str, body: dict[str, Any], name: str, check: Callable[[Any], bool], means: str, default: Any = ...
-) -> Any:
-    """A list field whose every item passes ``check`` (``means`` says what they must be)."""
-    value = _field(what, body, name, list, default)
-    for i, item in enumerate(value):
-        if not check(item):
-            raise ProtocolError(f"{what} message: field {name!r} must be a list of {means}; item {i} is not")
-    return value
+def _is_z85(value: Any) -> bool:
+    return isinstance(value, str) and is_z85_key(value)
 
 
-def _mapping(
-    what: str,
-    body: dict[str, Any],
-    name: str,
-    key: Callable[[Any], bool],
-    value: Callable[[Any], bool],
-    means: str,
-    default: Any = ...,
-) -> Any:
-    """A dict field whose every entry passes ``key`` and ``value`` (``means``: "keys to values")."""
-    got = _field(what, body, name, dict, default)
-    for k, v in (got or {}).items():
-        if not (key(k) and value(v)):
-            raise ProtocolError(f"{what} message: field {name!r} must map {means}; entry {k!r:.40} does not")
-    return got
-
-
-def _number(what: str, body: dict[str, Any], name: str) -> float:
-    value = _field(what, body, name, (int, float))
-    if isinstance(value, bool):
-        raise ProtocolError(f"{what} message: field {name!r} must be a number, got bool")
-    return float(value)
-
-
-def _choice(what: str, body: dict[str, Any], name: str, choices: Sequence[str]) -> Any:
-    value = _field(what, body, name, str)
-    if value not in choices:
-        raise ProtocolError(
-            f"{what} message: field {name!r} must be one of {', '.join(map(repr, choices))}, got {value!r:.40}"
-        )
-    return value
-
-
-def _index(what: str, body: Any) -> int:
-    """The optimizer index every optimizer request starts with (the driver's optimizer position)."""
-    return _field(what, _dict_body(what, body), "index", int)
+_INDEX = field(INT)  # the optimizer's position among the driver's optimizers, first in every optimizer request
 
 
 # --- stages ---------------------------------------------------------------------------------
 
 
-def _routes(what: str, body: dict[str, Any], name: str) -> Routes:
-    def is_route(item: Any) -> bool:
-        return (
-            isinstance(item, list)
-            and len(item) == 2
-            and _is_int(item[0])
-            and isinstance(item[1], list)
-            and all(map(_is_str, item[1]))
-        )
+def _is_route(item: Any) -> bool:
+    return (
+        isinstance(item, list)
+        and len(item) == 2
+        and is_int(item[0])
+        and isinstance(item[1], list)
+        and all(map(is_str, item[1]))
+    )
 
-    value = _list_of(what, body, name, is_route, "[stage, [variable names]] pairs")
-    return tuple((stage, tuple(names)) for stage, names in value)
+
+def _routes() -> Any:
+    """A stage's routes: ``[[stage, [variable names]], ...]`` on the wire, `Routes` here."""
+    return field(
+        list_of(_is_route, "[stage, [variable names]] pairs", read=lambda v: tuple((s, tuple(n)) for s, n in v)),
+        write=lambda routes: [[k, list(v)] for k, v in routes],
+    )
+
+
+def _split_backward(kind: str, name: str, value: Any) -> SplitBackward:
+    if not is_split_backward(value):
+        raise refuse(kind, f"field {name!r} must be a bool or 'auto', got {value!r:.40}")
+    return value
+
+
+def _seed(kind: str, name: str, value: Any) -> int:
+    if not 0 <= INT(kind, name, value) < 2**63:
+        raise refuse(kind, f"field {name!r} must be in [0, 2**63), got {value}")
+    return value
+
+
+_PEER_KEYS = "stages in 'peers' to 40-character Z85 keys"
 
 
 @dataclasses.dataclass(frozen=True)
-class Setup:
+class Setup(Body):
     """SETUP: build one stage of a SpecSequential on the worker, wire it to its peers, and give it
     its weights (``state``) or the seed to initialise them (``init_seed``).
 
@@ -154,147 +131,65 @@ class Setup:
 
     KIND: ClassVar[str] = protocol.SETUP
 
-    key: str
-    stage: int
-    start: int
-    entries: Sequence[Any]
-    exports: Sequence[str]
-    sources: Routes
-    targets: Routes
-    peers: Mapping[int, str]
-    peer_keys: Mapping[int, str] = dataclasses.field(default_factory=dict)
-    state: Mapping[str, torch.Tensor] | None = None
-    init_seed: int | None = None
-    split_backward: SplitBackward = False
-    code_digests: Mapping[str, str] = dataclasses.field(default_factory=dict)
-    seed: int | None = None
-    frozen: Sequence[str] = ()
-
-    def body(self) -> dict[str, Any]:
-        """The message body, as `protocol.encode` sends it."""
-        return {
-            "key": self.key,
-            "stage": self.stage,
-            "start": self.start,
-            "entries": list(self.entries),
-            "exports": list(self.exports),
-            "sources": [[k, list(v)] for k, v in self.sources],
-            "targets": [[k, list(v)] for k, v in self.targets],
-            "peers": dict(self.peers),
-            "peer_keys": dict(self.peer_keys),
-            "state": None if self.state is None else dict(self.state),
-            "init_seed": self.init_seed,
-            "split_backward": self.split_backward,
-            "code_digests": dict(self.code_digests),
-            "seed": self.seed,
-            "frozen": list(self.frozen),
-        }
+    key: str = field(STR)
+    stage: int = field(INT)
+    start: int = field(INT)
+    entries: Sequence[Any] = field(LIST, write=list)
+    exports: Sequence[str] = field(list_of(is_str, "variable names"), write=list)
+    sources: Routes = _routes()
+    targets: Routes = _routes()
+    peers: Mapping[int, str] = field(map_of(is_int, is_str, "stage numbers to addresses"), write=dict)
+    peer_keys: Mapping[int, str] = field(map_of(is_int, _is_z85, _PEER_KEYS), default_factory=dict, write=dict)
+    state: Mapping[str, torch.Tensor] | None = field(
+        map_of(is_str, is_tensor, "names to tensors"), default=None, write=as_dict
+    )
+    init_seed: int | None = field(INT, default=None)
+    split_backward: SplitBackward = field(_split_backward, default=False)
+    code_digests: Mapping[str, str] = field(
+        map_of(is_str, is_str, "module names to digests"), default_factory=dict, write=dict
+    )
+    seed: int | None = field(_seed, default=None)
+    frozen: Sequence[str] = field(list_of(is_str, "parameter names"), default_factory=list, write=list)
 
     @classmethod
-    def from_body(cls, body: Any) -> Setup:
-        """A received body, checked; raises `ProtocolError` if it is malformed."""
-        what = cls.KIND
-        body = _dict_body(what, body)
-        key = _field(what, body, "key", str)
-        stage = _field(what, body, "stage", int)
-        start = _field(what, body, "start", int)
-        entries = _field(what, body, "entries", list)
-        exports = _list_of(what, body, "exports", _is_str, "variable names")
-        sources = _routes(what, body, "sources")
-        targets = _routes(what, body, "targets")
-        peers = _mapping(what, body, "peers", _is_int, _is_str, "stage numbers to addresses")
-        peer_keys = _mapping(
-            what, body, "peer_keys", peers.__contains__, _is_z85, "stages in 'peers' to 40-character Z85 keys", {}
-        )
-        state = _mapping(what, body, "state", _is_str, _is_tensor, "names to tensors", None)
-        init_seed = _field(what, body, "init_seed", int, None)
-        if state is None and init_seed is None:
-            raise ProtocolError(f"{what} message: needs the stage's 'state' or an 'init_seed'")
-        seed = _field(what, body, "seed", int, None)
-        if seed is not None and not 0 <= seed < 2**63:
-            raise ProtocolError(f"{what} message: field 'seed' must be in [0, 2**63), got {seed}")
-        return cls(
-            key=key,
-            stage=stage,
-            start=start,
-            entries=entries,
-            exports=exports,
-            sources=sources,
-            targets=targets,
-            peers=peers,
-            peer_keys=peer_keys,
-            state=state,
-            init_seed=init_seed,
-            split_backward=_split_backward(what, body),
-            code_digests=_mapping(what, body, "code_digests", _is_str, _is_str, "module names to digests", {}),
-            seed=seed,
-            frozen=_list_of(what, body, "frozen", _is_str, "parameter names", []),
-        )
+    def _check(cls, values: dict[str, Any]) -> None:
+        strangers = [k for k in values["peer_keys"] if k not in values["peers"]]
+        if strangers:
+            raise refuse(cls.KIND, f"field 'peer_keys' must map {_PEER_KEYS}; entry {strangers[0]!r:.40} does not")
+        if values["state"] is None and values["init_seed"] is None:
+            raise refuse(cls.KIND, "needs the stage's 'state' or an 'init_seed'")
 
 
-def _split_backward(what: str, body: dict[str, Any]) -> SplitBackward:
-    value = body.get("split_backward")
-    if value is None:
-        return False
-    if not is_split_backward(value):
-        raise ProtocolError(f"{what} message: field 'split_backward' must be a bool or 'auto', got {value!r:.40}")
-    return value
+def _is_call_list(value: Any) -> bool:
+    return isinstance(value, list) and all(map(is_int, value))
 
 
-def _is_z85(value: Any) -> bool:
-    return isinstance(value, str) and is_z85_key(value)
+def _lists(value: Mapping[str, Sequence[int]]) -> dict[str, list[int]]:
+    return {k: list(v) for k, v in value.items()}
 
 
 @dataclasses.dataclass(frozen=True)
-class Release:
+class Release(Body):
     """RELEASE: forget what the stages hold for these forward calls (the driver is done with them, or
     gave up on them). ``calls``: the calls, by SpecSequential key."""
 
     KIND: ClassVar[str] = protocol.RELEASE
 
-    calls: Mapping[str, Sequence[int]]
-
-    def body(self) -> dict[str, Any]:
-        """The message body, as `protocol.encode` sends it."""
-        return {"calls": {k: list(v) for k, v in self.calls.items()}}
-
-    @classmethod
-    def from_body(cls, body: Any) -> Release:
-        """A received body, checked; raises `ProtocolError` if it is malformed."""
-        what = cls.KIND
-        return cls(_mapping(what, _dict_body(what, body), "calls", _is_str, _is_call_list, "keys to lists of calls"))
-
-
-_Bodiless = TypeVar("_Bodiless", bound="_NoBody")
-
-
-class _NoBody:
-    """A request that carries nothing: its body is ``None`` (a dict is accepted and ignored; anything
-    else is malformed)."""
-
-    KIND: ClassVar[str]
-
-    def body(self) -> dict[str, Any] | None:
-        """The message body, as `protocol.encode` sends it: none (typed as the others' for callers)."""
-        return None
-
-    @classmethod
-    def from_body(cls: type[_Bodiless], body: Any) -> _Bodiless:
-        """A received body, checked; raises `ProtocolError` if it is malformed."""
-        if body is not None:
-            _dict_body(cls.KIND, body)
-        return cls()
+    calls: Mapping[str, Sequence[int]] = field(
+        map_of(is_str, _is_call_list, "keys to lists of calls"),
+        write=lambda calls: {k: list(v) for k, v in calls.items()},
+    )
 
 
 @dataclasses.dataclass(frozen=True)
-class GetState(_NoBody):
+class GetState(Body):
     """GET_STATE: the weights and buffers of every stage on the worker. It carries nothing."""
 
     KIND: ClassVar[str] = protocol.GET_STATE
 
 
 @dataclasses.dataclass(frozen=True)
-class Sync(_NoBody):
+class Sync(Body):
     """SYNC: answered once every request sent before it has run, those answered only when they fail
     (`protocol.QUIET_KINDS`) included. It carries nothing."""
 
@@ -302,56 +197,37 @@ class Sync(_NoBody):
 
 
 @dataclasses.dataclass(frozen=True)
-class LoadState:
+class LoadState(Body):
     """LOAD_STATE: copy weights and buffers into stages. ``state``: by SpecSequential key, tensors
     named ``"<layer index>.<name>"``."""
 
     KIND: ClassVar[str] = protocol.LOAD_STATE
 
-    state: Mapping[str, Mapping[str, torch.Tensor]]
-
-    def body(self) -> dict[str, Any]:
-        """The message body, as `protocol.encode` sends it."""
-        return {"state": {k: dict(v) for k, v in self.state.items()}}
-
-    @classmethod
-    def from_body(cls, body: Any) -> LoadState:
-        """A received body, checked; raises `ProtocolError` if it is malformed."""
-        what = cls.KIND
-        body = _dict_body(what, body)
-        return cls(_mapping(what, body, "state", _is_str, _is_tensor_map, "keys to {name: tensor} dicts"))
+    state: Mapping[str, Mapping[str, torch.Tensor]] = field(
+        map_of(is_str, _is_tensor_map, "keys to {name: tensor} dicts"), write=as_dict_of_dicts
+    )
 
 
 @dataclasses.dataclass(frozen=True)
-class Profile:
+class Profile(Body):
     """PROFILE: time the forward plus backward of each layer of ``entries`` on the worker's device
     (``balance="time"``). ``repeats``: runs per layer (1 to 50), ``None`` for the worker's default."""
 
     KIND: ClassVar[str] = protocol.PROFILE
 
-    entries: Sequence[Any]
-    repeats: int | None = None
-
-    def body(self) -> dict[str, Any]:
-        """The message body, as `protocol.encode` sends it."""
-        body: dict[str, Any] = {"entries": list(self.entries)}
-        if self.repeats is not None:
-            body["repeats"] = self.repeats
-        return body
-
-    @classmethod
-    def from_body(cls, body: Any) -> Profile:
-        """A received body, checked; raises `ProtocolError` if it is malformed."""
-        what = cls.KIND
-        body = _dict_body(what, body)
-        return cls(_field(what, body, "entries", list), _field(what, body, "repeats", int, None))
+    entries: Sequence[Any] = field(LIST, write=list)
+    repeats: int | None = field(INT, default=None, omit_none=True)
 
 
 # --- the optimizer mirror -------------------------------------------------------------------
 
 
+def _is_group(value: Any) -> bool:
+    return is_str_keyed(value) and isinstance(value.get("params"), list) and all(map(is_str, value["params"]))
+
+
 @dataclasses.dataclass(frozen=True)
-class OptimCreate:
+class OptimCreate(Body):
     """OPTIM_CREATE: build the driver's optimizer ``index`` over the parameters this worker holds.
 
     Attributes:
@@ -364,208 +240,119 @@ class OptimCreate:
 
     KIND: ClassVar[str] = protocol.OPTIM_CREATE
 
-    index: int
-    class_path: str
-    defaults: Mapping[str, Any]
-    groups: Sequence[Mapping[str, Any]]
-
-    def body(self) -> dict[str, Any]:
-        """The message body, as `protocol.encode` sends it."""
-        return {
-            "index": self.index,
-            "cls": self.class_path,
-            "defaults": dict(self.defaults),
-            "groups": [dict(g) for g in self.groups],
-        }
-
-    @classmethod
-    def from_body(cls, body: Any) -> OptimCreate:
-        """A received body, checked; raises `ProtocolError` if it is malformed."""
-        what = cls.KIND
-        index = _index(what, body)
-        path = _field(what, body, "cls", str)
-        defaults = _mapping(what, body, "defaults", _is_str, _is_anything, "hyperparameter names to values")
-
-        def is_group(g: Any) -> bool:
-            return _is_str_keyed(g) and isinstance(g.get("params"), list) and all(map(_is_str, g["params"]))
-
-        groups = _list_of(what, body, "groups", is_group, "hyperparameter dicts with a 'params' list of names")
-        return cls(index, path, defaults, groups)
+    index: int = _INDEX
+    class_path: str = field(STR, wire="cls")
+    defaults: Mapping[str, Any] = field(map_of(is_str, anything, "hyperparameter names to values"), write=dict)
+    groups: Sequence[Mapping[str, Any]] = field(
+        list_of(_is_group, "hyperparameter dicts with a 'params' list of names"), write=as_list_of_dicts
+    )
 
 
 @dataclasses.dataclass(frozen=True)
-class OptimStep:
+class OptimStep(Body):
     """OPTIM_STEP: step optimizer ``index``, first setting each group's ``hparams`` (the driver's,
     as schedulers left them; one dict per group, without ``"params"``)."""
 
     KIND: ClassVar[str] = protocol.OPTIM_STEP
 
-    index: int
-    hparams: Sequence[Mapping[str, Any]]
-
-    def body(self) -> dict[str, Any]:
-        """The message body, as `protocol.encode` sends it."""
-        return {"index": self.index, "hparams": [dict(h) for h in self.hparams]}
-
-    @classmethod
-    def from_body(cls, body: Any) -> OptimStep:
-        """A received body, checked; raises `ProtocolError` if it is malformed."""
-        what = cls.KIND
-        index = _index(what, body)
-        return cls(index, _list_of(what, body, "hparams", _is_str_keyed, "hyperparameter dicts"))
+    index: int = _INDEX
+    hparams: Sequence[Mapping[str, Any]] = field(list_of(is_str_keyed, "hyperparameter dicts"), write=as_list_of_dicts)
 
 
 @dataclasses.dataclass(frozen=True)
-class ZeroGrad:
+class ZeroGrad(Body):
     """ZERO_GRAD: zero (or, with ``set_to_none``, drop) the gradients of optimizer ``index``'s parameters."""
 
     KIND: ClassVar[str] = protocol.ZERO_GRAD
 
-    index: int
-    set_to_none: bool = True
-
-    def body(self) -> dict[str, Any]:
-        """The message body, as `protocol.encode` sends it."""
-        return {"index": self.index, "set_to_none": self.set_to_none}
-
-    @classmethod
-    def from_body(cls, body: Any) -> ZeroGrad:
-        """A received body, checked; raises `ProtocolError` if it is malformed."""
-        what = cls.KIND
-        index = _index(what, body)
-        return cls(index, _field(what, body, "set_to_none", bool, True))
+    index: int = _INDEX
+    set_to_none: bool = field(BOOL, default=True)
 
 
 @dataclasses.dataclass(frozen=True)
-class GetOptimState:
+class GetOptimState(Body):
     """GET_OPTIM_STATE: optimizer ``index``'s per-parameter state, by parameter name."""
 
     KIND: ClassVar[str] = protocol.GET_OPTIM_STATE
 
-    index: int
-
-    def body(self) -> dict[str, Any]:
-        """The message body, as `protocol.encode` sends it."""
-        return {"index": self.index}
-
-    @classmethod
-    def from_body(cls, body: Any) -> GetOptimState:
-        """A received body, checked; raises `ProtocolError` if it is malformed."""
-        return cls(_index(cls.KIND, body))
+    index: int = _INDEX
 
 
 @dataclasses.dataclass(frozen=True)
-class LoadOptimState:
+class LoadOptimState(Body):
     """LOAD_OPTIM_STATE: set optimizer ``index``'s per-parameter ``state`` (by parameter name; each
     a dict such as ``{"step": ..., "exp_avg": ...}``)."""
 
     KIND: ClassVar[str] = protocol.LOAD_OPTIM_STATE
 
-    index: int
-    state: Mapping[str, Mapping[str, Any]]
+    index: int = _INDEX
+    state: Mapping[str, Mapping[str, Any]] = field(
+        map_of(is_str, is_str_keyed, "parameter names to state dicts"), write=as_dict_of_dicts
+    )
 
-    def body(self) -> dict[str, Any]:
-        """The message body, as `protocol.encode` sends it."""
-        return {"index": self.index, "state": {k: dict(v) for k, v in self.state.items()}}
 
-    @classmethod
-    def from_body(cls, body: Any) -> LoadOptimState:
-        """A received body, checked; raises `ProtocolError` if it is malformed."""
-        what = cls.KIND
-        index = _index(what, body)
-        return cls(index, _mapping(what, body, "state", _is_str, _is_str_keyed, "parameter names to state dicts"))
+def _grad_op(kind: str, name: str, value: Any) -> str:
+    return choice(list(_GRAD_OPS))(kind, name, value)
 
 
 @dataclasses.dataclass(frozen=True)
-class Grads:
+class Grads(Body):
     """GRADS: one operation on the gradients of optimizer ``index``'s parameters, for clipping and
     replicas across workers. The operations are its subclasses (`GradNorms`, `GradScale`,
-    `GradClamp`, `GradAllreduce`); `from_body` returns the one a body's ``op`` names."""
+    `GradClamp`, `GradAllreduce`), each named by its ``op``; `from_body` returns the one a body's
+    ``op`` names."""
 
     KIND: ClassVar[str] = protocol.GRADS
-    OP: ClassVar[str] = ""
 
-    index: int
-
-    def body(self) -> dict[str, Any]:
-        """The message body, as `protocol.encode` sends it."""
-        return {"index": self.index, "op": self.OP, **self._arguments()}
-
-    def _arguments(self) -> dict[str, Any]:
-        return {}
+    index: int = _INDEX
+    op: str = field(_grad_op, default="", init=False, repr=False)
 
     @classmethod
-    def from_body(cls, body: Any) -> Grads:
+    def from_body(cls, body: Any) -> Grads:  # type: ignore[override]
         """A received body, checked, as the operation it names; raises `ProtocolError` if it is malformed."""
-        what = Grads.KIND
-        index = _index(what, body)
-        op = _choice(what, body, "op", list(_GRAD_OPS))
-        return _GRAD_OPS[op]._checked(index, body)
-
-    @classmethod
-    def _checked(cls, index: int, body: dict[str, Any]) -> Grads:
-        return cls(index)
+        if cls is not Grads:
+            return super().from_body(body)
+        return _GRAD_OPS[cls._read(body)["op"]].from_body(body)
 
 
 @dataclasses.dataclass(frozen=True)
 class GradNorms(Grads):
     """``op="norms"``: each gradient's ``norm_type`` norm (for ``clip_grad_norm_`` across stages)."""
 
-    OP: ClassVar[str] = "norms"
+    op: str = field(_grad_op, default="norms", init=False, repr=False)
+    norm_type: float = field(number)
 
-    norm_type: float
 
-    def _arguments(self) -> dict[str, Any]:
-        return {"norm_type": self.norm_type}
-
-    @classmethod
-    def _checked(cls, index: int, body: dict[str, Any]) -> Grads:
-        return cls(index, _number(cls.KIND, body, "norm_type"))
+def _coef(kind: str, name: str, value: Any) -> torch.Tensor:
+    if TENSOR(kind, name, value).dim() != 0 or not value.is_floating_point():
+        raise refuse(kind, f"field {name!r} must be a floating-point scalar tensor")
+    return value
 
 
 @dataclasses.dataclass(frozen=True)
 class GradScale(Grads):
     """``op="scale"``: multiply every gradient by ``coef``, a scalar tensor (the clipping coefficient)."""
 
-    OP: ClassVar[str] = "scale"
-
-    coef: torch.Tensor
-
-    def _arguments(self) -> dict[str, Any]:
-        return {"coef": self.coef}
-
-    @classmethod
-    def _checked(cls, index: int, body: dict[str, Any]) -> Grads:
-        coef = _field(cls.KIND, body, "coef", torch.Tensor)
-        if coef.dim() != 0 or not coef.is_floating_point():
-            raise ProtocolError(f"{cls.KIND} message: field 'coef' must be a floating-point scalar tensor")
-        return cls(index, coef)
+    op: str = field(_grad_op, default="scale", init=False, repr=False)
+    coef: torch.Tensor = field(_coef)
 
 
 @dataclasses.dataclass(frozen=True)
 class GradClamp(Grads):
     """``op="clamp"``: clamp every gradient to ``[-value, value]`` (``clip_grad_value_``)."""
 
-    OP: ClassVar[str] = "clamp"
-
-    value: float
-
-    def _arguments(self) -> dict[str, Any]:
-        return {"value": self.value}
-
-    @classmethod
-    def _checked(cls, index: int, body: dict[str, Any]) -> Grads:
-        return cls(index, _number(cls.KIND, body, "value"))
+    op: str = field(_grad_op, default="clamp", init=False, repr=False)
+    value: float = field(number)
 
 
 @dataclasses.dataclass(frozen=True)
 class GradAllreduce(Grads):
     """``op="allreduce"``: sum the gradients over the stage's replicas (`GroupInit` joined them)."""
 
-    OP: ClassVar[str] = "allreduce"
+    op: str = field(_grad_op, default="allreduce", init=False, repr=False)
 
 
-_GRAD_OPS: dict[str, type[Grads]] = {c.OP: c for c in (GradNorms, GradScale, GradClamp, GradAllreduce)}
+_GRAD_OPS: dict[str, type[Grads]] = {c.op: c for c in (GradNorms, GradScale, GradClamp, GradAllreduce)}  # type: ignore[misc]
 
 
 # --- observing and replicas -----------------------------------------------------------------
@@ -574,27 +361,18 @@ TimelineOp = Literal["start", "stop", "fetch", "clock"]
 
 
 @dataclasses.dataclass(frozen=True)
-class Timeline:
+class Timeline(Body):
     """TIMELINE: ``start`` or ``stop`` recording the stages' events, ``fetch`` (and clear) them, or
     read the worker's ``clock``."""
 
     KIND: ClassVar[str] = protocol.TIMELINE
     OPS: ClassVar[tuple[str, ...]] = get_args(TimelineOp)
 
-    op: TimelineOp
-
-    def body(self) -> dict[str, Any]:
-        """The message body, as `protocol.encode` sends it."""
-        return {"op": self.op}
-
-    @classmethod
-    def from_body(cls, body: Any) -> Timeline:
-        """A received body, checked; raises `ProtocolError` if it is malformed."""
-        return cls(_choice(cls.KIND, _dict_body(cls.KIND, body), "op", cls.OPS))
+    op: TimelineOp = field(choice(OPS))
 
 
 @dataclasses.dataclass(frozen=True)
-class GroupInit:
+class GroupInit(Body):
     """GROUP with ``op="init"``: join the torch.distributed process group of this stage's replicas
     through the driver's TCPStore at ``host:port`` (`lightning_remote_mp.worker.collective.ReplicaGroup`).
 
@@ -605,55 +383,36 @@ class GroupInit:
 
     KIND: ClassVar[str] = protocol.GROUP
 
-    host: str
-    port: int
-    prefix: str
-    rank: int
-    world: int
-    backend: str
-    timeout: float
-
-    def body(self) -> dict[str, Any]:
-        """The message body, as `protocol.encode` sends it."""
-        return {
-            "op": "init",
-            "host": self.host,
-            "port": self.port,
-            "prefix": self.prefix,
-            "rank": self.rank,
-            "world": self.world,
-            "backend": self.backend,
-            "timeout": self.timeout,
-        }
-
-    @classmethod
-    def from_body(cls, body: Any) -> GroupInit:
-        """A received body, checked; raises `ProtocolError` if it is malformed."""
-        what = cls.KIND
-        body = _dict_body(what, body)
-        _choice(what, body, "op", ("init",))
-        return cls(
-            host=_field(what, body, "host", str),
-            port=_field(what, body, "port", int),
-            prefix=_field(what, body, "prefix", str),
-            rank=_field(what, body, "rank", int),
-            world=_field(what, body, "world", int),
-            backend=_field(what, body, "backend", str),
-            timeout=_number(what, body, "timeout"),
-        )
+    op: str = field(choice(("init",)), default="init", init=False, repr=False)
+    host: str = field(STR)
+    port: int = field(INT)
+    prefix: str = field(STR)
+    rank: int = field(INT)
+    world: int = field(INT)
+    backend: str = field(STR)
+    timeout: float = field(number)
 
 
 # --- the session -----------------------------------------------------------------------------
 
 
+def _text(limit: int) -> Any:
+    """A received string, shortened; anything else as ``"?"`` (never ``str()`` of what anyone sent)."""
+    return lenient(lambda value: value[:limit] if isinstance(value, str) else "?")
+
+
+def _sane_timeout(value: Any) -> float | None:
+    sane = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < 3600
+    return float(value) if sane else None
+
+
 @dataclasses.dataclass(frozen=True)
-class Hello:
+class Hello(Body):
     """HELLO: a driver opens its session (or asks again, while another one is being dropped).
 
     Read leniently, on purpose: a driver of another lrmp version may send another body, and it must
     still hear which versions differ; so only ``protocol`` (the wire version) decides, and the other
-    fields, informative, are shortened or dropped when malformed rather than refused. PING and BYE
-    carry no body: the session id in the header says it all.
+    fields, informative, are shortened or dropped when malformed rather than refused.
 
     >>> Hello.from_body({"protocol": 7, "driver": 3}).driver
     '?'
@@ -661,52 +420,49 @@ class Hello:
 
     KIND: ClassVar[str] = protocol.HELLO
 
-    driver: str  # who: "host pid N", for logs and the busy message
-    protocol_version: Any  # what the driver speaks (``protocol`` on the wire); compared, never trusted
-    lrmp: str
-    torch: str
-    heartbeat_timeout: float | None = None  # the driver's: how long this worker's peers may keep it waiting
+    driver: str = field(_text(200), default="?")  # who: "host pid N", for logs and the busy message
+    #: What the driver speaks (``protocol`` on the wire); compared, never trusted.
+    protocol_version: Any = field(lenient(lambda v: v), wire="protocol", default=protocol.PROTOCOL_VERSION)
+    lrmp: str = field(_text(100), default="?")
+    torch: str = field(_text(100), default="?")
+    #: The driver's: how long this worker's peers may keep it waiting.
+    heartbeat_timeout: float | None = field(lenient(_sane_timeout), default=None)
     #: What the driver accepts (`protocol.Limits.as_dict`): the worker's bundles of answers stay within it.
-    limits: protocol.Limits = protocol.DEFAULT_LIMITS
-
-    def body(self) -> dict[str, Any]:
-        """The message body, as `protocol.encode` sends it."""
-        return {
-            "driver": self.driver,
-            "protocol": self.protocol_version,
-            "lrmp": self.lrmp,
-            "torch": self.torch,
-            "heartbeat_timeout": self.heartbeat_timeout,
-            "limits": self.limits.as_dict(),
-        }
+    limits: protocol.Limits = field(
+        lenient(protocol.Limits.from_dict), default=protocol.DEFAULT_LIMITS, write=protocol.Limits.as_dict
+    )
 
     @classmethod
-    def from_body(cls, body: Any) -> Hello:
+    def from_body(cls, body: Any) -> Hello:  # type: ignore[override]
         """A received body, read leniently (see the class); never raises."""
-        body = body if isinstance(body, dict) else {}
-        timeout = body.get("heartbeat_timeout")
-        sane = isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and 0 < timeout < 3600
-        return cls(
-            driver=_text(body.get("driver"), 200),
-            protocol_version=body.get("protocol", protocol.PROTOCOL_VERSION),
-            lrmp=_text(body.get("lrmp"), 100),
-            torch=_text(body.get("torch"), 100),
-            heartbeat_timeout=float(timeout) if sane else None,
-            limits=protocol.Limits.from_dict(body.get("limits")),
-        )
+        return super().from_body(body if isinstance(body, dict) else {})
 
 
-def _text(value: Any, limit: int) -> str:
-    """A received string, shortened; anything else as ``"?"`` (never ``str()`` of what anyone sent)."""
-    return value[:limit] if isinstance(value, str) else "?"
+@dataclasses.dataclass(frozen=True)
+class Ping(Body):
+    """PING: the driver's heartbeat. The session id in the header says it all; it carries nothing."""
+
+    KIND: ClassVar[str] = protocol.PING
 
 
-#: The type of every request but the pipeline's, by kind (FORWARD and BACKWARD:
-#: `lightning_remote_mp.wire.messages`; PING and BYE carry no body).
-REQUESTS: dict[str, type[Any]] = {
+@dataclasses.dataclass(frozen=True)
+class Bye(Body):
+    """BYE: the driver ends its session. It carries nothing."""
+
+    KIND: ClassVar[str] = protocol.BYE
+
+
+#: Every kind a worker accepts, and the type its body is read as: the one table a received message
+#: is parsed through (`lightning_remote_mp.worker.dispatch`).
+REQUESTS: dict[str, type[Body]] = {
     c.KIND: c
     for c in (
+        Hello,
+        Ping,
+        Bye,
         Setup,
+        Forward,
+        Backward,
         Release,
         GetState,
         LoadState,
@@ -720,6 +476,5 @@ REQUESTS: dict[str, type[Any]] = {
         Timeline,
         GroupInit,
         Sync,
-        Hello,
     )
 }
