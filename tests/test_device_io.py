@@ -1,5 +1,5 @@
 """The GPU data path: a CUDA stage's copies through side streams (`worker.device_io`), and the
-worker's held sends that wait for them (`worker.server._Outbox`).
+worker's held sends that wait for them (`worker.outbox.Outbox`).
 
 The held sends are plain Python over real sockets and are tested on any machine, with a
 ``threading.Event`` standing in for the CUDA event a GPU stage records; everything that needs a GPU
@@ -22,7 +22,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_remote_mp import LocalWorkerOptions, RemoteModelParallelStrategy, SpecSequential
 from lightning_remote_mp.wire import protocol, transport
-from lightning_remote_mp.worker.server import WorkerServer, _Outbox
+from lightning_remote_mp.worker.outbox import Outbox
+from lightning_remote_mp.worker.server import WorkerServer
 
 pytestmark = pytest.mark.timeout(120)
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -45,14 +46,14 @@ class Copy:
 
 
 @pytest.fixture
-def outbox() -> Iterator[tuple[_Outbox, zmq.Socket]]:
+def outbox() -> Iterator[tuple[Outbox, zmq.Socket]]:
     """An outbox on a real (not serving) worker socket, and the driver's DEALER connected to it."""
     server = WorkerServer("tcp://127.0.0.1:*")
     driver = transport.dealer(server.endpoint)
     driver.send_multipart(protocol.encode(protocol.PING, 1, "s"))
     assert server.sock.poll(5000), "the worker socket heard nothing from the driver"
     peer_id = server.sock.recv_multipart()[0]
-    box = _Outbox(server)
+    box = Outbox(server, server._wake_serving)
     box.driver_peer, box.session = peer_id, "s"
     try:
         yield box, driver
@@ -94,7 +95,7 @@ def test_the_serving_loop_is_woken_when_a_copy_is_done_not_before(outbox):
     box, driver = outbox
     copy = Copy()
     box.to_driver(protocol.RESULT, {"mb": 0}, ready=copy)
-    wake = box.server._serving_rx  # what the serving loop polls besides its socket
+    wake = box.holder._serving_rx  # what the serving loop polls besides its socket
     assert not wake.poll(300), "woken before the copy was done"
     copy.finish()
     assert wake.poll(5000), "not woken when the copy was done"

@@ -6,23 +6,25 @@ interpreter lock: a round trip through a worker was 10x a raw pyzmq one). While 
 longer than `STAND_IN_AFTER`, the main thread takes the socket over and answers heartbeats at once,
 admits or refuses drivers, and queues requests for the serving thread; it hands the socket back as
 soon as the request returns. Either thread expires a session whose driver falls silent. The main
-thread also handles signals. Nothing a message carries is executed: requests only choose among the
-handlers of `lightning_remote_mp.worker.session.WorkerSession`.
+thread also handles signals.
+
+Each message is read once, as it arrives, into a typed request (`lightning_remote_mp.worker.dispatch`);
+the serving thread runs it through the session's handler for its type and answers through the
+socket, or, for pipelined work, through the `lightning_remote_mp.worker.outbox`. Nothing a message
+carries is executed: its type only chooses among the handlers of
+`lightning_remote_mp.worker.session.WorkerSession`.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
 import logging
 import os
-import queue
 import signal
 import socket
 import threading
 import time
-import traceback
 import uuid
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -31,22 +33,20 @@ import torch
 import zmq
 
 from lightning_remote_mp._version import __version__
-from lightning_remote_mp.errors import ConfigurationError, PeerUnreachableError, ProtocolError, ProtocolVersionError
-from lightning_remote_mp.flow import DRIVER as DRIVER_STAGE
+from lightning_remote_mp.errors import ConfigurationError, ProtocolError, ProtocolVersionError
 from lightning_remote_mp.wire import protocol, transport
 from lightning_remote_mp.wire.keys import KeyPair
 from lightning_remote_mp.wire.requests import Hello
 from lightning_remote_mp.worker import allocator
 from lightning_remote_mp.worker.auth import DRIVER, WorkerAuth
-from lightning_remote_mp.worker.session import NO_REPLY, WorkerSession, describe_device
+from lightning_remote_mp.worker.dispatch import DROP, NEW, Dispatch, Request, error_body, parse
+from lightning_remote_mp.worker.outbox import DEFAULT_PEER_TIMEOUT, Outbox
+from lightning_remote_mp.worker.session import WorkerSession, describe_device
 from lightning_remote_mp.worker.throttle import Throttle
 
 log = logging.getLogger(__name__)
 
 DEFAULT_SESSION_TIMEOUT = 20.0
-#: How long a stage keeps trying to hand a message to the next stage before it reports that stage
-#: unreachable (the driver's heartbeat_timeout, when its HELLO says).
-DEFAULT_PEER_TIMEOUT = 10.0
 #: Seconds of driver silence, after one of the session's connections closed, before the session is
 #: dropped (a killed driver's kernel closes its connections; a live driver pings every second).
 DISCONNECT_GRACE = 3.0
@@ -59,255 +59,6 @@ STAND_IN_AFTER = 0.2
 #: A worker that finished a request this recently still counts as computing in its heartbeats: it
 #: answers them between the short requests of a pipeline.
 _BUSY_WINDOW = 1.0
-#: Seconds between attempts to hand a held message to a peer that could not take it yet.
-_PEER_RETRY = 0.01
-_DROP = "__drop__"
-_NEW = "__new__"
-
-
-@dataclasses.dataclass
-class _Task:
-    peer: bytes
-    msg: protocol.Message
-
-
-def _device_failed(err: BaseException) -> bool:
-    """A CUDA error: after one, the device's context is unusable for every later request too."""
-    accelerator_error = getattr(torch, "AcceleratorError", None)
-    if accelerator_error is not None and isinstance(err, accelerator_error):
-        return True
-    return isinstance(err, RuntimeError) and "CUDA error" in str(err)
-
-
-def error_body(err: BaseException, session: WorkerSession | None = None, *, trace: bool = True) -> dict[str, Any]:
-    """The body of an ERROR reply. ``trace=False`` leaves the traceback out: for malformed input
-    from anyone, it is costly to format and tells a stranger about this worker's files."""
-    layer = getattr(err, "lrmp_layer", None)
-    body: dict[str, Any] = {
-        "type": type(err).__name__,
-        "message": str(err),
-        "traceback": "".join(traceback.format_exception(type(err), err, err.__traceback__, limit=8)) if trace else "",
-        "layer": layer if isinstance(layer, int) else None,
-    }
-    if body["layer"] is not None and session is not None:
-        for stage in session.stages.values():
-            if name := stage.layer_name(body["layer"]):
-                body["layer_name"] = name
-    return body
-
-
-_PIPELINE_KINDS = frozenset({protocol.FORWARD, protocol.BACKWARD})
-
-
-def _from_peer(msg: protocol.Message) -> bool:
-    """A pipelined message sent by another stage (not by the driver)."""
-    if msg.kind not in _PIPELINE_KINDS or not isinstance(msg.body, dict):
-        return False
-    sender = msg.body.get("from", DRIVER_STAGE)
-    return type(sender) is int and sender != DRIVER_STAGE
-
-
-@dataclasses.dataclass
-class _Held:
-    """A message the outbox sends later: once its tensors' copies off the GPU are done (``ready``),
-    or, with ``ready=None``, once the messages before it have gone (sends keep their order)."""
-
-    frames: list[Any]
-    ready: Any  # a torch.cuda.Event, or None
-    about: dict[str, Any]  # the micro-batch a failure is reported for (key, call, mb)
-    driver: bytes | None = None  # for the driver (or a requester): its identity on the server socket
-    peer: str = ""  # else for the peer worker at this address
-    kind: str = ""
-    give_up_at: float | None = None  # once a peer could not take it: when it is reported unreachable
-
-
-class _CopyWaiter:
-    """A thread that sleeps on each held message's copy (a blocking-sync CUDA event) and wakes the
-    serving loop when it is done, so that the loop sleeps in its poll meanwhile, not checking
-    events in a spin. A failed copy (a CUDA error) wakes it too: the loop's ``query`` raises it."""
-
-    def __init__(self, wake_endpoint: str) -> None:
-        self._endpoint = wake_endpoint
-        self._events: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="lrmp-copies", daemon=True)
-        self._thread.start()
-
-    def watch(self, event: Any) -> None:
-        self._events.put(event)
-
-    def stop(self) -> None:
-        self._events.put(None)
-        self._thread.join(timeout=_COMPUTE_GRACE)
-
-    def _run(self) -> None:
-        wake = transport.inproc_push(self._endpoint)
-        try:
-            while (event := self._events.get()) is not None:
-                with contextlib.suppress(Exception):
-                    event.synchronize()
-                with contextlib.suppress(zmq.Again):
-                    wake.send(b"", zmq.NOBLOCK)
-        finally:
-            wake.close(0)
-
-
-class _Outbox:
-    """The serving thread's way out: to the driver through the server's socket, to peers directly.
-
-    Peer links are DEALER sockets with ``IMMEDIATE`` set, so a message only goes to a connected
-    (and, with CURVE, authenticated) peer; one that cannot be handed over within ``peer_timeout``
-    fails the micro-batch with `PeerUnreachableError` instead of waiting forever.
-
-    A message whose tensors are still being copied off a GPU (``ready``, an event: see
-    `lightning_remote_mp.worker.device_io`) is *held*, as is every message after it, and sent in
-    order by `flush`, which the serving loop calls whenever it wakes: the worker reads and starts
-    the next micro-batch while the GPU finishes the last one, and a `_CopyWaiter` wakes the loop
-    when a copy is done. On CPU nothing is ever held.
-    """
-
-    def __init__(self, server: WorkerServer, keys: KeyPair | None = None) -> None:
-        self.server = server
-        self.keys = keys
-        self.driver_peer = b""
-        self.session = ""
-        self.peer_timeout = DEFAULT_PEER_TIMEOUT
-        self.driver_limits = protocol.DEFAULT_LIMITS  # what the session's driver accepts (its HELLO)
-        self.peer_keys: dict[str, bytes] = {}  # address -> public key, announced by the driver
-        self._peers: dict[str, zmq.Socket] = {}
-        self._held: collections.deque[_Held] = collections.deque()
-        self._copies: _CopyWaiter | None = None  # started by the first held copy: never on CPU
-
-    @property
-    def holding(self) -> bool:
-        return bool(self._held)
-
-    def to_driver(self, kind: str, body: Any, ready: Any = None, about: dict[str, Any] | None = None) -> None:
-        """Send to the driver (from a request's handler: the socket is taken for the send)."""
-        frames = protocol.encode(kind, 0, self.session, body)
-        if ready is not None or self._held:
-            self._hold(_Held(frames, ready, about or {}, driver=self.driver_peer))
-            return
-        with self.server.socket():
-            self._send_driver(self.driver_peer, frames)
-
-    def to_driver_all(self, kind: str, answers: Sequence[tuple[Any, Any, dict[str, Any] | None]]) -> None:
-        """Send several messages to the driver as bundles (`protocol.encode_all`): one send, one
-        wake-up of the driver, for a call's answers. Each bundle stays within the driver's limits
-        (its HELLO says them); messages whose tensors are still being copied off a GPU go one by
-        one, in order."""
-        if self._held or any(ready is not None for _, ready, _ in answers):
-            for body, ready, about in answers:
-                self.to_driver(kind, body, ready, about)
-            return
-        encoded = [protocol.encode(kind, 0, self.session, body) for body, _, _ in answers]
-        with self.server.socket():
-            for bundle in protocol.encode_all(encoded, self.driver_limits):
-                self._send_driver(self.driver_peer, bundle)
-
-    def to_peer(
-        self, address: str, kind: str, body: Any, ready: Any = None, about: dict[str, Any] | None = None
-    ) -> None:
-        held = _Held(protocol.encode(kind, 0, self.session, body), ready, about or {}, peer=address, kind=kind)
-        if ready is not None or self._held:
-            self._hold(held)
-            return
-        while not self._offer(held):  # raises once the peer has refused it for peer_timeout
-            self._socket(address).poll(100, zmq.POLLOUT)
-
-    def hold_reply(self, peer: bytes, frames: list[Any]) -> None:
-        """Send a reply behind the held messages (the socket's holder calls this)."""
-        self._hold(_Held(frames, None, {}, driver=peer))
-
-    def _hold(self, held: _Held) -> None:
-        self._held.append(held)
-        if held.ready is not None:
-            if self._copies is None:
-                self._copies = _CopyWaiter(self.server._wake_serving)
-            self._copies.watch(held.ready)
-
-    def _send_driver(self, peer: bytes, frames: list[Any]) -> None:
-        self.server.sock.send_multipart([peer, *frames], copy=False)
-
-    def flush(self) -> float | None:
-        """Send the held messages that can go, in order (by the thread that holds the socket).
-
-        Returns ``None`` when the rest wait for their copies (the copy waiter wakes the loop), or
-        the seconds after which to try again, when a peer could not take its message yet. A send
-        that fails is reported to the driver as its micro-batch's ERROR; so is a failed copy, which
-        is then raised: after a CUDA error the device is unusable, and the worker stops.
-        """
-        while self._held:
-            held = self._held[0]
-            try:
-                if held.ready is not None and not held.ready.query():
-                    return None
-            except Exception as err:
-                self._held.popleft()
-                self._report(err, held.about)
-                raise
-            try:
-                if held.driver is not None:
-                    self._send_driver(held.driver, held.frames)
-                elif not self._offer(held):
-                    return _PEER_RETRY
-            except Exception as err:
-                self._report(err, held.about)
-            self._held.popleft()
-        return None
-
-    def _offer(self, held: _Held) -> bool:
-        """Try once to hand a message to its peer; raise once it has been refused for ``peer_timeout``."""
-        try:
-            self._socket(held.peer).send_multipart(held.frames, flags=zmq.NOBLOCK, copy=False)
-            return True
-        except zmq.Again:
-            now = time.monotonic()
-            if held.give_up_at is None:
-                held.give_up_at = now + self.peer_timeout
-            if now > held.give_up_at:
-                raise self._unreachable(held.peer, held.kind) from None
-            return False
-
-    def _report(self, err: Exception, about: dict[str, Any]) -> None:
-        error = {**error_body(err), **about}
-        self._send_driver(self.driver_peer, protocol.encode(protocol.ERROR, 0, self.session, error))
-
-    def _unreachable(self, address: str, kind: str) -> PeerUnreachableError:
-        return PeerUnreachableError(
-            f"could not hand a {kind} message to the worker at {address} within {self.peer_timeout:.0f} s: no "
-            "connection to it from this worker (is it reachable from here, not only from the driver, and does "
-            "it accept this worker's key?)"
-        )
-
-    def add_peer_keys(self, keys: dict[str, bytes]) -> None:
-        self.peer_keys.update(keys)
-
-    def _socket(self, address: str) -> zmq.Socket:
-        sock = self._peers.get(address)
-        if sock is None:
-            curve = None
-            if self.keys is not None:
-                server_key = self.peer_keys.get(address)
-                if server_key is None:
-                    raise PeerUnreachableError(
-                        f"no public key was announced for the worker at {address}; this worker talks to its "
-                        "peers only over CURVE (the driver sends their keys at setup)"
-                    )
-                curve = transport.Curve(self.keys, server_key)
-            sock = self._peers[address] = transport.dealer(address, curve=curve, immediate=True)
-        return sock
-
-    def close_peers(self) -> None:
-        self._held.clear()  # the session's messages: its driver is gone
-        for sock in self._peers.values():
-            sock.close(0)
-        self._peers.clear()
-        self.peer_keys.clear()
-
-    def close(self) -> None:
-        self.close_peers()
-        if self._copies is not None:
-            self._copies.stop()
 
 
 def describe_duration(seconds: float) -> str:
@@ -440,13 +191,12 @@ class WorkerServer:
         self._io = threading.Lock()
         self._want_io = False  # the serving thread waits for the socket
         self._standing_in = False  # the main thread holds it
-        self._pending: collections.deque[_Task] = collections.deque()  # read, not yet run
+        self._pending: collections.deque[Request] = collections.deque()  # read, not yet run
         self._wake_serving = f"inproc://lrmp-serving-{uuid.uuid4().hex}"
         self._serving_rx = transport.inproc_pull(self._wake_serving)
         self._wake_main = f"inproc://lrmp-main-{uuid.uuid4().hex}"
         self._main_rx = transport.inproc_pull(self._wake_main)
         self._last_busy = 0.0
-        self._device_failure: Exception | None = None  # a CUDA error, raised once reported: the worker stops
         self._session: WorkerSession | None = None  # owned by the serving thread
         self.served = 0
         # The serving thread runs with this thread's torch thread count (the worker's --threads).
@@ -656,58 +406,58 @@ class WorkerServer:
             self._refuse(peer, protocol.peek_id(payload), err)
             return
         for msg in messages:
-            self._on_message(peer, payload[0], msg)
+            if msg.kind not in protocol.REQUEST_KINDS:
+                self._refuse(peer, msg.id, ProtocolError(f"unexpected message kind {msg.kind!r:.40}"))
+                continue
+            self._on_message(payload[0], parse(peer, msg))
 
-    def _on_message(self, peer: bytes, header: Any, msg: protocol.Message) -> None:
+    def _on_message(self, header: Any, request: Request) -> None:
         """Answer what the I/O side answers (heartbeats, drivers' greetings, refusals); queue the rest."""
-        if msg.kind not in protocol.REQUEST_KINDS:
-            self._refuse(peer, msg.id, ProtocolError(f"unexpected message kind {msg.kind!r:.40}"))
-            return
-        from_peer = _from_peer(msg)
-        if self.auth is not None and not self._authorized(header, msg, from_peer):
+        peer, from_peer = request.peer, request.from_peer
+        if self.auth is not None and not self._authorized(header, request):
             self._refuse(
                 peer,
-                msg.id,
+                request.id,
                 "PermissionError",
                 "this connection's key belongs to a peer worker: it may only send pipelined forward/backward "
                 "messages of its session",
             )
             return
-        if msg.kind == protocol.PING:
-            alive = msg.session == self._session_id
+        if request.kind == protocol.PING:
+            alive = request.session == self._session_id
             if alive:
                 self._last_seen = time.monotonic()
             answer = {"session_alive": alive, "busy": self._computing()}
             session = self._session
-            if alive and session is not None and session.id == msg.session:
+            if alive and session is not None and session.id == request.session:
                 answer.update(session.held_back())  # what waits for the driver: named when the pipeline stalls
                 answer["ran"] = session.driver_ran  # the driver's requests up to this one have run
-            self._reply(peer, protocol.OK, msg.id, answer)
+            self._reply(peer, protocol.OK, request.id, answer)
             return
-        if msg.kind == protocol.HELLO:
-            self._on_hello(peer, msg)
+        if isinstance(request.message, Hello):
+            self._on_hello(request, request.message)
             return
-        if from_peer and msg.session != self._session_id:
-            log.debug("dropped a peer message for session %s, which this worker does not serve", msg.session[:8])
+        if from_peer and request.session != self._session_id:
+            log.debug("dropped a peer message for session %s, which this worker does not serve", request.session[:8])
             return
-        if self._session_id is None or msg.session != self._session_id:
+        if self._session_id is None or request.session != self._session_id:
             self._refuse(
                 peer,
-                msg.id,
+                request.id,
                 "SessionError",
-                f"this worker has no session {msg.session!r:.40} (it may have restarted or expired it); "
+                f"this worker has no session {request.session!r:.40} (it may have restarted or expired it); "
                 "start a new one",
             )
             return
         if not from_peer:
             self._last_seen = time.monotonic()
-        if msg.kind == protocol.BYE:
+        if request.kind == protocol.BYE:
             self._end_session("driver said bye")
-            self._reply(peer, protocol.OK, msg.id, None)
+            self._reply(peer, protocol.OK, request.id, None)
             return
-        self._pending.append(_Task(peer, msg))
+        self._pending.append(request)
 
-    def _authorized(self, header: Any, msg: protocol.Message, from_peer: bool) -> bool:
+    def _authorized(self, header: Any, request: Request) -> bool:
         """With CURVE: drivers may send anything; a peer worker's key only its session's pipeline."""
         try:
             user_id = header.get("User-Id")
@@ -716,25 +466,25 @@ class WorkerServer:
         role = self.auth.role(user_id) if self.auth is not None else None
         if role == DRIVER:
             return True
-        if from_peer and user_id and msg.session == self._session_id:
+        if request.from_peer and user_id and request.session == self._session_id:
             return user_id.encode() in self._current_peer_keys()
         return False
 
-    def _on_hello(self, peer: bytes, msg: protocol.Message) -> None:
+    def _on_hello(self, request: Request, hello: Hello) -> None:
         """Answered by the thread that holds the socket, at once, so a driver hears back even while
         a request runs (the main thread stands in then)."""
-        hello = Hello.from_body(msg.body)
-        if not msg.session:
-            self._refuse(peer, msg.id, ProtocolError("hello without a session id"))
+        peer = request.peer
+        if not request.session:
+            self._refuse(peer, request.id, ProtocolError("hello without a session id"))
             return
         if hello.protocol_version != protocol.PROTOCOL_VERSION:
             mismatch = protocol.version_mismatch("the driver", hello.protocol_version, hello.lrmp, "this worker")
-            self._refuse(peer, msg.id, "ProtocolVersionError", mismatch, **self._versions())
+            self._refuse(peer, request.id, "ProtocolVersionError", mismatch, **self._versions())
             return
-        if self._session_id is not None and self._session_id != msg.session:
+        if self._session_id is not None and self._session_id != request.session:
             self._refuse(
                 peer,
-                msg.id,
+                request.id,
                 "WorkerBusy",
                 self._busy_message(),
                 silent_for=time.monotonic() - self._last_seen,
@@ -742,10 +492,10 @@ class WorkerServer:
             )
             return
         if self._session_id is None:
-            self._session_id = msg.session
+            self._session_id = request.session
             self._session_peer = hello.driver
             self._session_started = time.monotonic()
-            log.info("session %s started by %s", msg.session[:8], hello.driver)
+            log.info("session %s started by %s", request.session[:8], hello.driver)
             if (hello.lrmp, hello.torch) != (__version__, torch.__version__):
                 log.warning(
                     "driver %s runs lrmp %s / torch %s; this worker runs lrmp %s / torch %s",
@@ -755,12 +505,12 @@ class WorkerServer:
                     __version__,
                     torch.__version__,
                 )
-            self._pending.append(_Task(peer, protocol.Message(_NEW, 0, msg.session, hello)))
+            self._pending.append(Request(peer, NEW, 0, request.session, hello))
         self._last_seen = time.monotonic()
         self._reply(
             peer,
             protocol.OK,
-            msg.id,
+            request.id,
             {
                 **self._versions(),
                 "pid": os.getpid(),
@@ -794,7 +544,7 @@ class WorkerServer:
         self._disconnected_at = None
         if self._session_id is not None:
             log.info("session %s ended: %s", self._session_id[:8], why)
-            self._pending.append(_Task(b"", protocol.Message(_DROP, 0, self._session_id, None)))
+            self._pending.append(Request(b"", DROP, 0, self._session_id, None))
             self._session_peer_keys.pop(self._session_id, None)
             self._session_id = None
             self._session_peer = ""
@@ -832,7 +582,8 @@ class WorkerServer:
         torch.set_num_threads(self._threads)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # the current device is per thread too
-        self._outbox = _Outbox(self, self.keys)
+        self._outbox = Outbox(self, self._wake_serving, self.keys)
+        self._dispatch = Dispatch(self._outbox, self._throttle)
         self._busy_since = time.monotonic()  # the main thread answers drivers meanwhile
         try:
             _warm_up()
@@ -871,74 +622,46 @@ class WorkerServer:
         self._io.acquire()
         self._want_io = False
 
-    def _run(self, task: _Task) -> None:
+    def _run(self, request: Request) -> None:
         """Run one request without holding the socket (the main thread may stand in), then reply.
         A peer's micro-batch that the driver sent after a request this worker has not run yet
         waits for it (`WorkerSession.hold_back`); it runs right after that request."""
-        msg = task.msg
-        session = self._session if self._session is not None and self._session.id == msg.session else None
-        from_peer = _from_peer(msg)
-        from_driver = msg.kind not in (_DROP, _NEW) and not from_peer
-        if msg.kind not in (_DROP, _NEW):
+        session = self._session if self._session is not None and self._session.id == request.session else None
+        own = request.kind in (DROP, NEW)
+        from_driver = not own and not request.from_peer
+        if not own:
             if from_driver:
-                self._outbox.driver_peer = task.peer
-            self._outbox.session = msg.session
+                self._outbox.driver_peer = request.peer
+            self._outbox.session = request.session
         self._busy_since = time.monotonic()
         self._io.release()
         try:
-            frames = self._answer(task, session if from_peer else None)
+            frames = self._answer(request, session if request.from_peer else None)
         finally:
             self._take_socket()
             self._busy_since = None
-            if msg.kind not in (_DROP, _NEW):
+            if not own:
                 self._last_busy = time.monotonic()
         if session is not None and from_driver:
-            self._pending.extendleft(reversed(session.ran(msg.id)))
+            self._pending.extendleft(reversed(session.ran(request.id)))
         if frames is not None:
             if self._outbox.holding:
-                self._outbox.hold_reply(task.peer, frames)  # after the pipelined messages before it
+                self._outbox.hold_reply(request.peer, frames)  # after the pipelined messages before it
             else:
-                self.sock.send_multipart([task.peer, *frames], copy=False)
-        if self._device_failure is not None:
-            raise self._device_failure
+                self.sock.send_multipart([request.peer, *frames], copy=False)
+        if self._dispatch.device_failure is not None:
+            raise self._dispatch.device_failure
 
-    def _answer(self, task: _Task, peer_session: WorkerSession | None) -> list[Any] | None:
-        """Run a request; its reply's frames, or ``None`` where the reply travels otherwise (or the
-        request waits: a peer's micro-batch that ``peer_session``, the session it belongs to, holds
-        back for a driver request, `WorkerSession.hold_back`)."""
-        msg = task.msg
-        if msg.kind == _DROP:
-            self._drop_session(msg.session)
+    def _answer(self, request: Request, held_by: WorkerSession | None) -> list[Any] | None:
+        """Run a request (`Dispatch.answer`), or one of this worker's own tasks (start or drop a session)."""
+        if request.kind == DROP:
+            self._drop_session(request.session)
             return None
-        if msg.kind == _NEW:
-            self._new_session(msg.session, msg.body)
+        if request.kind == NEW:
+            assert isinstance(request.message, Hello)
+            self._new_session(request.session, request.message)
             return None
-        try:
-            if peer_session is not None and peer_session.hold_back(msg.body, task):
-                return None
-            body = self._handle(msg)
-            if body is NO_REPLY or msg.kind in protocol.QUIET_KINDS:
-                return None
-            return protocol.encode(protocol.OK, msg.id, msg.session, body)
-        except Exception as err:  # every failure becomes an error reply; the worker stays up, unless its GPU failed
-            if _device_failed(err):
-                self._device_failure = err  # reported first, then raised by `_run`: the worker stops
-            if not isinstance(err, ProtocolError):
-                self._throttle.warning(
-                    "failed:" + msg.kind, "request %s failed: %s: %s", msg.kind, type(err).__name__, err
-                )
-            error = error_body(err, self._session)
-            if msg.kind in _PIPELINE_KINDS:
-                # Pipelined work answers to the driver, whoever sent the message.
-                if isinstance(msg.body, dict):
-                    error.update(
-                        {k: msg.body.get(k) for k in ("key", "call", "mb") if isinstance(msg.body.get(k), (int, str))}
-                    )
-                self._outbox.to_driver(protocol.ERROR, error)
-                return None
-            if msg.kind in protocol.QUIET_KINDS:
-                error["posted"] = msg.kind  # the driver did not wait for it: its next read raises this
-            return protocol.encode(protocol.ERROR, msg.id, msg.session, error)
+        return self._dispatch.answer(request, self._session, held_by)
 
     def _new_session(self, session_id: str, hello: Hello) -> None:
         self._drop_session(None)
@@ -953,11 +676,6 @@ class WorkerServer:
         self._outbox.peer_timeout = hello.heartbeat_timeout or DEFAULT_PEER_TIMEOUT
         self._outbox.driver_limits = hello.limits
         self.served += 1
-
-    def _handle(self, msg: protocol.Message) -> Any:
-        if self._session is None or self._session.id != msg.session:
-            raise ProtocolError("session expired")
-        return self._session.handle(msg.kind, msg.body)
 
     def _drop_session(self, session_id: str | None) -> None:
         if self._session is not None and (session_id is None or self._session.id == session_id):

@@ -21,6 +21,7 @@ from lightning_remote_mp.errors import LrmpError, ProtocolError, SpecError
 from lightning_remote_mp.flow import DRIVER
 from lightning_remote_mp.model.spec import resolve_class, source_digest
 from lightning_remote_mp.wire import protocol
+from lightning_remote_mp.wire.fields import Body
 from lightning_remote_mp.wire.messages import Backward, Forward
 from lightning_remote_mp.wire.requests import (
     GetOptimState,
@@ -93,23 +94,27 @@ class WorkerSession:
         self.stages: dict[str, StageExecutor] = {}
         self.optimizers: dict[int, torch.optim.Optimizer] = {}
         self._optim_params: dict[int, list[str]] = {}
-        self._handlers: dict[str, Callable[[Any], Any]] = {
-            protocol.SETUP: self.setup,
-            protocol.FORWARD: self.forward,
-            protocol.BACKWARD: self.backward,
-            protocol.RELEASE: self.release,
-            protocol.GET_STATE: self.get_state,
-            protocol.LOAD_STATE: self.load_state,
-            protocol.OPTIM_CREATE: self.optim_create,
-            protocol.OPTIM_STEP: self.optim_step,
-            protocol.ZERO_GRAD: self.zero_grad,
-            protocol.GET_OPTIM_STATE: self.get_optim_state,
-            protocol.LOAD_OPTIM_STATE: self.load_optim_state,
-            protocol.GRADS: self.grads,
-            protocol.PROFILE: self.profile,
-            protocol.TIMELINE: self.timeline,
-            protocol.GROUP: self.group_init,
-            protocol.SYNC: self.sync,
+        # The handler of each typed request (`lightning_remote_mp.wire.requests.REQUESTS` reads them).
+        self._handlers: dict[type[Body], Callable[[Any], Any]] = {
+            Setup: self.setup,
+            Forward: self.forward,
+            Backward: self.backward,
+            Release: self.release,
+            GetState: self.get_state,
+            LoadState: self.load_state,
+            OptimCreate: self.optim_create,
+            OptimStep: self.optim_step,
+            ZeroGrad: self.zero_grad,
+            GetOptimState: self.get_optim_state,
+            LoadOptimState: self.load_optim_state,
+            GradNorms: self.grads,
+            GradScale: self.grads,
+            GradClamp: self.grads,
+            GradAllreduce: self.grads,
+            Profile: self.profile,
+            Timeline: self.timeline,
+            GroupInit: self.group_init,
+            Sync: self.sync,
         }
         self.group: ReplicaGroup | None = None
         self.events: EventLog | None = None
@@ -120,17 +125,16 @@ class WorkerSession:
         self._answers: dict[tuple[str, int, str], list[tuple[Any, Any, dict[str, Any] | None]]] = {}
 
     # --- order between the driver's requests and the micro-batches from peers --------------
-    def hold_back(self, body: Any, task: Any) -> bool:
-        """Keep ``task`` (a peer's pipelined message, ``body``) for later if the driver sent it after
-        a request to this worker that has not run here yet: its `messages.Forward.fence`. Returns
+    def hold_back(self, message: Forward | Backward, task: Any) -> bool:
+        """Keep ``task`` (a peer's pipelined ``message``) for later if the driver sent it after a
+        request to this worker that has not run here yet: its `messages._Pipelined.fence`. Returns
         whether it was kept; `ran` gives it back once that request has run."""
-        key = body.get("key") if isinstance(body, dict) else None
-        fence = body.get("fence") if isinstance(body, dict) else None
-        route = self.routes.get(key) if isinstance(key, str) else None
-        if route is None or not isinstance(fence, dict):
-            return False  # nothing to wait for; a malformed message is refused when it runs
-        wanted = fence.get(route.index)
-        if type(wanted) is not int or wanted <= self.driver_ran:
+        key = message.key
+        route = self.routes.get(key)
+        if route is None:
+            return False  # nothing to wait for; a stage this worker does not hold is refused when it runs
+        wanted = message.fence.get(route.index)
+        if wanted is None or wanted <= self.driver_ran:
             return False
         if sum(1 for _, held_key, _ in self._held_back if held_key == key) >= route.limit:
             raise ProtocolError(
@@ -156,15 +160,15 @@ class WorkerSession:
         self._held_back = [held for held in self._held_back if held[0] > self.driver_ran]
         return ready
 
-    def handle(self, kind: str, body: Any) -> Any:
-        handler = self._handlers.get(kind)
+    def handle(self, message: Body) -> Any:
+        """Run ``message`` (as `lightning_remote_mp.wire.requests.REQUESTS` read it) through its handler."""
+        handler = self._handlers.get(type(message))
         if handler is None:
-            raise ProtocolError(f"unexpected message kind {kind!r:.40}")
-        return handler(body)
+            raise ProtocolError(f"unexpected message kind {message.KIND!r:.40}")
+        return handler(message)
 
     # --- stages ---------------------------------------------------------------
-    def setup(self, body: Any) -> Any:
-        msg = Setup.from_body(body)
+    def setup(self, msg: Setup) -> Any:
         key, index, start, entries = msg.key, msg.stage, msg.start, msg.entries
         self._check_layer_count(len(entries))
         _check_code_versions(msg.code_digests)  # before building runs any stale code
@@ -218,13 +222,11 @@ class WorkerSession:
                 "max_layers",
             )
 
-    def forward(self, body: Any) -> Any:
-        msg = Forward.from_body(body)
+    def forward(self, msg: Forward) -> Any:
         self._send(self.route(msg.key).forward(msg), protocol.FORWARD, protocol.RESULT)
         return NO_REPLY
 
-    def backward(self, body: Any) -> Any:
-        msg = Backward.from_body(body)
+    def backward(self, msg: Backward) -> Any:
         route = self.route(msg.key)
         self._send(route.backward(msg), protocol.BACKWARD, protocol.DONE)
         try:
@@ -273,12 +275,11 @@ class WorkerSession:
             raise SpecError(f"no stage {key!r:.80} on this worker; send setup first")
         return self.routes[key]
 
-    def sync(self, body: Any) -> Any:
-        Sync.from_body(body)
+    def sync(self, msg: Sync) -> Any:
         return None  # the requests before it have run: they run in order
 
-    def release(self, body: Any) -> Any:
-        for key, calls in Release.from_body(body).calls.items():
+    def release(self, msg: Release) -> Any:
+        for key, calls in msg.calls.items():
             if key in self.routes:  # a stage whose setup failed holds nothing to release
                 self.routes[key].release(calls)
             for held in [h for h in self._answers if h[0] == key and h[1] in calls]:
@@ -288,18 +289,16 @@ class WorkerSession:
     def _named_parameters(self) -> dict[str, torch.nn.Parameter]:
         return {f"{key}/{name}": p for key, stage in self.stages.items() for name, p in stage.named_parameters()}
 
-    def get_state(self, body: Any) -> Any:
-        GetState.from_body(body)
+    def get_state(self, msg: GetState) -> Any:
         return {key: stage.state_dict() for key, stage in self.stages.items()}
 
-    def load_state(self, body: Any) -> Any:
-        for key, state in LoadState.from_body(body).state.items():
+    def load_state(self, msg: LoadState) -> Any:
+        for key, state in msg.state.items():
             self.route(key).stage.load_state_dict(state)
         return None
 
     # --- optimizers -------------------------------------------------------------
-    def optim_create(self, body: Any) -> Any:
-        msg = OptimCreate.from_body(body)
+    def optim_create(self, msg: OptimCreate) -> Any:
         index, defaults = msg.index, msg.defaults
         cls = resolve_class(
             msg.class_path, torch.optim.Optimizer, list(DEFAULT_OPTIMIZER_PREFIXES) + self.allowed_prefixes
@@ -329,8 +328,7 @@ class WorkerSession:
         self._optim_params[index] = names
         return {"parameters": len(names)}
 
-    def optim_step(self, body: Any) -> Any:
-        msg = OptimStep.from_body(body)
+    def optim_step(self, msg: OptimStep) -> Any:
         opt = self.optimizers.get(msg.index)
         if opt is None:
             return None
@@ -344,17 +342,16 @@ class WorkerSession:
         opt.step()
         return None
 
-    def zero_grad(self, body: Any) -> Any:
-        msg = ZeroGrad.from_body(body)
+    def zero_grad(self, msg: ZeroGrad) -> Any:
         opt = self.optimizers.get(msg.index)
         if opt is not None:
             self._settle_grads()
             opt.zero_grad(set_to_none=msg.set_to_none)
         return None
 
-    def timeline(self, body: Any) -> Any:
+    def timeline(self, msg: Timeline) -> Any:
         """``start`` / ``stop`` recording, ``fetch`` (and clear) the events, or read the ``clock``."""
-        op = Timeline.from_body(body).op
+        op = msg.op
         if op == "start":
             self.events = self.events or EventLog()
         elif op == "stop":
@@ -365,23 +362,20 @@ class WorkerSession:
             route.events = self.events
         return {"time": time.time()}
 
-    def group_init(self, body: Any) -> Any:
+    def group_init(self, msg: GroupInit) -> Any:
         """Join the process group of this stage's replicas (blocks until all have joined)."""
-        msg = GroupInit.from_body(body)
         self.group = ReplicaGroup(msg.host, msg.port, msg.prefix, msg.rank, msg.world, msg.backend, msg.timeout)
         return None
 
-    def profile(self, body: Any) -> Any:
+    def profile(self, msg: Profile) -> Any:
         """Seconds of forward plus backward of each layer of ``entries``, measured here."""
-        msg = Profile.from_body(body)
         self._check_layer_count(len(msg.entries))
         repeats = min(max(3 if msg.repeats is None else msg.repeats, 1), 50)
         return {"seconds": profile_layers(msg.entries, self.device, self.allowed_prefixes, repeats)}
 
-    def grads(self, body: Any) -> Any:
+    def grads(self, msg: Grads) -> Any:
         """Gradient operations over one optimizer's parameters, for clipping across stages:
         ``norms`` returns each gradient's norm, ``scale`` multiplies them, ``clamp`` clips by value."""
-        msg = Grads.from_body(body)
         opt = self.optimizers.get(msg.index)
         self._settle_grads()
         grads = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None] if opt else []
@@ -397,13 +391,13 @@ class WorkerSession:
                 raise ProtocolError("gradient all-reduce asked of a worker without replicas")
             params = [p for g in opt.param_groups for p in g["params"]] if opt else []
             return {"bytes": self.group.allreduce_grads(params)}
-        assert isinstance(msg, GradClamp)  # Grads.from_body returns one of the four operations
+        assert isinstance(msg, GradClamp)  # the handler table sends only the four operations here
         for g in grads:
             g.clamp_(-msg.value, msg.value)
         return None
 
-    def get_optim_state(self, body: Any) -> Any:
-        index = GetOptimState.from_body(body).index
+    def get_optim_state(self, msg: GetOptimState) -> Any:
+        index = msg.index
         opt = self.optimizers.get(index)
         if opt is None:
             return {"state": {}}
@@ -413,8 +407,7 @@ class WorkerSession:
             "order": self._optim_params[index],
         }
 
-    def load_optim_state(self, body: Any) -> Any:
-        msg = LoadOptimState.from_body(body)
+    def load_optim_state(self, msg: LoadOptimState) -> Any:
         index, state = msg.index, msg.state
         opt = self.optimizers.get(index)
         if opt is None:

@@ -1,0 +1,160 @@
+"""What a worker does with a message that arrived: read it as the typed message its kind names, run
+it through its handler, and answer.
+
+`parse` is the one place a received body is read (through `lightning_remote_mp.wire.requests.REQUESTS`,
+one class per kind): everything after it handles typed messages. A body that cannot be read becomes
+a `Request` that carries the refusal, answered in its turn like any request's failure. `Dispatch`
+runs a request through the session's handler for its type (`WorkerSession.handle`) and turns the
+outcome into the reply: an OK with the handler's answer, nothing for work that answers on its own
+(a micro-batch's results go on to the next stage), or an ERROR naming what failed where. Nothing a
+message carries is executed: its type only chooses among the session's handlers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import traceback
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from lightning_remote_mp.errors import ProtocolError
+from lightning_remote_mp.flow import DRIVER
+from lightning_remote_mp.wire import protocol
+from lightning_remote_mp.wire.fields import Body
+from lightning_remote_mp.wire.messages import Backward, Forward, salvage
+from lightning_remote_mp.wire.requests import REQUESTS
+from lightning_remote_mp.worker.session import NO_REPLY, WorkerSession
+from lightning_remote_mp.worker.throttle import Throttle
+
+if TYPE_CHECKING:
+    from lightning_remote_mp.worker.outbox import Outbox  # which reports failures with `error_body`
+
+log = logging.getLogger(__name__)
+
+#: The kinds of the worker's own tasks, queued beside requests: drop a session, start one.
+DROP, NEW = "__drop__", "__new__"
+
+_PIPELINE_KINDS = frozenset({protocol.FORWARD, protocol.BACKWARD})
+
+
+@dataclasses.dataclass
+class Request:
+    """A message that arrived, read: who sent it, its header, and its typed body.
+
+    Attributes:
+        peer: the sender's identity on the server socket (where a reply goes).
+        kind, id, session: the message's header.
+        message: the typed body; ``None`` for a body that could not be read (``refused``).
+        refused: why the body could not be read; the request is answered with it in its turn.
+        from_peer: a pipelined message from another stage, not from the driver.
+        salvaged: for a pipelined body that could not be read, the key, call and micro-batch it
+            names, so that its failure reaches the driver as that micro-batch's.
+    """
+
+    peer: bytes
+    kind: str
+    id: int
+    session: str
+    message: Body | None
+    refused: ProtocolError | None = None
+    from_peer: bool = False
+    salvaged: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def about(self) -> dict[str, Any]:
+        """The micro-batch a pipelined request's failure is reported for (key, call, mb)."""
+        if isinstance(self.message, (Forward, Backward)):
+            return {"key": self.message.key, "call": self.message.call, "mb": self.message.mb}
+        return self.salvaged
+
+
+def parse(peer: bytes, msg: protocol.Message) -> Request:
+    """``msg`` (a kind of `protocol.REQUEST_KINDS`) read as its kind's typed message."""
+    try:
+        message = REQUESTS[msg.kind].from_body(msg.body)
+    except ProtocolError as err:
+        sender, about = salvage(msg.body) if msg.kind in _PIPELINE_KINDS else (None, {})
+        return Request(peer, msg.kind, msg.id, msg.session, None, err, sender not in (None, DRIVER), about)
+    from_peer = isinstance(message, (Forward, Backward)) and message.sender != DRIVER
+    return Request(peer, msg.kind, msg.id, msg.session, message, from_peer=from_peer)
+
+
+def device_failed(err: BaseException) -> bool:
+    """A CUDA error: after one, the device's context is unusable for every later request too."""
+    accelerator_error = getattr(torch, "AcceleratorError", None)
+    if accelerator_error is not None and isinstance(err, accelerator_error):
+        return True
+    return isinstance(err, RuntimeError) and "CUDA error" in str(err)
+
+
+def error_body(err: BaseException, session: WorkerSession | None = None, *, trace: bool = True) -> dict[str, Any]:
+    """The body of an ERROR reply. ``trace=False`` leaves the traceback out: for malformed input
+    from anyone, it is costly to format and tells a stranger about this worker's files."""
+    layer = getattr(err, "lrmp_layer", None)
+    body: dict[str, Any] = {
+        "type": type(err).__name__,
+        "message": str(err),
+        "traceback": "".join(traceback.format_exception(type(err), err, err.__traceback__, limit=8)) if trace else "",
+        "layer": layer if isinstance(layer, int) else None,
+    }
+    if body["layer"] is not None and session is not None:
+        for stage in session.stages.values():
+            if name := stage.layer_name(body["layer"]):
+                body["layer_name"] = name
+    return body
+
+
+class Dispatch:
+    """Runs requests through the session's handlers and makes their replies (on the serving thread).
+
+    Args:
+        outbox: where pipelined work answers: a micro-batch's failure goes to the driver, whoever
+            sent the micro-batch.
+        throttle: logs the failures, without flooding the log.
+    """
+
+    def __init__(self, outbox: Outbox, throttle: Throttle) -> None:
+        self.outbox = outbox
+        self.throttle = throttle
+        #: A CUDA error a request raised: reported, then the worker stops (the device is unusable).
+        self.device_failure: Exception | None = None
+
+    def answer(
+        self, request: Request, session: WorkerSession | None, held_by: WorkerSession | None = None
+    ) -> list[Any] | None:
+        """Run ``request`` in ``session`` (the worker's current one); its reply's frames, or ``None``
+        where the reply travels otherwise, or the request waits: a peer's micro-batch that
+        ``held_by``, the session it belongs to, holds back for a driver request
+        (`WorkerSession.hold_back`)."""
+        try:
+            if request.refused is not None:
+                raise request.refused
+            message = request.message
+            if held_by is not None and isinstance(message, (Forward, Backward)) and held_by.hold_back(message, request):
+                return None
+            if session is None or session.id != request.session or message is None:
+                raise ProtocolError("session expired")
+            body = session.handle(message)
+            if body is NO_REPLY or request.kind in protocol.QUIET_KINDS:
+                return None
+            return protocol.encode(protocol.OK, request.id, request.session, body)
+        except Exception as err:  # every failure becomes an error reply; the worker stays up, unless its GPU failed
+            return self._failed(request, session, err)
+
+    def _failed(self, request: Request, session: WorkerSession | None, err: Exception) -> list[Any] | None:
+        if device_failed(err):
+            self.device_failure = err  # reported first, then raised by the server: the worker stops
+        if not isinstance(err, ProtocolError):
+            self.throttle.warning(
+                "failed:" + request.kind, "request %s failed: %s: %s", request.kind, type(err).__name__, err
+            )
+        error = error_body(err, session)
+        if request.kind in _PIPELINE_KINDS:
+            error.update(request.about)  # pipelined work answers to the driver, whoever sent the message
+            self.outbox.to_driver(protocol.ERROR, error)
+            return None
+        if request.kind in protocol.QUIET_KINDS:
+            error["posted"] = request.kind  # the driver did not wait for it: its next read raises this
+        return protocol.encode(protocol.ERROR, request.id, request.session, error)
