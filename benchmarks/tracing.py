@@ -157,7 +157,7 @@ RECORD: dict[str, Any] = {}
 
 
 def instrument() -> None:
-    """Wrap ``trace.trace_module``, ``trace._export`` and ``DriverSession.place`` (in this process
+    """Wrap ``trace.trace_module``, ``trace.export`` and ``DriverSession.place`` (in this process
     only) so that each fit records how long they took, and the traced module."""
     from lightning_remote_mp.driver.session import DriverSession
     from lightning_remote_mp.model import trace
@@ -179,7 +179,7 @@ def instrument() -> None:
     # The optimizer's mirror on the workers (OPTIM_CREATE round trips): part of placing, at setup for
     # a spec and right after the trace for a traced module.
     DriverSession.mirror_optimizer = timed(DriverSession.mirror_optimizer, "place")
-    export = trace._export
+    export = trace.export
 
     @functools.wraps(export)
     def timed_export(module: Any, args: Any, kwargs: Any, name: str, training: bool) -> Any:
@@ -188,7 +188,7 @@ def instrument() -> None:
         RECORD[f"export_{'train' if training else 'eval'}"] = time.perf_counter() - t0
         return out
 
-    trace._export = timed_export
+    trace.export = timed_export  # trace_module looks it up here
 
 
 def cold_trace(lm: nn.Module, cfg: dict[str, Any]) -> dict[str, float]:

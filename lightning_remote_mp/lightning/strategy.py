@@ -48,7 +48,8 @@ from lightning_remote_mp.lightning.summary import RemoteModelSummary
 from lightning_remote_mp.lightning.timeline import TimelineCallback
 from lightning_remote_mp.logs import follow_lightning
 from lightning_remote_mp.model.spec import SpecSequential
-from lightning_remote_mp.model.trace import TracedForward, TracedSequential, find_modules
+from lightning_remote_mp.model.trace import TracedForward, find_modules
+from lightning_remote_mp.model.traced import TracedSequential
 from lightning_remote_mp.wire import protocol
 from lightning_remote_mp.wire.keys import KeyPair, generate_keypair, load_keypair, load_public_key, write_public_key
 from lightning_remote_mp.wire.transport import DEFAULT_CALL_TIMEOUT, DEFAULT_CONNECT_TIMEOUT, DEFAULT_HEARTBEAT_TIMEOUT

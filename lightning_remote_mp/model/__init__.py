@@ -2,7 +2,9 @@
 
 - `spec`: layer specs, class resolution under an allowlist, residual-variable wiring, `SpecSequential`;
 - `graph`: traced programs as plain data, the operator allowlist, and `GraphLayer` that runs them;
-- `trace`: the ``torch.export`` front end that cuts an unchanged ``nn.Module`` into units;
+- `export`: the ``torch.export`` front end: an unchanged ``nn.Module`` as an ATen graph;
+- `trace`: that graph cut into units that workers run, and the stand-in for the module's ``forward``;
+- `traced`: the traced module on the driver, and the map between its calls and the pipeline;
 - `partition`: stages, the variables that cross them, and the balancing of layers over workers.
 
 The model knows no sockets: it imports neither `lightning_remote_mp.wire` nor the layers above it.

@@ -2,8 +2,7 @@
 into pieces that workers run as `lightning_remote_mp.model.graph.GraphLayer` layers, with no user code.
 
 1. `trace_module` exports the module twice, in train and in eval mode (code may branch on
-   ``self.training``), with every dimension of every tensor input dynamic where the code allows
-   (a short last batch, another sequence length).
+   ``self.training``; `lightning_remote_mp.model.export`).
 2. The graph is cut into *units* at module boundaries: each step belongs to the outermost module
    on its stack that is a leaf or an element of a ``ModuleList``/``Sequential`` (a block); steps of
    glue code join the next unit. Units that share a weight (tied embeddings) merge.
@@ -11,9 +10,9 @@ into pieces that workers run as `lightning_remote_mp.model.graph.GraphLayer` lay
    (produced earlier, used here or later) and returns those live at its end; pipeline stages are
    contiguous runs of units, chosen by the strategy's ``balance`` as for a spec.
 4. On the driver the module keeps its weights (a copy, refreshed from the workers whenever its
-   ``state_dict()`` is taken) and its own ``state_dict`` keys; its ``forward`` flattens the call's
-   arguments, runs the pipeline and rebuilds the output (a tensor, tuple, dict or a HuggingFace
-   ``ModelOutput``).
+   ``state_dict()`` is taken) and its own ``state_dict`` keys; `TracedForward` stands in for its
+   ``forward``: it flattens the call's arguments, runs the pipeline and rebuilds the output
+   (`lightning_remote_mp.model.traced`).
 
 >>> import torch
 >>> net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
@@ -26,24 +25,21 @@ True
 
 from __future__ import annotations
 
-import dataclasses
-import inspect
 import logging
-import math
 import operator
 import re
-import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import fx, nn
-from torch.fx.experimental.symbolic_shapes import is_concrete_int
 from torch.utils import _pytree as pytree
 
 from lightning_remote_mp.errors import TraceError
+from lightning_remote_mp.model.export import export
 from lightning_remote_mp.model.graph import TRACED_PYTHON_NAMES, GraphLayer, allowed_operator
-from lightning_remote_mp.model.spec import LayerEntry, SpecSequential
+from lightning_remote_mp.model.spec import SpecSequential
+from lightning_remote_mp.model.traced import Ends, Interface, TracedEntry, TracedSequential, as_tuple
 
 log = logging.getLogger(__name__)
 _MARKER_NAMES = {
@@ -61,129 +57,6 @@ LAYER_PATH = "lightning_remote_mp.graph.GraphLayer"
 
 
 # --- exporting ------------------------------------------------------------------------------
-def _dynamic(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return {d: torch.export.Dim.AUTO for d in range(value.dim())}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_dynamic(v) for v in value)
-    if isinstance(value, dict):
-        return {k: _dynamic(v) for k, v in value.items()}
-    return None
-
-
-def _dynamic_shapes(module: nn.Module, args: tuple, kwargs: dict) -> Any:
-    try:
-        bound = inspect.signature(module.forward).bind(*args, **kwargs)
-    except (TypeError, ValueError):
-        return None
-    return {name: _dynamic(value) for name, value in bound.arguments.items()}
-
-
-def _export(module: nn.Module, args: tuple, kwargs: dict, name: str, training: bool) -> fx.GraphModule:
-    flags = [(m, m.training) for m in module.modules()]
-    module.train(training)
-    # torch.export logs each dimension it keeps static (a channel count of 1) as a warning; the
-    # trace records them, and a call that differs gets an error naming the dimension.
-    quiet = logging.getLogger("torch._export.non_strict_utils")
-    level = quiet.level
-    quiet.setLevel(logging.ERROR)
-    try:
-        with torch.inference_mode(False), torch.enable_grad(), torch.random.fork_rng(devices=[]):
-            ep = torch.export.export(module, args, kwargs, dynamic_shapes=_dynamic_shapes(module, args, kwargs))
-    except Exception as err:  # torch.export raises many types; all mean "cannot trace this"
-        raise TraceError(_export_failure(name, err)) from err
-    finally:
-        quiet.setLevel(level)
-        for m, f in flags:
-            m.training = f
-    gm = ep.module()
-    gm.lrmp_ranges = dict(ep.range_constraints)  # type: ignore[assignment]
-    _inline_blocks(gm, name)
-    gm.lrmp_out_spec = ep.call_spec.out_spec  # type: ignore[assignment]
-    return gm
-
-
-def _block_context(node: fx.Node) -> tuple[dict[str, Any], int] | None:
-    """For a ``torch.no_grad()`` / ``torch.autocast`` block that export wrapped in a higher-order
-    operator: the context its steps run in, and where its submodule and arguments start."""
-    name = getattr(node.target, "__name__", "")
-    if name == "wrap_with_set_grad_enabled":
-        return {"grad": bool(node.args[0])}, 1
-    if name == "wrap_with_autocast":
-        dtype = node.args[1] if isinstance(node.args[1], torch.dtype) else None
-        return {"autocast": {"enabled": bool(node.args[2]), "dtype": dtype}}, 4
-    return None
-
-
-def _inline_blocks(gm: fx.GraphModule, name: str) -> None:
-    """Replace grad-mode and autocast blocks by their steps, each marked with the block's context."""
-    while True:
-        found = next((n for n in gm.graph.nodes if n.op == "call_function" and _block_context(n) is not None), None)
-        if found is None:
-            gm.graph.lint()
-            return
-        _inline_block(gm, found, name)
-
-
-def _inline_block(gm: fx.GraphModule, found: fx.Node, name: str) -> None:
-    context, at = _block_context(found)  # type: ignore[misc]
-    sub = getattr(gm, found.args[at].target)
-    outer = found.meta.get("lrmp_context", {})
-    env: dict[fx.Node, Any] = dict(zip([p for p in sub.graph.nodes if p.op == "placeholder"], found.args[at + 1 :]))
-    outs: Any = None
-    with gm.graph.inserting_before(found):
-        for sn in sub.graph.nodes:
-            if sn.op == "placeholder":
-                continue
-            if sn.op == "output":
-                outs = fx.map_arg(sn.args[0], env.__getitem__)
-                continue
-            if sn.op == "get_attr":
-                raise TraceError(f"module {name!r}: a no_grad/autocast block holds its own weights; not supported")
-            new = gm.graph.node_copy(sn, env.__getitem__)
-            new.meta["lrmp_context"] = {**outer, **context, **sn.meta.get("lrmp_context", {})}
-            if "nn_module_stack" not in new.meta and "nn_module_stack" in found.meta:
-                new.meta["nn_module_stack"] = found.meta["nn_module_stack"]
-            env[sn] = new
-    for user in list(found.users):
-        if user.target is operator.getitem:
-            user.replace_all_uses_with(outs[user.args[1]])
-            gm.graph.erase_node(user)
-    if found.users:
-        found.replace_all_uses_with(outs)
-    gm.graph.erase_node(found)
-
-
-def _export_failure(name: str, err: BaseException) -> str:
-    text = str(err).strip()
-    frames = re.findall(r'File "([^"]+)", line (\d+), in (\w+)\n\s+(.+)', text)
-    user = [f for f in frames if "site-packages/torch" not in f[0]]
-    where = ""
-    if user:
-        file, line, func, code = user[-1]
-        where = f" at {file}:{line} in {func} ({code.strip()})"
-    elif err.__traceback__ is not None:
-        tb = [f for f in traceback.extract_tb(err.__traceback__) if "/torch/" not in f.filename]
-        if tb:
-            where = f" at {tb[-1].filename}:{tb[-1].lineno} in {tb[-1].name}"
-    first = text.splitlines()[0] if text else type(err).__name__
-    if "data-dependent" in text or "DataDependent" in type(err).__name__ or "guard on" in text.lower():
-        hint = (
-            "Data-dependent control flow (an `if` on a tensor's value, a loop over its contents) cannot be "
-            "traced. Rewrite that part with torch.where"
-        )
-    elif "Found <class" in text and "output" in text:
-        hint = (
-            "The module returns an object torch.export cannot flatten (a HuggingFace model's key/value cache: "
-            "pass use_cache=False in its config)"
-        )
-    else:
-        hint = "torch.export could not trace it"
-    return (
-        f"module {name!r} cannot be traced by torch.export{where}: {type(err).__name__}: {first[:400]}\n"
-        f"{hint}; or split only the submodules around that part (split=[...] takes dotted names), or "
-        "describe the model as a layer spec (SpecSequential)."
-    )
 
 
 # --- cutting into units ---------------------------------------------------------------------
@@ -392,136 +265,6 @@ def _cost(nodes: Sequence[fx.Node]) -> float:
 
 
 # --- the traced module ------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class TracedEntry(LayerEntry):
-    """A spec entry for one unit, shown under the module path it covers."""
-
-    label: str = ""
-
-    @property
-    def name(self) -> str:
-        return self.label or super().name
-
-
-class TracedSequential(SpecSequential):
-    """The pieces of a traced module as a `SpecSequential` of `GraphLayer` units, so placement,
-    pipelining, checkpoints and the optimizer mirror treat them like any spec.
-
-    Its layers share their tensors with the traced module (nothing is copied); ``state_owner`` and
-    ``state_names`` tell the driver which of the module's ``state_dict`` keys each unit's tensors are.
-    """
-
-    kind = "traced module"
-
-    def __init__(
-        self,
-        name: str,
-        module: nn.Module,
-        entries: Sequence[TracedEntry],
-        layers: Sequence[GraphLayer],
-        state_names: Mapping[str, str],
-        covered: Sequence[Sequence[nn.Module]],
-        compute: Sequence[float],
-    ) -> None:
-        nn.Module.__init__(self)  # not SpecSequential's: the layers exist already
-        self.init_seed = None
-        self._hold(entries, layers)
-        self.traced_name = name
-        object.__setattr__(self, "_owner", module)  # not a submodule: its keys stay its own
-        self.state_names = dict(state_names)  # "<unit>.<attribute>" -> the module's state_dict key
-        self._covered = [list(c) for c in covered]
-        self.compute = list(compute)
-
-    @property
-    def state_owner(self) -> nn.Module:
-        return self._owner
-
-    def layer_state(self, state_dict: Mapping[str, Any], prefix: str) -> dict[str, Any]:
-        return {wire: state_dict[prefix + key] for wire, key in self.state_names.items() if prefix + key in state_dict}
-
-    def modes(self) -> Any:
-        """Per unit, the train/eval flag of the modules it covers (all of them must agree)."""
-        per_unit = []
-        for i, modules in enumerate(self._covered):
-            flags = {m.training for m in modules}
-            if len(flags) > 1:
-                mixed = sorted(type(m).__name__ for m in modules if m.training)[:3]
-                raise TraceError(
-                    f"module {self.traced_name!r}, unit {i} ({self.entries[i].name}): some of its modules are in "
-                    f"train mode ({', '.join(mixed)}...) and some in eval mode; a traced unit runs one or the "
-                    "other. Switch whole blocks, or trace smaller pieces."
-                )
-            per_unit.append(flags.pop() if flags else True)
-        first = per_unit[0]
-        return first if all(f is first for f in per_unit) else per_unit
-
-    def counts_at(self, names: Sequence[str], stages: int) -> list[int]:
-        """Units per stage when stages 1, 2, ... start at the submodules ``names`` (dotted paths)."""
-        if len(names) != stages - 1:
-            raise TraceError(
-                f"module {self.traced_name!r}: balance names {len(names)} submodules where stages 1..{stages - 1} "
-                f"start, but there are {stages} stages; give {stages - 1} names"
-            )
-        starts = []
-        for name in names:
-            at = next((i for i, e in enumerate(self.entries) if e.name == name or e.name.startswith(name + ".")), None)
-            if at is None or at == 0 or (starts and at <= starts[-1]):
-                units = ", ".join(e.name for e in self.entries)
-                raise TraceError(
-                    f"module {self.traced_name!r}: balance cannot start a stage at {name!r}; stages start at one of "
-                    f"its units, in order, after the first: {units}"
-                )
-            starts.append(at)
-        bounds = [0, *starts, len(self.entries)]
-        return [b - a for a, b in zip(bounds, bounds[1:])]
-
-    def check_batch_split(self, inputs: Sequence[torch.Tensor]) -> None:
-        """Refuse to split batches along a dim that is not the batch: run the first call's first
-        rows here (eval mode, no grad) whole and in two halves; the halves' outputs, joined, must be
-        the whole's. A sequence-first model (dim 0 is time) or one whose samples interact fails."""
-        call: _Call = self.interface  # type: ignore[attr-defined]
-        rows = next((t.shape[0] for t, b in zip(inputs, call.batched_in) if b), 0)
-        if rows < 2:
-            return
-        take = min(rows, 4)
-        sample = [t[:take] if b else t for t, b in zip(inputs, call.batched_in)]
-        halves = [
-            [t[a:z] if b else t for t, b in zip(sample, call.batched_in)]
-            for a, z in ((0, take // 2), (take // 2, take))
-        ]
-        flags = [m.training for m in self.layers]
-        self.train(False)
-        try:
-            with torch.no_grad():
-                whole = _as_tuple(self.run_locally(*sample))
-                parts = [_as_tuple(self.run_locally(*h)) for h in halves]
-        finally:
-            for m, f in zip(self.layers, flags):
-                m.train(f)
-        for i, (out, batched) in enumerate(zip(whole, call.batched_out)):
-            if not batched or not out.is_floating_point():
-                continue
-            joined = torch.cat([p[i] for p in parts], dim=0)
-            if not torch.allclose(joined, out, rtol=1e-4, atol=1e-5):
-                raise TraceError(
-                    f"module {self.traced_name!r}: splitting a batch along dim 0 of its inputs changes its output "
-                    f"{i}, so dim 0 is not the batch (a sequence-first model, batch_first=False?) or its samples "
-                    "interact. Micro-batches and replicas split dim 0: make dim 0 the batch, or use "
-                    "microbatches=1 and a single replica."
-                )
-
-    def run_locally(self, *inputs: torch.Tensor) -> Any:
-        """Run the units here, in order (for checks): the traced module's first outputs."""
-        values: tuple = tuple(inputs)
-        for layer in self.layers:
-            values = layer(values)
-        return values[0] if len(values) == 1 else values
-
-
-@dataclasses.dataclass
-class _Interface:
-    inputs: list[str]  # placeholder names unit 0 takes, in order
-    outputs: list[str]  # value names the last unit returns, in order
 
 
 def _live(values: list[fx.Node], unit_of: dict[fx.Node, int], n_units: int) -> list[list[fx.Node]]:
@@ -536,7 +279,7 @@ def _live(values: list[fx.Node], unit_of: dict[fx.Node, int], n_units: int) -> l
 
 def trace_module(module: nn.Module, args: tuple, kwargs: dict, name: str) -> TracedSequential:
     """Trace ``module`` called with ``args`` and ``kwargs`` and cut it into units (see the module docstring)."""
-    graphs = {"train": _export(module, args, kwargs, name, True), "eval": _export(module, args, kwargs, name, False)}
+    graphs = {"train": export(module, args, kwargs, name, True), "eval": export(module, args, kwargs, name, False)}
     owners, train_runs, eval_runs = _align(_runs(graphs["train"], module), _runs(graphs["eval"], module), name)
     attrs = [_attrs(t) | _attrs(e) for t, e in zip(train_runs, eval_runs)]
     groups, ties = _merge_shared(attrs)
@@ -550,7 +293,7 @@ def trace_module(module: nn.Module, args: tuple, kwargs: dict, name: str) -> Tra
     programs: list[dict[str, Any]] = [{} for _ in groups]
     shapes: list[list[tuple[int, ...]]] = []
     examples: list[list[dict[str, Any]]] = []
-    interfaces: dict[str, _Interface] = {}
+    interfaces: dict[str, Ends] = {}
     crossings: dict[str, list[list[Any]]] = {}
     for mode, gm in graphs.items():
         units = unit_nodes[mode]
@@ -578,7 +321,7 @@ def trace_module(module: nn.Module, args: tuple, kwargs: dict, name: str) -> Tra
         if mode == "train":
             shapes = [[_shape(v) for v in live[k]] for k in range(len(units))]
             examples = [[_example(v) for v in live[k]] for k in range(len(units))]
-        interfaces[mode] = _Interface([v.name for v in live[0]], [v.name for v in live[-1]])
+        interfaces[mode] = Ends([v.name for v in live[0]], [v.name for v in live[-1]])
         crossings[mode] = [[_kind(v) for v in boundary] for boundary in live]
     _check_same_interface(name, crossings, interfaces)
     layers, entries, state_names, covered = [], [], {}, []
@@ -613,7 +356,7 @@ def trace_module(module: nn.Module, args: tuple, kwargs: dict, name: str) -> Tra
         name, module, entries, layers, state_names, covered, [_cost(nodes) for nodes in unit_nodes["train"]]
     )
     traced.ties = ties  # type: ignore[attr-defined]
-    call = _Call.from_graph(name, graphs["train"], interfaces["train"], args, kwargs)
+    call = Interface.from_graph(name, graphs["train"], interfaces["train"], args, kwargs)
     traced.interface = call  # type: ignore[attr-defined]
     traced.batched = (call.batched_in, call.batched_out)
     return traced
@@ -643,7 +386,7 @@ def _kind(v: fx.Node) -> Any:
     return (val.dtype, val.dim()) if isinstance(val, torch.Tensor) else "scalar"
 
 
-def _check_same_interface(name: str, crossings: dict[str, list[list[Any]]], interfaces: dict[str, _Interface]) -> None:
+def _check_same_interface(name: str, crossings: dict[str, list[list[Any]]], interfaces: dict[str, Ends]) -> None:
     if crossings["train"] != crossings["eval"]:
         k = next(i for i, (a, b) in enumerate(zip(crossings["train"], crossings["eval"])) if a != b)
         raise TraceError(
@@ -709,106 +452,6 @@ def _covered(root: nn.Module, owners: Sequence[str]) -> list[nn.Module]:
 
 
 # --- calling ----------------------------------------------------------------------------------
-@dataclasses.dataclass
-class _Call:
-    """How a call's arguments map to the pipeline's inputs, and its outputs back to the module's."""
-
-    name: str
-    in_spec: Any
-    constants: list[Any]  # the non-tensor leaves of the traced call (None where a tensor is)
-    input_leaves: list[int]  # for each pipeline input, its leaf index
-    static_dims: list[dict[int, int]]  # per pipeline input, dims the trace fixed
-    ranges: list[dict[int, tuple[int, float]]]  # per pipeline input, limits the trace found on dynamic dims
-    batched_in: list[bool]
-    out_spec: Any
-    out_leaves: list[tuple[str, Any]]  # ("value", index into pipeline outputs) or ("constant", value)
-    batched_out: list[bool]
-
-    @classmethod
-    def from_graph(cls, name: str, gm: fx.GraphModule, interface: _Interface, args: tuple, kwargs: dict) -> _Call:
-        leaves, in_spec = pytree.tree_flatten((args, kwargs))
-        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        if len(placeholders) != len(leaves):
-            raise TraceError(f"module {name!r}: the trace has {len(placeholders)} inputs for {len(leaves)} arguments")
-        index = {p.name: i for i, p in enumerate(placeholders)}
-        input_leaves = [index[n] for n in interface.inputs]
-        for i in input_leaves:
-            if not isinstance(leaves[i], torch.Tensor):
-                raise TraceError(f"module {name!r}: its argument {placeholders[i].name!r} must be a tensor to travel")
-        output = next(n for n in gm.graph.nodes if n.op == "output")
-        by_name = {n.name: n for n in gm.graph.nodes}
-        vals = [placeholders[i].meta["val"] for i in input_leaves]
-        batch = _batch_symbol(vals + [by_name[n].meta.get("val") for n in interface.outputs])
-        static, ranges, batched_in = [], [], []
-        for val in vals:
-            static.append({d: int(s) for d, s in enumerate(val.shape) if is_concrete_int(s)})
-            ranges.append(_ranges(val, getattr(gm, "lrmp_ranges", {})))
-            batched_in.append(val.dim() > 0 and batch is not None and str(val.shape[0]) == batch)
-        flat_out = list(output.args[0]) if isinstance(output.args[0], (list, tuple)) else [output.args[0]]
-        out_leaves: list[tuple[str, Any]] = []
-        for v in flat_out:
-            if isinstance(v, fx.Node):
-                out_leaves.append(("value", interface.outputs.index(v.name)))
-            else:
-                out_leaves.append(("constant", v))
-        batched_out = []
-        for n in interface.outputs:
-            val = by_name[n].meta.get("val")
-            batched_out.append(
-                isinstance(val, torch.Tensor) and val.dim() > 0 and batch is not None and str(val.shape[0]) == batch
-            )
-        constants = [None if isinstance(x, torch.Tensor) else x for x in leaves]
-        return cls(
-            name,
-            in_spec,
-            constants,
-            input_leaves,
-            static,
-            ranges,
-            batched_in,
-            gm.lrmp_out_spec,
-            out_leaves,
-            batched_out,
-        )
-
-    def inputs(self, args: tuple, kwargs: dict) -> tuple[torch.Tensor, ...]:
-        """The pipeline's inputs for a call, checked against the traced call."""
-        leaves, spec = pytree.tree_flatten((args, kwargs))
-        if spec != self.in_spec:
-            raise TraceError(
-                f"module {self.name!r} was traced at its first call with arguments shaped {self.in_spec}; this call "
-                f"passes {spec}. Call it the same way every time (the same positional and keyword arguments)."
-            )
-        for i, (leaf, traced) in enumerate(zip(leaves, self.constants)):
-            if traced is not None and (isinstance(leaf, torch.Tensor) or leaf != traced):
-                raise TraceError(
-                    f"module {self.name!r}: argument {i} was {traced!r} when traced and is {leaf!r} now; non-tensor "
-                    "arguments are fixed by the trace"
-                )
-        out = []
-        for k, i in enumerate(self.input_leaves):
-            t = leaves[i]
-            for d, size in self.static_dims[k].items():
-                if t.dim() <= d or t.shape[d] != size:
-                    raise TraceError(
-                        f"module {self.name!r}: dimension {d} of input {k} was {size} when traced and the model's code "
-                        f"depends on it; this call gives shape {tuple(t.shape)}"
-                    )
-            for d, (low, high) in self.ranges[k].items():
-                if t.dim() > d and not low <= t.shape[d] <= high:
-                    limit = f"at most {int(high)}" if low == 0 else f"at least {low}"
-                    if low and high < math.inf:
-                        limit = f"between {low} and {int(high)}"
-                    raise TraceError(
-                        f"module {self.name!r}: dimension {d} of input {k} must be {limit} for the model's code "
-                        f"(torch.export found that limit); this call gives shape {tuple(t.shape)}"
-                    )
-            out.append(t)
-        return tuple(out)
-
-    def outputs(self, values: Sequence[Any]) -> Any:
-        flat = [values[ref] if kind == "value" else ref for kind, ref in self.out_leaves]
-        return pytree.tree_unflatten(flat, self.out_spec)
 
 
 class TracedForward:
@@ -875,11 +518,11 @@ class TracedForward:
                 finally:
                     traced.example = None  # type: ignore[attr-defined]  # the first batch, no longer needed
                 self.traced = traced
-        interface: _Call = self.traced.interface  # type: ignore[attr-defined]
+        interface: Interface = self.traced.interface  # type: ignore[attr-defined]
         inputs = interface.inputs(args, kwargs)
         remote = self.traced.remote
         if remote is None:
-            return interface.outputs(list(_as_tuple(self.traced.run_locally(*inputs))))
+            return interface.outputs(list(as_tuple(self.traced.run_locally(*inputs))))
         return interface.outputs(list(remote(inputs)))
 
 
@@ -890,36 +533,6 @@ def _weights_key(module: nn.Module) -> tuple:
 
 def _plain(t: torch.Tensor) -> torch.Tensor:
     return t.clone() if t.is_inference() else t
-
-
-def _as_tuple(value: Any) -> tuple:
-    return value if isinstance(value, tuple) else (value,)
-
-
-def _batch_symbol(vals: Sequence[Any]) -> str | None:
-    """The batch: the dynamic size most of the call's tensors (inputs and outputs) have in dim 0
-    (a position table's length in dim 0 of one input does not make it the batch)."""
-    counts: dict[str, int] = {}
-    for val in vals:
-        if isinstance(val, torch.Tensor) and val.dim() > 0 and not is_concrete_int(val.shape[0]):
-            counts[str(val.shape[0])] = counts.get(str(val.shape[0]), 0) + 1
-    return max(counts, key=counts.__getitem__) if counts else None
-
-
-def _ranges(val: torch.Tensor, constraints: Mapping[Any, Any]) -> dict[int, tuple[int, float]]:
-    """Limits on the dynamic dims of an input that the trace found (a length at most ``n_positions``).
-    A lower limit of 2 is torch.export's default for every dynamic dim, not the model's: not kept."""
-    out: dict[int, tuple[int, float]] = {}
-    for d, size in enumerate(val.shape):
-        expr = getattr(getattr(size, "node", None), "expr", None)
-        bounds = constraints.get(expr) if expr is not None else None
-        if bounds is None:
-            continue
-        low = int(bounds.lower) if bounds.lower > 2 else 0
-        high = float(bounds.upper) if bounds.upper.is_finite else math.inf
-        if low > 0 or high < math.inf:
-            out[d] = (low, high)
-    return out
 
 
 def find_modules(root: nn.Module, names: Sequence[str]) -> dict[str, nn.Module]:

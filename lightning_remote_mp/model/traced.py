@@ -1,0 +1,289 @@
+"""A traced module on the driver: its units as a `SpecSequential`, and how a call's arguments become
+the pipeline's inputs and its outputs the module's.
+
+`TracedSequential` holds the units (`lightning_remote_mp.model.graph.GraphLayer` layers that share
+their tensors with the traced module), so placement, pipelining, checkpoints and the optimizer
+mirror treat them like any spec. `Interface` maps a call of the module to the pipeline's input
+tensors and checks it against the traced call, and maps the pipeline's outputs back to the
+module's output (a tensor, tuple, dict or a HuggingFace ``ModelOutput``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import fx, nn
+from torch.fx.experimental.symbolic_shapes import is_concrete_int
+from torch.utils import _pytree as pytree
+
+from lightning_remote_mp.errors import TraceError
+from lightning_remote_mp.model.graph import GraphLayer
+from lightning_remote_mp.model.spec import LayerEntry, SpecSequential
+
+
+@dataclasses.dataclass(frozen=True)
+class TracedEntry(LayerEntry):
+    """A spec entry for one unit, shown under the module path it covers."""
+
+    label: str = ""
+
+    @property
+    def name(self) -> str:
+        return self.label or super().name
+
+
+class TracedSequential(SpecSequential):
+    """The pieces of a traced module as a `SpecSequential` of `GraphLayer` units, so placement,
+    pipelining, checkpoints and the optimizer mirror treat them like any spec.
+
+    Its layers share their tensors with the traced module (nothing is copied); ``state_owner`` and
+    ``state_names`` tell the driver which of the module's ``state_dict`` keys each unit's tensors are.
+    """
+
+    kind = "traced module"
+
+    def __init__(
+        self,
+        name: str,
+        module: nn.Module,
+        entries: Sequence[TracedEntry],
+        layers: Sequence[GraphLayer],
+        state_names: Mapping[str, str],
+        covered: Sequence[Sequence[nn.Module]],
+        compute: Sequence[float],
+    ) -> None:
+        nn.Module.__init__(self)  # not SpecSequential's: the layers exist already
+        self.init_seed = None
+        self._hold(entries, layers)
+        self.traced_name = name
+        object.__setattr__(self, "_owner", module)  # not a submodule: its keys stay its own
+        self.state_names = dict(state_names)  # "<unit>.<attribute>" -> the module's state_dict key
+        self._covered = [list(c) for c in covered]
+        self.compute = list(compute)
+
+    @property
+    def state_owner(self) -> nn.Module:
+        return self._owner
+
+    def layer_state(self, state_dict: Mapping[str, Any], prefix: str) -> dict[str, Any]:
+        return {wire: state_dict[prefix + key] for wire, key in self.state_names.items() if prefix + key in state_dict}
+
+    def modes(self) -> Any:
+        """Per unit, the train/eval flag of the modules it covers (all of them must agree)."""
+        per_unit = []
+        for i, modules in enumerate(self._covered):
+            flags = {m.training for m in modules}
+            if len(flags) > 1:
+                mixed = sorted(type(m).__name__ for m in modules if m.training)[:3]
+                raise TraceError(
+                    f"module {self.traced_name!r}, unit {i} ({self.entries[i].name}): some of its modules are in "
+                    f"train mode ({', '.join(mixed)}...) and some in eval mode; a traced unit runs one or the "
+                    "other. Switch whole blocks, or trace smaller pieces."
+                )
+            per_unit.append(flags.pop() if flags else True)
+        first = per_unit[0]
+        return first if all(f is first for f in per_unit) else per_unit
+
+    def counts_at(self, names: Sequence[str], stages: int) -> list[int]:
+        """Units per stage when stages 1, 2, ... start at the submodules ``names`` (dotted paths)."""
+        if len(names) != stages - 1:
+            raise TraceError(
+                f"module {self.traced_name!r}: balance names {len(names)} submodules where stages 1..{stages - 1} "
+                f"start, but there are {stages} stages; give {stages - 1} names"
+            )
+        starts = []
+        for name in names:
+            at = next((i for i, e in enumerate(self.entries) if e.name == name or e.name.startswith(name + ".")), None)
+            if at is None or at == 0 or (starts and at <= starts[-1]):
+                units = ", ".join(e.name for e in self.entries)
+                raise TraceError(
+                    f"module {self.traced_name!r}: balance cannot start a stage at {name!r}; stages start at one of "
+                    f"its units, in order, after the first: {units}"
+                )
+            starts.append(at)
+        bounds = [0, *starts, len(self.entries)]
+        return [b - a for a, b in zip(bounds, bounds[1:])]
+
+    def check_batch_split(self, inputs: Sequence[torch.Tensor]) -> None:
+        """Refuse to split batches along a dim that is not the batch: run the first call's first
+        rows here (eval mode, no grad) whole and in two halves; the halves' outputs, joined, must be
+        the whole's. A sequence-first model (dim 0 is time) or one whose samples interact fails."""
+        call: Interface = self.interface  # type: ignore[attr-defined]
+        rows = next((t.shape[0] for t, b in zip(inputs, call.batched_in) if b), 0)
+        if rows < 2:
+            return
+        take = min(rows, 4)
+        sample = [t[:take] if b else t for t, b in zip(inputs, call.batched_in)]
+        halves = [
+            [t[a:z] if b else t for t, b in zip(sample, call.batched_in)]
+            for a, z in ((0, take // 2), (take // 2, take))
+        ]
+        flags = [m.training for m in self.layers]
+        self.train(False)
+        try:
+            with torch.no_grad():
+                whole = as_tuple(self.run_locally(*sample))
+                parts = [as_tuple(self.run_locally(*h)) for h in halves]
+        finally:
+            for m, f in zip(self.layers, flags):
+                m.train(f)
+        for i, (out, batched) in enumerate(zip(whole, call.batched_out)):
+            if not batched or not out.is_floating_point():
+                continue
+            joined = torch.cat([p[i] for p in parts], dim=0)
+            if not torch.allclose(joined, out, rtol=1e-4, atol=1e-5):
+                raise TraceError(
+                    f"module {self.traced_name!r}: splitting a batch along dim 0 of its inputs changes its output "
+                    f"{i}, so dim 0 is not the batch (a sequence-first model, batch_first=False?) or its samples "
+                    "interact. Micro-batches and replicas split dim 0: make dim 0 the batch, or use "
+                    "microbatches=1 and a single replica."
+                )
+
+    def run_locally(self, *inputs: torch.Tensor) -> Any:
+        """Run the units here, in order (for checks): the traced module's first outputs."""
+        values: tuple = tuple(inputs)
+        for layer in self.layers:
+            values = layer(values)
+        return values[0] if len(values) == 1 else values
+
+
+@dataclasses.dataclass
+class Ends:
+    inputs: list[str]  # placeholder names unit 0 takes, in order
+    outputs: list[str]  # value names the last unit returns, in order
+
+
+@dataclasses.dataclass
+class Interface:
+    """How a call's arguments map to the pipeline's inputs, and its outputs back to the module's."""
+
+    name: str
+    in_spec: Any
+    constants: list[Any]  # the non-tensor leaves of the traced call (None where a tensor is)
+    input_leaves: list[int]  # for each pipeline input, its leaf index
+    static_dims: list[dict[int, int]]  # per pipeline input, dims the trace fixed
+    ranges: list[dict[int, tuple[int, float]]]  # per pipeline input, limits the trace found on dynamic dims
+    batched_in: list[bool]
+    out_spec: Any
+    out_leaves: list[tuple[str, Any]]  # ("value", index into pipeline outputs) or ("constant", value)
+    batched_out: list[bool]
+
+    @classmethod
+    def from_graph(cls, name: str, gm: fx.GraphModule, interface: Ends, args: tuple, kwargs: dict) -> Interface:
+        leaves, in_spec = pytree.tree_flatten((args, kwargs))
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        if len(placeholders) != len(leaves):
+            raise TraceError(f"module {name!r}: the trace has {len(placeholders)} inputs for {len(leaves)} arguments")
+        index = {p.name: i for i, p in enumerate(placeholders)}
+        input_leaves = [index[n] for n in interface.inputs]
+        for i in input_leaves:
+            if not isinstance(leaves[i], torch.Tensor):
+                raise TraceError(f"module {name!r}: its argument {placeholders[i].name!r} must be a tensor to travel")
+        output = next(n for n in gm.graph.nodes if n.op == "output")
+        by_name = {n.name: n for n in gm.graph.nodes}
+        vals = [placeholders[i].meta["val"] for i in input_leaves]
+        batch = _batch_symbol(vals + [by_name[n].meta.get("val") for n in interface.outputs])
+        static, ranges, batched_in = [], [], []
+        for val in vals:
+            static.append({d: int(s) for d, s in enumerate(val.shape) if is_concrete_int(s)})
+            ranges.append(_ranges(val, getattr(gm, "lrmp_ranges", {})))
+            batched_in.append(val.dim() > 0 and batch is not None and str(val.shape[0]) == batch)
+        flat_out = list(output.args[0]) if isinstance(output.args[0], (list, tuple)) else [output.args[0]]
+        out_leaves: list[tuple[str, Any]] = []
+        for v in flat_out:
+            if isinstance(v, fx.Node):
+                out_leaves.append(("value", interface.outputs.index(v.name)))
+            else:
+                out_leaves.append(("constant", v))
+        batched_out = []
+        for n in interface.outputs:
+            val = by_name[n].meta.get("val")
+            batched_out.append(
+                isinstance(val, torch.Tensor) and val.dim() > 0 and batch is not None and str(val.shape[0]) == batch
+            )
+        constants = [None if isinstance(x, torch.Tensor) else x for x in leaves]
+        return cls(
+            name,
+            in_spec,
+            constants,
+            input_leaves,
+            static,
+            ranges,
+            batched_in,
+            gm.lrmp_out_spec,
+            out_leaves,
+            batched_out,
+        )
+
+    def inputs(self, args: tuple, kwargs: dict) -> tuple[torch.Tensor, ...]:
+        """The pipeline's inputs for a call, checked against the traced call."""
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        if spec != self.in_spec:
+            raise TraceError(
+                f"module {self.name!r} was traced at its first call with arguments shaped {self.in_spec}; this call "
+                f"passes {spec}. Call it the same way every time (the same positional and keyword arguments)."
+            )
+        for i, (leaf, traced) in enumerate(zip(leaves, self.constants)):
+            if traced is not None and (isinstance(leaf, torch.Tensor) or leaf != traced):
+                raise TraceError(
+                    f"module {self.name!r}: argument {i} was {traced!r} when traced and is {leaf!r} now; non-tensor "
+                    "arguments are fixed by the trace"
+                )
+        out = []
+        for k, i in enumerate(self.input_leaves):
+            t = leaves[i]
+            for d, size in self.static_dims[k].items():
+                if t.dim() <= d or t.shape[d] != size:
+                    raise TraceError(
+                        f"module {self.name!r}: dimension {d} of input {k} was {size} when traced and the model's code "
+                        f"depends on it; this call gives shape {tuple(t.shape)}"
+                    )
+            for d, (low, high) in self.ranges[k].items():
+                if t.dim() > d and not low <= t.shape[d] <= high:
+                    limit = f"at most {int(high)}" if low == 0 else f"at least {low}"
+                    if low and high < math.inf:
+                        limit = f"between {low} and {int(high)}"
+                    raise TraceError(
+                        f"module {self.name!r}: dimension {d} of input {k} must be {limit} for the model's code "
+                        f"(torch.export found that limit); this call gives shape {tuple(t.shape)}"
+                    )
+            out.append(t)
+        return tuple(out)
+
+    def outputs(self, values: Sequence[Any]) -> Any:
+        flat = [values[ref] if kind == "value" else ref for kind, ref in self.out_leaves]
+        return pytree.tree_unflatten(flat, self.out_spec)
+
+
+def as_tuple(value: Any) -> tuple:
+    return value if isinstance(value, tuple) else (value,)
+
+
+def _batch_symbol(vals: Sequence[Any]) -> str | None:
+    """The batch: the dynamic size most of the call's tensors (inputs and outputs) have in dim 0
+    (a position table's length in dim 0 of one input does not make it the batch)."""
+    counts: dict[str, int] = {}
+    for val in vals:
+        if isinstance(val, torch.Tensor) and val.dim() > 0 and not is_concrete_int(val.shape[0]):
+            counts[str(val.shape[0])] = counts.get(str(val.shape[0]), 0) + 1
+    return max(counts, key=counts.__getitem__) if counts else None
+
+
+def _ranges(val: torch.Tensor, constraints: Mapping[Any, Any]) -> dict[int, tuple[int, float]]:
+    """Limits on the dynamic dims of an input that the trace found (a length at most ``n_positions``).
+    A lower limit of 2 is torch.export's default for every dynamic dim, not the model's: not kept."""
+    out: dict[int, tuple[int, float]] = {}
+    for d, size in enumerate(val.shape):
+        expr = getattr(getattr(size, "node", None), "expr", None)
+        bounds = constraints.get(expr) if expr is not None else None
+        if bounds is None:
+            continue
+        low = int(bounds.lower) if bounds.lower > 2 else 0
+        high = float(bounds.upper) if bounds.upper.is_finite else math.inf
+        if low > 0 or high < math.inf:
+            out[d] = (low, high)
+    return out
