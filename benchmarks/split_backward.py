@@ -70,7 +70,7 @@ def measure(layers: list, x: object, repeats: int, rounds: int) -> dict[str, lis
     """Microseconds per micro-batch (forward, backward, flush) for each way, ``rounds`` times, interleaved."""
     from torch import nn
 
-    from lightning_remote_mp.model.spec import run_layers
+    from lightning_remote_mp.model.wiring import run_layers
     from lightning_remote_mp.worker.deferred_grads import DeferredWeightGrads
 
     module = nn.ModuleDict({str(i): m for i, m in enumerate(layers)})

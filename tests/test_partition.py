@@ -21,7 +21,8 @@ from lightning_remote_mp.model.partition import (
     plan_stages,
     split_contiguous,
 )
-from lightning_remote_mp.model.spec import SpecSequential, Wiring
+from lightning_remote_mp.model.spec import SpecSequential
+from lightning_remote_mp.model.wiring import Wiring
 
 PROPS = settings(max_examples=300, deadline=None)
 

@@ -418,7 +418,7 @@ def test_an_init_seed_that_the_workers_would_refuse_is_refused_here(seed):
 
 
 def test_a_layer_declares_its_variables_on_the_instance_on_its_class_or_by_a_property():
-    from lightning_remote_mp.model.spec import variables_of
+    from lightning_remote_mp.model.wiring import variables_of
 
     class OnClass(nn.Module):
         dependencies = ["a"]

@@ -37,14 +37,8 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_remote_mp.errors import SpecError
-from lightning_remote_mp.model.spec import (
-    LayerEntry,
-    SpecSequential,
-    build_layer,
-    call_layer,
-    nested_class_paths,
-    refuse_main,
-)
+from lightning_remote_mp.model.spec import LayerEntry, SpecSequential, build_layer, nested_class_paths, refuse_main
+from lightning_remote_mp.model.wiring import call_layer
 from lightning_remote_mp.wire import protocol
 
 log = logging.getLogger(__name__)

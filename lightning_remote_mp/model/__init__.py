@@ -1,6 +1,7 @@
 """The model: what a user's network is to lrmp, before any socket is opened.
 
-- `spec`: layer specs, class resolution under an allowlist, residual-variable wiring, `SpecSequential`;
+- `spec`: layer specs, class resolution under an allowlist, `SpecSequential`;
+- `wiring`: residual variables: who produces and consumes each, and running layers under that convention;
 - `graph`: traced programs as plain data, the operator allowlist, and `GraphLayer` that runs them;
 - `export`: the ``torch.export`` front end: an unchanged ``nn.Module`` as an ATen graph;
 - `trace`: that graph cut into units that workers run, and the stand-in for the module's ``forward``;

@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from lightning_remote_mp.model.spec import LayerEntry, build_layer, call_layer, normalize_entry, variables_of
+from lightning_remote_mp.model.spec import LayerEntry, build_layer, normalize_entry
+from lightning_remote_mp.model.wiring import call_layer, variables_of
 
 
 def _inputs(entry: LayerEntry, deps: list[str], device: torch.device, floating: bool) -> tuple[Any, dict]:

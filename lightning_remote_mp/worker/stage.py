@@ -16,7 +16,8 @@ from torch import nn
 
 from lightning_remote_mp.errors import SpecError
 from lightning_remote_mp.flow import Main, SplitBackward, is_floating, is_main
-from lightning_remote_mp.model.spec import LayerEntry, apply_modes, build_layer, normalize_entry, run_layers
+from lightning_remote_mp.model.spec import LayerEntry, apply_modes, build_layer, normalize_entry
+from lightning_remote_mp.model.wiring import run_layers
 from lightning_remote_mp.worker.deferred_grads import DeferredWeightGrads, auto_min_macs
 from lightning_remote_mp.worker.device_io import DeviceIO
 
