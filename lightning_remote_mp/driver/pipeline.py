@@ -27,9 +27,10 @@ from lightning_remote_mp.errors import ConfigurationError, ProtocolError, Remote
 from lightning_remote_mp.flow import DRIVER, Main, is_floating, is_main
 from lightning_remote_mp.model.partition import Stage
 from lightning_remote_mp.wire import protocol
+from lightning_remote_mp.wire.collect import gather
 from lightning_remote_mp.wire.messages import Backward, Forward
 from lightning_remote_mp.wire.requests import Release
-from lightning_remote_mp.wire.transport import Connection, broadcast, gather
+from lightning_remote_mp.wire.transport import Connection, broadcast
 
 #: Activation recomputation choices (torchgpipe's names).
 CHECKPOINT_MODES = ("never", "except_last", "always")

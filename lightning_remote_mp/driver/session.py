@@ -53,6 +53,7 @@ from lightning_remote_mp.model.spec import (
     user_code_modules,
 )
 from lightning_remote_mp.wire import protocol
+from lightning_remote_mp.wire.heartbeat import Heartbeat
 from lightning_remote_mp.wire.keys import KeyPair
 from lightning_remote_mp.wire.requests import GetState, GroupInit, Hello, LoadState, Profile, Setup
 from lightning_remote_mp.wire.transport import (
@@ -61,7 +62,6 @@ from lightning_remote_mp.wire.transport import (
     DEFAULT_HEARTBEAT_TIMEOUT,
     Connection,
     Curve,
-    Heartbeat,
     broadcast,
     normalize_address,
     request_all,

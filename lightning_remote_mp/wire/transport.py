@@ -1,9 +1,9 @@
 """ZeroMQ sockets, deadlines and heartbeats. Every socket lrmp opens is created here.
 
-The driver talks to each worker through a `Connection` (a DEALER socket). A
-`Heartbeat` thread pings every worker on sockets of its own, so a worker that dies or
-hangs is noticed while the driver waits for a reply, and a worker notices a driver that vanished.
-A worker serves on one ROUTER socket (`bind_router`).
+The driver talks to each worker through a `Connection` (a DEALER socket), whose waits the
+`lightning_remote_mp.wire.heartbeat` bounds: a worker that dies or hangs is noticed while the driver
+waits for a reply. A worker serves on one ROUTER socket (`bind_router`). A pipeline's answers are
+collected from several connections at once by `lightning_remote_mp.wire.collect`.
 
 With CURVE keys (`Curve`), every socket encrypts and authenticates: a client socket proves its key
 pair and checks the server's public key; a server socket asks the worker's ZAP handler
@@ -15,10 +15,9 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
@@ -35,6 +34,9 @@ from lightning_remote_mp.errors import (
 from lightning_remote_mp.wire import protocol
 from lightning_remote_mp.wire.keys import KeyPair
 
+if TYPE_CHECKING:
+    from lightning_remote_mp.wire.heartbeat import Heartbeat  # which makes its sockets here
+
 log = logging.getLogger(__name__)
 
 #: How long the driver waits for a worker to answer its first message.
@@ -45,7 +47,7 @@ DEFAULT_HEARTBEAT_INTERVAL = 1.0
 #: How long one call (a request, or a pipeline's wait for its next result) may go on while the worker
 #: answers heartbeats but makes no progress (a layer that never returns, a deadlock).
 DEFAULT_CALL_TIMEOUT = 300.0
-_POLL_SLICE_MS = 50
+POLL_SLICE_MS = 50
 _VAGUE_FAILURE_WAIT = 1.0  # seconds a handshake failure without detail waits for a more telling one (a reconnect)
 
 
@@ -216,103 +218,6 @@ def handshake_failure(event: Mapping[str, Any], curve: Curve | None) -> str | No
     return None
 
 
-class Heartbeat:
-    """Pings every worker each ``interval`` seconds from a background thread.
-
-    ``silent_for(address)`` says how long a worker has not answered; a worker that reports it
-    no longer knows the session (it restarted) is marked ``lost``.
-    """
-
-    def __init__(
-        self,
-        addresses: Iterable[str],
-        session: str,
-        interval: float = DEFAULT_HEARTBEAT_INTERVAL,
-        curve: Mapping[str, Curve] | None = None,
-    ) -> None:
-        self.addresses = list(addresses)
-        self.session = session
-        self.interval = interval
-        self.curve = dict(curve or {})
-        now = time.monotonic()
-        self._last_seen = {a: now for a in self.addresses}
-        self._last_busy = {a: now for a in self.addresses}  # last heartbeat that found the worker computing
-        # From the last heartbeat: micro-batches a worker holds back for a driver request (count, request id).
-        self.held_back: dict[str, tuple[int, int]] = {}
-        # From the last heartbeat: the id of the last driver request each worker has run.
-        self.ran: dict[str, int] = {}
-        self.lost: dict[str, str] = {}
-        self._stop = threading.Event()
-        self._wake = f"inproc://lrmp-heartbeat-{id(self)}-{time.monotonic_ns()}"
-        self._wake_rx = inproc_pull(self._wake)  # used by the thread only; created here so close() can't race
-        self._thread = threading.Thread(target=self._run, name="lrmp-heartbeat", daemon=True)
-        self._thread.start()
-
-    def silent_for(self, address: str) -> float:
-        return time.monotonic() - self._last_seen.get(address, time.monotonic())
-
-    def touch(self, address: str) -> None:
-        self._last_seen[address] = time.monotonic()
-
-    def idle_for(self, address: str) -> float:
-        """How long the worker's heartbeats have found it not computing."""
-        return time.monotonic() - self._last_busy.get(address, time.monotonic())
-
-    def busy(self, address: str) -> bool:
-        """Whether the worker's latest heartbeats found it computing (one may be in flight, hence two intervals)."""
-        return self.idle_for(address) <= 2 * self.interval
-
-    def close(self) -> None:
-        self._stop.set()
-        wake(self._wake)
-        self._thread.join(timeout=5)
-
-    def _run(self) -> None:
-        socks = {a: dealer(a, curve=self.curve.get(a)) for a in self.addresses}
-        by_sock = {s: a for a, s in socks.items()}
-        poller = zmq.Poller()
-        poller.register(self._wake_rx, zmq.POLLIN)
-        for s in socks.values():
-            poller.register(s, zmq.POLLIN)
-        seq = 0
-        try:
-            while not self._stop.is_set():
-                seq += 1
-                for sock in socks.values():
-                    try:
-                        sock.send_multipart(protocol.encode(protocol.PING, seq, self.session), zmq.NOBLOCK)
-                    except zmq.Again:
-                        pass
-                deadline = time.monotonic() + self.interval
-                while not self._stop.is_set() and (left := deadline - time.monotonic()) > 0:
-                    for sock, _ in poller.poll(left * 1000):
-                        if sock is self._wake_rx:
-                            sock.recv()
-                            continue
-                        address = by_sock[sock]
-                        try:
-                            msg = protocol.decode(sock.recv_multipart())
-                        except ProtocolError:
-                            continue
-                        self.touch(address)
-                        body = msg.body if isinstance(msg.body, dict) else {}
-                        if msg.kind == protocol.OK and body.get("busy"):
-                            self._last_busy[address] = time.monotonic()
-                        if type(body.get("ran")) is int:
-                            self.ran[address] = body["ran"]
-                        held, waits_for = body.get("held_back"), body.get("waits_for")
-                        if type(held) is int and type(waits_for) is int and held > 0:
-                            self.held_back[address] = (held, waits_for)
-                        else:
-                            self.held_back.pop(address, None)
-                        if msg.kind == protocol.OK and not (msg.body or {}).get("session_alive", True):
-                            self.lost.setdefault(address, "the worker no longer knows this session (it restarted?)")
-        finally:
-            for s in socks.values():
-                s.close(0)
-            self._wake_rx.close(0)
-
-
 class Connection:
     """Request/reply with one worker, bounded in time by the heartbeat and by ``call_timeout``.
 
@@ -412,7 +317,7 @@ class Connection:
                 self._sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
                 return
             except zmq.Again:
-                self._sock.poll(_POLL_SLICE_MS, zmq.POLLOUT)
+                self._sock.poll(POLL_SLICE_MS, zmq.POLLOUT)
                 self._check_alive(start, None if self.heartbeat else self.heartbeat_timeout, f"sending {kind}")
 
     def post(self, kind: str, body: Any = None) -> None:
@@ -453,7 +358,7 @@ class Connection:
         if self._quiet_up_to > self._replied_up_to:
             self.post(protocol.SYNC)  # answered after the quiet requests before it have run (or failed)
         while self._unanswered:
-            if self.readable(_POLL_SLICE_MS):
+            if self.readable(POLL_SLICE_MS):
                 self.read()
             else:
                 self._check_alive(start, timeout, what)
@@ -503,7 +408,7 @@ class Connection:
         the heartbeat still catches a worker that dies or hangs meanwhile."""
         start = time.monotonic()
         while True:
-            if self.readable(_POLL_SLICE_MS):
+            if self.readable(POLL_SLICE_MS):
                 msg = self.read()
                 if msg is None:
                     continue
@@ -567,7 +472,7 @@ class Connection:
             state = "it answers, but not to this call"
         return (
             f"{self.where()} has not answered{self._doing(what)} for {elapsed:.0f} s "
-            f"(call_timeout={self.call_timeout:g} s), and {state}. {_OVERDUE_CAUSES}"
+            f"(call_timeout={self.call_timeout:g} s), and {state}. {OVERDUE_CAUSES}"
         )
 
     def _check_reachable(self, start: float, timeout: float | None, what: str) -> None:
@@ -641,7 +546,7 @@ class Connection:
 
 _ERROR_FIELDS = frozenset({"type", "message", "traceback", "layer", "layer_name"})
 
-_OVERDUE_CAUSES = (
+OVERDUE_CAUSES = (
     "A layer that never returns, a deadlock, or a step slower than call_timeout: raise call_timeout=... "
     "if it is legitimately slow (None waits forever); `kill -USR1 <worker pid>` prints where the worker's "
     "threads are."
@@ -680,104 +585,3 @@ def broadcast(conns: Iterable[Connection], kind: str, body: Any = None, *, bound
     """Send one request to several workers at once, then collect every reply (``bounded``: see
     `Connection.recv`)."""
     return request_all(((c, kind, body) for c in conns), bounded=bounded)
-
-
-def gather(
-    conns: Sequence[Connection],
-    want: Callable[[Connection, protocol.Message], bool],
-    count: int,
-    *,
-    call: int,
-    what: str,
-    patience: int = 1,
-) -> list[tuple[Connection, protocol.Message]]:
-    """Collect ``count`` unsolicited messages that ``want`` accepts, from any of ``conns``.
-
-    An error a worker reports for this ``call`` is raised at once; leftovers of earlier calls are
-    dropped; a lost worker fails the wait like `Connection.recv` does. ``call_timeout`` bounds the
-    time between two accepted messages, not the whole wait: a long pipeline that moves is fine.
-    ``patience`` multiplies it where one message answers for several micro-batches (a stage
-    sends a call's answers together, once it has them all).
-    """
-    poller = zmq.Poller()
-    by_sock = {}
-    for c in conns:
-        if id(c._sock) not in by_sock:
-            poller.register(c._sock, zmq.POLLIN)
-            by_sock[id(c._sock)] = c
-    got: list[tuple[Connection, protocol.Message]] = []
-    start = progress = time.monotonic()
-    while len(got) < count:
-        # The rest of a bundle first: the socket it came on may have nothing more to read.
-        ready = [c for c in by_sock.values() if c._inbox] or [by_sock[id(s)] for s, _ in poller.poll(_POLL_SLICE_MS)]
-        for conn in ready:
-            msg = conn.read()
-            if msg is None:
-                continue
-            body = msg.body if isinstance(msg.body, dict) else {}
-            if msg.kind == protocol.ERROR and msg.id == 0 and body.get("call") in (call, None):
-                raise conn._remote_error(body, what)
-            if want(conn, msg):
-                got.append((conn, msg))
-                progress = time.monotonic()
-            elif msg.kind == protocol.ERROR and msg.id == 0:
-                log.warning("%s: late error of an earlier call, dropped: %.300s", conn.where(), body.get("message"))
-            else:
-                log.debug("%s: dropping stale %s message", conn.where(), msg.kind)
-        for c in by_sock.values():
-            c._check_reachable(start, None, what)
-        _check_stall(list(by_sock.values()), progress, what, count - len(got))
-        _check_overdue(list(by_sock.values()), progress, what, count - len(got), patience)
-    return got
-
-
-def _check_stall(conns: Sequence[Connection], progress: float, what: str, missing: int) -> None:
-    """Every worker answers its heartbeat, none is computing, and nothing arrived for a whole
-    heartbeat timeout: a message between two workers is not getting through."""
-    hb = conns[0].heartbeat if conns else None
-    limit = min(c.heartbeat_timeout for c in conns) if conns else 0.0
-    if hb is None or time.monotonic() - progress < limit:
-        return
-    if all(hb.idle_for(c.address) > limit for c in conns):
-        waiting = [(c, hb.held_back[c.address]) for c in conns if c.address in hb.held_back]
-        if waiting:
-            c, (held, request) = waiting[0]
-            message = (
-                f"the pipeline stalled during {what}: {c.where()} holds back {held} micro-batch(es) until it has "
-                f"run the driver's request {request}{c.unanswered_note()}, which has not reached it (posted "
-                "without waiting for the reply, and lost on the way?); every worker has been idle for over "
-                f"{limit:.0f} s with {missing} micro-batch result(s) missing."
-            )
-            raise WorkerLostError(message, **c.located())
-        message = (
-            f"the pipeline stalled during {what}: every worker has been idle for over {limit:.0f} s with "
-            f"{missing} micro-batch result(s) missing. Can the workers reach each other at the addresses "
-            f"the driver uses ({', '.join(c.address for c in conns)})? Activations travel worker to worker."
-        )
-        raise WorkerLostError(message, **conns[0].located())
-
-
-def _check_overdue(conns: Sequence[Connection], progress: float, what: str, missing: int, patience: int = 1) -> None:
-    """Nothing arrived for longer than ``call_timeout`` (times ``patience``) although every worker
-    answers its heartbeat: blame the ones still computing (all, if none is), and let no later call
-    wait for them."""
-    limits = [c.call_timeout for c in conns if c.call_timeout is not None]
-    waited = time.monotonic() - progress
-    if not limits or waited <= min(limits) * patience:
-        return
-    hb = conns[0].heartbeat
-    busy = [c for c in conns if hb is not None and hb.busy(c.address)]
-    blamed = busy or list(conns)
-    if busy:
-        state = f"still computing (by {'its heartbeat' if len(busy) == 1 else 'their heartbeats'})"
-    else:
-        state = "answering heartbeats but computing nothing" if hb is not None else "not answering this call"
-    message = (
-        f"the pipeline made no progress during {what} for {waited:.0f} s (call_timeout={min(limits):g} s"
-        f"{f' per micro-batch, {patience} of them' if patience > 1 else ''}), with "
-        f"{missing} micro-batch result(s) missing: {', '.join(c.where() + c.unanswered_note() for c in blamed)} "
-        f"{'is' if len(blamed) == 1 else 'are'} {state}. {_OVERDUE_CAUSES}"
-    )
-    for c in busy:
-        c.lost_reason = message
-    raise WorkerLostError(message, **blamed[0].located())
