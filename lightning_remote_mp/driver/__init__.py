@@ -3,7 +3,8 @@
 - `options`: the strategy's configuration as typed values, checked when built;
 - `launch`: local ``lrmp-worker`` processes (the zero-config default);
 - `preflight`: what is checked of a spec before any worker is contacted;
-- `session`: the session with the workers: connect, place, move weights, close;
+- `session`: the session with the workers: connect, place, mirror optimizers, close;
+- `placement`: a placed module's state dict, kept truthful while its weights live on workers;
 - `pipeline`: the autograd front end that runs a placed module's micro-batches through its stages;
 - `optim`: the optimizer mirror that steps the workers' share of the parameters.
 

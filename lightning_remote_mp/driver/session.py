@@ -17,7 +17,6 @@ True
 from __future__ import annotations
 
 import datetime
-import functools
 import logging
 import math
 import os
@@ -33,6 +32,7 @@ from lightning_remote_mp._version import __version__
 from lightning_remote_mp.driver.optim import OptimizerMirror
 from lightning_remote_mp.driver.options import Topology, check_split_backward
 from lightning_remote_mp.driver.pipeline import RemoteSpec, RemoteStage, check_checkpoint_mode
+from lightning_remote_mp.driver.placement import Placement, meta_stage_state, placed_module_state
 from lightning_remote_mp.driver.preflight import Preflight, preflight
 from lightning_remote_mp.errors import (
     ConfigurationError,
@@ -55,7 +55,7 @@ from lightning_remote_mp.model.spec import (
 from lightning_remote_mp.wire import protocol
 from lightning_remote_mp.wire.heartbeat import Heartbeat
 from lightning_remote_mp.wire.keys import KeyPair
-from lightning_remote_mp.wire.requests import GetState, GroupInit, Hello, LoadState, Profile, Setup
+from lightning_remote_mp.wire.requests import GroupInit, Hello, Profile, Setup
 from lightning_remote_mp.wire.transport import (
     DEFAULT_CALL_TIMEOUT,
     DEFAULT_CONNECT_TIMEOUT,
@@ -72,97 +72,11 @@ log = logging.getLogger(__name__)
 Balance = Sequence[int] | str | None
 
 
-def _placed_module_state(module: SpecSequential, stage: partition.Stage) -> dict[str, torch.Tensor]:
-    return {
-        f"{i}.{name}": t.detach()
-        for i in stage.layer_indices
-        for name, t in module.layers[i].state_dict(keep_vars=True).items()
-    }
-
-
-def _meta_stage_state(module: SpecSequential, stage: partition.Stage) -> dict[str, torch.Tensor] | None:
-    """Weights loaded into a meta module before placement (a checkpoint), or None: the workers then
-    initialise the stage from the module's seed."""
-    pending = module.pending_state
-    if not pending:
-        return None
-    mine = {k: v for k, v in pending.items() if int(k.partition(".")[0]) in stage.layer_indices}
-    expected = {f"{i}.{n}" for i in stage.layer_indices for n in module.layers[i].state_dict()}
-    if set(mine) != expected:
-        raise SpecError(f"the state loaded into meta module misses {sorted(expected - set(mine))[:5]}")
-    return mine
-
-
-class _Placement:
-    """A placed SpecSequential: keeps ``state_dict()`` and ``load_state_dict()`` truthful.
-
-    Taking a state dict first refreshes the local copy from the workers (for a module on the meta
-    device, the workers' tensors go straight into the state dict instead); loading one sends what
-    was loaded to the workers.
-    """
-
-    def __init__(self, key: str, module: SpecSequential, remote: RemoteSpec) -> None:
-        self.key = key
-        self.module = module
-        self.remote = remote
-        self.meta = module.is_meta
-        self._loaded: dict[str, torch.Tensor] = {}
-        owner = module.state_owner  # whose state_dict keys hold the layers' tensors
-        self.hooks = [
-            owner.register_state_dict_pre_hook(self._before_state_dict),
-            owner.register_state_dict_post_hook(functools.partial(_Placement._after_state_dict, self)),
-            owner._register_load_state_dict_pre_hook(self._before_load_state_dict, with_module=True),
-            owner.register_load_state_dict_post_hook(self._after_load_state_dict),
-        ]
-
-    def _before_state_dict(self, module: Any, prefix: str, keep_vars: bool) -> None:
-        if not self.meta:
-            self.pull()
-
-    def _after_state_dict(self, module: Any, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
-        if self.meta:
-            for name, t in self.fetch().items():
-                state_dict[f"{prefix}layers.{name}"] = t
-
-    def _before_load_state_dict(self, module: Any, state_dict: Any, prefix: str, *args: Any) -> None:
-        self._loaded = self.module.layer_state(state_dict, prefix)
-
-    def _after_load_state_dict(self, module: Any, incompatible: Any) -> None:
-        loaded, self._loaded = self._loaded, {}
-        self.push(loaded)
-
-    def fetch(self) -> dict[str, torch.Tensor]:
-        """The workers' weights and buffers, named ``"<layer index>.<name>"``."""
-        out: dict[str, torch.Tensor] = {}
-        conns = [rs.conn for rs in self.remote.stages]  # replica 0
-        for reply in broadcast(conns, protocol.GET_STATE, GetState().body(), bounded=False):
-            out.update(reply.get(self.key, {}))
-        return out
-
-    def pull(self) -> None:
-        """Copy the workers' weights and buffers into the local module."""
-        with torch.no_grad():
-            for name, t in self.fetch().items():
-                index, _, rest = name.partition(".")
-                self.module.layers[int(index)].state_dict(keep_vars=True)[rest].copy_(t)
-
-    def push(self, state: dict[str, torch.Tensor]) -> None:
-        """Send weights and buffers (named ``"<layer index>.<name>"``) to the workers holding them."""
-        requests = []
-        for rs in (rs for row in self.remote.replicas for rs in row):
-            mine = {k: v for k, v in state.items() if int(k.partition(".")[0]) in rs.stage.layer_indices}
-            if mine:
-                requests.append((rs.conn, protocol.LOAD_STATE, LoadState({self.key: mine}).body()))
-        request_all(requests, bounded=False)
-
-    def detach(self) -> None:
-        for h in self.hooks:
-            h.remove()
-        self.module.detach()
-
-
 class DriverSession:
     """One training session with its workers: one row per pipeline, one worker per stage.
+
+    Its `topology` (`lightning_remote_mp.driver.options.Topology`) says how many replicas and stages
+    there are and where each worker is; ``grid`` holds the connections in the same rows.
 
     Args:
         hosts: the workers as a `Topology` (the strategy's, normalised once), or their addresses,
@@ -241,7 +155,7 @@ class DriverSession:
         self.store_host = store_host
         self._store: Any = None
         self.heartbeat: Heartbeat | None = None
-        self.placements: dict[str, _Placement] = {}
+        self.placements: dict[str, Placement] = {}
         self.predicted_stage_seconds: dict[str, list[float]] = {}  # from balance="time"
         self.mirrors: list[OptimizerMirror] = []
         try:
@@ -256,14 +170,6 @@ class DriverSession:
         except BaseException:
             self.close()
             raise
-
-    @property
-    def replicas(self) -> int:
-        return len(self.grid)
-
-    @property
-    def num_stages(self) -> int:
-        return len(self.grid[0])
 
     def grads_version(self) -> int:
         """How many backward passes ran through remote stages: gradients changed if this moved."""
@@ -280,7 +186,7 @@ class DriverSession:
         )
         infos = dict(zip(self.addresses, self.workers))
         requests = []
-        for s in range(self.num_stages):
+        for s in range(self.topology.stages):
             column = [row[s] for row in self.grid]
             backend = replica_backend([infos[c.address] for c in column])
             if backend == "gloo" and all(str(infos[c.address].get("device")).startswith("cuda") for c in column):
@@ -291,7 +197,7 @@ class DriverSession:
                     port=self._store.port,
                     prefix=f"{self.id}/stage{s}",
                     rank=r,
-                    world=self.replicas,
+                    world=self.topology.replicas,
                     backend=backend,
                     timeout=float(timeout),
                 )
@@ -299,17 +205,14 @@ class DriverSession:
         request_all(requests, what="replica group set-up")
         log.info(
             "%d replicas of %d stages: gradients are all-reduced per stage through torch.distributed",
-            self.replicas,
-            self.num_stages,
+            self.topology.replicas,
+            self.topology.stages,
         )
 
     @property
     def addresses(self) -> list[str]:
-        return [c.address for c in self.conns]
-
-    @property
-    def row_addresses(self) -> list[str]:
-        return [c.address for c in self.grid[0]]
+        """Every worker's address, row by row (as `conns`)."""
+        return self.topology.addresses
 
     def _hello(self, timeout: float) -> list[dict[str, Any]]:
         driver = f"{socket.gethostname()} pid {os.getpid()}"
@@ -371,7 +274,7 @@ class DriverSession:
         """Cut ``module`` into one stage per worker (see the strategy's ``balance``); refuse a split
         whose stage cannot fit its worker's free memory (``training``: with gradients and optimizer
         state). ``compute``: each layer's estimated cost (from `preflight`), computed here when not given."""
-        n_layers, n_stages = len(module.layers), self.num_stages
+        n_layers, n_stages = len(module.layers), self.topology.stages
         if n_layers < n_stages:
             raise SpecError(f"{what} has {n_layers} layers but there are {n_stages} workers; each stage needs a layer")
         layer_bytes = [partition.estimate_layer_bytes(e, m, training) for e, m in zip(module.entries, module.layers)]
@@ -419,7 +322,7 @@ class DriverSession:
     def stage_free_memory(self) -> list[float]:
         """Free device memory (bytes) each stage may use: the least among its replicas' workers
         (0 where a worker does not say)."""
-        return [min(self._free_of(row[s].address) for row in self.grid) for s in range(self.num_stages)]
+        return [min(self._free_of(row[s].address) for row in self.grid) for s in range(self.topology.stages)]
 
     def _check_memory(
         self, what: str, counts: Sequence[int], layer_bytes: Sequence[int], free: Sequence[float], training: bool
@@ -482,7 +385,11 @@ class DriverSession:
                 "weights; starting again from its seed would silently drop that training. Pass ckpt_path= "
                 "(or load a state dict into the module) to continue from a checkpoint."
             )
-        log.info("%s placed:\n%s", what, partition.describe(stages, module.entries, module.layers, self.row_addresses))
+        log.info(
+            "%s placed:\n%s",
+            what,
+            partition.describe(stages, module.entries, module.layers, list(self.topology.rows[0])),
+        )
         digests = {name: source_digest(name) for name in user_code_modules(module.entries)}
         ids = []
         for r, row, stage in ((r, row, stage) for r, row in enumerate(self.grid) for stage in stages):
@@ -504,11 +411,11 @@ class DriverSession:
                     for k, _ in (*stage.sources, *stage.targets)
                     if k != partition.DRIVER and self.worker_keys is not None
                 },
-                state=_meta_stage_state(module, stage) if meta else _placed_module_state(module, stage),
+                state=meta_stage_state(module, stage) if meta else placed_module_state(module, stage),
                 init_seed=module.init_seed,
                 split_backward=split_backward,
                 code_digests={n: d for n, d in digests.items() if d is not None},
-                seed=(self.seed + 1_000_003 * (r * self.num_stages + stage.index)) % 2**62,
+                seed=(self.seed + 1_000_003 * (r * self.topology.stages + stage.index)) % 2**62,
                 frozen=[
                     f"{i}.{name}"
                     for i in stage.layer_indices
@@ -535,7 +442,7 @@ class DriverSession:
             batched=module.batched,
         )
         module.attach(remote)
-        self.placements[key] = _Placement(key, module, remote)
+        self.placements[key] = Placement(key, module, remote)
 
     def placed_stages(self, key: str) -> list[list[RemoteStage]]:
         """The stages of the module placed as ``key``: one row per replica, in stage order; each

@@ -1,4 +1,5 @@
-"""The layer spec: entries, class resolution, residual-variable wiring, and `SpecSequential`.
+"""The layer spec: entries, class resolution under an allowlist, and `SpecSequential` (the residual
+variables they wire: `lightning_remote_mp.model.wiring`).
 
 A spec is a list of entries ``(layer, kwargs, input_shape)``:
 
