@@ -104,11 +104,11 @@ def test_worker_page_documents_every_flag():
 
 
 def test_features_page_lists_every_refused_callback():
-    from lightning_remote_mp.lightning.strategy import _REFUSED_CALLBACKS
+    from lightning_remote_mp.lightning.intercept import refused_callbacks
 
     page = read("features.md")
     refused = page[page.index("## Refused at setup") :]
-    for cls, _ in _REFUSED_CALLBACKS:
+    for cls, _ in refused_callbacks():
         assert f"`{cls.__name__}`" in refused, cls.__name__
     assert "16-mixed" in refused and "GradScaler" in refused
 

@@ -35,7 +35,7 @@ used without a Trainer), ``lr_find`` and checkpoint save and restore.
    optimizer's class and finds ``zero_grad`` there, never on the wrapped instance. So the swap
    happens before Lightning builds its wrappers (``RemoteModelParallelStrategy.optimizers``).
 3. **The Trainer's precision plugin**: the strategy replaces its ``clip_grad_by_norm`` and
-   ``clip_grad_by_value`` on the instance for the fit (``_patch_clipping``). Lightning clips
+   ``clip_grad_by_value`` on the instance for the fit (`lightning_remote_mp.lightning.intercept`). Lightning clips
    (``gradient_clip_val``, ``self.clip_gradients``) only through the plugin, over the local
    ``.grad`` of the optimizer's parameters; the remote ones are on the workers. A plugin subclass
    shipped with the strategy fails: Lightning takes a strategy's plugin in place of the one

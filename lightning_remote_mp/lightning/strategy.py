@@ -20,12 +20,10 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import BaseFinetuning, ModelSummary, StochasticWeightAveraging
 from lightning.pytorch.strategies import SingleDeviceStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_remote_mp.driver.launch import LocalWorkers
-from lightning_remote_mp.driver.optim import mirror_of
 from lightning_remote_mp.driver.options import (
     CurveOptions,
     LocalWorkerOptions,
@@ -44,7 +42,7 @@ from lightning_remote_mp.driver.preflight import Preflight
 from lightning_remote_mp.driver.session import DriverSession, allow_modules_for, checked_for_workers
 from lightning_remote_mp.errors import ConfigurationError, LrmpError, SpecError, TraceError
 from lightning_remote_mp.flow import SplitBackward
-from lightning_remote_mp.lightning.summary import RemoteModelSummary
+from lightning_remote_mp.lightning import intercept
 from lightning_remote_mp.lightning.timeline import TimelineCallback
 from lightning_remote_mp.logs import follow_lightning
 from lightning_remote_mp.model.spec import SpecSequential
@@ -55,30 +53,6 @@ from lightning_remote_mp.wire.keys import KeyPair, generate_keypair, load_keypai
 from lightning_remote_mp.wire.transport import DEFAULT_CALL_TIMEOUT, DEFAULT_CONNECT_TIMEOUT, DEFAULT_HEARTBEAT_TIMEOUT
 
 log = logging.getLogger(__name__)
-
-
-_REFUSED_CALLBACKS: list[tuple[type, str]] = [
-    (
-        StochasticWeightAveraging,
-        "it averages the LightningModule's local parameters, while the trained values live on the workers.",
-    ),
-    (
-        BaseFinetuning,
-        "it freezes layers and adds parameter groups to the optimizer while training, which the "
-        "workers' optimizers would not see.",
-    ),
-]
-try:  # Lightning >= 2.5
-    from lightning.pytorch.callbacks import WeightAveraging
-
-    _REFUSED_CALLBACKS.append(
-        (
-            WeightAveraging,
-            "it averages the LightningModule's local parameters, while the trained values live on the workers.",
-        )
-    )
-except ImportError:  # pragma: no cover
-    pass
 
 
 def find_spec_modules(module: torch.nn.Module) -> dict[str, SpecSequential]:
@@ -272,23 +246,17 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
 
     @optimizers.setter
     def optimizers(self, optimizers: list[torch.optim.Optimizer]) -> None:
-        # Optimizers assigned while workers hold layers (the tuner does this) are mirrored first, so
-        # the LightningOptimizer wrappers Lightning builds here see the mirrored class (see
-        # "How the mirror reaches the workers" in optim.py).
-        session = getattr(self, "_session", None)
-        if session is not None:
-            for i, opt in enumerate(optimizers):
-                session.mirror_optimizer(i, opt)
+        intercept.mirror_assigned(getattr(self, "_session", None), optimizers)  # lightning/intercept.py
         SingleDeviceStrategy.optimizers.fset(self, optimizers)  # type: ignore[attr-defined]
 
     def setup_environment(self) -> None:
         # Before any callback's setup hook runs: refuse what cannot work while nothing has happened yet.
         if self.lightning_module is not None and self.lightning_module._trainer is not None:
-            self._refuse_unsupported(self.lightning_module.trainer)
+            intercept.refuse_unsupported(self.lightning_module.trainer)
         super().setup_environment()
 
     def setup(self, trainer: pl.Trainer) -> None:
-        self._use_remote_summary(trainer)
+        intercept.use_remote_summary(trainer)
         super().setup(trainer)
         assert self.lightning_module is not None
         modules = find_spec_modules(self.lightning_module)
@@ -333,7 +301,7 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
                 self._traced.append(TracedForward(key, sub, place))
             if fitting:
                 self.optimizers = self.optimizers  # mirrors them
-                self._patch_clipping()
+                intercept.patch_clipping(self.precision_plugin)
                 if self.timeline and not any(isinstance(cb, TimelineCallback) for cb in trainer.callbacks):
                     trainer.callbacks.append(TimelineCallback(self.timeline, self))
         except BaseException:
@@ -442,54 +410,12 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
             )
         return self.balance
 
-    def _patch_clipping(self) -> None:
-        """Clip over every stage's gradients: Lightning's precision plugin only sees local ones. Why an
-        instance patch and not a plugin subclass: "How the mirror reaches the workers" in optim.py."""
-        plugin = self.precision_plugin
-        by_norm, by_value = plugin.clip_grad_by_norm, plugin.clip_grad_by_value
-
-        def clip_grad_by_norm(optimizer: Any, clip_val: float) -> None:
-            mirror = mirror_of(optimizer)
-            return mirror.clip_grad_norm(float(clip_val)) if mirror else by_norm(optimizer, clip_val)
-
-        def clip_grad_by_value(optimizer: Any, clip_val: float) -> None:
-            mirror = mirror_of(optimizer)
-            return mirror.clip_grad_value(float(clip_val)) if mirror else by_value(optimizer, clip_val)
-
-        plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
-        plugin.clip_grad_by_value = clip_grad_by_value  # type: ignore[method-assign]
-
-    def _unpatch_clipping(self) -> None:
-        vars(self.precision_plugin).pop("clip_grad_by_norm", None)
-        vars(self.precision_plugin).pop("clip_grad_by_value", None)
-
-    def _use_remote_summary(self, trainer: pl.Trainer) -> None:
-        for i, cb in enumerate(trainer.callbacks):
-            if type(cb) is ModelSummary:
-                trainer.callbacks[i] = RemoteModelSummary(max_depth=cb._max_depth, **cb._summarize_kwargs)
-
-    def _refuse_unsupported(self, trainer: pl.Trainer) -> None:
-        for cb in trainer.callbacks:
-            for cls, why in _REFUSED_CALLBACKS:
-                if isinstance(cb, cls):
-                    raise LrmpError(
-                        f"{type(cb).__name__} is not supported by RemoteModelParallelStrategy: {why} "
-                        "Remove the callback, or train without the strategy."
-                    )
-        plugin = trainer.precision_plugin
-        if getattr(plugin, "scaler", None) is not None:
-            raise LrmpError(
-                f"precision={getattr(plugin, 'precision', '16-mixed')!r} uses a GradScaler, which would have to "
-                "unscale and check every stage's gradients; RemoteModelParallelStrategy does not provide that. "
-                "Use precision='bf16-mixed' or 'bf16-true'."
-            )
-
     def teardown(self) -> None:
         self._close()
         super().teardown()
 
     def _close(self) -> None:
-        self._unpatch_clipping()
+        intercept.unpatch_clipping(self.precision_plugin)
         for forward in self._traced:
             forward.detach()
         self._traced.clear()
