@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(_common.markdown_table(["check", *checks], [[k, *(c[k] for c in checks.values())] for k in checks["lrmp"]]))
     if len(variants) < 3:
-        print("\n(the patch no longer applies to lightning_remote_mp/protocol.py: the code changed)")
+        print("\n(the patch no longer applies to lightning_remote_mp/wire/protocol.py: the code changed)")
     sizes = ["1 MiB"] if args.quick else list(SIZES)
     procs: dict[str, subprocess.Popen] = {}
     readers: dict[str, _common.LineReader] = {}
