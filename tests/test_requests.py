@@ -232,21 +232,21 @@ def _golden() -> dict[str, object]:
 # sha256 of each request's frames. A change here changes what older workers receive: bump
 # protocol.PROTOCOL_VERSION with it (and say so in the CHANGELOG), then update these.
 GOLDEN = {
-    "setup": "ee6186ecac7a924b",
-    "release": "a2f7ad9015383c2b",
-    "get_state": "4dcf20e36087a3cc",
-    "load_state": "250a444173f435d7",
-    "profile": "61799a5f74fc0348",
-    "optim_create": "2293cf11f4aa119d",
-    "optim_step": "8ad503fc0d5df15e",
-    "zero_grad": "460605b5b9828f30",
-    "get_optim_state": "5110109c12443bf9",
-    "load_optim_state": "26f3315b184fdd41",
-    "grads": "ec44d6178717f0c5",
-    "timeline": "21a9ada772742393",
-    "sync": "4cc05cce5af11eb1",
-    "group": "8fb37d3b70355506",
-    "hello": "278e964c7d7bcdbe",
+    "setup": "193ea2a5685d2b07",
+    "release": "4749ecee29ab7bd2",
+    "get_state": "1764990a57e49216",
+    "load_state": "96257e4cab8fb533",
+    "profile": "fbbca203d5d8724c",
+    "optim_create": "d49023e0b81f8e48",
+    "optim_step": "36ab821aef478bc1",
+    "zero_grad": "6a41f8d4a1fa5569",
+    "get_optim_state": "b5f15dcaedbbf90d",
+    "load_optim_state": "2cb0df75e38e625e",
+    "grads": "b062f2c037bf8f17",
+    "timeline": "d6b23c9d1c48b0a4",
+    "sync": "29d429f0753f78d3",
+    "group": "1eb08a2bc071ca59",
+    "hello": "441cc8972a430134",
 }
 
 

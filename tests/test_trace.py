@@ -208,13 +208,18 @@ def test_split_names_are_checked(pool):
         trainer(RemoteModelParallelStrategy(hosts=pool[:2], split=["nope"]), 1).fit(Trained(CausalLM()), token_data())
 
 
-def test_tied_weights_merge_their_units():
+def test_tied_weights_keep_their_units_and_are_named_shared():
     torch.manual_seed(0)
     model = CausalLM(layers=1)
     model.head.weight = model.embed.weight  # input and output embeddings tied, as GPT-2 does by default
     traced = trace_module(model, (torch.randint(0, 32, (2, 16)),), {}, "lm")
-    assert len(traced.entries) == 1 and traced.entries[0].name == "embed..head"
-    assert traced.ties == ["head.weight"]  # the name torch.export keeps of the two
+    names = [e.name for e in traced.entries]
+    assert names[0] == "embed" and names[-1] == "head", names
+    [tie] = traced.shared()
+    assert tie[0].startswith("0.") and tie[-1].startswith(f"{len(names) - 1}."), tie
+    embed, head = (traced.layers[int(n.partition(".")[0])] for n in (tie[0], tie[-1]))
+    assert getattr(embed, tie[0].partition(".")[2]) is model.embed.weight  # the driver keeps one tensor
+    assert getattr(head, tie[-1].partition(".")[2]) is model.embed.weight
     ids = torch.randint(0, 32, (3, 9))
     assert torch.allclose(traced.run_locally(ids), model(ids))
 

@@ -5,6 +5,8 @@
 - `preflight`: what is checked of a spec before any worker is contacted;
 - `session`: the session with the workers: connect, place, mirror optimizers, close;
 - `placement`: a placed module's state dict, kept truthful while its weights live on workers;
+- `ties`: tied weights held by several stages, and which copy answers for them;
+- `groups`: the process groups where workers sum gradients (replicas, tied weights), and their store;
 - `pipeline`: the autograd front end that runs a placed module's micro-batches through its stages;
 - `optim`: the optimizer mirror that steps the workers' share of the parameters.
 

@@ -50,6 +50,7 @@ would still step and zero locally only, and a `DriverSession` has no Trainer to 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -75,6 +76,16 @@ from lightning_remote_mp.wire.transport import Connection, broadcast, post_all, 
 log = logging.getLogger(__name__)
 
 
+@dataclasses.dataclass(frozen=True)
+class Holder:
+    """Where one copy of a remote parameter lives: the workers holding it (one per replica, replica 0
+    first), and its name there. A tied weight has a holder per stage that uses it
+    (`lightning_remote_mp.driver.ties`); its first holder's copy answers for its norm and state."""
+
+    conns: list[Connection]
+    name: str
+
+
 def _hparams(group: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in group.items() if k != "params"}
 
@@ -85,17 +96,17 @@ class OptimizerMirror:
     Args:
         optimizer: the torch optimizer ``configure_optimizers`` returned.
         index: its position among the Trainer's optimizers (the workers' key for it).
-        remote: for each remote parameter (by ``id``), the connections of the workers holding it
-            (one per replica, replica 0 first) and its name there.
+        remote: for each remote parameter (by ``id``), its `Holder`s: one per stage holding a copy.
         grads_version: a counter that moves whenever remote gradients change (a backward ran); with
-            replicas, gradients are all-reduced before they are read or applied, once per change.
+            replicas or tied weights held by several stages, the copies' gradients are summed before
+            they are read or applied, once per change.
     """
 
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
         index: int,
-        remote: Mapping[int, tuple[list[Connection], str]],
+        remote: Mapping[int, list[Holder]],
         grads_version: Callable[[], int] = lambda: 0,
     ) -> None:
         self.optimizer = optimizer
@@ -116,15 +127,20 @@ class OptimizerMirror:
         optimizer.__class__ = _mirrored_class(self.cls)
         optimizer._lrmp_mirror = self  # type: ignore[attr-defined]
 
-    def _adopt(self, remote: Mapping[int, tuple[list[Connection], str]]) -> None:
+    def _adopt(self, remote: Mapping[int, list[Holder]]) -> None:
         opt = self.optimizer
         self.remote = {id(p): remote[id(p)] for g in opt.param_groups for p in g["params"] if id(p) in remote}
-        self.conns: list[Connection] = list({id(c): c for cs, _ in self.remote.values() for c in cs}.values())
-        # Replica 0's workers answer for state and gradient norms; every replica holds the same.
-        self.primary: list[Connection] = list({id(cs[0]): cs[0] for cs, _ in self.remote.values()}.values())
-        self.replicated = any(len(cs) > 1 for cs, _ in self.remote.values())
+        every = [h for holders in self.remote.values() for h in holders]
+        self.conns: list[Connection] = list({id(c): c for h in every for c in h.conns}.values())
+        # Replica 0's workers of the first copies answer for state and gradient norms; every replica,
+        # and every copy of a tied weight, holds the same.
+        self.primary: list[Connection] = list(
+            {id(holders[0].conns[0]): holders[0].conns[0] for holders in self.remote.values()}.values()
+        )
+        self.replicated = any(len(h.conns) > 1 for h in every)
+        self.tied = any(len(holders) > 1 for holders in self.remote.values())
 
-    def extend(self, remote: Mapping[int, tuple[list[Connection], str]]) -> None:
+    def extend(self, remote: Mapping[int, list[Holder]]) -> None:
         """Take in parameters placed after the mirror was made (a traced module placed at its first
         call): the workers' optimizers are built again over all of them, with the state they had."""
         if not any(
@@ -150,17 +166,15 @@ class OptimizerMirror:
         for conn in self.conns:
             groups = [
                 {
-                    "params": [
-                        self.remote[id(p)][1]
-                        for p in g["params"]
-                        if id(p) in self.remote and any(c is conn for c in self.remote[id(p)][0])
-                    ],
+                    "params": [h.name for p in g["params"] for h in self.remote.get(id(p), ()) if conn in h.conns],
                     **_hparams(g),
                 }
                 for g in self.optimizer.param_groups
             ]
+            copies = [h.name for holders in self.remote.values() for h in holders[1:] if conn in h.conns]
             try:
-                conn.request(protocol.OPTIM_CREATE, OptimCreate(self.index, layer_path(cls), defaults, groups).body())
+                create = OptimCreate(self.index, layer_path(cls), defaults, groups, copies)
+                conn.request(protocol.OPTIM_CREATE, create.body())
             except protocol.ProtocolError as err:
                 raise LrmpError(
                     f"optimizer {self.index} ({cls.__qualname__}) cannot be mirrored on {conn.where()}: {err}"
@@ -169,7 +183,7 @@ class OptimizerMirror:
         # before a traced module was placed at its first call) goes to the workers, which own the
         # remote share of the state from now on.
         held = {
-            self.remote[id(p)][1]: self.optimizer.state[p]
+            self.remote[id(p)][0].name: self.optimizer.state[p]
             for g in self.optimizer.param_groups
             for p in g["params"]
             if id(p) in self.remote and self.optimizer.state.get(p)
@@ -186,10 +200,11 @@ class OptimizerMirror:
 
     # --- hooks ----------------------------------------------------------------------
     def sync_grads(self) -> None:
-        """All-reduce (sum) the gradients of each stage's replicas, if they changed since last time:
-        each replica saw a share of the batch, and the sum is the whole batch's gradient."""
+        """All-reduce (sum) the gradients of each stage's replicas, and of the copies of tied weights,
+        if they changed since last time: each replica saw a share of the batch, each copy of a tied
+        weight its stage's uses of it, and the sums are the whole batch's gradients."""
         version = self.grads_version()
-        if self.replicated and version != self._synced_version:
+        if (self.replicated or self.tied) and version != self._synced_version:
             replies = broadcast(self.conns, protocol.GRADS, GradAllreduce(self.index).body())
             primary = {id(c) for c in self.primary}
             self.allreduced_bytes += sum(r["bytes"] for c, r in zip(self.conns, replies) if id(c) in primary)
@@ -257,7 +272,7 @@ class OptimizerMirror:
         for g in self.optimizer.param_groups:
             for p in g["params"]:
                 if id(p) in self.remote:
-                    positions[self.remote[id(p)][1]] = k
+                    positions[self.remote[id(p)][0].name] = k
                 k += 1
         return positions
 
@@ -279,10 +294,12 @@ class OptimizerMirror:
     def _push_state(self, state: Mapping[str, Any]) -> None:
         """Send per-parameter state (by remote name) to every worker holding those parameters."""
         per_conn: dict[int, dict[str, Any]] = {id(c): {} for c in self.conns}
-        for conns, name in self.remote.values():
-            if name in state:
-                for conn in conns:
-                    per_conn[id(conn)][name] = dict(state[name])
+        for holders in self.remote.values():
+            first = holders[0].name  # the state of every copy of a tied weight is its first copy's
+            if first in state:
+                for h in holders:
+                    for conn in h.conns:
+                        per_conn[id(conn)][h.name] = dict(state[first])
         request_all(
             (c, protocol.LOAD_OPTIM_STATE, LoadOptimState(self.index, per_conn[id(c)]).body()) for c in self.conns
         )

@@ -25,6 +25,7 @@ import torch
 
 from lightning_remote_mp.errors import ConfigurationError, ProtocolError, RemoteInputError
 from lightning_remote_mp.flow import DRIVER, Main, is_floating, is_main
+from lightning_remote_mp.model.joins import Join
 from lightning_remote_mp.model.partition import Stage
 from lightning_remote_mp.wire import protocol
 from lightning_remote_mp.wire.collect import gather
@@ -100,8 +101,9 @@ class RemoteSpec:
             (every stage keeps only each micro-batch's inputs and recomputes its forward at
             backward); ``"except_last"`` (all micro-batches but the last, whose backward comes first).
         batched: for a pipeline whose input and output are tuples of tensors (a traced model),
-            which elements of each have the batch along dim 0 (split into micro-batches and
-            concatenated back); the others go whole to every micro-batch.
+            which input elements have the batch along dim 0 (split into micro-batches; the others go
+            whole to every micro-batch), and how each output element joins back
+            (`lightning_remote_mp.model.joins.Join`: concatenated, or added up).
     """
 
     def __init__(
@@ -111,7 +113,7 @@ class RemoteSpec:
         microbatches: int = 1,
         modes: Callable[[], Any] = lambda: None,
         checkpoint: str = "never",
-        batched: tuple[Sequence[bool], Sequence[bool]] | None = None,
+        batched: tuple[Sequence[bool], Sequence[Join]] | None = None,
     ) -> None:
         if microbatches < 1:
             raise ConfigurationError(f"microbatches must be at least 1, got {microbatches}")
@@ -121,7 +123,7 @@ class RemoteSpec:
         self.stages = self.replicas[0]
         self.microbatches = microbatches
         self.modes = modes
-        self.batched_in, self.batched_out = (list(batched[0]), list(batched[1])) if batched else (None, None)
+        self.batched_in, self.joins_out = (list(batched[0]), list(batched[1])) if batched else (None, None)
         self.conns = list({id(rs.conn): rs.conn for row in self.replicas for rs in row}.values())
         self.backwards = 0
         self._ids = itertools.count(1)
@@ -254,7 +256,7 @@ class RemoteSpec:
             raise
         outputs = [results[(r, mb)].x for r, row in enumerate(sizes) for mb in range(len(row))]
         device = (x[0] if isinstance(x, tuple) else x).device
-        y = self._joined(outputs, self.batched_out, "output")
+        y = self._joined(outputs, self.joins_out, "output")
         if grad:
             self._calls[call] = _Call(sizes=sizes, x_grad=x_needs_grad)
         return _to(y, device), call
@@ -277,32 +279,31 @@ class RemoteSpec:
         ]
         return [tuple(parts) for parts in zip(*per)] if flat else [x]
 
-    def _joined(self, parts: list[Any], batched: list[bool] | None, what: str) -> Any:
-        """Micro-batch results back into one batch (for a tuple, element by element)."""
+    def _joined(self, parts: list[Any], joins: Sequence[Join] | None, what: str) -> Any:
+        """Micro-batch results back into one batch (for a tuple, element by element, each as its
+        `lightning_remote_mp.model.joins.Join` says: concatenated, or added up)."""
         if not isinstance(parts[0], tuple):
             if any(p is None for p in parts):
                 return None
             return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
         if len(parts) == 1:
             return parts[0]
-        flags = batched or [True] * len(parts[0])
+        kinds = joins or ["batch"] * len(parts[0])
         out = []
-        for i, f in enumerate(flags):
+        for i, join in enumerate(kinds):
             items = [p[i] for p in parts]
             if all(t is None for t in items):
                 out.append(None)
-            elif not f and what == "input":
-                # The gradient of an input every micro-batch saw whole is the sum of their parts.
-                out.append(torch.stack([t for t in items if t is not None]).sum(0))
-                continue
-            elif not f:
-                raise ConfigurationError(
-                    f"{self.key!r}: {what} {i} has no batch dimension (a loss or a statistic of the whole batch?), "
-                    "so the parts of a batch (micro-batches, replicas) cannot be joined back; compute it outside "
-                    "the split module, or use microbatches=1 and a single replica"
-                )
-            else:
+            elif join == "batch":
                 out.append(torch.cat(items, dim=0))
+            elif join == "sum":  # a sum over the batch; or the gradient of an input every part saw whole
+                out.append(torch.stack([t for t in items if t is not None]).sum(0))
+            else:
+                raise ConfigurationError(
+                    f"{self.key!r}: {what} {i} has no batch dimension and is no sum (a statistic of the whole "
+                    "batch?), so the parts of a batch (micro-batches, replicas) cannot be joined back; compute it "
+                    "outside the split module, or use microbatches=1 and a single replica"
+                )
         return tuple(out)
 
     def _recomputed(self, mb: int, count: int) -> bool:
@@ -334,13 +335,16 @@ class RemoteSpec:
         parts = [done[(r, mb)].grad_out for r, row in enumerate(record.sizes) for mb in range(len(row))]
         if any(p is None for p in parts):
             return None
-        return self._joined(parts, self.batched_in, "input")
+        flags = self.batched_in or [True] * len(parts[0])
+        return self._joined(parts, ["batch" if b else "sum" for b in flags], "input")
 
     def _grad_chunks(self, grad_y: tuple, flat: list[int]) -> list[tuple]:
-        flags = self.batched_out or [True] * len(grad_y)
+        joins = self.joins_out or ["batch"] * len(grad_y)
         per = [
-            [None] * len(flat) if g is None else (g.split(flat, dim=0) if f and len(flat) > 1 else [g] * len(flat))
-            for g, f in zip(grad_y, flags)
+            [None] * len(flat)
+            if g is None
+            else (g.split(flat, dim=0) if join == "batch" and len(flat) > 1 else [g] * len(flat))
+            for g, join in zip(grad_y, joins)
         ]
         return [tuple(parts) for parts in zip(*per)]
 

@@ -16,7 +16,6 @@ True
 
 from __future__ import annotations
 
-import datetime
 import logging
 import math
 import os
@@ -29,7 +28,9 @@ from typing import Any
 import torch
 
 from lightning_remote_mp._version import __version__
-from lightning_remote_mp.driver.optim import OptimizerMirror
+from lightning_remote_mp.driver import ties
+from lightning_remote_mp.driver.groups import Groups
+from lightning_remote_mp.driver.optim import Holder, OptimizerMirror
 from lightning_remote_mp.driver.options import Topology, check_split_backward
 from lightning_remote_mp.driver.pipeline import RemoteSpec, RemoteStage, check_checkpoint_mode
 from lightning_remote_mp.driver.placement import Placement, meta_stage_state, placed_module_state
@@ -55,7 +56,7 @@ from lightning_remote_mp.model.spec import (
 from lightning_remote_mp.wire import protocol
 from lightning_remote_mp.wire.heartbeat import Heartbeat
 from lightning_remote_mp.wire.keys import KeyPair
-from lightning_remote_mp.wire.requests import GroupInit, Hello, Profile, Setup
+from lightning_remote_mp.wire.requests import Hello, Profile, Setup
 from lightning_remote_mp.wire.transport import (
     DEFAULT_CALL_TIMEOUT,
     DEFAULT_CONNECT_TIMEOUT,
@@ -64,7 +65,6 @@ from lightning_remote_mp.wire.transport import (
     Curve,
     broadcast,
     normalize_address,
-    request_all,
 )
 
 log = logging.getLogger(__name__)
@@ -94,6 +94,8 @@ class DriverSession:
         keys: this driver's CURVE key pair; with it every connection is encrypted and authenticated.
         worker_keys: with ``keys``, each worker's public key (Z85) by address (as in ``hosts``).
         limits: bounds on what this driver accepts from the workers.
+        allow_plaintext_allreduce: with ``keys``, let gradients be summed through torch.distributed,
+            which CURVE does not cover (replicas, tied weights held by several stages).
     """
 
     def __init__(
@@ -108,6 +110,7 @@ class DriverSession:
         worker_keys: Mapping[str, bytes] | None = None,
         limits: protocol.Limits = protocol.DEFAULT_LIMITS,
         call_timeout: float | None = DEFAULT_CALL_TIMEOUT,
+        allow_plaintext_allreduce: bool = False,
     ) -> None:
         self.topology = Topology.of(hosts)
         rows, addresses = self.topology.rows, self.topology.addresses
@@ -122,6 +125,8 @@ class DriverSession:
         self.worker_keys = worker_keys
         curves = {a: Curve(keys, worker_keys[a]) for a in addresses} if keys and worker_keys else {}
         self.heartbeat_timeout = heartbeat_timeout
+        self.connect_timeout = connect_timeout
+        self.allow_plaintext_allreduce = allow_plaintext_allreduce
         self.id = uuid.uuid4().hex
         # Drawn from this process's generator, so a run under seed_everything repeats bit for bit on
         # the workers too (dropout masks), while each stage and replica draws its own stream.
@@ -153,7 +158,7 @@ class DriverSession:
         for c in self.conns:
             c.session = self.id
         self.store_host = store_host
-        self._store: Any = None
+        self.groups = Groups(self)  # where workers sum gradients: replicas, stages holding tied weights
         self.heartbeat: Heartbeat | None = None
         self.placements: dict[str, Placement] = {}
         self.predicted_stage_seconds: dict[str, list[float]] = {}  # from balance="time"
@@ -166,7 +171,7 @@ class DriverSession:
             for c in self.conns:
                 c.heartbeat = self.heartbeat
             if replicated:
-                self._form_replica_groups(connect_timeout)
+                self.groups.form_replica_groups()
         except BaseException:
             self.close()
             raise
@@ -174,40 +179,6 @@ class DriverSession:
     def grads_version(self) -> int:
         """How many backward passes ran through remote stages: gradients changed if this moved."""
         return sum(pl.remote.backwards for pl in self.placements.values())
-
-    def _form_replica_groups(self, timeout: float) -> None:
-        """A torch.distributed process group per stage, among that stage's replicas (gloo; NCCL where
-        every replica of the stage has CUDA), rendezvousing through a store this process hosts."""
-        import torch.distributed as dist
-
-        host = self.store_host or _address_towards(self.grid[0][0].address)
-        self._store = dist.TCPStore(
-            host, 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout)
-        )
-        infos = dict(zip(self.addresses, self.workers))
-        requests = []
-        for s in range(self.topology.stages):
-            column = [row[s] for row in self.grid]
-            backend = replica_backend([infos[c.address] for c in column])
-            if backend == "gloo" and all(str(infos[c.address].get("device")).startswith("cuda") for c in column):
-                log.info("stage %d: replicas share a GPU, so their gradients are summed through gloo", s)
-            for r, conn in enumerate(column):
-                join = GroupInit(
-                    host=host,
-                    port=self._store.port,
-                    prefix=f"{self.id}/stage{s}",
-                    rank=r,
-                    world=self.topology.replicas,
-                    backend=backend,
-                    timeout=float(timeout),
-                )
-                requests.append((conn, protocol.GROUP, join.body()))
-        request_all(requests, what="replica group set-up")
-        log.info(
-            "%d replicas of %d stages: gradients are all-reduced per stage through torch.distributed",
-            self.topology.replicas,
-            self.topology.stages,
-        )
 
     @property
     def addresses(self) -> list[str]:
@@ -391,6 +362,8 @@ class DriverSession:
             partition.describe(stages, module.entries, module.layers, list(self.topology.rows[0])),
         )
         digests = {name: source_digest(name) for name in user_code_modules(module.entries)}
+        shared, tied = ties.plan(module.shared(), stages, trains=lambda names: _trains(module, names))
+        self.groups.check_plaintext(what, tied)
         ids = []
         for r, row, stage in ((r, row, stage) for r, row in enumerate(self.grid) for stage in stages):
             conn = row[stage.index]
@@ -422,6 +395,7 @@ class DriverSession:
                     for name, p in module.layers[i].named_parameters()
                     if not p.requires_grad
                 ],
+                shared=shared[stage.index],
             )
             try:
                 ids.append(conn.send(protocol.SETUP, setup.body()))
@@ -433,6 +407,8 @@ class DriverSession:
                 ) from None
         for conn, i in zip((row[stage.index] for row in self.grid for stage in stages), ids):
             conn.recv(i, what="setup", bounded=False)
+        if tied:
+            self.groups.form_tie_groups(key, tied)
         remote = RemoteSpec(
             key,
             [[RemoteStage(key, s, row[s.index]) for s in stages] for row in self.grid],
@@ -452,16 +428,18 @@ class DriverSession:
             raise LrmpError(f"nothing is placed as {key!r}; placed: {sorted(self.placements)}")
         return [list(row) for row in placement.remote.replicas]
 
-    def remote_parameters(self) -> dict[int, tuple[list[Connection], str]]:
-        """For every placed parameter (by ``id``): the connections of the workers holding it (replica 0
-        first) and its name there."""
-        out = {}
+    def remote_parameters(self) -> dict[int, list[Holder]]:
+        """For every placed parameter (by ``id``): where its copies live, one `Holder` per stage that
+        holds it (several for a tied weight), in stage order; the first holds the first copy."""
+        out: dict[int, dict[int, Holder]] = {}
         for key, pl in self.placements.items():
             for column in zip(*pl.remote.replicas):
+                s = column[0].stage.index
                 for i in column[0].stage.layer_indices:
                     for name, p in pl.module.layers[i].named_parameters():
-                        out[id(p)] = ([rs.conn for rs in column], f"{key}/{i}.{name}")
-        return out
+                        # A tensor several of the stage's layers hold is one there, named after the first.
+                        out.setdefault(id(p), {}).setdefault(s, Holder([rs.conn for rs in column], f"{key}/{i}.{name}"))
+        return {k: [held[s] for s in sorted(held)] for k, held in out.items()}
 
     def mirror_optimizer(self, index: int, optimizer: torch.optim.Optimizer) -> OptimizerMirror | None:
         """Mirror ``optimizer`` on the workers holding its parameters (once; later calls return the mirror,
@@ -540,36 +518,16 @@ class DriverSession:
             self.heartbeat.close()
         for c in self.conns:
             c.close()
-        self._store = None
+        self.groups.store = None
 
 
-def replica_backend(workers: Sequence[Mapping[str, Any]]) -> str:
-    """The torch.distributed backend for one stage's replicas, from what their workers said of their
-    devices: NCCL where each has a GPU of its own, else gloo (NCCL refuses two ranks on one GPU,
-    which is how the zero-config default places replicas on a one-GPU machine).
-
-    >>> gpu = lambda uuid: {"device": "cuda:0", "device_uuid": uuid}
-    >>> replica_backend([gpu("GPU-a"), gpu("GPU-b")]), replica_backend([gpu("GPU-a"), gpu("GPU-a")])
-    ('nccl', 'gloo')
-    >>> replica_backend([gpu("GPU-a"), {"device": "cpu"}])
-    'gloo'
-    """
-    if not all(str(w.get("device", "cpu")).startswith("cuda") for w in workers):
-        return "gloo"
-    gpus = [w.get("device_uuid") for w in workers]
-    if all(isinstance(g, str) for g in gpus) and len(set(gpus)) < len(gpus):
-        return "gloo"
-    return "nccl"
-
-
-def _address_towards(address: str) -> str:
-    """This machine's IP on the route to ``address`` (no packet is sent)."""
-    host = address.split("://", 1)[-1].rpartition(":")[0].strip("[]")
-    if host in ("localhost", "") or host.startswith("127."):
-        return "127.0.0.1"
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect((host, 9))
-        return s.getsockname()[0]
+def _trains(module: SpecSequential, names: Sequence[str]) -> bool:
+    """Whether the tensor a layer holds under ``names[0]`` (``"<layer index>.<name>"``) takes a gradient."""
+    index, _, name = names[0].partition(".")
+    try:
+        return module.layers[int(index)].get_parameter(name).requires_grad
+    except AttributeError:
+        return False  # a buffer
 
 
 #: A session whose driver has been silent this long (seconds) is taken for one whose driver is gone:

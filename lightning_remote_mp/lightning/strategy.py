@@ -284,6 +284,7 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
                 keys=self._keys,
                 worker_keys=worker_keys,
                 limits=self.limits,
+                allow_plaintext_allreduce=self.curve is not None and self.curve.allow_plaintext_allreduce,
             )
             for key, module in modules.items():
                 self._session.place(
@@ -314,16 +315,11 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
         if session is None:
             raise LrmpError(f"module {key!r} was first called outside a session with the workers")
         if len(module.layers) < self.num_stages:
-            tied = ""
-            if module.ties:
-                tied = (
-                    f"; weights used in several places ({', '.join(module.ties[:3])}: tied weights, or a module "
-                    "called more than once) merged the units between their uses"
-                )
             raise TraceError(
                 f"module {key!r} was cut into {len(module.layers)} units ({', '.join(e.name for e in module.entries)})"
-                f"{tied}, fewer than the {self.num_stages} stages: use fewer workers, split a larger module, or "
-                "untie the weights (HuggingFace: tie_word_embeddings=False)"
+                ", "
+                f"fewer than the {self.num_stages} stages: use fewer workers or split a larger module (a module whose "
+                "running statistics are used in several places keeps every unit between its uses in one)"
             )
         if isinstance(balance, list) and all(isinstance(b, str) for b in balance):
             balance = module.counts_at(balance, self.num_stages)

@@ -9,38 +9,81 @@ that names the user's line and what to change.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import operator
 import re
 import traceback
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import fx, nn
+from torch.utils import _pytree as pytree
 
 from lightning_remote_mp.errors import TraceError
 
 
-def _dynamic(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return {d: torch.export.Dim.AUTO for d in range(value.dim())}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_dynamic(v) for v in value)
-    if isinstance(value, dict):
-        return {k: _dynamic(v) for k, v in value.items()}
-    return None
+def batch_rows(args: tuple, kwargs: dict) -> int | None:
+    """The batch's rows in a call: dim 0 of its first tensor argument (``None`` without one)."""
+    first = next((t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.dim() > 0), None)
+    return None if first is None else int(first.shape[0])
 
 
-def _dynamic_shapes(module: nn.Module, args: tuple, kwargs: dict) -> Any:
+def _dynamic_shapes(module: nn.Module, args: tuple, kwargs: dict, rows: int | None) -> Any:
+    """Every dimension of every tensor argument dynamic where the code allows; dim 0 of each tensor
+    with the batch's ``rows`` is one shared dimension, the batch, so that torch.export tells which
+    inputs (masks, labels, position ids...) and outputs carry the batch by what the code does with
+    them. With one row the batch cannot be told from a size the code fixes (torch.export
+    specialises sizes 0 and 1): every dimension is then dynamic on its own."""
+    shapes = torch.export.ShapesCollection()
+    batch = torch.export.Dim("batch") if rows is not None and rows > 1 else None
+    seen: set[int] = set()  # a tensor passed twice (ids as labels) gets one spec
+    for t in pytree.tree_leaves((args, kwargs)):
+        if isinstance(t, torch.Tensor) and id(t) not in seen:
+            seen.add(id(t))
+            spec: dict[int, Any] = {d: torch.export.Dim.AUTO for d in range(t.dim())}
+            if batch is not None and t.dim() > 0 and t.shape[0] == rows:
+                spec[0] = batch
+            shapes[t] = spec
+    return shapes.dynamic_shapes(module, args, kwargs)
+
+
+@contextlib.contextmanager
+def _explicit_signature(module: nn.Module, args: tuple, kwargs: dict) -> Iterator[None]:
+    """While exporting, a ``forward(*args, **kwargs)`` (peft's wrappers) shows a signature naming
+    this call's arguments: torch.export reorders the arguments of a variadic forward and then
+    cannot match them with their dynamic shapes ("Must provide a tree_name")."""
+    params = inspect.signature(module.forward).parameters.values()
+    if not any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params):
+        yield
+        return
+    own = vars(module).get("forward")
+    forward = module.forward
+
+    def explicit(*a: Any, **k: Any) -> Any:
+        return forward(*a, **k)
+
+    P = inspect.Parameter
+    explicit.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+        [P(f"arg{i}", P.POSITIONAL_ONLY) for i in range(len(args))] + [P(k, P.KEYWORD_ONLY) for k in kwargs]
+    )
+    module.forward = explicit  # type: ignore[method-assign]
     try:
-        bound = inspect.signature(module.forward).bind(*args, **kwargs)
-    except (TypeError, ValueError):
-        return None
-    return {name: _dynamic(value) for name, value in bound.arguments.items()}
+        yield
+    finally:
+        if own is None:
+            vars(module).pop("forward", None)
+        else:
+            module.forward = own  # type: ignore[method-assign]
 
 
 def export(module: nn.Module, args: tuple, kwargs: dict, name: str, training: bool) -> fx.GraphModule:
+    """``module`` called with ``args`` and ``kwargs``, exported in train or eval mode (see the module
+    docstring). The graph records the limits torch.export found on dynamic dimensions
+    (``lrmp_ranges``), the output's structure (``lrmp_out_spec``) and the arguments whose dim 0 has
+    the batch's rows but could not be given the batch's dimension (``lrmp_unclassified``)."""
     flags = [(m, m.training) for m in module.modules()]
     module.train(training)
     # torch.export logs each dimension it keeps static (a channel count of 1) as a warning; the
@@ -48,9 +91,17 @@ def export(module: nn.Module, args: tuple, kwargs: dict, name: str, training: bo
     quiet = logging.getLogger("torch._export.non_strict_utils")
     level = quiet.level
     quiet.setLevel(logging.ERROR)
+    rows = batch_rows(args, kwargs)
+    unclassified = False
     try:
-        with torch.inference_mode(False), torch.enable_grad(), torch.random.fork_rng(devices=[]):
-            ep = torch.export.export(module, args, kwargs, dynamic_shapes=_dynamic_shapes(module, args, kwargs))
+        try:
+            ep = _export(module, args, kwargs, rows)
+        except Exception as err:
+            if rows is None or rows < 2 or "batch" not in str(err):
+                raise
+            # An argument with the batch's rows that the code does not treat as the batch (a table
+            # whose length equals the batch size): every dimension on its own, that argument unclassified.
+            ep, unclassified = _export(module, args, kwargs, None), True
     except Exception as err:  # torch.export raises many types; all mean "cannot trace this"
         raise TraceError(_export_failure(name, err)) from err
     finally:
@@ -59,9 +110,30 @@ def export(module: nn.Module, args: tuple, kwargs: dict, name: str, training: bo
             m.training = f
     gm = ep.module()
     gm.lrmp_ranges = dict(ep.range_constraints)  # type: ignore[assignment]
+    gm.lrmp_unclassified = _rows_like_the_batch(gm, rows)[1:] if unclassified else []  # type: ignore[assignment]
     _inline_blocks(gm, name)
     gm.lrmp_out_spec = ep.call_spec.out_spec  # type: ignore[assignment]
     return gm
+
+
+def _export(module: nn.Module, args: tuple, kwargs: dict, rows: int | None) -> Any:
+    with torch.inference_mode(False), torch.enable_grad(), torch.random.fork_rng(devices=[]):
+        with _explicit_signature(module, args, kwargs):
+            return torch.export.export(module, args, kwargs, dynamic_shapes=_dynamic_shapes(module, args, kwargs, rows))
+
+
+def _rows_like_the_batch(gm: fx.GraphModule, rows: int | None) -> list[str]:
+    """The inputs whose dim 0 has ``rows`` rows, in order."""
+    out = []
+    for p in gm.graph.nodes:
+        val = p.meta.get("val") if p.op == "placeholder" else None
+        if isinstance(val, torch.Tensor) and val.dim() > 0 and getattr(val.shape[0], "node", None) is not None:
+            hint = val.shape[0].node.hint
+        else:
+            hint = val.shape[0] if isinstance(val, torch.Tensor) and val.dim() > 0 else None
+        if hint == rows:
+            out.append(p.name)
+    return out
 
 
 def _block_context(node: fx.Node) -> tuple[dict[str, Any], int] | None:
@@ -136,7 +208,7 @@ def _export_failure(name: str, err: BaseException) -> str:
     elif "Found <class" in text and "output" in text:
         hint = (
             "The module returns an object torch.export cannot flatten (a HuggingFace model's key/value cache: "
-            "pass use_cache=False in its config)"
+            "lrmp passes use_cache=False unless the call sets use_cache itself; leave it out, or pass False)"
         )
     else:
         hint = "torch.export could not trace it"

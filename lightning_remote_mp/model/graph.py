@@ -55,6 +55,12 @@ ALLOWED_NAMESPACES = ("aten",)
 #: operators): the composite ones that traced training graphs keep (torch.export's default IR is
 #: pre-dispatch: ``linear``, ``batch_norm``, ``dropout``... stay whole). Reviewed by name: each reads
 #: and writes only within its tensors' bounds. Backward operators are never needed and never allowed.
+#: The last line came from auditing what torch.export emits for Llama, Qwen2, Qwen2-MoE, Mixtral, GPT-2,
+#: BERT, T5, ViT and a peft LoRA model (docs/tracing.md, "Operators"): ``histc`` counts a tensor's
+#: values into the bins the program names (a mixture of experts' tokens per expert); ``index_put``
+#: writes values at indices that ATen bounds-checks; ``empty_like`` runs zero-filled like ``empty``;
+#: ``_grouped_mm`` is the grouped matrix product of a mixture of experts in bfloat16. None does I/O,
+#: calls back into Python or reaches beyond its tensors.
 COMPOSITE_OPERATORS = frozenset(
     """
     linear bilinear conv1d conv2d conv3d conv_transpose1d conv_transpose2d conv_transpose3d batch_norm
@@ -76,11 +82,12 @@ COMPOSITE_OPERATORS = frozenset(
     view_as_real view_as_complex polar complex real imag angle rsub addcmul addcdiv baddbmm addmv
     addbmm lerp hypot logaddexp xlogy frac heaviside dot vdot mv kron cross diag diag_embed
     diagonal_scatter take_along_dim flip fliplr flipud roll rot90 meshgrid broadcast_to
+    histc index_put index_put_ empty_like _grouped_mm
     """.split()
 )
 #: Operators whose results start uninitialised: run zero-filled, so a program never reads memory
 #: the worker freed (weights of another session, keys).
-_ZERO_FILLED = frozenset({"empty", "empty_strided"})
+_ZERO_FILLED = frozenset({"empty", "empty_strided", "empty_like"})
 #: Steps dropped on load: shape and metadata assertions the tracer inserts, which would pin the
 #: trace's device (a CUDA worker runs a program traced on a CPU driver) or re-check its guards.
 DROPPED_OPERATORS = frozenset(
@@ -145,7 +152,30 @@ PYTHON_OPERATORS: dict[str, Callable[..., Any]] = {
 }
 #: What the tracer's graphs call, by the name it travels under (driver side).
 TRACED_PYTHON_NAMES: dict[Any, str] = {operator.getitem: "getitem", **{fn: n for n, fn in _ARITHMETIC.items()}}
-_PYTHON_ENTRY: dict[Any, Callable[..., Any]] = {torch.ops.aten.linear.default: torch.nn.functional.linear}
+
+
+def _batch_norm(
+    input: Any,
+    weight: Any,
+    bias: Any,
+    running_mean: Any,
+    running_var: Any,
+    training: Any,
+    momentum: Any,
+    eps: Any,
+    _: Any,
+) -> Any:
+    """``aten.batch_norm`` through ``F.batch_norm`` (the same operator; cuDNN as the worker's torch sets it)."""
+    return torch.nn.functional.batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps)
+
+
+#: Operators that run through their Python entry point, where a worker's TorchFunctionModes see them:
+#: split backward defers traced linear layers' weight gradients (``F.linear``, worker.deferred_grads),
+#: and deferred batch norm the statistics of traced batch norms (``F.batch_norm``, worker.deferred_bn).
+_PYTHON_ENTRY: dict[Any, Callable[..., Any]] = {
+    torch.ops.aten.linear.default: torch.nn.functional.linear,
+    torch.ops.aten.batch_norm.default: _batch_norm,
+}
 _MARKERS = {
     "layout": {"strided": torch.strided},
     "memory_format": {
@@ -215,18 +245,24 @@ def resolve_operator(target: Any, where: str) -> Callable[..., Any] | None:
         )
     if name in _ZERO_FILLED:
         return _zero_filled(op)
-    # The same operator through its Python entry point, so that split backward (which intercepts
-    # F.linear, see worker.deferred_grads) defers traced linear layers' weight gradients too.
     return _PYTHON_ENTRY.get(op, op)
 
 
 def allowed_operator(op: torch._ops.OpOverload) -> bool:
     """Whether a worker runs ``op``: an ATen operator tagged core or listed in `COMPOSITE_OPERATORS`,
-    and no backward operator."""
+    or the in-place variant of one (``scatter_add_`` of ``scatter_add``: the same computation, written
+    into its first argument, a value of the program), and no backward operator."""
     namespace, _, name = op._schema.name.partition("::")
     if namespace not in ALLOWED_NAMESPACES or name.endswith("_backward"):
         return False
-    return name in COMPOSITE_OPERATORS or name in DROPPED_OPERATORS or _core(op.overloadpacket)
+    if name in COMPOSITE_OPERATORS or name in DROPPED_OPERATORS or _core(op.overloadpacket):
+        return True
+    if name.endswith("_") and not name.startswith("_"):
+        functional = getattr(torch.ops.aten, name[:-1], None)
+        return isinstance(functional, torch._ops.OpOverloadPacket) and (
+            name[:-1] in COMPOSITE_OPERATORS or _core(functional)
+        )
+    return False
 
 
 @functools.cache

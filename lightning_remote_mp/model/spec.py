@@ -574,8 +574,19 @@ class SpecSequential(nn.Module):
     #: What errors and logs call it.
     kind = "SpecSequential"
 
-    #: For a pipeline of tuples (a traced model): which input and output elements carry the batch.
-    batched: tuple[list[bool], list[bool]] | None = None
+    #: For a pipeline of tuples (a traced model): which input elements carry the batch, and how each
+    #: output element joins across the parts of a batch (`lightning_remote_mp.model.joins.Join`).
+    batched: tuple[list[bool], list[Any]] | None = None
+
+    def shared(self) -> list[list[str]]:
+        """The tensors several layers hold, one list of their names (``"<layer index>.<name>"``) each:
+        a traced model's tied weights. A stage holding several of the names keeps one tensor; stages
+        that each hold one keep a copy each, and sum their gradients."""
+        names: dict[int, list[str]] = {}
+        for i, layer in enumerate(self.layers):
+            for name, t in layer.state_dict(keep_vars=True).items():
+                names.setdefault(id(t), []).append(f"{i}.{name}")
+        return [group for group in names.values() if len(group) > 1]
 
     def layer_state(self, state_dict: Mapping[str, Any], prefix: str) -> dict[str, Any]:
         """The entries of ``state_owner``'s ``state_dict`` (under ``prefix``) that belong to the layers,

@@ -25,6 +25,7 @@ True
 
 from __future__ import annotations
 
+import inspect
 import logging
 import operator
 import re
@@ -38,6 +39,7 @@ from torch.utils import _pytree as pytree
 from lightning_remote_mp.errors import TraceError
 from lightning_remote_mp.model.export import export
 from lightning_remote_mp.model.graph import TRACED_PYTHON_NAMES, GraphLayer, allowed_operator
+from lightning_remote_mp.model.joins import split_means
 from lightning_remote_mp.model.spec import SpecSequential
 from lightning_remote_mp.model.traced import Ends, Interface, TracedEntry, TracedSequential, as_tuple
 
@@ -142,13 +144,39 @@ def _attrs(nodes: Sequence[fx.Node]) -> set[str]:
     return {a.target for n in nodes for a in n.all_input_nodes if a.op == "get_attr"}  # type: ignore[misc]
 
 
-def _merge_shared(attrs: list[set[str]]) -> tuple[list[list[int]], list[str]]:
-    """Merge runs ``i..j`` wherever one weight is used by runs ``i`` and ``j`` (tied weights, a module
-    called twice). Returns the groups of run indices, and the weights used by several runs."""
+#: Operators that update their running statistics in place when training, though their schema marks
+#: no argument as written: ``(operator name, positions of the statistics, position of the training flag)``.
+_STATISTICS = {"batch_norm": ((3, 4), 5), "instance_norm": ((3, 4), 5)}
+
+
+def _mutated(nodes: Sequence[fx.Node]) -> set[str]:
+    """The weights and buffers (``get_attr`` targets) that these steps write to."""
+    out: set[str] = set()
+    for n in nodes:
+        op = n.target
+        if n.op != "call_function" or not isinstance(op, torch._ops.OpOverload):
+            continue
+        written = [
+            i for i, arg in enumerate(op._schema.arguments) if arg.alias_info is not None and arg.alias_info.is_write
+        ]
+        stats = _STATISTICS.get(op._schema.name.partition("::")[2])
+        if stats is not None and len(n.args) > stats[1] and n.args[stats[1]] is not False:
+            written += list(stats[0])
+        for i in written:
+            if i < len(n.args) and isinstance(n.args[i], fx.Node) and n.args[i].op == "get_attr":
+                out.add(n.args[i].target)  # type: ignore[arg-type]
+    return out
+
+
+def _merge_mutated(attrs: list[set[str]], mutated: set[str]) -> list[list[int]]:
+    """Merge runs ``i..j`` wherever a buffer that some step writes (BatchNorm's running statistics
+    of a module called twice) is used by runs ``i`` and ``j``: its copies on two stages would go
+    apart. A weight that is only read by several runs (tied embeddings) merges nothing: each stage
+    that uses it holds a copy, and the copies sum their gradients (`TracedSequential.shared`)."""
     first: dict[str, int] = {}
     last: dict[str, int] = {}
     for k, names in enumerate(attrs):
-        for a in names:
+        for a in names & mutated:
             first.setdefault(a, k)
             last[a] = k
     reach = list(range(len(attrs)))
@@ -165,7 +193,7 @@ def _merge_shared(attrs: list[set[str]]) -> tuple[list[list[int]], list[str]]:
             j += 1
         merged.append(list(range(k, end + 1)))
         k = end + 1
-    return merged, sorted(a for a in first if last[a] > first[a])
+    return merged
 
 
 # --- encoding ----------------------------------------------------------------------------------
@@ -177,13 +205,25 @@ def _target(node: fx.Node, name: str) -> list[str]:
             return [ns, op, target._overloadname or "default"]
     elif target in TRACED_PYTHON_NAMES:
         return ["python", TRACED_PYTHON_NAMES[target]]
+    shown = target._schema.name if isinstance(target, torch._ops.OpOverload) else getattr(target, "__name__", target)
     raise TraceError(
-        f"module {name!r}: the traced graph calls {getattr(target, '__name__', target)!s}{_where(node)}, which "
-        "workers do not run: they run the ATen operators on their allowlist (lightning_remote_mp.model.graph: core "
-        "ATen and COMPOSITE_OPERATORS), and torch.no_grad() and torch.autocast blocks. Custom operators and "
-        "control-flow operators (torch.cond, torch.while_loop) are not supported; split around that module "
-        "(split= takes dotted names) or describe it as a layer spec."
+        f"module {name!r}: the traced graph calls {shown!s}{_where(node)}, which workers do not run: they run the "
+        "ATen operators on their allowlist (lightning_remote_mp.model.graph: core ATen and COMPOSITE_OPERATORS), "
+        "and torch.no_grad() and torch.autocast blocks. Custom operators (Python code registered as an operator) "
+        "and control-flow operators (torch.cond, torch.while_loop) are not supported; "
+        + _KNOWN_WAYS_AROUND.get(str(shown), "")
+        + "split around that module (split= takes dotted names) or describe it as a layer spec."
     )
+
+
+#: Operators of well-known libraries that a worker does not run, and the traced alternative.
+_KNOWN_WAYS_AROUND = {
+    "transformers::grouped_mm_fallback": (
+        "this is transformers' mixture-of-experts path experts_implementation='grouped_mm' (the default) in "
+        "float32, whose grouped matrix product is such an operator: give the model's config "
+        "experts_implementation='batched_mm', which traces to ATen operators, or "
+    ),
+}
 
 
 def _where(node: fx.Node) -> str:
@@ -280,9 +320,13 @@ def _live(values: list[fx.Node], unit_of: dict[fx.Node, int], n_units: int) -> l
 def trace_module(module: nn.Module, args: tuple, kwargs: dict, name: str) -> TracedSequential:
     """Trace ``module`` called with ``args`` and ``kwargs`` and cut it into units (see the module docstring)."""
     graphs = {"train": export(module, args, kwargs, name, True), "eval": export(module, args, kwargs, name, False)}
+    counts = {mode: split_means(gm) for mode, gm in graphs.items()}  # losses joined exactly across micro-batches
+    if counts["train"] != counts["eval"]:
+        raise TraceError(f"module {name!r} returns a mean-reduced loss in one of train and eval mode only")
     owners, train_runs, eval_runs = _align(_runs(graphs["train"], module), _runs(graphs["eval"], module), name)
     attrs = [_attrs(t) | _attrs(e) for t, e in zip(train_runs, eval_runs)]
-    groups, ties = _merge_shared(attrs)
+    mutated = _mutated([n for gm in graphs.values() for n in gm.graph.nodes])
+    groups = _merge_mutated(attrs, mutated)
     unit_nodes = {
         "train": [[n for i in g for n in train_runs[i]] for g in groups],
         "eval": [[n for i in g for n in eval_runs[i]] for g in groups],
@@ -355,10 +399,9 @@ def trace_module(module: nn.Module, args: tuple, kwargs: dict, name: str) -> Tra
     traced = TracedSequential(
         name, module, entries, layers, state_names, covered, [_cost(nodes) for nodes in unit_nodes["train"]]
     )
-    traced.ties = ties  # type: ignore[attr-defined]
-    call = Interface.from_graph(name, graphs["train"], interfaces["train"], args, kwargs)
+    call = Interface.from_graph(name, graphs["train"], interfaces["train"], args, kwargs, counts["train"])
     traced.interface = call  # type: ignore[attr-defined]
-    traced.batched = (call.batched_in, call.batched_out)
+    traced.batched = (call.batched_in, call.joins_out)
     return traced
 
 
@@ -506,6 +549,7 @@ class TracedForward:
             vars(self.module).pop("forward", None)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        kwargs = _without_cache(self.module, kwargs)
         if self.traced is None:
             with torch.inference_mode(False):
                 args, kwargs = pytree.tree_map_only(torch.Tensor, _plain, (args, kwargs))
@@ -524,6 +568,21 @@ class TracedForward:
         if remote is None:
             return interface.outputs(list(as_tuple(self.traced.run_locally(*inputs))))
         return interface.outputs(list(remote(inputs)))
+
+
+def _without_cache(module: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The call's keyword arguments with ``use_cache=False`` where the module takes ``use_cache`` and the
+    call does not say: transformers' configs turn the key/value cache on by default, a training or
+    evaluation forward never reads it, and it could neither be traced nor travel. The cache is never
+    built, and the output's ``past_key_values`` is ``None``."""
+    if "use_cache" in kwargs:
+        return kwargs
+    params = inspect.signature(type(module).forward).parameters
+    variadic = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    config = getattr(module, "config", None)
+    if "use_cache" in params or (variadic and getattr(config, "use_cache", None) is not None):
+        return {**kwargs, "use_cache": False}
+    return kwargs
 
 
 def _weights_key(module: nn.Module) -> tuple:

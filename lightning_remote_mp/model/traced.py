@@ -22,6 +22,7 @@ from torch.utils import _pytree as pytree
 
 from lightning_remote_mp.errors import TraceError
 from lightning_remote_mp.model.graph import GraphLayer
+from lightning_remote_mp.model.joins import Join, join_of
 from lightning_remote_mp.model.spec import LayerEntry, SpecSequential
 
 
@@ -109,10 +110,28 @@ class TracedSequential(SpecSequential):
         return [b - a for a, b in zip(bounds, bounds[1:])]
 
     def check_batch_split(self, inputs: Sequence[torch.Tensor]) -> None:
-        """Refuse to split batches along a dim that is not the batch: run the first call's first
-        rows here (eval mode, no grad) whole and in two halves; the halves' outputs, joined, must be
-        the whole's. A sequence-first model (dim 0 is time) or one whose samples interact fails."""
+        """Before a batch is split (micro-batches, replicas): refuse outputs that cannot be joined
+        exactly, and inputs whose rows the trace could not tell from the batch's, naming them; then
+        run the first call's first rows here (eval mode, no grad) whole and in two halves, whose
+        outputs, joined, must be the whole's: a sequence-first model (dim 0 is time) or one whose
+        samples interact fails."""
         call: Interface = self.interface  # type: ignore[attr-defined]
+        unjoinable = call.unjoinable()
+        if unjoinable:
+            raise TraceError(
+                f"module {self.traced_name!r} returns {', '.join(map(repr, unjoinable))}, which carries no batch "
+                "dimension and is no loss lrmp can join exactly (a mean-reduced loss, a sum), so the parts of a "
+                "split batch (micro-batches, replicas) cannot be joined back into it. Compute it outside the split "
+                "module from outputs that carry the batch, or use microbatches=1 and a single replica."
+            )
+        if call.unclassified:
+            raise TraceError(
+                f"module {self.traced_name!r}: argument(s) {', '.join(map(repr, call.unclassified))} have as many "
+                "rows in dim 0 as the batch, but the model's code does not treat dim 0 as the batch (torch.export "
+                "could not give them the batch's dimension), so lrmp cannot tell whether to split them or give "
+                "each micro-batch the whole. Give them another size in dim 0 than the batch, or use "
+                "microbatches=1 and a single replica."
+            )
         rows = next((t.shape[0] for t, b in zip(inputs, call.batched_in) if b), 0)
         if rows < 2:
             return
@@ -131,10 +150,11 @@ class TracedSequential(SpecSequential):
         finally:
             for m, f in zip(self.layers, flags):
                 m.train(f)
-        for i, (out, batched) in enumerate(zip(whole, call.batched_out)):
-            if not batched or not out.is_floating_point():
+        for i, (out, join) in enumerate(zip(whole, call.joins_out)):
+            if join == "whole" or not out.is_floating_point():
                 continue
-            joined = torch.cat([p[i] for p in parts], dim=0)
+            items = [p[i] for p in parts]
+            joined = torch.cat(items, dim=0) if join == "batch" else torch.stack(items).sum(0)
             if not torch.allclose(joined, out, rtol=1e-4, atol=1e-5):
                 raise TraceError(
                     f"module {self.traced_name!r}: splitting a batch along dim 0 of its inputs changes its output "
@@ -169,11 +189,20 @@ class Interface:
     ranges: list[dict[int, tuple[int, float]]]  # per pipeline input, limits the trace found on dynamic dims
     batched_in: list[bool]
     out_spec: Any
-    out_leaves: list[tuple[str, Any]]  # ("value", index into pipeline outputs) or ("constant", value)
-    batched_out: list[bool]
+    #: Per leaf of the module's output: ``("value", i)``, the pipeline's output ``i``; ``("ratio", i, j)``,
+    #: a mean-reduced loss as the sum ``i`` over the count ``j`` (`lightning_remote_mp.model.joins`);
+    #: or ``("constant", value)``.
+    out_leaves: list[tuple[Any, ...]]
+    joins_out: list[Join]  # per pipeline output, how the parts of a batch join
+    #: Arguments with the batch's rows in dim 0 that the trace could not give the batch's dimension.
+    unclassified: list[str] = dataclasses.field(default_factory=list)
 
     @classmethod
-    def from_graph(cls, name: str, gm: fx.GraphModule, interface: Ends, args: tuple, kwargs: dict) -> Interface:
+    def from_graph(
+        cls, name: str, gm: fx.GraphModule, interface: Ends, args: tuple, kwargs: dict, counts: Mapping[int, int]
+    ) -> Interface:
+        """The interface of the call traced as ``gm``; ``counts``: the mean-reduced losses that
+        `lightning_remote_mp.model.joins.split_means` split into a sum and a count."""
         leaves, in_spec = pytree.tree_flatten((args, kwargs))
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         if len(placeholders) != len(leaves):
@@ -193,18 +222,18 @@ class Interface:
             ranges.append(_ranges(val, getattr(gm, "lrmp_ranges", {})))
             batched_in.append(val.dim() > 0 and batch is not None and str(val.shape[0]) == batch)
         flat_out = list(output.args[0]) if isinstance(output.args[0], (list, tuple)) else [output.args[0]]
-        out_leaves: list[tuple[str, Any]] = []
-        for v in flat_out:
-            if isinstance(v, fx.Node):
+        sums = [flat_out[i] for i in counts] + [flat_out[j] for j in counts.values()]
+        out_leaves: list[tuple[Any, ...]] = []
+        for i, v in enumerate(flat_out[: len(flat_out) - len(counts)]):  # the counts come last
+            if i in counts:
+                out_leaves.append(
+                    ("ratio", interface.outputs.index(v.name), interface.outputs.index(flat_out[counts[i]].name))
+                )
+            elif isinstance(v, fx.Node):
                 out_leaves.append(("value", interface.outputs.index(v.name)))
             else:
                 out_leaves.append(("constant", v))
-        batched_out = []
-        for n in interface.outputs:
-            val = by_name[n].meta.get("val")
-            batched_out.append(
-                isinstance(val, torch.Tensor) and val.dim() > 0 and batch is not None and str(val.shape[0]) == batch
-            )
+        joins_out = [join_of(by_name[n], batch, sums) for n in interface.outputs]
         constants = [None if isinstance(x, torch.Tensor) else x for x in leaves]
         return cls(
             name,
@@ -216,8 +245,26 @@ class Interface:
             batched_in,
             gm.lrmp_out_spec,
             out_leaves,
-            batched_out,
+            joins_out,
+            [p.name for p in placeholders if p.name in getattr(gm, "lrmp_unclassified", ())],
         )
+
+    def output_names(self) -> list[str]:
+        """How the user names each leaf of the module's output: ``"loss"``, ``"logits"``, ``"[0]"``."""
+        tree = pytree.tree_unflatten(list(range(len(self.out_leaves))), self.out_spec)
+        names = [""] * len(self.out_leaves)
+        for path, i in pytree.tree_flatten_with_path(tree)[0]:
+            names[i] = pytree.keystr(path).strip(".").replace("['", "").replace("']", "") or "the output"
+        return names
+
+    def unjoinable(self) -> list[str]:
+        """The outputs that cannot be joined exactly when a batch is split (see `Join`): named."""
+        names = self.output_names()
+        return [
+            names[i]
+            for i, leaf in enumerate(self.out_leaves)
+            if leaf[0] == "value" and self.joins_out[leaf[1]] == "whole"
+        ]
 
     def inputs(self, args: tuple, kwargs: dict) -> tuple[torch.Tensor, ...]:
         """The pipeline's inputs for a call, checked against the traced call."""
@@ -255,7 +302,16 @@ class Interface:
         return tuple(out)
 
     def outputs(self, values: Sequence[Any]) -> Any:
-        flat = [values[ref] if kind == "value" else ref for kind, ref in self.out_leaves]
+        """The module's output from the pipeline's (joined) outputs ``values``."""
+        flat = []
+        for leaf in self.out_leaves:
+            if leaf[0] == "value":
+                flat.append(values[leaf[1]])
+            elif leaf[0] == "ratio":  # the whole batch's mean: its parts' sums over their counts
+                total, count = values[leaf[1]], values[leaf[2]]
+                flat.append(total / count.to(total.dtype))
+            else:
+                flat.append(leaf[1])
         return pytree.tree_unflatten(flat, self.out_spec)
 
 

@@ -44,6 +44,7 @@ from lightning_remote_mp.wire.fields import (
     anything,
     as_dict,
     as_dict_of_dicts,
+    as_list,
     as_list_of_dicts,
     choice,
     field,
@@ -108,6 +109,14 @@ def _seed(kind: str, name: str, value: Any) -> int:
 _PEER_KEYS = "stages in 'peers' to 40-character Z85 keys"
 
 
+def _is_name_group(value: Any) -> bool:
+    return isinstance(value, list) and len(value) > 1 and all(map(is_str, value))
+
+
+def as_list_of_lists(value: Sequence[Sequence[str]]) -> list[list[str]]:
+    return [list(v) for v in value]
+
+
 @dataclasses.dataclass(frozen=True)
 class Setup(Body):
     """SETUP: build one stage of a SpecSequential on the worker, wire it to its peers, and give it
@@ -127,6 +136,8 @@ class Setup(Body):
         code_digests: the driver's source digest of each user module the entries import.
         seed: the stage's random stream (dropout); ``None`` leaves the worker's.
         frozen: the names of parameters that take no gradient.
+        shared: groups of names of this stage's tensors that are one tensor (a tied weight used by
+            several of its layers); the stage holds one, under the first name of each group.
     """
 
     KIND: ClassVar[str] = protocol.SETUP
@@ -150,6 +161,9 @@ class Setup(Body):
     )
     seed: int | None = field(_seed, default=None)
     frozen: Sequence[str] = field(list_of(is_str, "parameter names"), default_factory=list, write=list)
+    shared: Sequence[Sequence[str]] = field(
+        list_of(_is_name_group, "lists of two or more tensor names"), default_factory=list, write=as_list_of_lists
+    )
 
     @classmethod
     def _check(cls, values: dict[str, Any]) -> None:
@@ -236,6 +250,8 @@ class OptimCreate(Body):
         defaults: the optimizer's ``defaults``.
         groups: one per driver parameter group: its hyperparameters, and under ``"params"`` the
             names (``"<key>/<layer index>.<name>"``) of its parameters this worker holds.
+        copies: of those, the copies of a tied weight whose first copy another stage holds: they
+            step like it, but their gradient norms and state are that copy's, so they are not reported.
     """
 
     KIND: ClassVar[str] = protocol.OPTIM_CREATE
@@ -246,6 +262,7 @@ class OptimCreate(Body):
     groups: Sequence[Mapping[str, Any]] = field(
         list_of(_is_group, "hyperparameter dicts with a 'params' list of names"), write=as_list_of_dicts
     )
+    copies: Sequence[str] = field(list_of(is_str, "parameter names"), default_factory=list, write=list)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -373,12 +390,15 @@ class Timeline(Body):
 
 @dataclasses.dataclass(frozen=True)
 class GroupInit(Body):
-    """GROUP with ``op="init"``: join the torch.distributed process group of this stage's replicas
-    through the driver's TCPStore at ``host:port`` (`lightning_remote_mp.worker.collective.ReplicaGroup`).
+    """GROUP with ``op="init"``: join a torch.distributed process group through the driver's
+    TCPStore at ``host:port`` (`lightning_remote_mp.worker.collective.GradGroup`): the group of this
+    stage's replicas, which sum all its gradients, or with ``params``, the group of the stages that
+    hold copies of tied weights, which sum those weights' gradients.
 
     Attributes:
-        prefix: the group's key prefix in the store; ``rank``, ``world``: this replica's rank and the
-            number of replicas; ``backend``: ``"gloo"`` or ``"nccl"``; ``timeout``: seconds.
+        prefix: the group's key prefix in the store; ``rank``, ``world``: this member's rank and the
+            group's size; ``backend``: ``"gloo"`` or ``"nccl"``; ``timeout``: seconds.
+        params: for a group of tied weights, this stage's names of them, in the group's order.
     """
 
     KIND: ClassVar[str] = protocol.GROUP
@@ -391,6 +411,9 @@ class GroupInit(Body):
     world: int = field(INT)
     backend: str = field(STR)
     timeout: float = field(number)
+    params: Sequence[str] | None = field(
+        list_of(is_str, "parameter names"), default=None, write=as_list, omit_none=True
+    )
 
 
 # --- the session -----------------------------------------------------------------------------

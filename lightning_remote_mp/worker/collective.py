@@ -1,8 +1,11 @@
-"""Replicas of one stage keep identical weights by summing their gradients with torch.distributed.
+"""Copies of a weight on several workers stay identical by summing their gradients with torch.distributed.
 
-The workers holding the same stage in different replicas form a process group (gloo, or NCCL
-when they all hold the stage on CUDA) through a TCPStore the driver hosts. The group is this
-session's own object, not torch.distributed's global default group, so sessions come and go.
+Two kinds of copies: the workers holding the same stage in different replicas (each saw a share of
+the batch), and the stages of one pipeline that each hold a copy of a tied weight (each computed
+its uses' share of the gradient: DeepSpeed's ``ReduceTiedGrads``). Each set forms a process group
+(gloo, or NCCL when they all hold it on CUDA GPUs of their own) through a TCPStore the driver hosts.
+A group is this session's own object, not torch.distributed's global default group, so sessions come
+and go.
 """
 
 from __future__ import annotations
@@ -14,10 +17,10 @@ import torch
 import torch.distributed as dist
 
 
-class ReplicaGroup:
+class GradGroup:
     def __init__(self, host: str, port: int, prefix: str, rank: int, world: int, backend: str, timeout: float) -> None:
         if not 0 <= rank < world:
-            raise ValueError(f"replica rank {rank} outside a group of {world}")
+            raise ValueError(f"rank {rank} outside a group of {world}")
         delta = datetime.timedelta(seconds=timeout)
         store = dist.PrefixStore(prefix, dist.TCPStore(host, port, is_master=False, timeout=delta))
         if backend == "nccl":
@@ -38,8 +41,9 @@ class ReplicaGroup:
     def allreduce_grads(self, params: Sequence[torch.nn.Parameter]) -> int:
         """Sum the gradients of ``params`` over the group; returns the bytes reduced.
 
-        A replica whose share of the batch was empty has no gradients: it contributes zeros, while a
-        parameter no replica has a gradient for keeps none (as it would in a single pipeline).
+        A member without a gradient for a parameter (a replica whose share of the batch was empty)
+        contributes zeros, while a parameter no member has a gradient for keeps none (as it would in
+        a single pipeline).
         """
         present = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=self.device)
         self._allreduce(present, dist.ReduceOp.MAX)

@@ -43,7 +43,7 @@ from lightning_remote_mp.wire.requests import (
     Timeline,
     ZeroGrad,
 )
-from lightning_remote_mp.worker.collective import ReplicaGroup
+from lightning_remote_mp.worker.collective import GradGroup
 from lightning_remote_mp.worker.profile import profile_layers
 from lightning_remote_mp.worker.route import Outgoing, RoutedStage
 from lightning_remote_mp.worker.stage import StageExecutor
@@ -94,6 +94,7 @@ class WorkerSession:
         self.stages: dict[str, StageExecutor] = {}
         self.optimizers: dict[int, torch.optim.Optimizer] = {}
         self._optim_params: dict[int, list[str]] = {}
+        self._optim_copies: dict[int, frozenset[str]] = {}  # copies of tied weights, by optimizer (OptimCreate)
         # The handler of each typed request (`lightning_remote_mp.wire.requests.REQUESTS` reads them).
         self._handlers: dict[type[Body], Callable[[Any], Any]] = {
             Setup: self.setup,
@@ -116,7 +117,8 @@ class WorkerSession:
             GroupInit: self.group_init,
             Sync: self.sync,
         }
-        self.group: ReplicaGroup | None = None
+        self.group: GradGroup | None = None  # this stage's replicas
+        self.tie_groups: list[tuple[GradGroup, list[str]]] = []  # stages holding copies of tied weights: theirs here
         self.events: EventLog | None = None
         self._deferred_failure: Exception | None = None
         self.driver_ran = 0  # the id of the driver's last request run here (they run in order)
@@ -185,6 +187,7 @@ class WorkerSession:
         )
         if msg.state is not None:
             stage.load_state_dict(msg.state, assign=True)
+        stage.share(msg.shared)
         _check_code_versions(msg.code_digests)  # and modules first imported by this build: another copy?
         if msg.seed is not None:
             torch.manual_seed(msg.seed)  # this stage's random stream (dropout), from the driver's generator
@@ -326,6 +329,7 @@ class WorkerSession:
         opt.defaults.update(defaults)
         self.optimizers[index] = opt
         self._optim_params[index] = names
+        self._optim_copies[index] = frozenset(msg.copies)
         return {"parameters": len(names)}
 
     def optim_step(self, msg: OptimStep) -> Any:
@@ -363,8 +367,17 @@ class WorkerSession:
         return {"time": time.time()}
 
     def group_init(self, msg: GroupInit) -> Any:
-        """Join the process group of this stage's replicas (blocks until all have joined)."""
-        self.group = ReplicaGroup(msg.host, msg.port, msg.prefix, msg.rank, msg.world, msg.backend, msg.timeout)
+        """Join the process group of this stage's replicas, or of the stages holding copies of tied
+        weights (``msg.params``); blocks until all members have joined."""
+        group = GradGroup(msg.host, msg.port, msg.prefix, msg.rank, msg.world, msg.backend, msg.timeout)
+        if msg.params is None:
+            self.group = group
+        else:
+            named = self._named_parameters()
+            unknown = [n for n in msg.params if n not in named]
+            if unknown:
+                raise SpecError(f"a group of tied weights names parameters this worker does not hold: {unknown[:3]}")
+            self.tie_groups.append((group, list(msg.params)))
         return None
 
     def profile(self, msg: Profile) -> Any:
@@ -380,21 +393,42 @@ class WorkerSession:
         self._settle_grads()
         grads = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None] if opt else []
         if isinstance(msg, GradNorms):
-            norms = [torch.linalg.vector_norm(g, msg.norm_type) for g in grads]
+            copies = self._copies(msg.index)  # a tied weight's norm is its first copy's, counted once
+            norms = [torch.linalg.vector_norm(p.grad, msg.norm_type) for p in self._params(opt) if id(p) not in copies]
             return {"norms": torch.stack(norms).cpu() if norms else torch.zeros(0)}
         if isinstance(msg, GradScale):
             if grads:
                 torch._foreach_mul_(grads, msg.coef.to(grads[0].device))
             return None
         if isinstance(msg, GradAllreduce):
-            if self.group is None:
-                raise ProtocolError("gradient all-reduce asked of a worker without replicas")
-            params = [p for g in opt.param_groups for p in g["params"]] if opt else []
-            return {"bytes": self.group.allreduce_grads(params)}
+            return {"bytes": self._allreduce(opt)}
         assert isinstance(msg, GradClamp)  # the handler table sends only the four operations here
         for g in grads:
             g.clamp_(-msg.value, msg.value)
         return None
+
+    def _params(self, opt: torch.optim.Optimizer | None) -> list[torch.nn.Parameter]:
+        """The parameters of ``opt`` that have a gradient."""
+        return [p for g in opt.param_groups for p in g["params"] if p.grad is not None] if opt else []
+
+    def _copies(self, index: int) -> set[int]:
+        """The ``id`` of each parameter of optimizer ``index`` that is the copy of a tied weight
+        whose first copy another stage holds (`OptimCreate.copies`)."""
+        named = self._named_parameters()
+        return {id(named[n]) for n in self._optim_copies.get(index, ()) if n in named}
+
+    def _allreduce(self, opt: torch.optim.Optimizer | None) -> int:
+        """Sum the gradients of ``opt``'s parameters over this stage's replicas, then those of tied
+        weights over the stages holding copies of them; returns the bytes reduced with the replicas.
+        Every member runs its groups in the order the driver formed them, so no two wait on each other.
+        A stage in no group (it holds no copy of a tied weight, and has no replicas) has nothing to sum."""
+        params = [p for g in opt.param_groups for p in g["params"]] if opt else []
+        reduced = self.group.allreduce_grads(params) if self.group is not None else 0
+        mine = {id(p) for p in params}
+        named = self._named_parameters()
+        for group, names in self.tie_groups:
+            group.allreduce_grads([named[n] for n in names if id(named[n]) in mine])
+        return reduced
 
     def get_optim_state(self, msg: GetOptimState) -> Any:
         index = msg.index
@@ -402,8 +436,11 @@ class WorkerSession:
         if opt is None:
             return {"state": {}}
         by_param = {id(p): n for n, p in self._named_parameters().items()}
+        copies = self._copies(index)
         return {
-            "state": {by_param[id(p)]: dict(s) for p, s in opt.state.items() if id(p) in by_param},
+            "state": {
+                by_param[id(p)]: dict(s) for p, s in opt.state.items() if id(p) in by_param and id(p) not in copies
+            },
             "order": self._optim_params[index],
         }
 
@@ -425,6 +462,7 @@ class WorkerSession:
 
     def close(self) -> None:
         self.group = None
+        self.tie_groups.clear()
         self._answers.clear()
         self.routes.clear()
         self.stages.clear()

@@ -160,6 +160,29 @@ class StageExecutor:
                 if name in state:
                     tensor.copy_(state[name])
 
+    def share(self, groups: Sequence[Sequence[str]]) -> None:
+        """Make each group of names (``"<layer index>.<name>"``) one tensor, the first name's: a tied
+        weight that several of this stage's layers use trains as one parameter, as on the driver."""
+        for group in groups:
+            owners = []
+            for name in group:
+                index, _, path = name.partition(".")
+                layer = self.layers[index] if index in self.layers else None
+                owner_path, _, leaf = path.rpartition(".")
+                owner = layer.get_submodule(owner_path) if layer is not None else None
+                if owner is None or (leaf not in owner._parameters and leaf not in owner._buffers):
+                    raise SpecError(f"stage {self.index}: no tensor {name!r} to share")
+                owners.append((owner, leaf))
+            first_owner, first_leaf = owners[0]
+            first = first_owner._parameters.get(first_leaf, first_owner._buffers.get(first_leaf))
+            for owner, leaf in owners[1:]:
+                table = owner._parameters if leaf in owner._parameters else owner._buffers
+                if table[leaf] is not None and first is not None and table[leaf].shape != first.shape:
+                    raise SpecError(f"stage {self.index}: tensors {group} to share differ in shape")
+                table[leaf] = first
+        if groups and self.deferred is not None:
+            self.deferred.parameters_replaced()
+
     def apply_modes(self, modes: Any) -> None:
         """Follow the driver's train/eval flags (a `lightning_remote_mp.model.spec.Modes` value), sent
         with every forward; unchanged flags cost one comparison."""
