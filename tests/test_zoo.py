@@ -106,3 +106,62 @@ def test_huggingface_gpt2_blocks(twin):
         RemoteModelParallelStrategy(microbatches=2),
         epochs=1,
     )
+
+
+def _running_statistics(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in module.state_dict().items() if "running" in k or "num_batches_tracked" in k}
+
+
+def _deferred_locally(model: L.LightningModule, microbatches: int) -> dict[str, torch.Tensor]:
+    """What deferred batch norm keeps, computed here: each micro-batch normalised by its own
+    statistics, the running statistics updated once per mini-batch from the whole's."""
+    from lightning_remote_mp.worker.deferred_bn import DeferredStatistics
+
+    statistics = DeferredStatistics()
+    model.train()
+    with torch.no_grad():
+        for x, _ in image_data():
+            for part in x.tensor_split(microbatches):  # the pipeline's micro-batch sizes
+                with statistics.recording(model):
+                    model.logits(part)
+            statistics.commit()
+    return _running_statistics(model)
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["spec", "traced"])
+def test_deferred_batch_norm_updates_running_statistics_once_per_mini_batch(traced, pool):
+    """With micro-batches, a batch norm in training normalises each by its own statistics. With
+    deferred_batch_norm it updates its running statistics once per mini-batch from the whole
+    mini-batch's (torchgpipe's DeferredBatchNorm) and counts one batch: the first batch norm, whose
+    input no other one changes, keeps what local training of the same batches keeps (the weights
+    held still, lr=0). Without it, every batch norm moves once per micro-batch, from it alone."""
+    from lrmp_traced import ResNet, Trained
+
+    def make() -> L.LightningModule:
+        torch.manual_seed(0)
+        return Trained(ResNet(), lr=0.0) if traced else Classifier(cnn_spec(dropout=0.0), optimizer="SGD", lr=0.0)
+
+    def remote(**kwargs) -> dict[str, torch.Tensor]:
+        model = make()
+        strategy = RemoteModelParallelStrategy(
+            hosts=pool[:2], microbatches=4, split=["model"] if traced else None, **kwargs
+        )
+        fit(model, image_data, strategy, epochs=1, num_sanity_val_steps=0)
+        return _running_statistics(model)
+
+    local = make()
+    fit(local, image_data, epochs=1, num_sanity_val_steps=0)
+    whole = _running_statistics(local)
+    deferred = remote(deferred_batch_norm=True)
+    for k, v in _deferred_locally(make(), 4).items():
+        torch.testing.assert_close(deferred[k], v, atol=1e-5, rtol=1e-5, msg=k)
+    first = next(k for k in whole if "running_mean" in k).rpartition(".")[0]  # the first batch norm
+    for k, v in whole.items():
+        if k.startswith(first + "."):
+            torch.testing.assert_close(deferred[k], v, atol=1e-5, rtol=1e-5, msg=k)
+    recomputed = remote(deferred_batch_norm=True, checkpoint="always")  # a forward run again counts once
+    for k, v in deferred.items():
+        torch.testing.assert_close(recomputed[k], v, atol=1e-6, rtol=1e-6, msg=k)
+    per_microbatch = remote()
+    assert all(int(per_microbatch[k]) == 4 * int(v) for k, v in whole.items() if "num_batches_tracked" in k)
+    assert not torch.allclose(per_microbatch[first + ".running_var"], whole[first + ".running_var"], atol=1e-4)

@@ -326,6 +326,7 @@ class DriverSession:
         training: bool = True,
         checkpoint: str = "never",
         checked: Preflight | None = None,
+        deferred_batch_norm: bool = False,
     ) -> None:
         """Ship ``module``'s layers to the workers and make its forward run there, splitting each
         batch into ``microbatches`` that flow through the stages concurrently; with
@@ -333,7 +334,9 @@ class DriverSession:
         ``"auto"``: where the product is large enough to repay it).
         ``training``: the stages must fit their workers with gradients and optimizer state.
         ``checkpoint``: activation recomputation (`pipeline.CHECKPOINT_MODES`). ``checked``: what
-        `preflight` found for ``module`` if the caller ran it already (it runs here otherwise)."""
+        `preflight` found for ``module`` if the caller ran it already (it runs here otherwise).
+        ``deferred_batch_norm``: batch norms update their running statistics once per mini-batch
+        (`worker.deferred_bn`)."""
         check_split_backward(split_backward)
         if key in self.placements:
             raise LrmpError(f"{module.kind} {key!r} is already placed")
@@ -396,6 +399,7 @@ class DriverSession:
                     if not p.requires_grad
                 ],
                 shared=shared[stage.index],
+                deferred_batch_norm=deferred_batch_norm,
             )
             try:
                 ids.append(conn.send(protocol.SETUP, setup.body()))

@@ -96,6 +96,12 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
             micro-batch's stage inputs and recompute the forward at backward: activation memory of one
             micro-batch per stage, for about a third more compute); ``"except_last"`` (all but the
             last micro-batch, whose backward comes first). Results are the same.
+        deferred_batch_norm: with micro-batches, batch norms in training mode normalise each
+            micro-batch by its own statistics, and without this also update their running statistics
+            (and ``num_batches_tracked``) once per micro-batch, from that micro-batch alone. With it, as
+            torchgpipe's ``DeferredBatchNorm`` does, the workers update them once per mini-batch from the
+            whole mini-batch's statistics and count one batch: the running statistics local training of
+            the same batches would keep. For spec layers and traced models alike.
         replicas: how many pipelines the local workers form (``local_workers.count / replicas``
             stages each). With ``hosts``, its rows are the replicas: leave it at 1 (or give their number).
         local_workers: the ``lrmp-worker`` processes started on this machine when ``hosts`` is
@@ -142,6 +148,7 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
         microbatches: int = 1,
         split_backward: SplitBackward = "auto",
         checkpoint: Literal["never", "except_last", "always"] = "never",
+        deferred_batch_norm: bool = False,
         replicas: int = 1,
         local_workers: LocalWorkerOptions | None = None,
         timeline: str | None = None,
@@ -169,6 +176,8 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
         check_balance(balance, self.num_stages)
         check_count("microbatches", microbatches)
         check_split_backward(split_backward)
+        if not isinstance(deferred_batch_norm, bool):
+            raise ConfigurationError(f"deferred_batch_norm must be True or False, got {deferred_batch_norm!r}")
         self.checkpoint = check_checkpoint_mode(checkpoint)
         check_timeout("heartbeat_timeout", heartbeat_timeout)
         check_timeout("connect_timeout", connect_timeout)
@@ -187,6 +196,7 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
         self.balance = balance
         self.microbatches = microbatches
         self.split_backward = split_backward
+        self.deferred_batch_norm = deferred_batch_norm
         self.timeline = timeline
         self.heartbeat_timeout = heartbeat_timeout
         self.connect_timeout = connect_timeout
@@ -295,6 +305,7 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
                     self.split_backward,
                     training=fitting,
                     checkpoint=self.checkpoint,
+                    deferred_batch_norm=self.deferred_batch_norm,
                     checked=checks[key],
                 )
             for key, sub in traced.items():
@@ -333,6 +344,7 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
             self.split_backward,
             training=fitting,
             checkpoint=self.checkpoint,
+            deferred_batch_norm=self.deferred_batch_norm,
             checked=Preflight(compute=module.compute, checked=[True] * len(module.layers)),
         )
         if fitting:

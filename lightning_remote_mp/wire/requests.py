@@ -138,6 +138,8 @@ class Setup(Body):
         frozen: the names of parameters that take no gradient.
         shared: groups of names of this stage's tensors that are one tensor (a tied weight used by
             several of its layers); the stage holds one, under the first name of each group.
+        deferred_batch_norm: update batch norms' running statistics once per mini-batch, from the
+            whole mini-batch (`lightning_remote_mp.worker.deferred_bn`).
     """
 
     KIND: ClassVar[str] = protocol.SETUP
@@ -164,6 +166,7 @@ class Setup(Body):
     shared: Sequence[Sequence[str]] = field(
         list_of(_is_name_group, "lists of two or more tensor names"), default_factory=list, write=as_list_of_lists
     )
+    deferred_batch_norm: bool = field(BOOL, default=False)
 
     @classmethod
     def _check(cls, values: dict[str, Any]) -> None:

@@ -130,6 +130,7 @@ class RoutedStage:
             autocast=first.autocast,
             modes=first.modes,
             recompute=first.checkpoint,
+            microbatches=first.microbatches,
         )
         if self.events is not None:
             self.events.span("forward", self.stage.key, self.index, call, mb, started, time.time())

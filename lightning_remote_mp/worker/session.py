@@ -184,6 +184,7 @@ class WorkerSession:
             self.allowed_prefixes,
             init_seed=msg.init_seed if msg.state is None else None,
             split_backward=msg.split_backward,
+            deferred_batch_norm=msg.deferred_batch_norm,
         )
         if msg.state is not None:
             stage.load_state_dict(msg.state, assign=True)

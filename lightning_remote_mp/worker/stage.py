@@ -18,6 +18,7 @@ from lightning_remote_mp.errors import SpecError
 from lightning_remote_mp.flow import Main, SplitBackward, is_floating, is_main
 from lightning_remote_mp.model.spec import LayerEntry, apply_modes, build_layer, normalize_entry
 from lightning_remote_mp.model.wiring import run_layers
+from lightning_remote_mp.worker.deferred_bn import DeferredStatistics
 from lightning_remote_mp.worker.deferred_grads import DeferredWeightGrads, auto_min_macs
 from lightning_remote_mp.worker.device_io import DeviceIO
 
@@ -103,6 +104,7 @@ class StageExecutor:
         allowed_prefixes: Sequence[str],
         init_seed: int | None = None,
         split_backward: SplitBackward = False,
+        deferred_batch_norm: bool = False,
     ) -> None:
         self.key = key
         self.index = index
@@ -126,6 +128,8 @@ class StageExecutor:
         self._modes: Any = None  # the train/eval flags last applied
         min_macs = auto_min_macs(device) if split_backward == "auto" else 0
         self.deferred = DeferredWeightGrads(self.layers, min_macs) if split_backward else None
+        self.statistics = DeferredStatistics() if deferred_batch_norm else None
+        self._forwards: dict[int, int] = {}  # with deferred statistics: micro-batches of each call seen so far
         # On a GPU, tensors come and go through side streams (see `device_io`).
         self.io = DeviceIO(device) if device.type == "cuda" else None
 
@@ -219,6 +223,7 @@ class StageExecutor:
         autocast: Mapping[str, Any] | None = None,
         modes: Any = None,
         recompute: bool = False,
+        microbatches: int = 1,
     ) -> dict[str, Any]:
         """Run the stage. ``x`` is a tensor, or a tuple of them (a traced model's live values);
         ``needs_grad`` says which inputs (``"x"``, one flag per element for a tuple, and import names)
@@ -237,7 +242,8 @@ class StageExecutor:
         variables = {n: self._to_device(t, grad and bool(needs_grad.get(n))) for n, t in imports.items()}
         imported = dict(variables)
         replay = self._recording_state(autocast) if grad and recompute else None
-        y = self._run(x, variables, grad=grad and replay is None, autocast=autocast)
+        y = self._run(x, variables, grad=grad and replay is None, autocast=autocast, statistics=True)
+        self._count_forward(call_id[0], microbatches)
         exports = self._exports(variables)
         if replay is not None:
             # No graph was kept: whether outputs need gradients is what a graph would have said, an
@@ -278,6 +284,7 @@ class StageExecutor:
         grad: bool,
         autocast: Mapping[str, Any] | None,
         split: bool = True,
+        statistics: bool = False,
     ) -> Main:
         cast = contextlib.nullcontext()
         if autocast and autocast.get("enabled"):
@@ -288,7 +295,10 @@ class StageExecutor:
             if self.deferred.skips_small:
                 signature = (_signature(x, variables), bool(autocast and autocast.get("enabled")))
             defer = self.deferred.recording(signature)
-        with torch.set_grad_enabled(grad), cast, defer:
+        deferred_statistics = contextlib.nullcontext()
+        if self.statistics is not None and statistics:
+            deferred_statistics = self.statistics.recording(self.layers)
+        with torch.set_grad_enabled(grad), cast, defer, deferred_statistics:
             y = run_layers(((int(k), m) for k, m in self.layers.items()), x, variables)
         if not is_main(y):
             raise SpecError(
@@ -296,6 +306,17 @@ class StageExecutor:
                 "the output of a stage must be a tensor (or a tuple of tensors, for a traced model)"
             )
         return y
+
+    def _count_forward(self, call: int, microbatches: int) -> None:
+        """With deferred batch-norm statistics: once the last micro-batch of a call has been through
+        this stage, update the running statistics from the whole mini-batch's."""
+        if self.statistics is None:
+            return
+        seen = self._forwards[call] = self._forwards.get(call, 0) + 1
+        if seen >= microbatches:
+            del self._forwards[call]
+            if self.statistics.waiting:
+                self.statistics.commit()
 
     def _exports(self, variables: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         missing = [n for n in self.exports if n not in variables]
@@ -374,3 +395,5 @@ class StageExecutor:
         drop = set(calls)
         for key in [k for k in self._saved if k[0] in drop]:
             del self._saved[key]
+        if self.statistics is not None and any(self._forwards.pop(c, None) for c in drop):
+            self.statistics.discard()  # a call given up on part-way: its statistics count for nothing

@@ -28,6 +28,7 @@ def configured(hosts: list[str]) -> RemoteModelParallelStrategy:
         replicas=2,
         microbatches=4,
         checkpoint="except_last",
+        deferred_batch_norm=True,
         balance="time",
         split_backward="auto",
     )
