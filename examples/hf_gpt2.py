@@ -11,21 +11,20 @@ its first call (in train and in eval mode), cuts the graph at module boundaries 
 ``transformer.h.3``, ``transformer.ln_f``, ``lm_head``: the placement log lists them) and ships each
 stage's units to its worker as programs of ATen operators. The workers run no code of this script and
 need no ``transformers`` (this script does: ``pip install -e ".[hf]"``). ``training_step`` calls
-``self.model(input_ids).logits`` as usual and computes the loss itself, outside the split module: with
-``microbatches=2`` every output of the split module needs a batch dimension, so that the micro-batches'
-outputs can be joined, and a loss computed inside the model (``self.model(ids, labels=ids).loss``) has
-none.
+``self.model(ids, labels=ids).loss``, the loss inside the model, as HuggingFace fine-tuning does.
 
-Two settings of the config matter for splitting:
+The config is transformers' own, but for the vocabulary, the size and dropout, so the two
+settings that used to matter for splitting are left as transformers makes them:
 
-- ``tie_word_embeddings=False``: GPT-2 normally uses one matrix for the input embedding
-  (``transformer.wte``, the first unit) and the output head (``lm_head``, the last unit). Units that
-  share a weight are merged when the model is cut, so a tied GPT-2 becomes a single unit from the
-  embedding to the head, which cannot be split across workers.
-- ``use_cache=False``: with the KV cache on, the model also returns every block's keys and values
-  (``past_key_values``), which would travel back from the workers at every step, to be thrown away;
-  with transformers 5 they come as a ``DynamicCache`` object, which ``torch.export`` cannot return at
-  all (the trace fails with a `TraceError`).
+- ``tie_word_embeddings`` (on): GPT-2 uses one matrix for the input embedding (``transformer.wte``, the
+  first unit) and the output head (``lm_head``, the last unit). The two stages each hold a copy, and
+  the copies sum their gradients before every optimizer step, so they stay one weight; after fit
+  ``model.lm_head.weight is model.transformer.wte.weight`` still holds.
+- ``use_cache`` (on): lrmp passes ``use_cache=False`` at every call, so no key/value cache is built
+  (the output's ``past_key_values`` is ``None``).
+
+With ``microbatches=2`` each micro-batch returns its loss as a sum and a count, and the driver divides
+the totals: the whole batch's mean, as one local call computes it.
 
 The data is the source of Python's own ``textwrap`` module as UTF-8 bytes (a vocabulary of 256), the
 text ``char_gpt.py`` uses: a pure-Python module of the standard library, so every CPython install that
@@ -59,7 +58,7 @@ VOCAB = 256  # bytes
 
 
 def gpt2_config(context: int = 64, layers: int = 4) -> GPT2Config:
-    """A tiny GPT-2 over bytes (about 0.25 M parameters)."""
+    """A tiny GPT-2 over bytes (about 0.25 M parameters), otherwise as transformers makes it."""
     return GPT2Config(
         vocab_size=VOCAB,
         n_positions=context,
@@ -71,8 +70,6 @@ def gpt2_config(context: int = 64, layers: int = 4) -> GPT2Config:
         attn_pdrop=0.0,
         bos_token_id=None,  # GPT-2's 50256 is outside a byte vocabulary
         eos_token_id=None,
-        use_cache=False,  # no key/value cache to ship back from the workers
-        tie_word_embeddings=False,  # wte and lm_head tied would merge all units into one
     )
 
 
@@ -84,10 +81,9 @@ class ByteGPT2(L.LightningModule):
         self.losses: list[float] = []
         self._started = time.monotonic()
 
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        ids, targets = batch
-        logits = self.model(ids).logits  # every output has the batch dimension: micro-batches join
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+    def training_step(self, batch: tuple[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        (ids,) = batch
+        loss = self.model(ids, labels=ids).loss  # the loss inside the model: it shifts the labels itself
         self.losses.append(loss.item())
         self.log("train_loss", loss, prog_bar=True)
         every = self.hparams.log_every
@@ -116,13 +112,12 @@ def corpus() -> bytes:
 
 
 def loader(data: bytes, context: int = 64, batch: int = 16, windows: int = 1024, seed: int = 0) -> DataLoader:
-    """Random windows of ``context`` bytes, each with the same window shifted by one as targets."""
+    """Random windows of ``context`` bytes (the model's own labels are its inputs, shifted inside it)."""
     ids = torch.tensor(list(data))
     g = torch.Generator().manual_seed(seed)
-    starts = torch.randint(0, len(ids) - context - 1, (windows,), generator=g)
+    starts = torch.randint(0, len(ids) - context, (windows,), generator=g)
     x = torch.stack([ids[s : s + context] for s in starts])
-    y = torch.stack([ids[s + 1 : s + context + 1] for s in starts])
-    return DataLoader(TensorDataset(x, y), batch_size=batch, shuffle=True, generator=g, drop_last=True)
+    return DataLoader(TensorDataset(x), batch_size=batch, shuffle=True, generator=g, drop_last=True)
 
 
 def main(
