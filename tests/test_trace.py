@@ -14,6 +14,7 @@ from lrmp_zoo import image_data, token_data
 from test_strategy import assert_same_losses, assert_same_weights, trainer
 from test_worker import Client
 from test_zoo import TOL, fit, remote_equals_local
+from torch import nn
 
 from lightning_remote_mp import RemoteModelParallelStrategy
 from lightning_remote_mp.errors import RefusedOperatorError, SpecError, TraceError
@@ -390,3 +391,46 @@ def test_a_weight_shared_with_code_outside_the_split_module_is_refused():
     model.pre.weight = model.model.head.weight
     with pytest.raises(TraceError, match="pre.weight is a weight of split module 'model' that is also used outside"):
         find_modules(model, ["model"])
+
+
+class FixedTable(nn.Module):
+    """Takes a table whose rows the code fixes (4), and which has the batch's rows at the first call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) + table.reshape(2, 12).sum()
+
+
+def test_an_argument_with_the_batchs_rows_that_the_code_fixes_is_refused_when_a_batch_is_split():
+    traced = trace_module(FixedTable(), (torch.randn(4, 6), torch.randn(4, 6)), {}, "m")
+    assert traced.interface.batched_in == [True, False] and traced.interface.unclassified == ["table"]
+    with pytest.raises(TraceError, match=r"argument\(s\) 'table' have as many rows in dim 0 as the batch"):
+        traced.check_batch_split((torch.randn(4, 6), torch.randn(4, 6)))
+
+
+def test_every_input_with_the_batchs_rows_is_micro_batched_by_what_the_code_does():
+    """A padded batch: the mask and the labels have the batch's rows, and the code treats them as the
+    batch, so each micro-batch gets its own rows of them (a mask used to reach every micro-batch whole)."""
+
+    class Masked(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(32, 8)
+            self.head = nn.Linear(8, 32)
+
+        def forward(self, ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            h = self.embed(ids) * mask.unsqueeze(-1)
+            return nn.functional.cross_entropy(self.head(h).flatten(0, 1), labels.flatten(), ignore_index=-100)
+
+    ids, mask = torch.randint(0, 32, (4, 5)), torch.tensor([[1] * 5, [1] * 3 + [0] * 2, [1] * 5, [1, 0, 0, 0, 0]])
+    labels = ids.masked_fill(mask == 0, -100)
+    model = Masked()
+    traced = trace_module(model, (ids, mask, labels), {}, "masked")
+    assert traced.interface.batched_in == [True, True, True]
+    [loss] = [leaf for leaf in traced.interface.out_leaves if leaf[0] == "ratio"]  # a sum over a count
+    sums = [traced.run_locally(ids[a:b], mask[a:b], labels[a:b]) for a, b in ((0, 1), (1, 4))]
+    total, count = (sum(s[i] for s in sums) for i in (loss[1], loss[2]))
+    torch.testing.assert_close(total / count, model(ids, mask, labels))
