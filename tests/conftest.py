@@ -10,6 +10,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -69,3 +70,25 @@ def pool(_worker_pool: LocalWorkers) -> list[str]:
     dead = [i for i in range(4) if _worker_pool.why_dead(i)]
     assert not dead, f"a shared worker died: {[_worker_pool.why_dead(i) for i in dead]}"
     return list(_worker_pool.addresses)
+
+
+@pytest.fixture
+def make_lan() -> Iterator[Callable[..., Any]]:
+    """``make_lan(hosts, rate)`` builds an emulated LAN (`lrmp_lan.Lan`: host 0 is this process, the
+    others network namespaces, every link shaped to ``rate``); skips the test where namespaces cannot
+    be made. Every LAN is torn down when the test ends, whatever happens."""
+    from lrmp_lan import Lan, LanUnavailable
+
+    made: list[Lan] = []
+
+    def make(hosts: int = 3, rate: str = "1gbit") -> Lan:
+        try:
+            lan = Lan(hosts, rate)
+        except LanUnavailable as err:
+            pytest.skip(f"no emulated LAN here: {err}")
+        made.append(lan)
+        return lan
+
+    yield make
+    for lan in made:
+        lan.close()

@@ -65,6 +65,7 @@ from lightning_remote_mp.wire.transport import (
     Curve,
     broadcast,
     normalize_address,
+    resolved,
 )
 
 log = logging.getLogger(__name__)
@@ -379,7 +380,10 @@ class DriverSession:
                 exports=stage.exports,
                 sources=stage.sources,
                 targets=stage.targets,
-                peers={k: row[k].address for k, _ in (*stage.sources, *stage.targets) if k != partition.DRIVER},
+                # Peers reach each other at the IP the driver reaches them at: they need not resolve its names.
+                peers={
+                    k: resolved(row[k].address) for k, _ in (*stage.sources, *stage.targets) if k != partition.DRIVER
+                },
                 # With CURVE, the keys of those peers: this worker checks them when it connects to one,
                 # and lets them connect to it for this session's forward and backward messages.
                 peer_keys={

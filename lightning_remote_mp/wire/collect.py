@@ -72,12 +72,18 @@ def gather(
 
 
 def _check_stall(conns: Sequence[Connection], progress: float, what: str, missing: int) -> None:
-    """Every worker answers its heartbeat, none is computing, and nothing arrived for a whole
-    heartbeat timeout: a message between two workers is not getting through."""
+    """Every worker answers its heartbeat, none is computing, nothing arrived, and no connection of
+    any worker or of this process moved bytes, for a whole heartbeat timeout: a message between two
+    workers is not getting through. A large message on a slow link moves bytes all along: it is no
+    stall. Where a side cannot tell what its connections move (`lightning_remote_mp.wire.traffic`),
+    only ``call_timeout`` judges (`_check_overdue`)."""
     hb = conns[0].heartbeat if conns else None
     limit = min(c.heartbeat_timeout for c in conns) if conns else 0.0
     if hb is None or time.monotonic() - progress < limit:
         return
+    moved = hb.moved_for()
+    if moved is None or moved < limit:
+        return  # bytes are moving: a transfer in progress, however slow (or some side cannot tell)
     if all(hb.idle_for(c.address) > limit for c in conns):
         waiting = [(c, hb.held_back[c.address]) for c in conns if c.address in hb.held_back]
         if waiting:
@@ -90,8 +96,9 @@ def _check_stall(conns: Sequence[Connection], progress: float, what: str, missin
             )
             raise WorkerLostError(message, **c.located())
         message = (
-            f"the pipeline stalled during {what}: every worker has been idle for over {limit:.0f} s with "
-            f"{missing} micro-batch result(s) missing. Can the workers reach each other at the addresses "
+            f"the pipeline stalled during {what}: every worker has been idle, and no connection has moved "
+            f"bytes, for over {limit:.0f} s with {missing} micro-batch result(s) missing. Can the workers "
+            "reach each other at the addresses "
             f"the driver uses ({', '.join(c.address for c in conns)})? Activations travel worker to worker."
         )
         raise WorkerLostError(message, **conns[0].located())
@@ -102,10 +109,12 @@ def _check_overdue(conns: Sequence[Connection], progress: float, what: str, miss
     answers its heartbeat: blame the ones still computing (all, if none is), and let no later call
     wait for them."""
     limits = [c.call_timeout for c in conns if c.call_timeout is not None]
-    waited = time.monotonic() - progress
+    hb = conns[0].heartbeat if conns else None
+    moved = hb.moved_for() if hb is not None else None
+    # Bytes moving count as progress: a large message on a slow link is no call that hangs.
+    waited = min(time.monotonic() - progress, moved if moved is not None else float("inf"))
     if not limits or waited <= min(limits) * patience:
         return
-    hb = conns[0].heartbeat
     busy = [c for c in conns if hb is not None and hb.busy(c.address)]
     blamed = busy or list(conns)
     if busy:

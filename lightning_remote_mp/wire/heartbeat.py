@@ -15,6 +15,7 @@ import zmq
 
 from lightning_remote_mp.errors import ProtocolError
 from lightning_remote_mp.wire import protocol
+from lightning_remote_mp.wire.traffic import MIN_PROGRESS, Traffic
 from lightning_remote_mp.wire.transport import DEFAULT_HEARTBEAT_INTERVAL, Curve, dealer, inproc_pull, wake
 
 
@@ -22,7 +23,9 @@ class Heartbeat:
     """Pings every worker each ``interval`` seconds from a background thread.
 
     ``silent_for(address)`` says how long a worker has not answered; a worker that reports it
-    no longer knows the session (it restarted) is marked ``lost``.
+    no longer knows the session (it restarted) is marked ``lost``. ``moved_for()`` says how long
+    since any worker's connections, or this process's, last moved a transfer's worth of bytes
+    (`lightning_remote_mp.wire.traffic`).
     """
 
     def __init__(
@@ -44,6 +47,10 @@ class Heartbeat:
         # From the last heartbeat: the id of the last driver request each worker has run.
         self.ran: dict[str, int] = {}
         self.lost: dict[str, str] = {}
+        self._moved: dict[str, int] = {}  # by worker address, and "" for this process: bytes at the last progress
+        self._last_moved = now  # when bytes last moved anywhere
+        self.blind = False  # a side whose kernel does not tell what its connections move
+        self._traffic = Traffic()
         self._stop = threading.Event()
         self._wake = f"inproc://lrmp-heartbeat-{id(self)}-{time.monotonic_ns()}"
         self._wake_rx = inproc_pull(self._wake)  # used by the thread only; created here so close() can't race
@@ -59,6 +66,18 @@ class Heartbeat:
     def idle_for(self, address: str) -> float:
         """How long the worker's heartbeats have found it not computing."""
         return time.monotonic() - self._last_busy.get(address, time.monotonic())
+
+    def moved_for(self) -> float | None:
+        """Seconds since bytes last moved on the connections of any worker or of this process (a
+        transfer in progress, however slow), or ``None`` when some side cannot tell."""
+        return None if self.blind else time.monotonic() - self._last_moved
+
+    def _count_traffic(self, who: str, moved: object) -> None:
+        if moved is None:
+            self.blind = True
+        elif type(moved) is int and moved - self._moved.setdefault(who, moved) >= MIN_PROGRESS:
+            self._moved[who] = moved
+            self._last_moved = time.monotonic()
 
     def busy(self, address: str) -> bool:
         """Whether the worker's latest heartbeats found it computing (one may be in flight, hence two intervals)."""
@@ -85,6 +104,7 @@ class Heartbeat:
                         sock.send_multipart(protocol.encode(protocol.PING, seq, self.session), zmq.NOBLOCK)
                     except zmq.Again:
                         pass
+                self._count_traffic("", self._traffic.sample())  # what this process receives and sends
                 deadline = time.monotonic() + self.interval
                 while not self._stop.is_set() and (left := deadline - time.monotonic()) > 0:
                     for sock, _ in poller.poll(left * 1000):
@@ -100,6 +120,8 @@ class Heartbeat:
                         body = msg.body if isinstance(msg.body, dict) else {}
                         if msg.kind == protocol.OK and body.get("busy"):
                             self._last_busy[address] = time.monotonic()
+                        if msg.kind == protocol.OK and "moved" in body:
+                            self._count_traffic(address, body["moved"])
                         if type(body.get("ran")) is int:
                             self.ran[address] = body["ran"]
                         held, waits_for = body.get("held_back"), body.get("waits_for")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import socket
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -66,6 +67,29 @@ def normalize_address(host: str) -> str:
         if not sep or not hostname or not (port.isdigit() or port == "*"):
             raise ConfigurationError(f"worker address {host!r} needs a port, like tcp://10.0.0.5:5555")
     return host
+
+
+def resolved(address: str) -> str:
+    """``address`` with its hostname replaced by the IP address this machine resolves it to: what the
+    driver tells a worker about its peers, which need not resolve the names the driver's host knows
+    (an entry in the driver's /etc/hosts). An IP address, a non-TCP address, or a name that does not
+    resolve here stays as it is.
+
+    >>> resolved("tcp://localhost:5555"), resolved("tcp://10.0.0.5:5555")
+    ('tcp://127.0.0.1:5555', 'tcp://10.0.0.5:5555')
+    """
+    if not address.startswith("tcp://"):
+        return address
+    host, _, port = address[len("tcp://") :].rpartition(":")
+    name = host.strip("[]")
+    try:
+        infos = socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return address
+    ip = str(infos[0][4][0])
+    if ip == name:
+        return address
+    return f"tcp://[{ip}]:{port}" if ":" in ip else f"tcp://{ip}:{port}"
 
 
 def is_loopback(address: str) -> bool:

@@ -37,6 +37,7 @@ from lightning_remote_mp.errors import ConfigurationError, ProtocolError, Protoc
 from lightning_remote_mp.wire import protocol, transport
 from lightning_remote_mp.wire.keys import KeyPair
 from lightning_remote_mp.wire.requests import Hello
+from lightning_remote_mp.wire.traffic import Traffic
 from lightning_remote_mp.worker import allocator
 from lightning_remote_mp.worker.auth import DRIVER, WorkerAuth
 from lightning_remote_mp.worker.dispatch import DROP, NEW, Dispatch, Request, error_body, parse
@@ -185,6 +186,7 @@ class WorkerServer:
         )
         self._disconnected_at: float | None = None  # a connection closed during the session: its driver's?
         self._throttle = Throttle(log)
+        self._traffic = Traffic()  # sampled by the thread that holds the socket, for heartbeats
         self._stop = threading.Event()
         # Who uses the ROUTER socket, the monitor and the session's I/O state (the fields above): the
         # serving thread, or the main thread while a request runs (see `socket`).
@@ -427,7 +429,8 @@ class WorkerServer:
             alive = request.session == self._session_id
             if alive:
                 self._last_seen = time.monotonic()
-            answer = {"session_alive": alive, "busy": self._computing()}
+            # The bytes this worker's connections moved: a large message on a slow link is progress.
+            answer = {"session_alive": alive, "busy": self._computing(), "moved": self._traffic.sample()}
             session = self._session
             if alive and session is not None and session.id == request.session:
                 answer.update(session.held_back())  # what waits for the driver: named when the pipeline stalls
