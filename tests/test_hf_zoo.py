@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 
+import lightning as L
 import pytest
 import torch
 
@@ -136,3 +137,84 @@ def test_an_output_that_cannot_be_joined_is_refused_naming_it(pool):
     model = H.FineTune(H.mixtral(output_router_logits=True), "lm")
     with pytest.raises(TraceError, match="aux_loss"):
         fit(model, RemoteModelParallelStrategy(hosts=pool[:2], split=["model"], microbatches=2), epochs=1)
+
+
+class ReadsLogits(H.FineTune):
+    """Reads the logits too: a token accuracy logged every step and, optionally, a second loss
+    computed from them here (a penalty on their size), whose gradient must reach the workers."""
+
+    def __init__(self, model: torch.nn.Module, penalty: float = 0.0) -> None:
+        super().__init__(model, "lm")
+        self.penalty = penalty
+        self.accuracies: list[float] = []
+        self.outputs: list = []
+
+    def training_step(self, batch, batch_idx):
+        out = self.model(batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"])
+        valid = batch["labels"][:, 1:] != -100
+        hits = (out.logits[:, :-1].argmax(-1) == batch["labels"][:, 1:]) & valid
+        self.accuracies.append((hits.sum() / valid.sum()).item())
+        loss = out.loss + self.penalty * out.logits.pow(2).mean() if self.penalty else out.loss
+        self.losses.append(loss.item())
+        self.outputs.append(out)  # read after fit, once the workers are gone
+        return loss
+
+
+class _PipelineBytes(L.Callback):
+    """What the split module's outputs sent to the driver over the fit: with the results, and fetched."""
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        remote = trainer.strategy.session.placements["model"].remote
+        self.results, self.fetched = remote.result_bytes, remote.fetched_bytes
+
+
+def test_the_logits_stay_on_the_last_stage_unless_the_step_reads_them(pool):
+    """With the loss inside the model, a step that reads only the loss moves no logits to the driver:
+    each micro-batch's result is its loss's sum and count, a few bytes."""
+    torch.manual_seed(0)
+    counted = _PipelineBytes()
+    strategy = RemoteModelParallelStrategy(hosts=pool[:2], split=["model"], microbatches=2)
+    trainer(strategy, 1, num_sanity_val_steps=0, callbacks=[counted]).fit(H.FineTune(H.llama(), "lm"), H.padded_data())
+    logits_per_step = 8 * H.SEQ * H.VOCAB * 4
+    assert counted.fetched == 0
+    assert counted.results < logits_per_step / 100, counted.results
+
+
+def test_logits_read_in_the_step_and_a_loss_of_them_train_as_locally(pool):
+    torch.manual_seed(0)
+    local = ReadsLogits(H.llama(), penalty=0.01)
+    remote = copy.deepcopy(local)
+    trainer(None, 2, num_sanity_val_steps=0).fit(local, H.padded_data())
+    strategy = RemoteModelParallelStrategy(hosts=pool[:2], split=["model"], microbatches=4)
+    trainer(strategy, 2, num_sanity_val_steps=0).fit(remote, H.padded_data())
+    assert_same_losses(local.losses, remote.losses, TOL)
+    assert_same_losses(local.accuracies, remote.accuracies, 1e-6)
+    assert_same_weights(local, remote, 1e-4)
+    # Outputs kept by the last stage and still referenced were fetched before the session ended.
+    for a, b in zip(local.outputs, remote.outputs):
+        torch.testing.assert_close(b.logits.detach(), a.logits.detach(), atol=1e-4, rtol=0)
+
+
+class KeepsOutputs(H.FineTune):
+    """Keeps each step's outputs without reading them: they are read after fit."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__(model, "lm")
+        self.outputs: list = []
+
+    def training_step(self, batch, batch_idx):
+        out = self.model(batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"])
+        self.outputs.append(out)
+        self.losses.append(out.loss.item())
+        return out.loss
+
+
+def test_outputs_kept_and_never_read_during_fit_are_there_after_it(pool):
+    torch.manual_seed(0)
+    local = KeepsOutputs(H.qwen2())
+    remote = copy.deepcopy(local)
+    trainer(None, 1, num_sanity_val_steps=0).fit(local, H.padded_data())
+    strategy = RemoteModelParallelStrategy(hosts=pool[:2], split=["model"], microbatches=2)
+    trainer(strategy, 1, num_sanity_val_steps=0).fit(remote, H.padded_data())
+    for a, b in zip(local.outputs, remote.outputs, strict=True):
+        torch.testing.assert_close(b.logits.detach(), a.logits.detach(), atol=1e-4, rtol=0)

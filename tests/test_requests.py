@@ -233,7 +233,7 @@ def _golden() -> dict[str, object]:
 # protocol.PROTOCOL_VERSION with it (and say so in the CHANGELOG), then update these.
 GOLDEN = {
     "setup": "0b85e0be21f5b11b",
-    "release": "4749ecee29ab7bd2",
+    "release": "6db1e2092112af8c",
     "get_state": "1764990a57e49216",
     "load_state": "96257e4cab8fb533",
     "profile": "fbbca203d5d8724c",

@@ -22,7 +22,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 
+from lightning_remote_mp.driver.outputs import Kept, KeptOutputs
 from lightning_remote_mp.errors import ConfigurationError, ProtocolError, RemoteInputError
 from lightning_remote_mp.flow import DRIVER, Main, is_floating, is_main
 from lightning_remote_mp.model.joins import Join
@@ -30,8 +32,8 @@ from lightning_remote_mp.model.partition import Stage
 from lightning_remote_mp.wire import protocol
 from lightning_remote_mp.wire.collect import gather
 from lightning_remote_mp.wire.messages import Backward, Forward
-from lightning_remote_mp.wire.requests import Release
-from lightning_remote_mp.wire.transport import Connection, broadcast
+from lightning_remote_mp.wire.requests import Fetch, Release
+from lightning_remote_mp.wire.transport import Connection, broadcast, request_all
 
 #: Activation recomputation choices (torchgpipe's names).
 CHECKPOINT_MODES = ("never", "except_last", "always")
@@ -62,6 +64,8 @@ class RemoteStage:
 def _to(value: Any, device: torch.device) -> Any:
     if isinstance(value, tuple):
         return tuple(_to(v, device) for v in value)
+    if isinstance(value, Kept):
+        return value  # made on ``device``; moving it would fetch it
     return value.to(device) if isinstance(value, torch.Tensor) else value
 
 
@@ -114,6 +118,7 @@ class RemoteSpec:
         modes: Callable[[], Any] = lambda: None,
         checkpoint: str = "never",
         batched: tuple[Sequence[bool], Sequence[Join]] | None = None,
+        keep: Sequence[bool] | None = None,
     ) -> None:
         if microbatches < 1:
             raise ConfigurationError(f"microbatches must be at least 1, got {microbatches}")
@@ -129,6 +134,12 @@ class RemoteSpec:
         self._ids = itertools.count(1)
         self._calls: dict[int, _Call] = {}
         self._to_release: collections.deque[int] = collections.deque()
+        #: Which elements of the output the last stage keeps until they are read (`driver.outputs`).
+        self.keep = list(keep) if keep is not None and any(keep) else None
+        self._kept: weakref.WeakSet[KeptOutputs] = weakref.WeakSet()  # to fetch before the session ends
+        self._outputs_to_release: collections.deque[int] = collections.deque()
+        self.fetched_bytes = 0  # bytes of kept outputs the driver read
+        self.result_bytes = 0  # bytes of the outputs the last stages sent with their results
         # A leaf that requires grad, so the Function's output joins the graph even when the input
         # does not require grad: the remote parameters are invisible to the driver's autograd.
         self._anchor = torch.zeros((), requires_grad=True)
@@ -161,8 +172,50 @@ class RemoteSpec:
             call = self._to_release.popleft()
             if self._calls.pop(call, None) is not None:
                 calls.append(call)
-        if calls:
-            broadcast(self.conns, protocol.RELEASE, Release({self.key: calls}).body())
+        outputs = []
+        while self._outputs_to_release:
+            outputs.append(self._outputs_to_release.popleft())
+        if calls or outputs:
+            last = list({id(row[-1].conn): row[-1].conn for row in self.replicas}.values()) if not calls else self.conns
+            broadcast(last, protocol.RELEASE, Release({self.key: calls} if calls else {}, {self.key: outputs}).body())
+
+    def _keeping(self, call: int, sizes: list[list[int]], results: dict[tuple[int, int], Any], device: torch.device):
+        """The `Kept` tensors of the outputs the last stages kept of ``call``, by position."""
+        order = [(r, mb) for r, row in enumerate(sizes) for mb in range(len(row))]
+        first = results[order[0]]
+        shapes = {}
+        for i in first.shapes or {}:
+            rows = sum(results[k].shapes[i][0] for k in order)
+            shapes[i] = [rows, *first.shapes[i][1:]]
+        dtypes = {i: first.x[i].dtype for i in shapes}
+        source = KeptOutputs(
+            lambda: self._fetch(call, sizes, order), device, lambda: self._outputs_to_release.append(call)
+        )
+        self._kept.add(source)
+        return source.tensors(shapes, dtypes)
+
+    def _fetch(self, call: int, sizes: list[list[int]], order: list[tuple[int, int]]) -> dict[int, torch.Tensor]:
+        """The outputs the last stage of each replica kept of ``call``, joined over the batch."""
+        requests = [
+            (row[-1].conn, protocol.FETCH, Fetch(self.key, call).body())
+            for r, row in enumerate(self.replicas)
+            if sizes[r]
+        ]
+        replies = iter(request_all(requests, what="reading the model's kept outputs", bounded=False))
+        parts: dict[tuple[int, int], dict[int, torch.Tensor]] = {}
+        for r, row in enumerate(sizes):
+            if row:
+                for mb, outputs in next(replies)["outputs"].items():
+                    parts[(r, mb)] = dict(outputs)
+        joined = {i: torch.cat([parts[k][i] for k in order], dim=0) for i in parts[order[0]]}
+        self.fetched_bytes += sum(t.nbytes for t in joined.values())
+        return joined
+
+    def materialize(self) -> None:
+        """Fetch every kept output still referenced: before the session ends, so none goes missing."""
+        for source in list(self._kept):
+            if not source.fetched:
+                source.fetch_now()
 
     def _abandon(self, call: int) -> None:
         """After a failure mid-call, let the workers drop what they hold for it (best effort)."""
@@ -200,6 +253,8 @@ class RemoteSpec:
             except ProtocolError as err:
                 raise ProtocolError(f"{c.where()}: {err}") from None
             out[(r, msg.mb)] = msg
+            if kind == protocol.RESULT:
+                self.result_bytes += sum(t.nbytes for t in pytree.tree_leaves(msg.x) if isinstance(t, torch.Tensor))
         return out
 
     def _fence(self, replica: int) -> dict[int, int]:
@@ -245,6 +300,7 @@ class RemoteSpec:
                         autocast=autocast,
                         modes=modes,
                         checkpoint=grad and self._recomputed(mb, len(row)),
+                        keep=self.keep,
                     ).body()
                     for mb in range(len(row))
                 ]
@@ -257,6 +313,9 @@ class RemoteSpec:
         outputs = [results[(r, mb)].x for r, row in enumerate(sizes) for mb in range(len(row))]
         device = (x[0] if isinstance(x, tuple) else x).device
         y = self._joined(outputs, self.joins_out, "output")
+        if self.keep is not None and isinstance(y, tuple):  # the outputs left on the last stages, until read
+            kept = self._keeping(call, sizes, results, device)
+            y = tuple(kept.get(i, t) for i, t in enumerate(y))
         if grad:
             self._calls[call] = _Call(sizes=sizes, x_grad=x_needs_grad)
         return _to(y, device), call

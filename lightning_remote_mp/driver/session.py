@@ -424,6 +424,7 @@ class DriverSession:
             modes=module.modes,
             checkpoint=checkpoint,
             batched=module.batched,
+            keep=module.kept_outputs(),
         )
         module.attach(remote)
         self.placements[key] = Placement(key, module, remote)
@@ -488,6 +489,7 @@ class DriverSession:
         self.mirrors.clear()
         for key, pl in list(self.placements.items()):
             try:
+                pl.remote.materialize()  # outputs the last stages kept that something here may still read
                 if pl.meta:  # detach() below records that the weights were only on the workers
                     log.info(
                         "SpecSequential %r lives on the meta device here: its trained weights were only on "

@@ -578,6 +578,12 @@ class SpecSequential(nn.Module):
     #: output element joins across the parts of a batch (`lightning_remote_mp.model.joins.Join`).
     batched: tuple[list[bool], list[Any]] | None = None
 
+    def kept_outputs(self) -> list[bool] | None:
+        """Which elements of the output the last stage keeps until they are read
+        (`lightning_remote_mp.driver.outputs`): none for a spec, whose output is what the step reads."""
+        interface = getattr(self, "interface", None)
+        return interface.kept() if interface is not None else None
+
     def shared(self) -> list[list[str]]:
         """The tensors several layers hold, one list of their names (``"<layer index>.<name>"``) each:
         a traced model's tied weights. A stage holding several of the names keeps one tensor; stages

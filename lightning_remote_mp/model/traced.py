@@ -257,6 +257,14 @@ class Interface:
             names[i] = pytree.keystr(path).strip(".").replace("['", "").replace("']", "") or "the output"
         return names
 
+    def kept(self) -> list[bool] | None:
+        """Which pipeline outputs the last stage keeps until the driver reads them: when the module
+        computes its own loss, the outputs that carry the batch (the logits), which a step that
+        reads the loss alone never needs here; else none (a model without a loss is read whole)."""
+        if not any(leaf[0] == "ratio" for leaf in self.out_leaves) and "sum" not in self.joins_out:
+            return None
+        return [join == "batch" for join in self.joins_out]
+
     def unjoinable(self) -> list[str]:
         """The outputs that cannot be joined exactly when a batch is split (see `Join`): named."""
         names = self.output_names()

@@ -28,11 +28,27 @@ import torch
 
 from lightning_remote_mp.flow import is_main
 from lightning_remote_mp.wire import protocol
-from lightning_remote_mp.wire.fields import INT, STR, Body, field, is_int, is_str, lenient, map_of, must, refuse
+from lightning_remote_mp.wire.fields import (
+    INT,
+    STR,
+    Body,
+    field,
+    is_int,
+    is_str,
+    lenient,
+    list_of,
+    map_of,
+    must,
+    refuse,
+)
 
 
 def _is_request_id(value: Any) -> bool:
     return type(value) is int and value >= 0
+
+
+def _is_shape(value: Any) -> bool:
+    return isinstance(value, list) and all(type(d) is int and d >= 0 for d in value)
 
 
 def _is_tensor_or_none(value: Any) -> bool:
@@ -115,6 +131,11 @@ class Forward(_Pipelined):
         autocast: the driver's autocast state (``{"enabled", "dtype"}``), or ``None``.
         modes: the driver-side layers' train/eval flags (`lightning_remote_mp.model.spec.Modes`).
         checkpoint: recompute this micro-batch's forward at backward.
+        keep: for the model's output (the last stage's), which elements the last stage keeps
+            instead of sending: the driver fetches them when they are read (`requests.Fetch`).
+            Stages pass it on.
+        shapes: in a RESULT, the shape of each element kept (by position); its place in ``x``
+            holds an empty tensor of its dtype.
     """
 
     KIND: ClassVar[str] = protocol.FORWARD
@@ -128,6 +149,10 @@ class Forward(_Pipelined):
     )
     modes: bool | list[Any] | None = field(lenient(lambda v: v if isinstance(v, (bool, list)) else None), default=None)
     checkpoint: bool = field(lenient(lambda v: v is True), default=False)
+    keep: list[bool] | None = field(list_of(lambda v: type(v) is bool, "bools"), default=None, omit_none=True)
+    shapes: dict[int, list[int]] | None = field(
+        map_of(is_int, _is_shape, "output positions to shapes"), default=None, omit_none=True
+    )
 
 
 @dataclasses.dataclass(frozen=True)

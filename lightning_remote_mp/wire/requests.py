@@ -188,14 +188,26 @@ def _lists(value: Mapping[str, Sequence[int]]) -> dict[str, list[int]]:
 @dataclasses.dataclass(frozen=True)
 class Release(Body):
     """RELEASE: forget what the stages hold for these forward calls (the driver is done with them, or
-    gave up on them). ``calls``: the calls, by SpecSequential key."""
+    gave up on them). ``calls``: the calls, by SpecSequential key; ``outputs``: calls whose kept
+    outputs alone the driver no longer reads (their backward may still come)."""
 
     KIND: ClassVar[str] = protocol.RELEASE
 
-    calls: Mapping[str, Sequence[int]] = field(
-        map_of(is_str, _is_call_list, "keys to lists of calls"),
-        write=lambda calls: {k: list(v) for k, v in calls.items()},
+    calls: Mapping[str, Sequence[int]] = field(map_of(is_str, _is_call_list, "keys to lists of calls"), write=_lists)
+    outputs: Mapping[str, Sequence[int]] = field(
+        map_of(is_str, _is_call_list, "keys to lists of calls"), default_factory=dict, write=_lists
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class Fetch(Body):
+    """FETCH: the outputs the last stage kept of call ``call`` of ``key`` (`messages.Forward.keep`), by
+    micro-batch: what the driver reads of a model's outputs that did not travel with the result."""
+
+    KIND: ClassVar[str] = protocol.FETCH
+
+    key: str = field(STR)
+    call: int = field(INT)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -502,5 +514,6 @@ REQUESTS: dict[str, type[Body]] = {
         Timeline,
         GroupInit,
         Sync,
+        Fetch,
     )
 }

@@ -70,6 +70,7 @@ class RoutedStage:
         self._forward: dict[tuple[int, int], dict[int, Forward]] = {}
         self._backward: dict[tuple[int, int], dict[int, Backward]] = {}
         self._meta: dict[tuple[int, int], _Meta] = {}  # per micro-batch under grad, from its forward
+        self._kept: dict[tuple[int, int], dict[int, Any]] = {}  # the model's outputs the driver reads when it needs
         self.events: EventLog | None = None  # set while the driver records a timeline
         self._released: collections.deque[int] = collections.deque(maxlen=1024)
 
@@ -142,20 +143,43 @@ class RoutedStage:
             flags = {n: out["requires_grad"][n] for n in names}
             if main:
                 flags["x"] = out["requires_grad"]["y"]
+            y, shapes = out["y"] if main else None, None
+            if main and target == DRIVER and first.keep is not None:
+                y, shapes = self._keep(call, mb, y, first.keep)
             outgoing.append(
                 (
                     target,
                     dataclasses.replace(
                         first,
                         sender=self.index,
-                        x=out["y"] if main else None,
+                        x=y,
                         vars={n: out["exports"][n] for n in names},
                         requires_grad=flags,
                         sent_at=None,
+                        shapes=shapes,
                     ),
                 )
             )
         return outgoing
+
+    def _keep(self, call: int, mb: int, y: Any, keep: list[bool]) -> tuple[Any, dict[int, list[int]]]:
+        """The model's output with the elements ``keep`` marks left here (`fetch` sends them, when
+        the driver reads them): in their place an empty tensor of their dtype, and their shapes."""
+        if not isinstance(y, tuple) or len(keep) != len(y):
+            raise ProtocolError(f"stage {self.index}: 'keep' names {len(keep)} outputs of a model with other outputs")
+        self._kept[(call, mb)] = {i: t for i, (t, k) in enumerate(zip(y, keep)) if k}
+        sent = tuple(t.new_empty(0) if k else t for t, k in zip(y, keep))
+        return sent, {i: list(y[i].shape) for i in self._kept[(call, mb)]}
+
+    def fetch(self, call: int) -> dict[int, dict[int, Any]]:
+        """The outputs kept of ``call``, by micro-batch and position."""
+        return {mb: kept for (c, mb), kept in self._kept.items() if c == call}
+
+    def release_outputs(self, calls: Iterable[int]) -> None:
+        """Forget the outputs kept of these calls (the driver will not read them)."""
+        drop = set(calls)
+        for key in [k for k in self._kept if k[0] in drop]:
+            del self._kept[key]
 
     def backward(self, msg: Backward) -> list[Outgoing]:
         parts = self._collect(self._backward, self.targets, msg)
@@ -208,6 +232,6 @@ class RoutedStage:
         drop = set(calls)
         self._released.extend(drop)
         self.stage.release(list(drop))
-        for table in (self._forward, self._backward, self._meta):
+        for table in (self._forward, self._backward, self._meta, self._kept):
             for key in [k for k in table if k[0] in drop]:
                 del table[key]

@@ -24,6 +24,7 @@ from lightning_remote_mp.wire import protocol
 from lightning_remote_mp.wire.fields import Body
 from lightning_remote_mp.wire.messages import Backward, Forward
 from lightning_remote_mp.wire.requests import (
+    Fetch,
     GetOptimState,
     GetState,
     GradAllreduce,
@@ -116,6 +117,7 @@ class WorkerSession:
             Timeline: self.timeline,
             GroupInit: self.group_init,
             Sync: self.sync,
+            Fetch: self.fetch,
         }
         self.group: GradGroup | None = None  # this stage's replicas
         self.tie_groups: list[tuple[GradGroup, list[str]]] = []  # stages holding copies of tied weights: theirs here
@@ -282,7 +284,23 @@ class WorkerSession:
     def sync(self, msg: Sync) -> Any:
         return None  # the requests before it have run: they run in order
 
+    def fetch(self, msg: Fetch) -> Any:
+        """The outputs this (last) stage kept of a call, by micro-batch: tensors, copied off a GPU."""
+        kept = self.route(msg.key).fetch(msg.call)
+        if not kept:
+            raise SpecError(f"stage {self.route(msg.key).index} keeps no outputs of call {msg.call} (released?)")
+        io = self.stages[msg.key].io
+        out: Any = {mb: [[i, t] for i, t in outputs.items()] for mb, outputs in kept.items()}
+        if io is not None:
+            out, ready = io.to_host(out)
+            if ready is not None:
+                ready.synchronize()  # a reply goes as it is: the copies off the GPU must be done
+        return {"outputs": out}
+
     def release(self, msg: Release) -> Any:
+        for key, calls in msg.outputs.items():
+            if key in self.routes:
+                self.routes[key].release_outputs(calls)
         for key, calls in msg.calls.items():
             if key in self.routes:  # a stage whose setup failed holds nothing to release
                 self.routes[key].release(calls)
