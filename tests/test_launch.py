@@ -88,3 +88,31 @@ def test_a_worker_that_cannot_start_is_explained_by_its_own_words():
     text = str(info.value)
     assert "exited with code 2" in text and "--max-layers: '0' is not a positive integer" in text, text
     assert not workers.procs
+
+
+def test_local_workers_leave_with_a_driver_killed_without_its_teardown():
+    """A driver killed outright (out of memory, kill -9) runs no teardown: its local workers notice
+    their parent is gone and stop, rather than live on holding memory."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    code = (
+        "from lightning_remote_mp.driver.launch import LocalWorkers; import time\n"
+        "w = LocalWorkers(1, threads=1); w.start(); print(w.procs[0].pid, flush=True); time.sleep(120)"
+    )
+    driver = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    worker = int(driver.stdout.readline())
+    driver.kill()
+    driver.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(worker, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    os.kill(worker, signal.SIGKILL)
+    raise AssertionError("the local worker outlived its killed driver")

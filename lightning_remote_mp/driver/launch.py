@@ -203,6 +203,7 @@ class LocalWorkers:
             str(self.threads),
             "--log-level",
             self.log_level,
+            "--exit-with-parent",  # a driver killed without its teardown leaves no worker behind
         ]
         for prefix in self.allow_modules:
             cmd += ["--allow-module", prefix]

@@ -84,6 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds without a driver heartbeat before a session is dropped",
     )
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
+    p.add_argument(
+        "--exit-with-parent",
+        action="store_true",
+        help="stop when the process that started this worker ends (local workers a driver started)",
+    )
     sec = p.add_argument_group("encryption and authentication (CURVE)")
     sec.add_argument(
         "--secret-key",
@@ -189,6 +194,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             limits=limits,
             keys=keys,
             authorized_keys=args.authorized_keys,
+            parent=os.getppid() if args.exit_with_parent else None,
         )
     except Exception as err:
         print(f"lrmp-worker: {err}", file=sys.stderr)

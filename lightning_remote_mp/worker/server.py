@@ -134,6 +134,8 @@ class WorkerServer:
         limits: bounds on what this worker accepts (message size, tensors, dims, layers per stage).
         keys: this worker's CURVE key pair; with ``authorized_keys`` the worker only talks CURVE.
         authorized_keys: directory of the public keys allowed to drive this worker.
+        parent: stop once this process is no longer the worker's parent (the driver that started
+            it ended, even without stopping it: killed, out of memory).
     """
 
     def __init__(
@@ -145,6 +147,7 @@ class WorkerServer:
         limits: protocol.Limits = protocol.DEFAULT_LIMITS,
         keys: KeyPair | None = None,
         authorized_keys: str | os.PathLike[str] | None = None,
+        parent: int | None = None,
     ) -> None:
         from lightning_remote_mp.model.spec import DEFAULT_ALLOWED_PREFIXES
 
@@ -160,6 +163,7 @@ class WorkerServer:
             torch.cuda.set_device(self.device)
         self.allowed_prefixes = list(dict.fromkeys([*DEFAULT_ALLOWED_PREFIXES, *allowed_prefixes]))
         self.session_timeout = session_timeout
+        self.parent = parent
         self.limits = limits
         self.keys = keys
         # I/O-thread state of the current session.
@@ -284,6 +288,10 @@ class WorkerServer:
         while not self._stop.is_set():
             if not serving.is_alive():
                 log.critical("the serving thread ended; stopping this worker")
+                self.stop()
+                break
+            if self.parent is not None and os.getppid() != self.parent:
+                log.warning("the process that started this worker (pid %d) ended; stopping", self.parent)
                 self.stop()
                 break
             busy_since = self._busy_since
