@@ -119,6 +119,7 @@ class RemoteSpec:
         checkpoint: str = "never",
         batched: tuple[Sequence[bool], Sequence[Join]] | None = None,
         keep: Sequence[bool] | None = None,
+        compression: str | None = None,
     ) -> None:
         if microbatches < 1:
             raise ConfigurationError(f"microbatches must be at least 1, got {microbatches}")
@@ -136,6 +137,7 @@ class RemoteSpec:
         self._to_release: collections.deque[int] = collections.deque()
         #: Which elements of the output the last stage keeps until they are read (`driver.outputs`).
         self.keep = list(keep) if keep is not None and any(keep) else None
+        self.compression = compression  # how floating inputs and output gradients travel to the stages
         self._kept: weakref.WeakSet[KeptOutputs] = weakref.WeakSet()  # to fetch before the session ends
         self._outputs_to_release: collections.deque[int] = collections.deque()
         self.fetched_bytes = 0  # bytes of kept outputs the driver read
@@ -305,7 +307,7 @@ class RemoteSpec:
                     for mb in range(len(row))
                 ]
                 if forwards:  # one message to stage 0 for the whole call (`Connection.send_all`)
-                    self.replicas[r][0].conn.send_all(protocol.FORWARD, forwards)
+                    self.replicas[r][0].conn.send_all(protocol.FORWARD, forwards, self.compression)
             results = self._collect(protocol.RESULT, -1, call, sizes, "forward")
         except BaseException:
             self._abandon(call)
@@ -384,7 +386,7 @@ class RemoteSpec:
                     for mb in range(len(row))
                 ]
                 if backwards:
-                    self.replicas[r][-1].conn.send_all(protocol.BACKWARD, backwards)
+                    self.replicas[r][-1].conn.send_all(protocol.BACKWARD, backwards, self.compression)
             done = self._collect(protocol.DONE, 0, call, record.sizes, "backward")
         except BaseException:
             self._abandon(call)

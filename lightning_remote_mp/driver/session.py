@@ -328,6 +328,7 @@ class DriverSession:
         checkpoint: str = "never",
         checked: Preflight | None = None,
         deferred_batch_norm: bool = False,
+        compression: str | None = None,
     ) -> None:
         """Ship ``module``'s layers to the workers and make its forward run there, splitting each
         batch into ``microbatches`` that flow through the stages concurrently; with
@@ -337,7 +338,8 @@ class DriverSession:
         ``checkpoint``: activation recomputation (`pipeline.CHECKPOINT_MODES`). ``checked``: what
         `preflight` found for ``module`` if the caller ran it already (it runs here otherwise).
         ``deferred_batch_norm``: batch norms update their running statistics once per mini-batch
-        (`worker.deferred_bn`)."""
+        (`worker.deferred_bn`). ``compression``: how activations and their gradients travel
+        (`wire.protocol.COMPRESSIONS`)."""
         check_split_backward(split_backward)
         if key in self.placements:
             raise LrmpError(f"{module.kind} {key!r} is already placed")
@@ -404,6 +406,7 @@ class DriverSession:
                 ],
                 shared=shared[stage.index],
                 deferred_batch_norm=deferred_batch_norm,
+                compression=compression,
             )
             try:
                 ids.append(conn.send(protocol.SETUP, setup.body()))
@@ -425,6 +428,7 @@ class DriverSession:
             checkpoint=checkpoint,
             batched=module.batched,
             keep=module.kept_outputs(),
+            compression=compression,
         )
         module.attach(remote)
         self.placements[key] = Placement(key, module, remote)

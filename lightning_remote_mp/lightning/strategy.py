@@ -102,6 +102,12 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
             torchgpipe's ``DeferredBatchNorm`` does, the workers update them once per mini-batch from the
             whole mini-batch's statistics and count one batch: the running statistics local training of
             the same batches would keep. For spec layers and traced models alike.
+        compression: how activations and their gradients travel, between stages and to and from the
+            driver (the model's inputs and outputs, and their gradients): ``None`` as they are;
+            ``"bf16"`` as bfloat16 (half of float32's bytes); ``"int8"`` blockwise 8-bit with a float32
+            scale per block of 64 values (17/64 of float32's bytes, as hivemind and SWARM send). Only
+            floating tensors of at least 64 elements; lossy, so training no longer equals local training
+            exactly (docs/multi_machine.md measures what each does to a loss curve). For slow links.
         replicas: how many pipelines the local workers form (``local_workers.count / replicas``
             stages each). With ``hosts``, its rows are the replicas: leave it at 1 (or give their number).
         local_workers: the ``lrmp-worker`` processes started on this machine when ``hosts`` is
@@ -149,6 +155,7 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
         split_backward: SplitBackward = "auto",
         checkpoint: Literal["never", "except_last", "always"] = "never",
         deferred_batch_norm: bool = False,
+        compression: Literal["bf16", "int8"] | None = None,
         replicas: int = 1,
         local_workers: LocalWorkerOptions | None = None,
         timeline: str | None = None,
@@ -176,6 +183,8 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
         check_balance(balance, self.num_stages)
         check_count("microbatches", microbatches)
         check_split_backward(split_backward)
+        if compression not in protocol.COMPRESSIONS:
+            raise ConfigurationError(f"compression must be None, 'bf16' or 'int8', got {compression!r}")
         if not isinstance(deferred_batch_norm, bool):
             raise ConfigurationError(f"deferred_batch_norm must be True or False, got {deferred_batch_norm!r}")
         self.checkpoint = check_checkpoint_mode(checkpoint)
@@ -197,6 +206,7 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
         self.microbatches = microbatches
         self.split_backward = split_backward
         self.deferred_batch_norm = deferred_batch_norm
+        self.compression = compression
         self.timeline = timeline
         self.heartbeat_timeout = heartbeat_timeout
         self.connect_timeout = connect_timeout
@@ -306,6 +316,7 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
                     training=fitting,
                     checkpoint=self.checkpoint,
                     deferred_batch_norm=self.deferred_batch_norm,
+                    compression=self.compression,
                     checked=checks[key],
                 )
             for key, sub in traced.items():
@@ -345,6 +356,7 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
             training=fitting,
             checkpoint=self.checkpoint,
             deferred_batch_norm=self.deferred_batch_norm,
+            compression=self.compression,
             checked=Preflight(compute=module.compute, checked=[True] * len(module.layers)),
         )
         if fitting:

@@ -140,6 +140,7 @@ class Setup(Body):
             several of its layers); the stage holds one, under the first name of each group.
         deferred_batch_norm: update batch norms' running statistics once per mini-batch, from the
             whole mini-batch (`lightning_remote_mp.worker.deferred_bn`).
+        compression: how the stage's pipelined messages carry floating tensors (`protocol.COMPRESSIONS`).
     """
 
     KIND: ClassVar[str] = protocol.SETUP
@@ -167,6 +168,7 @@ class Setup(Body):
         list_of(_is_name_group, "lists of two or more tensor names"), default_factory=list, write=as_list_of_lists
     )
     deferred_batch_norm: bool = field(BOOL, default=False)
+    compression: str | None = field(choice(("bf16", "int8")), default=None, omit_none=True)
 
     @classmethod
     def _check(cls, values: dict[str, Any]) -> None:

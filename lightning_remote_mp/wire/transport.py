@@ -304,9 +304,10 @@ class Connection:
     def send(self, kind: str, body: Any = None) -> int:
         return self.send_all(kind, [body])[0]
 
-    def send_all(self, kind: str, bodies: Sequence[Any]) -> list[int]:
+    def send_all(self, kind: str, bodies: Sequence[Any], compression: str | None = None) -> list[int]:
         """Send one message of ``kind`` per body, bundled (`protocol.encode_all`) into as few ZeroMQ
-        messages as the worker's limits allow: each costs a send and a wake-up on either side."""
+        messages as the worker's limits allow: each costs a send and a wake-up on either side.
+        ``compression``: how floating tensors travel (`protocol.COMPRESSIONS`)."""
         if self.lost_reason is not None:
             raise WorkerLostError(self.lost_reason, **self.located())
         if self.closed:
@@ -314,16 +315,16 @@ class Connection:
         ids = []
         encoded = []
         for body in bodies:
-            encoded.append(self._encode(kind, body))
+            encoded.append(self._encode(kind, body, compression))
             ids.append(self._next_id)
         for bundle in protocol.encode_all(encoded, self.remote_limits or protocol.DEFAULT_LIMITS):
             self._send_frames(kind, bundle)
         return ids
 
-    def _encode(self, kind: str, body: Any) -> list[Any]:
+    def _encode(self, kind: str, body: Any, compression: str | None = None) -> list[Any]:
         self._next_id += 1
         try:
-            return protocol.encode(kind, self._next_id, self.session, body, self.remote_limits)
+            return protocol.encode(kind, self._next_id, self.session, body, self.remote_limits, compression)
         except protocol.LimitExceeded as err:
             flag = protocol.LIMIT_FLAGS.get(err.limit, err.limit)
             raise protocol.LimitExceeded(

@@ -117,33 +117,50 @@ class Outbox:
     def holding(self) -> bool:
         return bool(self._held)
 
-    def to_driver(self, kind: str, body: Any, ready: Any = None, about: dict[str, Any] | None = None) -> None:
-        """Send to the driver (from a request's handler: the socket is taken for the send)."""
-        frames = protocol.encode(kind, 0, self.session, body)
+    def to_driver(
+        self,
+        kind: str,
+        body: Any,
+        ready: Any = None,
+        about: dict[str, Any] | None = None,
+        compression: str | None = None,
+    ) -> None:
+        """Send to the driver (from a request's handler: the socket is taken for the send), floating
+        tensors compressed as ``compression`` says (`protocol.COMPRESSIONS`)."""
+        frames = protocol.encode(kind, 0, self.session, body, compression=compression)
         if ready is not None or self._held:
             self._hold(_Held(frames, ready, about or {}, driver=self.driver_peer))
             return
         with self.holder.socket():
             self._send_driver(self.driver_peer, frames)
 
-    def to_driver_all(self, kind: str, answers: Sequence[tuple[Any, Any, dict[str, Any] | None]]) -> None:
+    def to_driver_all(
+        self, kind: str, answers: Sequence[tuple[Any, Any, dict[str, Any] | None]], compression: str | None = None
+    ) -> None:
         """Send several messages to the driver as bundles (`protocol.encode_all`): one send, one
         wake-up of the driver, for a call's answers. Each bundle stays within the driver's limits
         (its HELLO says them); messages whose tensors are still being copied off a GPU go one by
         one, in order."""
         if self._held or any(ready is not None for _, ready, _ in answers):
             for body, ready, about in answers:
-                self.to_driver(kind, body, ready, about)
+                self.to_driver(kind, body, ready, about, compression)
             return
-        encoded = [protocol.encode(kind, 0, self.session, body) for body, _, _ in answers]
+        encoded = [protocol.encode(kind, 0, self.session, body, compression=compression) for body, _, _ in answers]
         with self.holder.socket():
             for bundle in protocol.encode_all(encoded, self.driver_limits):
                 self._send_driver(self.driver_peer, bundle)
 
     def to_peer(
-        self, address: str, kind: str, body: Any, ready: Any = None, about: dict[str, Any] | None = None
+        self,
+        address: str,
+        kind: str,
+        body: Any,
+        ready: Any = None,
+        about: dict[str, Any] | None = None,
+        compression: str | None = None,
     ) -> None:
-        held = _Held(protocol.encode(kind, 0, self.session, body), ready, about or {}, peer=address, kind=kind)
+        frames = protocol.encode(kind, 0, self.session, body, compression=compression)
+        held = _Held(frames, ready, about or {}, peer=address, kind=kind)
         if ready is not None or self._held:
             self._hold(held)
             return

@@ -57,11 +57,19 @@ NO_REPLY = object()
 class Outbox(Protocol):
     """Where a session's pipelined messages go: the driver, or a peer worker by address."""
 
-    def to_driver_all(self, kind: str, answers: Sequence[tuple[Any, Any, dict[str, Any] | None]]) -> None:
+    def to_driver_all(
+        self, kind: str, answers: Sequence[tuple[Any, Any, dict[str, Any] | None]], compression: str | None = None
+    ) -> None:
         """Several ``(body, ready, about)`` of ``kind`` for the driver, in as few messages as can be."""
 
     def to_peer(
-        self, address: str, kind: str, body: Any, ready: Any = None, about: dict[str, Any] | None = None
+        self,
+        address: str,
+        kind: str,
+        body: Any,
+        ready: Any = None,
+        about: dict[str, Any] | None = None,
+        compression: str | None = None,
     ) -> None: ...
 
     def add_peer_keys(self, keys: dict[str, bytes]) -> None: ...
@@ -90,6 +98,7 @@ class WorkerSession:
         self.announce_peer_keys = announce_peer_keys
         self.routes: dict[str, RoutedStage] = {}
         self.peers: dict[str, dict[int, str]] = {}
+        self.compression: dict[str, str | None] = {}  # by stage key: how its pipelined tensors travel
         self.device = device
         self.allowed_prefixes = list(allowed_prefixes)
         self.stages: dict[str, StageExecutor] = {}
@@ -204,6 +213,7 @@ class WorkerSession:
         self.stages[key] = stage
         self.routes[key] = routed
         self.peers[key] = dict(msg.peers)
+        self.compression[key] = msg.compression
         if peer_keys:
             self.outbox.add_peer_keys(peer_keys)
             if self.announce_peer_keys is not None:
@@ -265,7 +275,8 @@ class WorkerSession:
             if target == DRIVER:
                 self._answer_together(msg, driver_kind, (body, ready, about))
             else:
-                self.outbox.to_peer(self.peers[msg.key][target], peer_kind, body, ready, about)
+                compression = self.compression.get(msg.key)
+                self.outbox.to_peer(self.peers[msg.key][target], peer_kind, body, ready, about, compression)
 
     def _answer_together(self, msg: Forward | Backward, kind: str, answer: tuple[Any, Any, Any]) -> None:
         """Keep a micro-batch's answer to the driver until the call's others are there too, then
@@ -274,7 +285,7 @@ class WorkerSession:
         answers.append(answer)
         if len(answers) >= msg.microbatches:
             del self._answers[(msg.key, msg.call, kind)]
-            self.outbox.to_driver_all(kind, answers)
+            self.outbox.to_driver_all(kind, answers, self.compression.get(msg.key))
 
     def route(self, key: str) -> RoutedStage:
         if key not in self.routes:
