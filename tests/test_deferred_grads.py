@@ -149,6 +149,40 @@ def test_a_weight_shared_with_another_op_gets_both_contributions():
     assert _compare(Shared, torch.randn(3, 4))
 
 
+def test_a_filed_output_gradient_that_autograd_also_hands_on_is_not_changed_later():
+    """``linear(x) + w``, with ``w`` also used before it: the addition hands one gradient tensor to
+    the linear's backward (which files it) and to ``w``'s input buffer, where autograd adds the
+    other use's gradient into it in place when nothing else references that tensor. The filed
+    gradient must stay as it was handed over: the flushed weight gradient equals plain autograd's."""
+
+    class Reused(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 6)
+            self.a = nn.Parameter(torch.randn(5, 6))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            w = x[:, :5] @ self.a  # x has 4 columns: w is (3, 5) @ (5, 6) with x padded below
+            r = w * 2  # created before the addition: its backward runs after the linear's
+            return torch.cat([self.lin(x[:, :4]) + w, r])
+
+    torch.manual_seed(3)
+    plain, split = Reused(), Reused()
+    split.load_state_dict(plain.state_dict())
+    xs, gs = [torch.randn(3, 5) for _ in range(2)], [torch.randn(6, 6) for _ in range(2)]
+    for x, g in zip(xs, gs):
+        (plain(x) * g).sum().backward()
+    deferred = DeferredWeightGrads(split)
+    for x, g in zip(xs, gs):
+        with deferred.recording():
+            y = split(x)
+        with deferred.filing_backward():
+            (y * g).sum().backward()
+    assert deferred.flush()
+    for (name, p), q in zip(plain.named_parameters(), split.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, msg=name)
+
+
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_checkpointed_layers_keep_exact_gradients(reentrant):
     from torch.utils.checkpoint import checkpoint

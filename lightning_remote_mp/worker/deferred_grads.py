@@ -87,8 +87,8 @@ def auto_min_macs(device: torch.device) -> int:
 
 
 class _Pending:
-    """What one (weight, bias) pair's weight gradient still needs: each micro-batch's input and
-    output gradient, flattened to rows."""
+    """What one (weight, bias) pair's weight gradient still needs: each micro-batch's input
+    (flattened to rows) and output gradient (as autograd handed it over)."""
 
     __slots__ = ("owner", "weight", "bias", "inputs", "grads")
 
@@ -114,17 +114,19 @@ class _LinearInputGrad(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         grad_x = grad_out.matmul(weight) if ctx.needs_input_grad[0] else None
         pending: _Pending = ctx.pending
-        rows = grad_out.reshape(-1, grad_out.shape[-1])
         inputs = x.reshape(-1, x.shape[-1])
         if not pending.owner.filing or torch.is_grad_enabled():
             # Not the stage's own backward (autograd run inside a layer's forward, or a double
             # backward): the weight gradients are due now, as plain autograd gives them.
+            rows = grad_out.reshape(-1, grad_out.shape[-1])
             grad_w = rows.t().mm(inputs) if ctx.needs_input_grad[1] else None
             grad_b = rows.sum(0) if ctx.needs_input_grad[2] else None
             return grad_x, grad_w, grad_b, None
         pending.inputs.append(inputs)
-        # A copy: autograd may hand the same buffer on (as a parameter's .grad, say) and add to it later.
-        pending.grads.append(rows.clone())
+        # The tensor autograd handed over, not a view of it: while it is referenced here, autograd
+        # neither makes it a parameter's .grad (it steals only unreferenced buffers) nor adds into
+        # it in place. A view of another buffer could still be stolen through its base: a copy.
+        pending.grads.append(grad_out if grad_out._base is None else grad_out.clone())
         return grad_x, None, None, None
 
 
@@ -297,10 +299,16 @@ class DeferredWeightGrads:
         for pending in self._pending.values():
             if not pending.grads:
                 continue
-            grads = torch.cat(pending.grads) if len(pending.grads) > 1 else pending.grads[0]
-            inputs = torch.cat(pending.inputs) if len(pending.inputs) > 1 else pending.inputs[0]
-            grad_w = grads.t().mm(inputs)
-            grad_b = grads.sum(0) if pending.bias is not None else None
+            # One product per micro-batch, summed in place: no copy of the filed tensors (for an LM
+            # head, the output gradients are batch x vocabulary).
+            grad_w: torch.Tensor | None = None
+            grad_b: torch.Tensor | None = None
+            for filed, inputs in zip(pending.grads, pending.inputs):
+                rows = filed.reshape(-1, filed.shape[-1])
+                grad_w = rows.t().mm(inputs) if grad_w is None else grad_w.addmm_(rows.t(), inputs)
+                if pending.bias is not None:
+                    grad_b = rows.sum(0) if grad_b is None else grad_b.add_(rows.sum(0))
+            assert grad_w is not None
             _accumulate(pending.weight, grad_w)
             if pending.bias is not None:
                 _accumulate(pending.bias, grad_b)
