@@ -38,6 +38,21 @@ def test_integers_small_tensors_and_16_bit_ones_under_bf16_travel_as_they_are():
     assert torch.equal(got["half"], body["half"])
 
 
+@pytest.mark.parametrize("compression", ["bf16", "int8"])
+def test_infinities_and_nans_arrive_as_they_left(compression):
+    """An additive attention mask (0 and -inf) crosses stages in a spec'd transformer: under int8 a
+    block's scale would be infinite and the whole block NaN; it travels as it is instead."""
+    mask = torch.nn.Transformer.generate_square_subsequent_mask(16)
+    odd = torch.randn(200)
+    odd[[3, 150]] = torch.tensor([float("nan"), float("inf")])
+    frames = protocol.encode(protocol.FORWARD, 1, "s", {"mask": mask, "odd": odd}, compression=compression)
+    got = protocol.decode(frames).body
+    assert torch.equal(got["mask"], mask)
+    assert torch.equal(got["odd"].isnan(), odd.isnan()) and got["odd"][150] == float("inf")
+    finite = odd.isfinite()
+    assert (got["odd"][finite] - odd[finite]).abs().max() <= 2**-8 * odd[finite].abs().max()
+
+
 def test_a_malformed_compressed_tensor_is_refused():
     """A claim of more values than the frames hold is refused, and nothing is allocated from it."""
     q, scale = protocol.compress(torch.randn(256), "int8")

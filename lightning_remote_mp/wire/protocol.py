@@ -259,7 +259,8 @@ def encode(
 
     With ``limits`` (the receiver's), a message the receiver would refuse raises `LimitExceeded`.
     With ``compression`` (`COMPRESSIONS`), floating tensors of at least `COMPRESS_FROM` elements
-    travel compressed, and `decode` gives them back in their dtype (with the compression's error).
+    travel compressed, and `decode` gives them back in their dtype (with the compression's error);
+    under ``"int8"``, one with an infinity or a NaN travels as it is.
     """
     metas: list[list[Any]] = []
     frames: list[Any] = []
@@ -608,7 +609,11 @@ def _message(header: list[Any], buffers: Sequence[memoryview], limits: Limits) -
 def _compressible(t: torch.Tensor, compression: str) -> bool:
     if t.numel() < COMPRESS_FROM or t.dtype not in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
         return False
-    return compression == "int8" or t.dtype in (torch.float32, torch.float64)  # bf16 of a 16-bit type saves nothing
+    if compression == "bf16":
+        return t.dtype in (torch.float32, torch.float64)  # bf16 of a 16-bit type saves nothing
+    # A block's scale is its largest magnitude: one infinity (an additive attention mask's -inf)
+    # or NaN would turn the whole block into NaN. Such a tensor travels as it is, exactly.
+    return bool(torch.isfinite(t).all())
 
 
 def compress(t: torch.Tensor, compression: str) -> list[torch.Tensor]:
