@@ -232,21 +232,21 @@ def _golden() -> dict[str, object]:
 # sha256 of each request's frames. A change here changes what older workers receive: bump
 # protocol.PROTOCOL_VERSION with it (and say so in the CHANGELOG), then update these.
 GOLDEN = {
-    "setup": "0b85e0be21f5b11b",
-    "release": "6db1e2092112af8c",
-    "get_state": "1764990a57e49216",
-    "load_state": "96257e4cab8fb533",
-    "profile": "fbbca203d5d8724c",
-    "optim_create": "d49023e0b81f8e48",
-    "optim_step": "36ab821aef478bc1",
-    "zero_grad": "6a41f8d4a1fa5569",
-    "get_optim_state": "b5f15dcaedbbf90d",
-    "load_optim_state": "2cb0df75e38e625e",
-    "grads": "b062f2c037bf8f17",
-    "timeline": "d6b23c9d1c48b0a4",
-    "sync": "29d429f0753f78d3",
-    "group": "1eb08a2bc071ca59",
-    "hello": "441cc8972a430134",
+    "setup": "db50a6fd67148f01",
+    "release": "25dca07b86ff1a15",
+    "get_state": "848b0167414044e7",
+    "load_state": "2b55d30ff1a932dc",
+    "profile": "4a678d6cb7f2ef00",
+    "optim_create": "b96491c87aadde9d",
+    "optim_step": "1b3b121f57bc511b",
+    "zero_grad": "b8d538ab8d02c0c9",
+    "get_optim_state": "28a0cd096379566c",
+    "load_optim_state": "9cba24446a6844df",
+    "grads": "2f6c5eba2b1f3a09",
+    "timeline": "8a97523fd2a29f43",
+    "sync": "188b269eec73dd4f",
+    "group": "a86bf8be1fd430f5",
+    "hello": "8d810ee889a3e896",
 }
 
 
