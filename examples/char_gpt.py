@@ -2,6 +2,7 @@
 
     python examples/char_gpt.py                          # four local workers, started for you
     python examples/char_gpt.py --hosts tcp://10.0.0.5:5555 tcp://10.0.0.6:5555   # workers you started
+    python examples/char_gpt.py --compression bf16       # activations travel as bfloat16 (slow links)
 
 The text is the source of Python's own ``textwrap`` module (any installed Python has it; nothing is
 downloaded). The model is a small decoder-only transformer written as a layer spec from torch.nn
@@ -110,16 +111,27 @@ def loaders(text: str, context: int = 64, batch: int = 32, windows: int = 2048, 
 
 
 def main(
-    steps: int = 200, hosts: Sequence[str] | None = None, workers: int = 4, seed: int = 0, progress_bar: bool = False
+    steps: int = 200,
+    hosts: Sequence[str] | None = None,
+    workers: int = 4,
+    seed: int = 0,
+    progress_bar: bool = False,
+    compression: str | None = None,
 ) -> tuple[CharGPT, str]:
-    """Train for ``steps`` batches; return the (now local) model and a generated sample."""
+    """Train for ``steps`` batches; return the (now local) model and a generated sample.
+
+    ``compression``: ``None``, ``"bf16"`` or ``"int8"``: how activations and gradients travel
+    (benchmarks/compression.py measures what each does to this model's loss curve).
+    """
     L.seed_everything(seed, verbose=False)
     text = corpus()
     train, chars = loaders(text, seed=seed)
     model = CharGPT(vocab=len(chars), blocks=max(4, len(hosts or []) or workers))
     # Without hosts, `workers` local workers are started (and stopped after fit).
     local = None if hosts else LocalWorkerOptions(count=workers)
-    strategy = RemoteModelParallelStrategy(hosts=list(hosts) if hosts else None, local_workers=local, microbatches=4)
+    strategy = RemoteModelParallelStrategy(
+        hosts=list(hosts) if hosts else None, local_workers=local, microbatches=4, compression=compression
+    )
     trainer = L.Trainer(
         strategy=strategy,
         max_steps=steps,
@@ -139,9 +151,14 @@ if __name__ == "__main__":
     parser.add_argument("--hosts", nargs="+", metavar="ADDR", help="worker addresses (default: local workers)")
     parser.add_argument("--workers", type=int, default=4, help="local workers to start without --hosts")
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument(
+        "--compression", choices=["bf16", "int8"], help="compress activations and gradients on the wire"
+    )
     args = parser.parse_args()
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
     warnings.filterwarnings("ignore", ".*LeafSpec.*")
-    model, sample = main(steps=args.steps, hosts=args.hosts, workers=args.workers, progress_bar=True)
+    model, sample = main(
+        steps=args.steps, hosts=args.hosts, workers=args.workers, progress_bar=True, compression=args.compression
+    )
     print(f"loss {sum(model.losses[:10]) / 10:.2f} -> {sum(model.losses[-10:]) / 10:.2f}")
     print("sample:\n" + sample)

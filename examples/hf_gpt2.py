@@ -3,6 +3,7 @@
     python examples/hf_gpt2.py                               # two local workers, started for you
     python examples/hf_gpt2.py --split-at transformer.h.1    # stage 1 starts at the second block
     python examples/hf_gpt2.py --hosts tcp://10.0.0.5:5555 tcp://10.0.0.6:5555   # workers you started
+    python examples/hf_gpt2.py --compression bf16            # activations travel as bfloat16 (slow links)
 
 The LightningModule holds a plain ``transformers.GPT2LMHeadModel`` as ``self.model``; nothing in it is
 written for lrmp. ``RemoteModelParallelStrategy(split=["model"])`` traces it with ``torch.export`` at
@@ -129,11 +130,13 @@ def main(
     seed: int = 0,
     log_every: int = 10,
     sample_bytes: int = 60,
+    compression: str | None = None,
 ) -> tuple[ByteGPT2, bytes]:
     """Train for ``steps`` batches; return the (now local) LightningModule and a greedy sample.
 
     ``split_at``: the units where stages 1, 2, ... start (``balance={"model": split_at}``); default:
-    ``balance="memory"``, which evens out the estimated compute.
+    ``balance="memory"``, which evens out the estimated compute. ``compression``: ``None``,
+    ``"bf16"`` or ``"int8"`` (benchmarks/compression.py measures each on this model).
     """
     L.seed_everything(seed, verbose=False)
     module = ByteGPT2(log_every=log_every)
@@ -143,6 +146,7 @@ def main(
         split=["model"],
         microbatches=microbatches,
         balance={"model": list(split_at)} if split_at else None,
+        compression=compression,
     )
     trainer = L.Trainer(
         strategy=strategy,
@@ -163,6 +167,9 @@ if __name__ == "__main__":
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--microbatches", type=int, default=2)
     parser.add_argument(
+        "--compression", choices=["bf16", "int8"], help="compress activations and gradients on the wire"
+    )
+    parser.add_argument(
         "--split-at",
         nargs="+",
         metavar="UNIT",
@@ -181,6 +188,7 @@ if __name__ == "__main__":
         workers=args.workers,
         microbatches=args.microbatches,
         split_at=args.split_at,
+        compression=args.compression,
     )
     print(f"loss {sum(module.losses[:5]) / 5:.2f} -> {sum(module.losses[-5:]) / 5:.2f}")
     print(f"sample: {sample.decode('utf-8', 'replace')!r}")
