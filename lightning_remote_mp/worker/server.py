@@ -21,8 +21,6 @@ import collections
 import contextlib
 import logging
 import os
-import signal
-import socket
 import threading
 import time
 import uuid
@@ -43,6 +41,7 @@ from lightning_remote_mp.worker.auth import DRIVER, WorkerAuth
 from lightning_remote_mp.worker.dispatch import DROP, NEW, Dispatch, Request, error_body, parse
 from lightning_remote_mp.worker.outbox import DEFAULT_PEER_TIMEOUT, Outbox
 from lightning_remote_mp.worker.session import WorkerSession, describe_device
+from lightning_remote_mp.worker.signals import SignalWakeup
 from lightning_remote_mp.worker.throttle import Throttle
 
 log = logging.getLogger(__name__)
@@ -73,43 +72,6 @@ def describe_duration(seconds: float) -> str:
     if whole < 3600:
         return f"{whole // 60} min {whole % 60} s"
     return f"{whole // 3600} h {whole % 3600 // 60} min"
-
-
-class _SignalWakeup:
-    """Makes the main thread's poll return when a signal arrives, whichever thread receives it.
-
-    Python runs signal handlers in the main thread only, between bytecodes, but the OS may deliver
-    SIGTERM to any thread that does not block it (the serving thread, torch's threads): a main
-    thread asleep in ``zmq_poll`` then never runs the handler. Stopping a worker after a session
-    took 10 s (and a SIGKILL) that way. `signal.set_wakeup_fd` writes a byte for every signal, from
-    any thread, to a socket that this poll watches.
-    """
-
-    def __init__(self) -> None:
-        self._rx, self._tx = socket.socketpair()
-        self._rx.setblocking(False)
-        self._tx.setblocking(False)
-        self._previous = signal.set_wakeup_fd(self._tx.fileno(), warn_on_full_buffer=False)
-
-    @classmethod
-    def install(cls) -> _SignalWakeup | None:
-        """A wake-up on the main thread (the only one that may install it), else ``None``."""
-        return cls() if threading.current_thread() is threading.main_thread() else None
-
-    def fileno(self) -> int:
-        return self._rx.fileno()
-
-    def drain(self) -> None:
-        try:
-            while self._rx.recv(4096):
-                pass
-        except BlockingIOError:
-            pass
-
-    def close(self) -> None:
-        signal.set_wakeup_fd(self._previous)
-        self._rx.close()
-        self._tx.close()
 
 
 def _warm_up() -> None:
@@ -223,7 +185,7 @@ class WorkerServer:
         """Serve until `stop`: requests on a thread of their own, signals and stand-in on this one."""
         serving = threading.Thread(target=self._serve, name="lrmp-serve", daemon=True)
         serving.start()
-        signals = _SignalWakeup.install()
+        signals = SignalWakeup.install()
         try:
             self._watch(signals, serving)
         finally:
@@ -272,7 +234,7 @@ class WorkerServer:
         finally:
             self._io.release()
 
-    def _watch(self, signals: _SignalWakeup | None, serving: threading.Thread) -> None:
+    def _watch(self, signals: SignalWakeup | None, serving: threading.Thread) -> None:
         """The main thread: wake for signals, and stand in for the serving thread while a request
         runs longer than `STAND_IN_AFTER`."""
         poller = zmq.Poller()

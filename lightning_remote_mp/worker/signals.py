@@ -1,0 +1,44 @@
+"""Signals wake the worker's main thread, whichever thread the OS delivers them to."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import threading
+
+
+class SignalWakeup:
+    """Makes the main thread's poll return when a signal arrives, whichever thread receives it.
+
+    Python runs signal handlers in the main thread only, between bytecodes, but the OS may deliver
+    SIGTERM to any thread that does not block it (the serving thread, torch's threads): a main
+    thread asleep in ``zmq_poll`` then never runs the handler. Stopping a worker after a session
+    took 10 s (and a SIGKILL) that way. `signal.set_wakeup_fd` writes a byte for every signal, from
+    any thread, to a socket that this poll watches.
+    """
+
+    def __init__(self) -> None:
+        self._rx, self._tx = socket.socketpair()
+        self._rx.setblocking(False)
+        self._tx.setblocking(False)
+        self._previous = signal.set_wakeup_fd(self._tx.fileno(), warn_on_full_buffer=False)
+
+    @classmethod
+    def install(cls) -> SignalWakeup | None:
+        """A wake-up on the main thread (the only one that may install it), else ``None``."""
+        return cls() if threading.current_thread() is threading.main_thread() else None
+
+    def fileno(self) -> int:
+        return self._rx.fileno()
+
+    def drain(self) -> None:
+        try:
+            while self._rx.recv(4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def close(self) -> None:
+        signal.set_wakeup_fd(self._previous)
+        self._rx.close()
+        self._tx.close()
