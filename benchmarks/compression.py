@@ -112,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     table = _common.markdown_table(header, rows)
     print()
+    print("lrmp training loss with compression on the wire; |diff| is per step against the run without")
     print(table)
     if not args.quick:
         os.makedirs(args.out, exist_ok=True)

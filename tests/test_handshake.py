@@ -87,9 +87,10 @@ def test_a_worker_of_another_protocol_version_is_named_at_connect():
 
 def test_a_worker_that_admits_another_protocol_in_its_hello_is_refused():
     # Same header version, but the worker says it speaks another protocol: refused as well.
-    fake = FakeWorker(_hello_body(protocol=7, lrmp="7.0.0"))
+    other = protocol.PROTOCOL_VERSION + 1
+    fake = FakeWorker(_hello_body(protocol=other, lrmp=f"{other}.0.0"))
     try:
-        with pytest.raises(ProtocolVersionError, match=r"version 7 \(lrmp 7.0.0\)"):
+        with pytest.raises(ProtocolVersionError, match=rf"version {other} \(lrmp {other}.0.0\)"):
             DriverSession([fake.address], connect_timeout=30)
     finally:
         fake.close()
