@@ -26,9 +26,8 @@ def gpt2(**kw):
     masks differ between a worker's stream and the driver's."""
     t = _transformers()
     dropout = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    return t.GPT2LMHeadModel(
-        t.GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=2, **{**dropout, **kw})
-    )
+    config = dict(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=2, **dropout)
+    return t.GPT2LMHeadModel(t.GPT2Config(**{**config, **kw}))
 
 
 def llama(**kw):

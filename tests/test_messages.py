@@ -53,6 +53,15 @@ def test_a_backward_arrives_as_it_was_built():
     assert (got.key, got.call, got.mb, got.sender, got.sent_at) == ("net", 7, 0, 1, None)
     assert torch.equal(got.grad_out[0], torch.ones(2)) and got.grad_out[1] is None
     assert got.grads == {"skip": None}
+    assert got.loss_grads is None and "loss_grads" not in sent.body()  # left out unless a loss was computed there
+
+
+def test_a_backward_brings_the_gradients_of_the_losses_the_last_stage_computed():
+    sent = Backward(key="net", call=7, mb=1, sender=-1, loss_grads=[torch.tensor(0.25), None])
+    got = Backward.from_body(_through_the_wire(protocol.BACKWARD, sent.body()))
+    assert torch.equal(got.loss_grads[0], torch.tensor(0.25)) and got.loss_grads[1] is None
+    with pytest.raises(ProtocolError, match="loss_grads"):
+        Backward.from_body({**sent.body(), "loss_grads": [1.0]})
 
 
 GOOD = {"key": "net", "call": 1, "mb": 0, "from": 0, "x": torch.ones(1)}

@@ -11,6 +11,7 @@ from lightning_remote_mp.errors import ProtocolError
 from lightning_remote_mp.wire import protocol
 from lightning_remote_mp.wire.requests import (
     REQUESTS,
+    Fetch,
     GetOptimState,
     GetState,
     GradAllreduce,
@@ -22,6 +23,7 @@ from lightning_remote_mp.wire.requests import (
     Hello,
     LoadOptimState,
     LoadState,
+    Loss,
     OptimCreate,
     OptimStep,
     Profile,
@@ -90,6 +92,21 @@ SENT = [
     GradAllreduce(3),
     *(Timeline(op) for op in ("start", "stop", "fetch", "clock")),
     GroupInit("10.0.0.9", 29500, "session/stage0", 1, 2, "gloo", 30.0),
+    Fetch("net", 3),
+    Loss("net", 3, 0, 1, [0, 1], {0: torch.tensor([1, 2]), 1: torch.tensor([3])}),
+    Loss(
+        "net",
+        3,
+        1,
+        2,
+        [0, 1, 2],
+        {0: torch.ones(2)},
+        whole=[torch.ones(4)],
+        entries=[{"layer": "lightning_remote_mp.graph.GraphLayer", "kwargs": {}}],
+        state=[{"c": torch.zeros(1)}],
+        grad=True,
+        differentiate=0,
+    ),
 ]
 
 
@@ -226,6 +243,8 @@ def _golden() -> dict[str, object]:
         "group": GroupInit("127.0.0.1", 29500, "p", 0, 2, "gloo", 30.0),
         "sync": Sync(),
         "hello": Hello("host pid 1", protocol.PROTOCOL_VERSION, "0.1.0", "2.13.0", 9.0),
+        "fetch": Fetch("net", 4),
+        "loss": Loss("net", 4, 1, 1, [0, 1, 2], {0: t[0], 1: t[1]}, whole=[t], grad=True),
     }
 
 
@@ -247,6 +266,8 @@ GOLDEN = {
     "sync": "188b269eec73dd4f",
     "group": "a86bf8be1fd430f5",
     "hello": "8d810ee889a3e896",
+    "fetch": "25c6687b438bb8e9",
+    "loss": "36d2305b9e156eb4",
 }
 
 

@@ -14,6 +14,12 @@ logits on the driver still sends their gradient back to the workers. Never missi
 the value is the forward's, and before a session ends every kept output still referenced is
 fetched.
 
+Reshaping and slicing a kept output (``logits[:, :-1].reshape(-1, vocab)``, as a language model's
+shifted loss does) fetches nothing: it gives another `Kept` tensor that records the steps. A loss
+from ``torch.nn.functional`` over a kept output (``F.cross_entropy(logits.view(-1, V), y.view(-1))``,
+or ``nn.CrossEntropyLoss`` calling it) is computed on the last stage (`lightning_remote_mp.driver.losses`):
+only the targets travel there and the loss comes back. Whatever else reads it fetches it.
+
 >>> kept = _Stub(torch.arange(6.0).view(2, 3))
 >>> t = Kept.of(kept, 0, (2, 3), torch.float32, torch.device("cpu"))
 >>> t.shape, kept.fetches
@@ -29,6 +35,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch.utils import _pytree as pytree
 
 
@@ -67,27 +74,118 @@ _METADATA = frozenset(
 )
 
 
+#: A step on a kept output that gives another kept output, recorded, not run: reshapes that keep
+#: the rows in batch order, slices, casts (see `_lazy`).
+_RESHAPES = frozenset([torch.Tensor.view, torch.Tensor.reshape, torch.reshape, torch.Tensor.flatten, torch.flatten])
+_STEPS = _RESHAPES | frozenset(
+    [
+        torch.Tensor.contiguous,
+        torch.Tensor.__getitem__,
+        torch.Tensor.float,
+        torch.Tensor.double,
+        torch.Tensor.to,
+        torch.Tensor.transpose,
+        torch.transpose,
+    ]
+)
+
+#: The losses computed where the output is (`lightning_remote_mp.driver.losses` runs them).
+LOSSES = frozenset(
+    [
+        F.cross_entropy,
+        F.nll_loss,
+        F.mse_loss,
+        F.l1_loss,
+        F.smooth_l1_loss,
+        F.huber_loss,
+        F.binary_cross_entropy,
+        F.binary_cross_entropy_with_logits,
+        F.soft_margin_loss,
+    ]
+)
+
+Step = tuple[Any, tuple, dict]  # (function, the arguments after the tensor, keyword arguments)
+
+
+def _plain(value: Any) -> bool:
+    """An argument a recorded step may take: numbers, slices, dtypes and tuples of them."""
+    if isinstance(value, (tuple, list, torch.Size)):
+        return all(_plain(v) for v in value)
+    return value is None or value is Ellipsis or isinstance(value, (int, slice, torch.dtype))
+
+
+def _keeps_rows(func: Any, rest: tuple, kwargs: dict, ndim: int) -> bool:
+    """Whether a step leaves dim 0 the batch's rows in order (or rows of the batch's rows, in order)."""
+    if func is torch.Tensor.__getitem__:
+        index = rest[0] if isinstance(rest[0], tuple) else (rest[0],)
+        if not index:
+            return False
+        if index[0] is Ellipsis:
+            return sum(i is not None and i is not Ellipsis for i in index) < ndim
+        return isinstance(index[0], slice) and index[0] == slice(None)
+    if func in (torch.Tensor.transpose, torch.transpose):
+        dims = [*rest, *kwargs.values()]
+        return len(dims) == 2 and all(isinstance(d, int) and d % max(ndim, 1) != 0 for d in dims)
+    if func is torch.Tensor.to:
+        return not kwargs and len(rest) == 1 and isinstance(rest[0], torch.dtype)
+    return True  # reshapes keep the rows' order; whether dim 0 still counts rows is `losses`' to check
+
+
+def replay(value: torch.Tensor, steps: Sequence[Step]) -> torch.Tensor:
+    """``value`` taken through recorded ``steps``."""
+    for func, rest, kwargs in steps:
+        value = func(value, *rest, **kwargs)
+    return value
+
+
 class Kept(torch.Tensor):
     """A model output the last stage kept: shape, dtype and device here, its values there, fetched
-    at the first operation on it (see the module docstring)."""
+    at the first operation on it (see the module docstring). A `Kept` made by reshaping another
+    records the steps (``steps``) from the output as the model returned it (``root``)."""
 
     _source: Any
     _position: int
     _read: torch.Tensor | None
+    root: Kept
+    steps: tuple[Step, ...]
 
     @staticmethod
     def of(source: Any, position: int, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> Kept:
         """The output at ``position`` of what ``source`` (a `KeptOutputs`) fetches."""
         t = torch.Tensor._make_wrapper_subclass(Kept, tuple(shape), dtype=dtype, device=device)  # type: ignore[attr-defined]
-        t._source, t._position, t._read = source, position, None
+        t._source, t._position, t._read, t.root, t.steps = source, position, None, t, ()
         return t
+
+    @property
+    def source(self) -> Any:
+        return self._source
+
+    @property
+    def position(self) -> int:
+        return self._position
 
     def read(self) -> torch.Tensor:
         """The fetched value (an ordinary tensor), linked to this one in the autograd graph."""
         if self._read is None:
             with torch._C.DisableTorchFunctionSubclass():
-                self._read = _Read.apply(self, self._source, self._position)
+                if self.root is self:
+                    self._read = _Read.apply(self, self._source, self._position)
+                else:
+                    self._read = replay(self.root.read(), self.steps)
         return self._read
+
+    def _lazy(self, func: Any, rest: tuple, kwargs: dict) -> Kept | None:
+        """This output taken through one more step, recorded (``None`` where it is not one to record)."""
+        if not (_plain(rest) and _plain(tuple(kwargs.values()))) or not _keeps_rows(func, rest, kwargs, self.dim()):
+            return None
+        steps = (*self.steps, (func, rest, dict(kwargs)))
+        try:
+            meta = replay(torch.empty(self.root.shape, dtype=self.dtype, device="meta"), steps)
+        except Exception:  # the step does not apply here: run it on the value, to raise its own error
+            return None
+        t = torch.Tensor._make_wrapper_subclass(Kept, tuple(meta.shape), dtype=meta.dtype, device=self.device)  # type: ignore[attr-defined]
+        t._source, t._position, t._read, t.root, t.steps = self._source, self._position, None, self.root, steps
+        return t
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -95,6 +193,16 @@ class Kept(torch.Tensor):
         if func in _METADATA:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
+        if func in _STEPS and args and type(args[0]) is Kept and args[0]._read is None:
+            with torch._C.DisableTorchFunctionSubclass():
+                lazy = args[0]._lazy(func, tuple(args[1:]), kwargs)
+            if lazy is not None:
+                return lazy
+        if func in LOSSES and args and type(args[0]) is Kept and not args[0]._source.fetched:
+            with torch._C.DisableTorchFunctionSubclass():
+                loss = args[0]._source.loss(args[0], func, tuple(args[1:]), kwargs)
+            if loss is not None:
+                return loss
         args, kwargs = pytree.tree_map_only(Kept, Kept.read, (args, kwargs))
         return func(*args, **kwargs)
 
@@ -116,10 +224,20 @@ class KeptOutputs:
         device: where the values go on the driver.
         release: called once no `Kept` tensor of the call is left, or once fetched: the last
             stages may forget them.
+        loss: computes a loss from ``torch.nn.functional`` (`LOSSES`) over a `Kept` tensor of the
+            call where it is, ``(kept, function, the other arguments, keyword arguments)``; returns
+            ``None`` where it cannot (the value is then fetched and the loss computed here).
     """
 
-    def __init__(self, fetch: Callable[[], dict[int, torch.Tensor]], device: torch.device, release: Callable[[], None]):
+    def __init__(
+        self,
+        fetch: Callable[[], dict[int, torch.Tensor]],
+        device: torch.device,
+        release: Callable[[], None],
+        loss: Callable[[Kept, Any, tuple, dict], torch.Tensor | None] | None = None,
+    ):
         self._fetch = fetch
+        self._loss = loss
         self.device = device
         self._values: dict[int, torch.Tensor] | None = None
         self._finalizer = weakref.finalize(self, release)
@@ -133,6 +251,10 @@ class KeptOutputs:
         self.fetch_now()
         assert self._values is not None
         return self._values[position]
+
+    def loss(self, kept: Kept, func: Any, rest: tuple, kwargs: dict) -> torch.Tensor | None:
+        """``func(kept, *rest, **kwargs)`` computed where the output is, or ``None`` (see ``loss`` above)."""
+        return None if self._loss is None or self.fetched else self._loss(kept, func, rest, kwargs)
 
     def fetch_now(self) -> None:
         """Fetch the values, unless fetched already."""
@@ -150,7 +272,10 @@ class _Stub:
     """For the module docstring: a source that fetches a fixed tensor, counting its fetches."""
 
     def __init__(self, value: torch.Tensor) -> None:
-        self._value, self.fetches = value, 0
+        self._value, self.fetches, self.fetched = value, 0, False
+
+    def loss(self, kept: Kept, func: Any, rest: tuple, kwargs: dict) -> None:
+        return None
 
     def value(self, position: int) -> torch.Tensor:
         self.fetches += 1

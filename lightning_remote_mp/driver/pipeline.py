@@ -24,11 +24,13 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from lightning_remote_mp.driver.losses import Losses
 from lightning_remote_mp.driver.outputs import Kept, KeptOutputs
 from lightning_remote_mp.errors import ConfigurationError, ProtocolError, RemoteInputError
 from lightning_remote_mp.flow import DRIVER, Main, is_floating, is_main
 from lightning_remote_mp.model.joins import Join
 from lightning_remote_mp.model.partition import Stage
+from lightning_remote_mp.model.traced import Keep
 from lightning_remote_mp.wire import protocol
 from lightning_remote_mp.wire.collect import gather
 from lightning_remote_mp.wire.messages import Backward, Forward
@@ -81,6 +83,11 @@ def _autocast_state(device_type: str) -> dict[str, Any] | None:
     return {"enabled": True, "dtype": torch.get_autocast_dtype(device_type)}
 
 
+def _any_of(grads: list[torch.Tensor | None] | None) -> list[torch.Tensor | None] | None:
+    """``grads``, unless none of them is a tensor."""
+    return grads if grads and any(g is not None for g in grads) else None
+
+
 def _split(n: int, parts: int) -> list[int]:
     """Sizes of ``torch.tensor_split`` of ``n`` rows into ``parts`` (some may be 0): the first
     ``n % parts`` parts get one row more. Arithmetic, not a tensor: this runs at every forward.
@@ -118,7 +125,7 @@ class RemoteSpec:
         modes: Callable[[], Any] = lambda: None,
         checkpoint: str = "never",
         batched: tuple[Sequence[bool], Sequence[Join]] | None = None,
-        keep: Sequence[bool] | None = None,
+        keep: Keep | None = None,
         compression: str | None = None,
     ) -> None:
         if microbatches < 1:
@@ -136,11 +143,12 @@ class RemoteSpec:
         self._calls: dict[int, _Call] = {}
         self._to_release: collections.deque[int] = collections.deque()
         #: Which elements of the output the last stage keeps until they are read (`driver.outputs`).
-        self.keep = list(keep) if keep is not None and any(keep) else None
+        self.keep = keep
         self.compression = compression  # how floating inputs and output gradients travel to the stages
         self._kept: weakref.WeakSet[KeptOutputs] = weakref.WeakSet()  # to fetch before the session ends
         self._outputs_to_release: collections.deque[int] = collections.deque()
         self.fetched_bytes = 0  # bytes of kept outputs the driver read
+        self.losses = Losses(self)  # losses over kept outputs, computed on the last stages
         self.result_bytes = 0  # bytes of the outputs the last stages sent with their results
         # A leaf that requires grad, so the Function's output joins the graph even when the input
         # does not require grad: the remote parameters are invisible to the driver's autograd.
@@ -174,6 +182,7 @@ class RemoteSpec:
             call = self._to_release.popleft()
             if self._calls.pop(call, None) is not None:
                 calls.append(call)
+        self.losses.forget(calls)
         outputs = []
         while self._outputs_to_release:
             outputs.append(self._outputs_to_release.popleft())
@@ -191,7 +200,10 @@ class RemoteSpec:
             shapes[i] = [rows, *first.shapes[i][1:]]
         dtypes = {i: first.x[i].dtype for i in shapes}
         source = KeptOutputs(
-            lambda: self._fetch(call, sizes, order), device, lambda: self._outputs_to_release.append(call)
+            lambda: self._fetch(call, sizes, order),
+            device,
+            lambda: self._outputs_to_release.append(call),
+            lambda kept, func, rest, kwargs: self.losses.compute(call, sizes, kept, func, rest, kwargs),
         )
         self._kept.add(source)
         return source.tensors(shapes, dtypes)
@@ -222,6 +234,7 @@ class RemoteSpec:
     def _abandon(self, call: int) -> None:
         """After a failure mid-call, let the workers drop what they hold for it (best effort)."""
         self._calls.pop(call, None)
+        self.losses.forget([call])
         for conn in self.conns:
             if conn.lost_reason is None and not conn.closed:
                 conn.send(protocol.RELEASE, Release({self.key: [call]}).body())
@@ -290,6 +303,7 @@ class RemoteSpec:
         ]
         flat = [m for row in sizes for m in row]
         chunks = iter(self._chunks(x, flat))
+        keep = self.keep.at(n) if self.keep is not None else None
         try:
             for r, row in enumerate(sizes):
                 fence = self._fence(r) if row else {}
@@ -302,7 +316,7 @@ class RemoteSpec:
                         autocast=autocast,
                         modes=modes,
                         checkpoint=grad and self._recomputed(mb, len(row)),
-                        keep=self.keep,
+                        keep=keep,
                     ).body()
                     for mb in range(len(row))
                 ]
@@ -315,7 +329,7 @@ class RemoteSpec:
         outputs = [results[(r, mb)].x for r, row in enumerate(sizes) for mb in range(len(row))]
         device = (x[0] if isinstance(x, tuple) else x).device
         y = self._joined(outputs, self.joins_out, "output")
-        if self.keep is not None and isinstance(y, tuple):  # the outputs left on the last stages, until read
+        if keep is not None and isinstance(y, tuple):  # the outputs left on the last stages, until read
             kept = self._keeping(call, sizes, results, device)
             y = tuple(kept.get(i, t) for i, t in enumerate(y))
         if grad:
@@ -378,11 +392,16 @@ class RemoteSpec:
             grads = iter(self._grad_chunks(grad_y, flat))
         else:
             grads = iter(grad_y.split(flat, dim=0) if grad_y is not None else [None] * len(flat))
+        loss_grads = self.losses.grads_for(call)
         try:
             for r, row in enumerate(record.sizes):
                 fence = self._fence(r) if row else {}
                 backwards = [
-                    Backward(**self._from_driver(call, mb, len(row), fence), grad_out=next(grads)).body()
+                    Backward(
+                        **self._from_driver(call, mb, len(row), fence),
+                        grad_out=next(grads),
+                        loss_grads=_any_of(loss_grads.get((r, mb))),
+                    ).body()
                     for mb in range(len(row))
                 ]
                 if backwards:

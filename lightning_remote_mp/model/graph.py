@@ -59,8 +59,10 @@ ALLOWED_NAMESPACES = ("aten",)
 #: BERT, T5, ViT and a peft LoRA model (docs/tracing.md, "Operators"): ``histc`` counts a tensor's
 #: values into the bins the program names (a mixture of experts' tokens per expert); ``index_put``
 #: writes values at indices that ATen bounds-checks; ``empty_like`` runs zero-filled like ``empty``;
-#: ``_grouped_mm`` is the grouped matrix product of a mixture of experts in bfloat16. None does I/O,
-#: calls back into Python or reaches beyond its tensors.
+#: ``_grouped_mm`` is the grouped matrix product of a mixture of experts in bfloat16. The line after
+#: it holds the losses of ``torch.nn.functional`` that `lightning_remote_mp.driver.losses` computes
+#: on the last stage, and ``broadcast_tensors`` (views of its inputs at one shape) that some of them
+#: trace to. None does I/O, calls back into Python or reaches beyond its tensors.
 COMPOSITE_OPERATORS = frozenset(
     """
     linear bilinear conv1d conv2d conv3d conv_transpose1d conv_transpose2d conv_transpose3d batch_norm
@@ -83,6 +85,7 @@ COMPOSITE_OPERATORS = frozenset(
     addbmm lerp hypot logaddexp xlogy frac heaviside dot vdot mv kron cross diag diag_embed
     diagonal_scatter take_along_dim flip fliplr flipud roll rot90 meshgrid broadcast_to
     histc index_put index_put_ empty_like _grouped_mm
+    binary_cross_entropy huber_loss soft_margin_loss nll_loss2d nll_loss_nd broadcast_tensors
     """.split()
 )
 #: Operators whose results start uninitialised: run zero-filled, so a program never reads memory

@@ -50,6 +50,7 @@ _LOSSES: dict[str, tuple[int, str]] = {
     "cross_entropy_loss": (3, "targets"),
     "nll_loss": (3, "targets"),
     "nll_loss2d": (3, "targets"),
+    "nll_loss_nd": (3, "targets"),
     "mse_loss": (2, "elements"),
     "l1_loss": (2, "elements"),
     "smooth_l1_loss": (2, "elements"),

@@ -578,7 +578,7 @@ class SpecSequential(nn.Module):
     #: output element joins across the parts of a batch (`lightning_remote_mp.model.joins.Join`).
     batched: tuple[list[bool], list[Any]] | None = None
 
-    def kept_outputs(self) -> list[bool] | None:
+    def kept_outputs(self) -> Any:
         """Which elements of the output the last stage keeps until they are read
         (`lightning_remote_mp.driver.outputs`): none for a spec, whose output is what the step reads."""
         interface = getattr(self, "interface", None)

@@ -196,6 +196,8 @@ class Interface:
     joins_out: list[Join]  # per pipeline output, how the parts of a batch join
     #: Arguments with the batch's rows in dim 0 that the trace could not give the batch's dimension.
     unclassified: list[str] = dataclasses.field(default_factory=list)
+    #: Per pipeline output, its bytes per row of the batch in the traced call.
+    row_bytes: list[int] = dataclasses.field(default_factory=list)
 
     @classmethod
     def from_graph(
@@ -247,6 +249,7 @@ class Interface:
             out_leaves,
             joins_out,
             [p.name for p in placeholders if p.name in getattr(gm, "lrmp_unclassified", ())],
+            [_row_bytes(by_name[n].meta.get("val")) for n in interface.outputs],
         )
 
     def output_names(self) -> list[str]:
@@ -257,13 +260,20 @@ class Interface:
             names[i] = pytree.keystr(path).strip(".").replace("['", "").replace("']", "") or "the output"
         return names
 
-    def kept(self) -> list[bool] | None:
-        """Which pipeline outputs the last stage keeps until the driver reads them: when the module
-        computes its own loss, the outputs that carry the batch (the logits), which a step that
-        reads the loss alone never needs here; else none (a model without a loss is read whole)."""
-        if not any(leaf[0] == "ratio" for leaf in self.out_leaves) and "sum" not in self.joins_out:
+    def kept(self) -> Keep | None:
+        """Which pipeline outputs the last stage keeps until the driver reads them
+        (`lightning_remote_mp.driver.outputs`): those that carry the batch. When the module computes
+        its own loss, always: a step that reads the loss alone never needs them here. Else in a call
+        where they come to `KEEP_BYTES` or more: a loss from ``torch.nn.functional`` over them is
+        then computed where they are (`lightning_remote_mp.driver.losses`). Smaller outputs (a
+        classifier's ten logits per row) travel with the result, where a fetch would cost a round
+        trip for nothing."""
+        batch = [join == "batch" for join in self.joins_out]
+        if not any(batch):
             return None
-        return [join == "batch" for join in self.joins_out]
+        if any(leaf[0] == "ratio" for leaf in self.out_leaves) or "sum" in self.joins_out:
+            return Keep(batch, None)
+        return Keep(batch, list(self.row_bytes))
 
     def unjoinable(self) -> list[str]:
         """The outputs that cannot be joined exactly when a batch is split (see `Join`): named."""
@@ -321,6 +331,44 @@ class Interface:
             else:
                 flat.append(leaf[1])
         return pytree.tree_unflatten(flat, self.out_spec)
+
+
+#: A call's outputs that come to this many bytes stay on the last stage until read (`Keep`): about
+#: what a 1 Gbit/s link carries in the time a round trip to fetch them costs.
+KEEP_BYTES = 64 * 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class Keep:
+    """Which of a traced module's outputs the last stage keeps until they are read (`Interface.kept`).
+
+    ``outputs``: the candidates (those carrying the batch). ``row_bytes``: each output's bytes per
+    row of the batch; a candidate is kept in a call where its rows come to `KEEP_BYTES` or more.
+    ``None``: always kept (a module that computes its own loss).
+
+    >>> Keep([True, False], [4096, 4]).at(8), Keep([True, False], [4096, 4]).at(16)
+    (None, [True, False])
+    """
+
+    outputs: list[bool]
+    row_bytes: list[int] | None
+
+    def at(self, rows: int) -> list[bool] | None:
+        """What to keep of a call of ``rows`` rows (``None``: nothing)."""
+        if self.row_bytes is None:
+            return list(self.outputs)
+        flags = [c and rows * n >= KEEP_BYTES for c, n in zip(self.outputs, self.row_bytes)]
+        return flags if any(flags) else None
+
+
+def _row_bytes(val: Any) -> int:
+    """Bytes per row (dim 0) of a traced value, at the traced call's sizes."""
+    if not isinstance(val, torch.Tensor) or val.dim() == 0:
+        return 0
+    n = 1
+    for size in val.shape[1:]:
+        n *= int(size) if is_concrete_int(size) else int(size.node.hint or 1)
+    return n * val.element_size()
 
 
 def as_tuple(value: Any) -> tuple:

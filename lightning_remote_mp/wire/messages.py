@@ -164,12 +164,18 @@ class Backward(_Pipelined):
         grad_out: the gradient of the main value the sender received from this stage (``None``
             when it needs none; a tuple for a traced model's tuple).
         grads: the gradients of the residual variables the sender imported from this stage.
+        loss_grads: from the driver to the last stage: for each loss the stage computed over this
+            micro-batch's kept outputs (`requests.Loss`, in their order), the gradient of its
+            value, or ``None`` for a loss the step does not differentiate.
     """
 
     KIND: ClassVar[str] = protocol.BACKWARD
 
     grad_out: Any = field(must(_is_grad_out, "'grad_out' must be a tensor, a tuple of tensors or None"), default=None)
     grads: dict[str, Any] = _tensors()
+    loss_grads: list[Any] | None = field(
+        list_of(_is_tensor_or_none, "tensors or None"), default=None, omit_none=True, write=list
+    )
 
 
 def salvage(body: Any) -> tuple[int | None, dict[str, Any]]:

@@ -68,6 +68,7 @@ class Kind(str, enum.Enum):
     GROUP = "group"
     SYNC = "sync"  # answered once every request sent before it has run (the quiet ones below included)
     FETCH = "fetch"  # the outputs the last stage kept for a call (read on the driver)
+    LOSS = "loss"  # a loss over an output the last stage kept, computed there
     RESULT = "result"  # worker -> driver: the last stage's output of one micro-batch
     DONE = "done"  # worker -> driver: stage 0 finished one micro-batch's backward
     BYE = "bye"
@@ -87,7 +88,7 @@ RELEASE, OPTIM_CREATE, OPTIM_STEP, ZERO_GRAD = Kind.RELEASE, Kind.OPTIM_CREATE, 
 GET_STATE, LOAD_STATE = Kind.GET_STATE, Kind.LOAD_STATE
 GET_OPTIM_STATE, LOAD_OPTIM_STATE = Kind.GET_OPTIM_STATE, Kind.LOAD_OPTIM_STATE
 GRADS, PROFILE, TIMELINE, GROUP, SYNC = Kind.GRADS, Kind.PROFILE, Kind.TIMELINE, Kind.GROUP, Kind.SYNC
-FETCH = Kind.FETCH
+FETCH, LOSS = Kind.FETCH, Kind.LOSS
 RESULT, DONE, BYE, PING, OK, ERROR = Kind.RESULT, Kind.DONE, Kind.BYE, Kind.PING, Kind.OK, Kind.ERROR
 
 

@@ -212,6 +212,57 @@ class Fetch(Body):
     call: int = field(INT)
 
 
+def _is_state(value: Any) -> bool:
+    return isinstance(value, dict) and all(isinstance(k, str) and isinstance(t, torch.Tensor) for k, t in value.items())
+
+
+@dataclasses.dataclass(frozen=True)
+class Loss(Body):
+    """LOSS: a loss over an output the last stage kept (`Fetch`), computed there, micro-batch by
+    micro-batch, so that the output (a language model's logits) never travels. The loss is a
+    traced program like any traced layer's (`lightning_remote_mp.driver.losses`): the driver sends
+    it once per worker, under a number, and then only that number.
+
+    Attributes:
+        key, call: the model and the forward call whose kept output the loss reads.
+        position: which of the model's outputs it reads.
+        program: the loss program's number on this worker; ``entries`` (its layer entries, as
+            `lightning_remote_mp.model.spec.LayerEntry.to_wire` writes them) and ``state`` (each
+            entry's tensors) come with the first use.
+        inputs: for each of the program's inputs, the argument it takes: 0 the kept output, 1 the
+            target, ``2 + i`` the ``i``-th of ``whole``.
+        targets: each micro-batch's part of the target, by micro-batch.
+        whole: the other tensor arguments (class weights, say), the same for every micro-batch.
+        grad: keep what backward needs: `messages.Backward.loss_grads` brings the gradient of the
+            program's output ``differentiate``.
+        training: run the program's train or eval form.
+    """
+
+    KIND: ClassVar[str] = protocol.LOSS
+
+    key: str = field(STR)
+    call: int = field(INT)
+    position: int = field(INT)
+    program: int = field(INT)
+    inputs: Sequence[int] = field(list_of(is_int, "argument numbers"), write=list)
+    targets: Mapping[int, torch.Tensor] = field(map_of(is_int, is_tensor, "micro-batches to tensors"), write=dict)
+    whole: Sequence[torch.Tensor] = field(list_of(is_tensor, "tensors"), default_factory=list, write=list)
+    entries: Sequence[Any] | None = field(LIST, default=None, omit_none=True, write=list)
+    state: Sequence[Mapping[str, torch.Tensor]] | None = field(
+        list_of(_is_state, "dicts of names to tensors"), default=None, omit_none=True, write=list
+    )
+    grad: bool = field(BOOL, default=False)
+    training: bool = field(BOOL, default=True)
+    differentiate: int = field(INT, default=0)
+
+    @classmethod
+    def _check(cls, values: dict[str, Any]) -> None:
+        if (values["entries"] is None) != (values["state"] is None) or (
+            values["entries"] is not None and len(values["entries"]) != len(values["state"])
+        ):
+            raise refuse(cls.KIND, "'entries' and 'state' come together, one state per entry")
+
+
 @dataclasses.dataclass(frozen=True)
 class GetState(Body):
     """GET_STATE: the weights and buffers of every stage on the worker. It carries nothing."""
@@ -517,5 +568,6 @@ REQUESTS: dict[str, type[Body]] = {
         GroupInit,
         Sync,
         Fetch,
+        Loss,
     )
 }

@@ -14,7 +14,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 import torch
@@ -71,6 +71,11 @@ class RoutedStage:
         self._backward: dict[tuple[int, int], dict[int, Backward]] = {}
         self._meta: dict[tuple[int, int], _Meta] = {}  # per micro-batch under grad, from its forward
         self._kept: dict[tuple[int, int], dict[int, Any]] = {}  # the model's outputs the driver reads when it needs
+        self._arity: dict[tuple[int, int], int] = {}  # beside `_kept`: how many outputs the model returned
+        # Losses computed here under grad over kept outputs, per micro-batch in order: (position,
+        # the output as the loss read it, the loss's value the backward's gradient is for, how
+        # many outputs the model returned).
+        self._losses: dict[tuple[int, int], list[tuple[int, torch.Tensor, torch.Tensor, int]]] = {}
         self.events: EventLog | None = None  # set while the driver records a timeline
         self._released: collections.deque[int] = collections.deque(maxlen=1024)
 
@@ -168,6 +173,7 @@ class RoutedStage:
         if not isinstance(y, tuple) or len(keep) != len(y):
             raise ProtocolError(f"stage {self.index}: 'keep' names {len(keep)} outputs of a model with other outputs")
         self._kept[(call, mb)] = {i: t for i, (t, k) in enumerate(zip(y, keep)) if k}
+        self._arity[(call, mb)] = len(y)
         sent = tuple(t.new_empty(0) if k else t for t, k in zip(y, keep))
         return sent, {i: list(y[i].shape) for i in self._kept[(call, mb)]}
 
@@ -175,11 +181,63 @@ class RoutedStage:
         """The outputs kept of ``call``, by micro-batch and position."""
         return {mb: kept for (c, mb), kept in self._kept.items() if c == call}
 
+    def loss(
+        self, call: int, position: int, run: Callable[[torch.Tensor, int], tuple], grad: bool, differentiate: int
+    ) -> dict[int, list[torch.Tensor]]:
+        """Run ``run(output, mb)`` (a loss program, `requests.Loss`) over the kept output at
+        ``position`` of each micro-batch of ``call``; under ``grad``, keep its graph from the output
+        to its value ``differentiate`` for the backward. Returns each micro-batch's values."""
+        kept = {mb: outputs for (c, mb), outputs in self._kept.items() if c == call}
+        if not kept:
+            raise ProtocolError(f"stage {self.index} keeps no outputs of call {call} (released?)")
+        out = {}
+        for mb, outputs in sorted(kept.items()):
+            if position not in outputs:
+                raise ProtocolError(f"stage {self.index} keeps no output {position} of call {call}")
+            y = outputs[position]
+            leaf = y.detach().requires_grad_(grad and y.is_floating_point())
+            with torch.set_grad_enabled(grad):
+                values = run(leaf, mb)
+            if not 0 <= differentiate < len(values):
+                raise ProtocolError(f"the loss program has no output {differentiate}")
+            if grad:
+                arity = self._arity[(call, mb)]
+                self._losses.setdefault((call, mb), []).append((position, leaf, values[differentiate], arity))
+            out[mb] = [v.detach() for v in values]
+        return out
+
+    def _with_loss_grads(self, call: int, mb: int, grad_out: Any, loss_grads: list[Any] | None) -> Any:
+        """The output's gradient from the driver plus, for each loss computed here over the output,
+        its gradient through the loss (`messages.Backward.loss_grads`)."""
+        losses = self._losses.pop((call, mb), [])
+        if not loss_grads:
+            return grad_out
+        if len(loss_grads) != len(losses):
+            raise ProtocolError(
+                f"stage {self.index}: backward of micro-batch {(call, mb)} brings {len(loss_grads)} loss gradients "
+                f"for {len(losses)} losses"
+            )
+        extra: dict[int, torch.Tensor] = {}
+        arity = losses[0][3] if losses else 0
+        for (position, leaf, value, _), g in zip(losses, loss_grads):
+            if g is None or not value.requires_grad:
+                continue
+            (through,) = torch.autograd.grad(value, leaf, g.to(device=value.device, dtype=value.dtype))
+            extra[position] = extra[position] + through if position in extra else through
+        if not extra:
+            return grad_out
+        grads = list(grad_out) if isinstance(grad_out, tuple) else [None] * arity
+        for position, g in extra.items():
+            old = grads[position]
+            grads[position] = g if old is None else g + old.to(g.device)
+        return tuple(grads)
+
     def release_outputs(self, calls: Iterable[int]) -> None:
         """Forget the outputs kept of these calls (the driver will not read them)."""
         drop = set(calls)
         for key in [k for k in self._kept if k[0] in drop]:
             del self._kept[key]
+            self._arity.pop(key, None)
 
     def backward(self, msg: Backward) -> list[Outgoing]:
         parts = self._collect(self._backward, self.targets, msg)
@@ -198,10 +256,13 @@ class RoutedStage:
                 g = part.grads.get(name)
                 if isinstance(g, torch.Tensor):
                     grad_exports[name] = grad_exports[name] + g if name in grad_exports else g
+        grad_out = first.grad_out
+        if self.x_to == DRIVER:
+            grad_out = self._with_loss_grads(call, mb, grad_out, first.loss_grads)
         grad_x, grad_imports = None, {}
         started = time.time()
         if meta.saved:
-            grad_x, grad_imports = self.stage.backward((call, mb), first.grad_out, grad_exports)
+            grad_x, grad_imports = self.stage.backward((call, mb), grad_out, grad_exports)
         if self.events is not None:
             self.events.span("backward", self.stage.key, self.index, call, mb, started, time.time())
         return [
@@ -232,6 +293,6 @@ class RoutedStage:
         drop = set(calls)
         self._released.extend(drop)
         self.stage.release(list(drop))
-        for table in (self._forward, self._backward, self._meta, self._kept):
+        for table in (self._forward, self._backward, self._meta, self._kept, self._arity, self._losses):
             for key in [k for k in table if k[0] in drop]:
-                del table[key]
+                del table[key]  # type: ignore[attr-defined]

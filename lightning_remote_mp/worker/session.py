@@ -19,7 +19,8 @@ import torch
 
 from lightning_remote_mp.errors import LrmpError, ProtocolError, SpecError
 from lightning_remote_mp.flow import DRIVER
-from lightning_remote_mp.model.spec import resolve_class, source_digest
+from lightning_remote_mp.model.graph import GraphLayer
+from lightning_remote_mp.model.spec import build_layer, normalize_entry, resolve_class, source_digest
 from lightning_remote_mp.wire import protocol
 from lightning_remote_mp.wire.fields import Body
 from lightning_remote_mp.wire.messages import Backward, Forward
@@ -35,6 +36,7 @@ from lightning_remote_mp.wire.requests import (
     GroupInit,
     LoadOptimState,
     LoadState,
+    Loss,
     OptimCreate,
     OptimStep,
     Profile,
@@ -52,6 +54,10 @@ from lightning_remote_mp.worker.timeline import EventLog
 
 #: Returned by handlers whose answer travels as separate messages (pipelined forward/backward).
 NO_REPLY = object()
+
+
+#: Loss programs one session may hold (`requests.Loss`); the driver makes at most 64 per model.
+MAX_LOSS_PROGRAMS = 256
 
 
 class Outbox(Protocol):
@@ -127,7 +133,9 @@ class WorkerSession:
             GroupInit: self.group_init,
             Sync: self.sync,
             Fetch: self.fetch,
+            Loss: self.loss,
         }
+        self._loss_programs: dict[tuple[str, int], list[GraphLayer]] = {}  # (key, number) -> its layers
         self.group: GradGroup | None = None  # this stage's replicas
         self.tie_groups: list[tuple[GradGroup, list[str]]] = []  # stages holding copies of tied weights: theirs here
         self.events: EventLog | None = None
@@ -307,6 +315,51 @@ class WorkerSession:
             if ready is not None:
                 ready.synchronize()  # a reply goes as it is: the copies off the GPU must be done
         return {"outputs": out}
+
+    def loss(self, msg: Loss) -> Any:
+        """A loss over an output this (last) stage kept, per micro-batch (`requests.Loss`)."""
+        route = self.route(msg.key)
+        layers = self._loss_program(msg)
+
+        def run(output: torch.Tensor, mb: int) -> tuple:
+            target = msg.targets.get(mb)
+            if target is None:
+                raise ProtocolError(f"the loss message brings no target for micro-batch {mb}")
+            arguments = [output, target.to(output.device), *(t.to(output.device) for t in msg.whole)]
+            if any(not 0 <= i < len(arguments) for i in msg.inputs):
+                raise ProtocolError(f"the loss program's inputs {list(msg.inputs)} name arguments it was not given")
+            values = tuple(arguments[i] for i in msg.inputs)
+            for layer in layers:
+                values = layer(values)
+            return values
+
+        values: Any = route.loss(msg.call, msg.position, run, msg.grad, msg.differentiate)
+        io = self.stages[msg.key].io
+        if io is not None:
+            values, ready = io.to_host(values)
+            if ready is not None:
+                ready.synchronize()
+        return {"values": values}
+
+    def _loss_program(self, msg: Loss) -> list[GraphLayer]:
+        """The loss program ``msg`` names: built from its entries the first time (traced programs
+        only, on the operator allowlist like any traced layer), then the one built."""
+        name = (msg.key, msg.program)
+        if msg.entries is None or msg.state is None:
+            if name not in self._loss_programs:
+                raise ProtocolError(f"loss program {msg.program} of {msg.key!r:.80} was never sent here")
+            return self._loss_programs[name]
+        if len(self._loss_programs) >= MAX_LOSS_PROGRAMS:
+            raise SpecError(f"more than {MAX_LOSS_PROGRAMS} loss programs; the driver makes at most 64 per model")
+        layers = []
+        for i, (raw, state) in enumerate(zip(msg.entries, msg.state)):
+            layer = build_layer(normalize_entry(raw, i), i, self.allowed_prefixes)
+            if not isinstance(layer, GraphLayer):
+                raise SpecError(f"loss program {msg.program}: entry {i} is no traced program")
+            layer.load_state_dict(dict(state))
+            layers.append(layer.to(self.device))
+        self._loss_programs[name] = layers
+        return layers
 
     def release(self, msg: Release) -> Any:
         for key, calls in msg.outputs.items():

@@ -1,0 +1,209 @@
+"""A loss from ``torch.nn.functional`` over a split model's output, written in the ``training_step``
+as people write it, is computed on the last stage: the logits never reach the driver, and training
+equals local training step for step (`lightning_remote_mp.driver.losses`)."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("transformers")
+
+import lrmp_hf as H  # noqa: E402
+from test_strategy import assert_same_losses, assert_same_weights, trainer  # noqa: E402
+
+from lightning_remote_mp import RemoteModelParallelStrategy  # noqa: E402
+
+TOL = 2e-5
+#: A vocabulary whose logits (8 x 12 x 512 floats, 196 KB a step) are large enough to stay on the last
+#: stage (`lightning_remote_mp.model.traced.KEEP_BYTES`); the data's tokens use the first 64.
+VOCAB = 512
+
+
+class ShiftedLoss(H.FineTune):
+    """A causal LM's loss outside the model, as nanoGPT-style and HF-without-``labels`` code computes
+    it: logits shifted by one, flattened, ``F.cross_entropy`` with ``-100`` at the padding.
+
+    ``how``: ``"functional"`` (``F.cross_entropy``), ``"module"`` (``nn.CrossEntropyLoss`` with fixed
+    class weights), or ``"sum"`` (a sum-reduced loss over the valid-token count, as some code
+    normalises)."""
+
+    def __init__(self, model: torch.nn.Module, how: str = "functional", accuracy: bool = False) -> None:
+        super().__init__(model, "lm")
+        self.how, self.accuracy = how, accuracy
+        weights = torch.linspace(0.5, 1.5, VOCAB)
+        self.criterion = torch.nn.CrossEntropyLoss(weight=weights, ignore_index=-100)
+        self.accuracies: list[float] = []
+
+    def _loss(self, batch):
+        logits = self.model(batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        vocab = logits.size(-1)
+        shifted = logits[:, :-1, :].contiguous().view(-1, vocab)
+        targets = batch["labels"][:, 1:].reshape(-1)
+        if self.how == "module":
+            loss = self.criterion(shifted, targets)
+        elif self.how == "sum":
+            loss = F.cross_entropy(shifted, targets, reduction="sum") / (targets != -100).sum()
+        else:
+            loss = F.cross_entropy(shifted, targets, ignore_index=-100)
+        if self.accuracy:  # reads the logits themselves: fetched, right values
+            valid = targets != -100
+            self.accuracies.append(((shifted.argmax(-1) == targets) & valid).sum().item() / valid.sum().item())
+        return loss
+
+
+class _Traffic(L.Callback):
+    """What the split module's outputs sent to the driver, and how its losses were computed."""
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        remote = trainer.strategy.session.placements["model"].remote
+        self.results, self.fetched = remote.result_bytes, remote.fetched_bytes
+        self.computed, self.declined = remote.losses.computed, list(remote.losses.declined)
+
+
+def _fit(model, strategy=None, callbacks=(), epochs: int = 2):
+    trainer(strategy, epochs, num_sanity_val_steps=2, callbacks=list(callbacks)).fit(
+        model, H.padded_data(), H.padded_data(seed=1)
+    )
+    return model
+
+
+@pytest.mark.parametrize("how,microbatches", [("functional", 4), ("module", 1), ("sum", 2)])
+def test_a_loss_over_the_logits_is_computed_on_the_last_stage_and_trains_as_locally(how, microbatches, pool):
+    torch.manual_seed(0)
+    local = ShiftedLoss(H.llama(vocab_size=VOCAB), how)
+    remote = copy.deepcopy(local)
+    _fit(local)
+    traffic = _Traffic()
+    strategy = RemoteModelParallelStrategy(hosts=pool[:2], split=["model"], microbatches=microbatches)
+    _fit(remote, strategy, [traffic])
+    assert_same_losses(local.losses, remote.losses, TOL)
+    assert_same_losses(local.val_losses, remote.val_losses, TOL)
+    assert_same_weights(local, remote, 1e-4)
+    assert traffic.declined == [] and traffic.computed > 0
+    assert traffic.fetched == 0  # the logits never reached the driver
+    assert traffic.results < 8 * H.SEQ * VOCAB * 4 / 100, traffic.results
+
+
+def test_reading_the_logits_after_the_loss_fetches_them_and_training_stays_exact(pool):
+    torch.manual_seed(0)
+    local = ShiftedLoss(H.gpt2(vocab_size=VOCAB), accuracy=True)
+    remote = copy.deepcopy(local)
+    _fit(local, epochs=1)
+    traffic = _Traffic()
+    strategy = RemoteModelParallelStrategy(hosts=pool[:2], split=["model"], microbatches=2)
+    _fit(remote, strategy, [traffic], epochs=1)
+    assert_same_losses(local.losses, remote.losses, TOL)
+    assert_same_losses(local.accuracies, remote.accuracies, 1e-6)
+    assert_same_weights(local, remote, 1e-4)
+    assert traffic.computed > 0 and traffic.fetched > 0
+
+
+class LearnedTargets(ShiftedLoss):
+    """A loss whose target the step learns (a prototype per token): an argument that needs a
+    gradient, which the last stage cannot give, so the loss is computed on the driver (still right)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__(model)
+        self.prototypes = torch.nn.Parameter(torch.randn(H.VOCAB, VOCAB) / 10)
+
+    def _loss(self, batch):
+        logits = self.model(batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        return F.mse_loss(logits, self.prototypes[batch["input_ids"]])
+
+
+def test_a_loss_that_cannot_be_computed_on_the_last_stage_is_computed_on_the_driver_and_says_why(pool, caplog):
+    torch.manual_seed(0)
+    local = LearnedTargets(H.llama(vocab_size=VOCAB))
+    remote = copy.deepcopy(local)
+    _fit(local, epochs=1)
+    traffic = _Traffic()
+    strategy = RemoteModelParallelStrategy(hosts=pool[:2], split=["model"], microbatches=2)
+    with caplog.at_level(logging.INFO, logger="lightning_remote_mp"):
+        _fit(remote, strategy, [traffic], epochs=1)
+    assert_same_losses(local.losses, remote.losses, TOL)
+    assert_same_weights(local, remote, 1e-4)
+    # Training steps fetch the logits; validation, where the prototypes need no gradient, need not.
+    assert traffic.fetched > 0 and traffic.computed > 0
+    assert traffic.declined and all("needs a gradient" in why for why in traffic.declined)
+    assert any("computed on the driver" in r.getMessage() for r in caplog.records), caplog.text
+
+
+def test_replicas_and_accumulated_clipped_steps_with_the_loss_on_the_last_stage(pool):
+    """Two replicas of two stages, two batches a step, gradients clipped: the loss's parts come from
+    both replicas' last stages and their gradients go back to each."""
+    torch.manual_seed(0)
+    local = ShiftedLoss(H.llama(vocab_size=VOCAB))
+    remote = copy.deepcopy(local)
+    options = dict(accumulate_grad_batches=2, gradient_clip_val=0.5)
+    trainer(None, 2, **options).fit(local, H.padded_data(n=32))
+    traffic = _Traffic()
+    strategy = RemoteModelParallelStrategy(hosts=[pool[:2], pool[2:4]], split=["model"], microbatches=2)
+    trainer(strategy, 2, callbacks=[traffic], **options).fit(remote, H.padded_data(n=32))
+    assert_same_losses(local.losses, remote.losses, TOL)
+    assert_same_weights(local, remote, 1e-4)
+    assert traffic.computed == len(remote.losses) and traffic.fetched == 0
+
+
+class Wide(torch.nn.Module):
+    """A small net whose output (8 rows x 2048 a batch, 64 KB) stays on the last stage."""
+
+    def __init__(self, probabilities: bool = False) -> None:
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh())
+        self.head = torch.nn.Sequential(torch.nn.Linear(32, 2048), *([torch.nn.Sigmoid()] if probabilities else []))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
+#: Each loss of `lightning_remote_mp.driver.outputs.LOSSES`, with targets of the kind it takes.
+TARGETS = {
+    "cross_entropy": lambda g: torch.randint(0, 2048, (32,), generator=g),
+    "nll_loss": lambda g: torch.randint(0, 2048, (32,), generator=g),
+    "mse_loss": lambda g: torch.randn(32, 2048, generator=g),
+    "l1_loss": lambda g: torch.randn(32, 2048, generator=g),
+    "smooth_l1_loss": lambda g: torch.randn(32, 2048, generator=g),
+    "huber_loss": lambda g: torch.randn(32, 2048, generator=g),
+    "binary_cross_entropy": lambda g: torch.rand(32, 2048, generator=g),
+    "binary_cross_entropy_with_logits": lambda g: torch.rand(32, 2048, generator=g),
+    "soft_margin_loss": lambda g: torch.randint(0, 2, (32, 2048), generator=g).float() * 2 - 1,
+}
+
+
+class EachLoss(L.LightningModule):
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name = name
+        self.model = Wide(probabilities=name == "binary_cross_entropy")
+        self.losses: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        x, target = batch
+        loss = getattr(F, self.name)(self.model(x), target)
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("name", list(TARGETS))
+def test_every_functional_loss_is_computed_on_the_last_stage_as_locally(name, pool):
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(32, 16, generator=g), TARGETS[name](g))
+    torch.manual_seed(0)
+    local = EachLoss(name)
+    remote = copy.deepcopy(local)
+    trainer(None, 1).fit(local, torch.utils.data.DataLoader(data, batch_size=8))
+    traffic = _Traffic()
+    strategy = RemoteModelParallelStrategy(hosts=pool[:2], split=["model"], microbatches=3)
+    trainer(strategy, 1, callbacks=[traffic]).fit(remote, torch.utils.data.DataLoader(data, batch_size=8))
+    assert_same_losses(local.losses, remote.losses, 1e-5)
+    assert_same_weights(local, remote, 1e-5)
+    assert traffic.declined == [] and traffic.computed == 4 and traffic.fetched == 0
