@@ -17,7 +17,7 @@ pytest.importorskip("transformers")
 import lrmp_hf as H  # noqa: E402
 from test_strategy import assert_same_losses, assert_same_weights, trainer  # noqa: E402
 
-from lightning_remote_mp import RemoteModelParallelStrategy  # noqa: E402
+from lightning_remote_mp import RemoteModelParallelStrategy, SpecSequential  # noqa: E402
 
 TOL = 2e-5
 #: A vocabulary whose logits (8 x 12 x 512 floats, 196 KB a step) are large enough to stay on the last
@@ -60,8 +60,11 @@ class ShiftedLoss(H.FineTune):
 class _Traffic(L.Callback):
     """What the split module's outputs sent to the driver, and how its losses were computed."""
 
+    def __init__(self, key: str = "model") -> None:
+        self.key = key
+
     def on_train_end(self, trainer, pl_module) -> None:
-        remote = trainer.strategy.session.placements["model"].remote
+        remote = trainer.strategy.session.placements[self.key].remote
         self.results, self.fetched = remote.result_bytes, remote.fetched_bytes
         self.computed, self.declined = remote.losses.computed, list(remote.losses.declined)
 
@@ -207,3 +210,68 @@ def test_every_functional_loss_is_computed_on_the_last_stage_as_locally(name, po
     assert_same_losses(local.losses, remote.losses, 1e-5)
     assert_same_weights(local, remote, 1e-5)
     assert traffic.declined == [] and traffic.computed == 4 and traffic.fetched == 0
+
+
+def lm_spec(vocab: int = VOCAB, width: int = 32) -> list:
+    """A small language model as a layer spec: embedding, a block, and a head over the vocabulary."""
+    return [
+        ("torch.nn.Embedding", {"num_embeddings": vocab, "embedding_dim": width}, (8, H.SEQ)),
+        ("torch.nn.Linear", {"in_features": width, "out_features": width}, (8, H.SEQ, width)),
+        ("torch.nn.GELU", {}, (8, H.SEQ, width)),
+        ("torch.nn.LayerNorm", {"normalized_shape": width}, (8, H.SEQ, width)),
+        ("torch.nn.Linear", {"in_features": width, "out_features": vocab}, (8, H.SEQ, width)),
+    ]
+
+
+class SpecLM(L.LightningModule):
+    """A layer-spec LM whose step computes a shifted cross-entropy over its logits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = SpecSequential(lm_spec())
+        self.losses: list[float] = []
+        self.val_losses: list[float] = []
+
+    def _loss(self, batch):
+        logits = self.net(batch["input_ids"])
+        return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), batch["labels"][:, 1:].reshape(-1))
+
+    def training_step(self, batch, batch_idx):
+        loss = self._loss(batch)
+        self.losses.append(loss.item())
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        self.val_losses.append(self._loss(batch).item())
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=0.01)
+
+
+def test_a_layer_spec_keeps_its_large_output_after_its_first_call_and_trains_as_locally(pool):
+    """A spec's output size is known once it has run: the first call's logits come back with the
+    result, every later call's stay on the last stage, and the loss is computed there."""
+    torch.manual_seed(0)
+    local = SpecLM()
+    remote = copy.deepcopy(local)
+    _fit(local)
+    traffic = _Traffic("net")
+    _fit(remote, RemoteModelParallelStrategy(hosts=pool[:2], microbatches=2), [traffic])
+    assert_same_losses(local.losses, remote.losses, TOL)
+    assert_same_losses(local.val_losses, remote.val_losses, TOL)
+    assert_same_weights(local, remote, 1e-4)
+    calls = len(remote.losses) + len(remote.val_losses)
+    assert traffic.declined == [] and traffic.computed == calls - 1 and traffic.fetched == 0
+
+
+def test_bf16_mixed_computes_the_loss_in_float32_on_the_last_stage_as_autocast_does(pool):
+    torch.manual_seed(0)
+    local = ShiftedLoss(H.llama(vocab_size=VOCAB))
+    remote = copy.deepcopy(local)
+    trainer(None, 1, precision="bf16-mixed").fit(local, H.padded_data())
+    traffic = _Traffic()
+    strategy = RemoteModelParallelStrategy(hosts=pool[:2], split=["model"], microbatches=2)
+    trainer(strategy, 1, precision="bf16-mixed", callbacks=[traffic]).fit(remote, H.padded_data())
+    assert_same_losses(local.losses, remote.losses, 1e-3)
+    assert_same_weights(local, remote, 1e-3)
+    assert traffic.declined == [] and traffic.computed == len(remote.losses)

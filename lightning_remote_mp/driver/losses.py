@@ -74,18 +74,37 @@ def _target_rows(rows: int, batch: int, parts: Sequence[int]) -> list[int] | Non
 class _LossOf(nn.Module):
     """``func(output taken through steps, *arguments)``, the module that is traced into a loss program."""
 
-    def __init__(self, func: Any, steps: Sequence[Step], leaves: list[Any], spec: Any, target: int, whole: list[int]):
+    def __init__(
+        self,
+        func: Any,
+        steps: Sequence[Step],
+        leaves: list[Any],
+        spec: Any,
+        target: int,
+        whole: list[int],
+        upcast: bool = False,
+    ) -> None:
         super().__init__()
         self.func, self.steps, self.leaves, self.spec = func, tuple(steps), leaves, spec
-        self.target_at, self.whole_at = target, whole
+        self.target_at, self.whole_at, self.upcast = target, whole, upcast
 
     def forward(self, output: torch.Tensor, target: torch.Tensor, *whole: torch.Tensor) -> Any:
         flat = list(self.leaves)
         flat[self.target_at] = target
         for i, t in zip(self.whole_at, whole):
             flat[i] = t
+        value = replay(output, self.steps)
+        if self.upcast:  # what autocast does to a loss's arguments: float16 and bfloat16 become float32
+            flat = [_float32(t) for t in flat]
+            value = _float32(value)
         rest, kwargs = pytree.tree_unflatten(flat, self.spec)
-        return self.func(replay(output, self.steps), *rest, **kwargs)
+        return self.func(value, *rest, **kwargs)
+
+
+def _float32(value: Any) -> Any:
+    if isinstance(value, torch.Tensor) and value.dtype in (torch.float16, torch.bfloat16):
+        return value.float()
+    return value
 
 
 @dataclasses.dataclass
@@ -216,7 +235,9 @@ class Losses:
             if shape[0] != n:
                 return "a step on the output leaves dim 0 counting something other than the batch's rows"
         constants = [None if i in tensors else v for i, v in enumerate(leaves)]
+        upcast = torch.is_autocast_enabled(kept.device.type)  # torch.nn.functional's losses run in float32 there
         key = (
+            upcast,
             func,
             tuple((f, repr(r), repr(k)) for f, r, k in kept.steps),
             repr(spec),
@@ -228,7 +249,8 @@ class Losses:
         )
         program = self._programs.get(key)
         if program is None:
-            program = self._trace(func, kept, constants, spec, target_at, whole_at, target, whole, rows[0] // flat[0])
+            module = _LossOf(func, kept.steps, constants, spec, target_at, whole_at, upcast)
+            program = self._trace(module, kept, target, whole, rows[0] // flat[0])
             if len(self._programs) < MAX_PROGRAMS:
                 self._programs[key] = program
         if isinstance(program, str):
@@ -245,26 +267,17 @@ class Losses:
         return program, list(target.split(rows, dim=0)), whole
 
     def _trace(
-        self,
-        func: Any,
-        kept: Kept,
-        constants: list[Any],
-        spec: Any,
-        target_at: int,
-        whole_at: list[int],
-        target: torch.Tensor,
-        whole: list[torch.Tensor],
-        k: int,
+        self, module: _LossOf, kept: Kept, target: torch.Tensor, whole: list[torch.Tensor], k: int
     ) -> _Program | str:
         """Trace the loss into a program (or say why it cannot be)."""
         root = kept.root
         rows = 2  # two rows, so that the trace sees the batch's dimension as one (1 would be fixed)
         output = torch.zeros((rows, *root.shape[1:]), dtype=root.dtype)
         example = target[: k * rows] if target.shape[0] >= k * rows else torch.cat([target[:k]] * rows)
-        name = f"loss {getattr(func, '__name__', func)!s}"
-        module = _LossOf(func, kept.steps, constants, spec, target_at, whole_at)
+        name = f"loss {getattr(module.func, '__name__', module.func)!s}"
         try:
-            traced = trace_module(module, (output, example.cpu(), *[w.cpu() for w in whole]), {}, name)
+            with torch.autocast(kept.device.type, enabled=False):  # the program casts as autocast would
+                traced = trace_module(module, (output, example.cpu(), *[w.cpu() for w in whole]), {}, name)
         except LrmpError as err:
             return f"it cannot be traced: {err}"
         interface: Interface = traced.interface  # type: ignore[attr-defined]

@@ -198,7 +198,7 @@ class RemoteSpec:
         for i in first.shapes or {}:
             rows = sum(results[k].shapes[i][0] for k in order)
             shapes[i] = [rows, *first.shapes[i][1:]]
-        dtypes = {i: first.x[i].dtype for i in shapes}
+        dtypes = {i: (first.x if isinstance(first.x, torch.Tensor) else first.x[i]).dtype for i in shapes}
         source = KeptOutputs(
             lambda: self._fetch(call, sizes, order),
             device,
@@ -329,9 +329,11 @@ class RemoteSpec:
         outputs = [results[(r, mb)].x for r, row in enumerate(sizes) for mb in range(len(row))]
         device = (x[0] if isinstance(x, tuple) else x).device
         y = self._joined(outputs, self.joins_out, "output")
-        if keep is not None and isinstance(y, tuple):  # the outputs left on the last stages, until read
+        if keep is not None:  # the outputs left on the last stages, until read
             kept = self._keeping(call, sizes, results, device)
-            y = tuple(kept.get(i, t) for i, t in enumerate(y))
+            y = tuple(kept.get(i, t) for i, t in enumerate(y)) if isinstance(y, tuple) else kept[0]
+        elif self.keep is not None and n > 0:
+            self.keep = self.keep.learned(outputs, n)
         if grad:
             self._calls[call] = _Call(sizes=sizes, x_grad=x_needs_grad)
         return _to(y, device), call
@@ -445,6 +447,7 @@ class _CallGuard:
 class _RemoteSpecFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, spec: RemoteSpec, autocast: dict[str, Any] | None, x: torch.Tensor, anchor: torch.Tensor):
+        ctx.set_materialize_grads(False)  # an output the loss did not use has no gradient to send
         y, call = spec.forward(x, grad=True, x_needs_grad=x.requires_grad, autocast=autocast)
         ctx.spec, ctx.call = spec, call
         ctx.guard = _CallGuard(spec, call)

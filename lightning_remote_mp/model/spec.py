@@ -580,9 +580,15 @@ class SpecSequential(nn.Module):
 
     def kept_outputs(self) -> Any:
         """Which elements of the output the last stage keeps until they are read
-        (`lightning_remote_mp.driver.outputs`): none for a spec, whose output is what the step reads."""
+        (`lightning_remote_mp.driver.outputs`, `lightning_remote_mp.model.traced.Keep`): a traced
+        module's interface says; a spec's one output is kept in calls where it is large, its size
+        learned from the first call."""
         interface = getattr(self, "interface", None)
-        return interface.kept() if interface is not None else None
+        if interface is not None:
+            return interface.kept()
+        from lightning_remote_mp.model.traced import Keep
+
+        return Keep([True], [0])
 
     def shared(self) -> list[list[str]]:
         """The tensors several layers hold, one list of their names (``"<layer index>.<name>"``) each:

@@ -348,10 +348,25 @@ class Keep:
 
     >>> Keep([True, False], [4096, 4]).at(8), Keep([True, False], [4096, 4]).at(16)
     (None, [True, False])
+    >>> Keep([True], [0]).learned([torch.zeros(4, 2048)], 4).at(8)
+    [True]
     """
 
     outputs: list[bool]
     row_bytes: list[int] | None
+
+    def learned(self, parts: Sequence[Any], rows: int) -> Keep:
+        """This rule with each output's bytes per row as a call of ``rows`` rows returned them
+        (``parts``: its micro-batches' outputs, a tensor or a tuple each): for a model whose output
+        sizes are not known before it runs (a layer spec)."""
+        if self.row_bytes is None or rows < 1:
+            return self
+        sizes = [0] * len(self.outputs)
+        for part in parts:
+            for i, t in enumerate(part if isinstance(part, tuple) else (part,)):
+                if i < len(sizes) and isinstance(t, torch.Tensor):
+                    sizes[i] += t.nbytes
+        return Keep(self.outputs, [max(old, n // rows) for old, n in zip(self.row_bytes, sizes)])
 
     def at(self, rows: int) -> list[bool] | None:
         """What to keep of a call of ``rows`` rows (``None``: nothing)."""

@@ -71,7 +71,9 @@ class RoutedStage:
         self._backward: dict[tuple[int, int], dict[int, Backward]] = {}
         self._meta: dict[tuple[int, int], _Meta] = {}  # per micro-batch under grad, from its forward
         self._kept: dict[tuple[int, int], dict[int, Any]] = {}  # the model's outputs the driver reads when it needs
-        self._arity: dict[tuple[int, int], int] = {}  # beside `_kept`: how many outputs the model returned
+        self._arity: dict[
+            tuple[int, int], int
+        ] = {}  # beside `_kept`: how many outputs the model returned (0: a tensor)
         # Losses computed here under grad over kept outputs, per micro-batch in order: (position,
         # the output as the loss read it, the loss's value the backward's gradient is for, how
         # many outputs the model returned).
@@ -170,6 +172,9 @@ class RoutedStage:
     def _keep(self, call: int, mb: int, y: Any, keep: list[bool]) -> tuple[Any, dict[int, list[int]]]:
         """The model's output with the elements ``keep`` marks left here (`fetch` sends them, when
         the driver reads them): in their place an empty tensor of their dtype, and their shapes."""
+        if isinstance(y, torch.Tensor) and keep == [True]:  # a spec's one output
+            self._kept[(call, mb)], self._arity[(call, mb)] = {0: y}, 0
+            return y.new_empty(0), {0: list(y.shape)}
         if not isinstance(y, tuple) or len(keep) != len(y):
             raise ProtocolError(f"stage {self.index}: 'keep' names {len(keep)} outputs of a model with other outputs")
         self._kept[(call, mb)] = {i: t for i, (t, k) in enumerate(zip(y, keep)) if k}
@@ -226,6 +231,8 @@ class RoutedStage:
             extra[position] = extra[position] + through if position in extra else through
         if not extra:
             return grad_out
+        if arity == 0:  # the output is one tensor
+            return extra[0] if grad_out is None else extra[0] + grad_out.to(extra[0].device)
         grads = list(grad_out) if isinstance(grad_out, tuple) else [None] * arity
         for position, g in extra.items():
             old = grads[position]
