@@ -44,6 +44,7 @@ SEPARATOR = re.compile(r"^\|(-+\|)+\s*$", re.M)
         "split_backward.py",
         "lan.py",
         "compression.py",
+        "loss_placement.py",
     ],
 )
 def test_quick_mode_prints_a_table(script, tmp_path):

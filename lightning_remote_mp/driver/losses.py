@@ -155,6 +155,7 @@ class Losses:
         self._records: dict[int, list[LossRecord]] = {}  # by call, in the order they were computed
         self._said: set[str] = set()
         self.computed = 0  # losses computed on the last stage
+        self.reply_bytes = 0  # bytes of the values they sent back
         self.declined: list[str] = []  # why a loss was computed on the driver instead
 
     # --- forward ---------------------------------------------------------------------------
@@ -198,6 +199,7 @@ class Losses:
         for r, reply in zip([r for r, row in enumerate(sizes) if row], replies):
             for mb, values in reply["values"].items():
                 raw[(r, mb)] = [v.to(kept.device) for v in values]
+                self.reply_bytes += sum(v.nbytes for v in values)
         d = program.differentiate
         diff = [raw[k][d] for k in order]
         if grad:
