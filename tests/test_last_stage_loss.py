@@ -63,10 +63,17 @@ class _Traffic(L.Callback):
     def __init__(self, key: str = "model") -> None:
         self.key = key
 
+    def on_train_batch_end(self, trainer, *args) -> None:
+        self._count(trainer)
+
     def on_train_end(self, trainer, pl_module) -> None:
+        self._count(trainer)
+
+    def _count(self, trainer) -> None:
         remote = trainer.strategy.session.placements[self.key].remote
         self.results, self.fetched = remote.result_bytes, remote.fetched_bytes
         self.computed, self.declined = remote.losses.computed, list(remote.losses.declined)
+        self.programs, self.records = len(remote.losses._programs), dict(remote.losses._records)
 
 
 def _fit(model, strategy=None, callbacks=(), epochs: int = 2):
@@ -275,3 +282,139 @@ def test_bf16_mixed_computes_the_loss_in_float32_on_the_last_stage_as_autocast_d
     assert_same_losses(local.losses, remote.losses, 1e-3)
     assert_same_weights(local, remote, 1e-3)
     assert traffic.declined == [] and traffic.computed == len(remote.losses)
+
+
+class Tutorial(ShiftedLoss):
+    """The loss as tutorials write it, sizes spelled out (``view(B * T, C)``), after an accuracy read
+    under ``no_grad`` (as a torchmetrics update reads): the view works for any micro-batch, and the
+    read keeps the logits linked to the workers for the loss that follows."""
+
+    def _loss(self, batch):
+        logits = self.model(batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        B, T, C = logits.shape
+        targets = batch["labels"].view(B * T)
+        if self.accuracy:
+            with torch.no_grad():
+                self.accuracies.append((logits.argmax(-1).view(B * T) == targets).float().mean().item())
+        return F.cross_entropy(logits.view(B * T, C), targets)
+
+
+@pytest.mark.parametrize("accuracy", [False, True])
+def test_sizes_spelled_out_and_a_no_grad_read_first_train_as_locally(accuracy, pool):
+    torch.manual_seed(0)
+    local = Tutorial(H.llama(vocab_size=VOCAB), accuracy=accuracy)
+    remote = copy.deepcopy(local)
+    _fit(local, epochs=1)
+    traffic = _Traffic()
+    _fit(remote, RemoteModelParallelStrategy(hosts=pool[:2], split=["model"], microbatches=2), [traffic], epochs=1)
+    assert_same_losses(local.losses, remote.losses, TOL)
+    if accuracy:
+        assert_same_losses(local.accuracies, remote.accuracies, 1e-6)
+    assert_same_weights(local, remote, 1e-4)
+    assert traffic.declined == []
+    assert (traffic.fetched > 0) == accuracy and (traffic.computed > 0) != accuracy
+
+
+class VaryingLengths(torch.utils.data.Dataset):
+    """Batches padded to their own longest row, as ``DataCollatorWithPadding`` makes them."""
+
+    def __init__(self) -> None:
+        self.data = H.Padded(n=48)
+
+    def __len__(self) -> int:
+        return 6
+
+    def __getitem__(self, i: int):
+        length = 5 + i  # a new sequence length every batch
+        rows = [self.data[8 * i + j] for j in range(8)]
+        return {k: torch.stack([r[k][:length] for r in rows]) for k in ("input_ids", "attention_mask", "labels")}
+
+
+def test_a_new_sequence_length_each_batch_reuses_one_loss_program(pool):
+    torch.manual_seed(0)
+    local = ShiftedLoss(H.llama(vocab_size=4096))
+    remote = copy.deepcopy(local)
+    data = lambda: torch.utils.data.DataLoader(VaryingLengths(), batch_size=None)  # noqa: E731
+    trainer(None, 1).fit(local, data())
+    traffic = _Traffic()
+    strategy = RemoteModelParallelStrategy(hosts=pool[:2], split=["model"], microbatches=2)
+    trainer(strategy, 1, callbacks=[traffic]).fit(remote, data())
+    assert_same_losses(local.losses, remote.losses, TOL)
+    assert_same_weights(local, remote, 1e-4)
+    assert traffic.declined == [] and traffic.computed == 6
+    assert traffic.programs == 1
+
+
+class ManualWithPerplexity(ShiftedLoss):
+    """Manual optimization; after the step, a perplexity of the same logits (computed on the last
+    stage, with no graph kept: its call's backward has run)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__(model)
+        self.automatic_optimization = False
+        self.perplexities: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        logits = self.model(batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        flat, targets = logits.reshape(-1, logits.size(-1)), batch["labels"].reshape(-1)
+        loss = F.cross_entropy(flat, targets)
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        self.manual_backward(loss)
+        optimizer.step()
+        self.losses.append(loss.item())
+        self.perplexities.append(F.cross_entropy(flat, targets).exp().item())
+
+
+def test_a_loss_computed_after_the_backward_keeps_no_graph_and_trains_as_locally(pool):
+    torch.manual_seed(0)
+    local = ManualWithPerplexity(H.llama(vocab_size=VOCAB))
+    remote = copy.deepcopy(local)
+    trainer(None, 2).fit(local, H.padded_data())
+    traffic = _Traffic()
+    strategy = RemoteModelParallelStrategy(hosts=pool[:2], split=["model"], microbatches=2)
+    trainer(strategy, 2, callbacks=[traffic]).fit(remote, H.padded_data())
+    assert_same_losses(local.losses, remote.losses, TOL)
+    assert_same_losses(local.perplexities, remote.perplexities, 1e-3)
+    assert_same_weights(local, remote, 1e-4)
+    assert traffic.computed == 2 * len(remote.losses) and traffic.records == {}
+
+
+class FlatSpecLM(SpecLM):
+    """A spec whose last layer flattens batch and time: its output's dim 0 is not the input's rows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = SpecSequential([*lm_spec(), ("torch.nn.Flatten", {"start_dim": 0, "end_dim": 1}, (8, H.SEQ, VOCAB))])
+
+    def _loss(self, batch):
+        return F.cross_entropy(self.net(batch["input_ids"]), batch["labels"].reshape(-1))
+
+
+def test_a_spec_whose_output_rows_are_not_the_batchs_rows_trains_as_locally(pool):
+    torch.manual_seed(0)
+    local = FlatSpecLM()
+    remote = copy.deepcopy(local)
+    _fit(local, epochs=1)
+    traffic = _Traffic("net")
+    _fit(remote, RemoteModelParallelStrategy(hosts=pool[:2], microbatches=2), [traffic], epochs=1)
+    assert_same_losses(local.losses, remote.losses, TOL)
+    assert_same_weights(local, remote, 1e-4)
+    assert traffic.declined == [] and traffic.computed > 0
+
+
+def test_a_broadcasting_target_is_computed_on_the_driver(pool):
+    """``(N, 2048)`` outputs against ``(N, 1)`` targets broadcast across the batch's rows in no way
+    micro-batches can: computed on the driver, as locally."""
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(16, 16, generator=g), torch.randn(16, 1, generator=g))
+    torch.manual_seed(0)
+    local = EachLoss("mse_loss")
+    remote = copy.deepcopy(local)
+    trainer(None, 1).fit(local, torch.utils.data.DataLoader(data, batch_size=8))
+    traffic = _Traffic()
+    strategy = RemoteModelParallelStrategy(hosts=pool[:2], split=["model"], microbatches=2)
+    trainer(strategy, 1, callbacks=[traffic]).fit(remote, torch.utils.data.DataLoader(data, batch_size=8))
+    assert_same_losses(local.losses, remote.losses, 1e-5)
+    assert_same_weights(local, remote, 1e-5)
+    assert traffic.computed == 0 and traffic.declined and "broadcast" in traffic.declined[0]

@@ -27,6 +27,9 @@ and the reason is logged once. The cases:
 - a recorded step leaves dim 0 counting something else;
 - the trace fixed a size a micro-batch does not have;
 - a tensor argument needs a gradient (the target, say);
+- the target of an element-wise loss broadcasts against the output;
+- another tensor argument has the batch's rows (a per-sample weight);
+- the loss would run in float16 or bfloat16 outside autocast (a sum over parts rounds otherwise);
 - the output was fetched already (computing on the driver then costs nothing more).
 
 >>> _target_rows(12, 4, [2, 2]), _target_rows(4, 4, [3, 1]), _target_rows(6, 4, [2, 2])
@@ -42,6 +45,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils import _pytree as pytree
 
@@ -60,6 +64,19 @@ log = logging.getLogger(__name__)
 
 #: Loss programs one model keeps (a new one for each function, each recorded steps and sizes).
 MAX_PROGRAMS = 64
+#: Losses whose target pairs with the output element by element (a broadcast would pair rows
+#: across the batch, which micro-batches cannot).
+ELEMENTWISE = frozenset(
+    [
+        F.mse_loss,
+        F.l1_loss,
+        F.smooth_l1_loss,
+        F.huber_loss,
+        F.binary_cross_entropy,
+        F.binary_cross_entropy_with_logits,
+        F.soft_margin_loss,
+    ]
+)
 
 
 def _target_rows(rows: int, batch: int, parts: Sequence[int]) -> list[int] | None:
@@ -171,7 +188,8 @@ class Losses:
         program, target_parts, whole = plan
         order = [(r, mb) for r, row in enumerate(sizes) for mb in range(len(row))]
         parts = dict(zip(order, target_parts))
-        grad = torch.is_grad_enabled() and kept.root.requires_grad
+        # A gradient only while the call's backward is to come (not for a loss computed after it).
+        grad = torch.is_grad_enabled() and kept.root.requires_grad and self.spec.awaits_backward(call)
         requests, conns = [], []
         for r, row in enumerate(self.spec.replicas):
             if not sizes[r]:
@@ -231,13 +249,24 @@ class Losses:
         flat = [m for row in sizes for m in row]
         rows = _target_rows(target.shape[0], root.shape[0], flat)
         if rows is None:
-            return f"its target has {target.shape[0]} rows, no whole multiple of the batch's {root.shape[0]}"
-        for m, n in zip(flat, rows):
-            shape = replay(torch.empty((m, *root.shape[1:]), dtype=root.dtype, device="meta"), kept.steps).shape
+            return f"its target has {target.shape[0]} rows, no whole multiple of the output's {root.shape[0]}"
+        for m, n in set(zip(flat, rows)):
+            try:
+                shape = replay(torch.empty((m, *root.shape[1:]), dtype=root.dtype, device="meta"), kept.steps).shape
+            except Exception:
+                return "a step on the output fixes a size a micro-batch does not have (write -1 for the batch's)"
             if shape[0] != n:
                 return "a step on the output leaves dim 0 counting something other than the batch's rows"
-        constants = [None if i in tensors else v for i, v in enumerate(leaves)]
+        value = replay(torch.empty(root.shape, dtype=root.dtype, device="meta"), kept.steps)
         upcast = torch.is_autocast_enabled(kept.device.type)  # torch.nn.functional's losses run in float32 there
+        if value.dtype in (torch.float16, torch.bfloat16) and not upcast and len(flat) > 1:
+            return f"in {value.dtype} a sum over micro-batches rounds otherwise than one mean does"
+        if func in ELEMENTWISE and tuple(target.shape) != tuple(value.shape):
+            return f"its target's shape {tuple(target.shape)} is not the output's {tuple(value.shape)} (a broadcast)"
+        batchlike = {root.shape[0], target.shape[0]}
+        if len(flat) > 1 and any(w.dim() > 0 and w.shape[0] in batchlike for w in whole):
+            return "another tensor argument has as many rows as the batch: it is split with it, or not at all"
+        constants = [None if i in tensors else v for i, v in enumerate(leaves)]
         key = (
             upcast,
             func,
@@ -245,18 +274,41 @@ class Losses:
             repr(spec),
             repr(constants),
             target_at,
-            (tuple(root.shape[1:]), root.dtype),
-            (tuple(target.shape[1:]), target.dtype),
+            (root.dim(), root.dtype),
+            (target.dim(), target.dtype),
             tuple((tuple(t.shape), t.dtype) for t in whole),
         )
-        program = self._programs.get(key)
-        if program is None:
-            module = _LossOf(func, kept.steps, constants, spec, target_at, whole_at, upcast)
-            program = self._trace(module, kept, target, whole, rows[0] // flat[0])
-            if len(self._programs) < MAX_PROGRAMS:
-                self._programs[key] = program
-        if isinstance(program, str):
-            return program
+        module = _LossOf(func, kept.steps, constants, spec, target_at, whole_at, upcast)
+        k = rows[0] // flat[0]
+        why = ""
+        # One program for every size the trace left dynamic; one for these sizes where it fixed some.
+        for name in (key, (*key, tuple(root.shape[1:]), tuple(target.shape[1:]))):
+            program = self._programs.get(name)
+            if program is None:
+                if len(self._programs) >= MAX_PROGRAMS:
+                    return f"{MAX_PROGRAMS} loss programs are made already (one per function, steps and fixed sizes)"
+                program = self._programs[name] = self._trace(module, kept, target, whole, k)
+            if isinstance(program, str):
+                return program
+            why = self._misfit(program, root, target, whole, flat, rows)
+            if not why:
+                break
+        if why:
+            return why
+        if any(j == "whole" for j in program.interface.joins_out) and len(flat) > 1:
+            return "its value cannot be joined exactly over micro-batches or replicas"
+        return program, list(target.split(rows, dim=0)), whole
+
+    @staticmethod
+    def _misfit(
+        program: _Program,
+        root: torch.Tensor,
+        target: torch.Tensor,
+        whole: list[torch.Tensor],
+        flat: list[int],
+        rows: list[int],
+    ) -> str:
+        """Why a micro-batch does not fit the program's trace ("" when every one does)."""
         for m, n in set(zip(flat, rows)):
             output = torch.empty((m, *root.shape[1:]), dtype=root.dtype, device="meta")
             part = torch.empty((n, *target.shape[1:]), dtype=target.dtype, device="meta")
@@ -264,22 +316,23 @@ class Losses:
                 program.interface.inputs((output, part, *whole), {})
             except LrmpError as err:
                 return f"a micro-batch of {m} rows does not fit its trace: {err}"
-        if any(j == "whole" for j in program.interface.joins_out) and len(flat) > 1:
-            return "its value cannot be joined exactly over micro-batches or replicas"
-        return program, list(target.split(rows, dim=0)), whole
+        return ""
 
     def _trace(
         self, module: _LossOf, kept: Kept, target: torch.Tensor, whole: list[torch.Tensor], k: int
     ) -> _Program | str:
         """Trace the loss into a program (or say why it cannot be)."""
         root = kept.root
-        rows = 2  # two rows, so that the trace sees the batch's dimension as one (1 would be fixed)
-        output = torch.zeros((rows, *root.shape[1:]), dtype=root.dtype)
-        example = target[: k * rows] if target.shape[0] >= k * rows else torch.cat([target[:k]] * rows)
+        # Two rows, so that the trace sees the batch's dimension as one (1 would be fixed). On the
+        # meta device: a long context's logits would be gigabytes, and the trace needs only shapes.
+        rows = 2
+        output = torch.empty((rows, *root.shape[1:]), dtype=root.dtype, device="meta")
+        example = torch.empty((k * rows, *target.shape[1:]), dtype=target.dtype, device="meta")
+        arguments = (output, example, *[w.to("meta") for w in whole])
         name = f"loss {getattr(module.func, '__name__', module.func)!s}"
         try:
             with torch.autocast(kept.device.type, enabled=False):  # the program casts as autocast would
-                traced = trace_module(module, (output, example.cpu(), *[w.cpu() for w in whole]), {}, name)
+                traced = trace_module(module, arguments, {}, name)
         except LrmpError as err:
             return f"it cannot be traced: {err}"
         interface: Interface = traced.interface  # type: ignore[attr-defined]

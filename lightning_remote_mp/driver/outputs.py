@@ -131,6 +131,23 @@ def _keeps_rows(func: Any, rest: tuple, kwargs: dict, ndim: int) -> bool:
     return True  # reshapes keep the rows' order; whether dim 0 still counts rows is `losses`' to check
 
 
+def _batch_free(func: Any, rest: tuple, same: Callable[[tuple], bool]) -> tuple:
+    """A reshape's sizes with the first written as ``-1`` where that gives the same shape
+    (``same``): ``view(B * T, C)`` becomes ``view(-1, C)``, which each micro-batch can take too."""
+    if func not in (torch.Tensor.view, torch.Tensor.reshape, torch.reshape) or not rest:
+        return rest
+    nested = len(rest) == 1 and isinstance(rest[0], (tuple, list, torch.Size))
+    sizes = list(rest[0] if nested else rest)
+    if not sizes or not all(isinstance(s, int) for s in sizes) or -1 in sizes:
+        return rest
+    free = tuple([-1, *sizes[1:]])
+    candidate = (free,) if nested else free
+    try:
+        return candidate if same(candidate) else rest
+    except Exception:
+        return rest
+
+
 def replay(value: torch.Tensor, steps: Sequence[Step]) -> torch.Tensor:
     """``value`` taken through recorded ``steps``."""
     for func, rest, kwargs in steps:
@@ -165,9 +182,11 @@ class Kept(torch.Tensor):
         return self._position
 
     def read(self) -> torch.Tensor:
-        """The fetched value (an ordinary tensor), linked to this one in the autograd graph."""
+        """The fetched value (an ordinary tensor), linked to this one in the autograd graph, even
+        when first read under ``no_grad`` (a metric's update): the value is kept for later reads,
+        and a loss computed from it afterwards must still reach the workers."""
         if self._read is None:
-            with torch._C.DisableTorchFunctionSubclass():
+            with torch._C.DisableTorchFunctionSubclass(), torch.set_grad_enabled(self.root.requires_grad):
                 if self.root is self:
                     self._read = _Read.apply(self, self._source, self._position)
                 else:
@@ -178,12 +197,16 @@ class Kept(torch.Tensor):
         """This output taken through one more step, recorded (``None`` where it is not one to record)."""
         if not (_plain(rest) and _plain(tuple(kwargs.values()))) or not _keeps_rows(func, rest, kwargs, self.dim()):
             return None
-        steps = (*self.steps, (func, rest, dict(kwargs)))
+        root = torch.empty(self.root.shape, dtype=self.root.dtype, device="meta")
         try:
-            meta = replay(torch.empty(self.root.shape, dtype=self.dtype, device="meta"), steps)
+            meta = replay(root, (*self.steps, (func, rest, kwargs)))
         except Exception:  # the step does not apply here: run it on the value, to raise its own error
             return None
-        t = torch.Tensor._make_wrapper_subclass(Kept, tuple(meta.shape), dtype=meta.dtype, device=self.device)  # type: ignore[attr-defined]
+        rest = _batch_free(func, rest, lambda r: replay(root, (*self.steps, (func, r, kwargs))).shape == meta.shape)
+        steps = (*self.steps, (func, rest, dict(kwargs)))
+        t = torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
+            Kept, tuple(meta.shape), dtype=meta.dtype, device=self.device, requires_grad=self.root.requires_grad
+        )
         t._source, t._position, t._read, t.root, t.steps = self._source, self._position, None, self.root, steps
         return t
 
@@ -209,7 +232,9 @@ class Kept(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         # Below autograd (an operation that reached ATen without passing the Python API): the value alone.
-        args, kwargs = pytree.tree_map_only(Kept, lambda k: k._source.value(k._position), (args, kwargs or {}))
+        args, kwargs = pytree.tree_map_only(
+            Kept, lambda k: replay(k._source.value(k._position), k.steps), (args, kwargs or {})
+        )
         return func(*args, **kwargs)
 
     def __repr__(self) -> str:  # type: ignore[override]

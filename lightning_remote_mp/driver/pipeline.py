@@ -198,12 +198,18 @@ class RemoteSpec:
         for i in first.shapes or {}:
             rows = sum(results[k].shapes[i][0] for k in order)
             shapes[i] = [rows, *first.shapes[i][1:]]
+        # Each kept output's rows per part, as the last stages reported them (dim 0 of a spec's
+        # output need not be its input's rows).
+        rows = {
+            i: [[results[(r, mb)].shapes[i][0] for mb in range(len(row))] for r, row in enumerate(sizes)]
+            for i in shapes
+        }
         dtypes = {i: (first.x if isinstance(first.x, torch.Tensor) else first.x[i]).dtype for i in shapes}
         source = KeptOutputs(
             lambda: self._fetch(call, sizes, order),
             device,
             lambda: self._outputs_to_release.append(call),
-            lambda kept, func, rest, kwargs: self.losses.compute(call, sizes, kept, func, rest, kwargs),
+            lambda kept, func, rest, kwargs: self.losses.compute(call, rows[kept.position], kept, func, rest, kwargs),
         )
         self._kept.add(source)
         return source.tensors(shapes, dtypes)
@@ -224,6 +230,10 @@ class RemoteSpec:
         joined = {i: torch.cat([parts[k][i] for k in order], dim=0) for i in parts[order[0]]}
         self.fetched_bytes += sum(t.nbytes for t in joined.values())
         return joined
+
+    def awaits_backward(self, call: int) -> bool:
+        """Whether ``call`` ran under grad and its backward has not run."""
+        return call in self._calls
 
     def materialize(self) -> None:
         """Fetch every kept output still referenced: before the session ends, so none goes missing."""

@@ -195,20 +195,23 @@ class RoutedStage:
         kept = {mb: outputs for (c, mb), outputs in self._kept.items() if c == call}
         if not kept:
             raise ProtocolError(f"stage {self.index} keeps no outputs of call {call} (released?)")
-        out = {}
+        out, graphs = {}, {}
         for mb, outputs in sorted(kept.items()):
             if position not in outputs:
                 raise ProtocolError(f"stage {self.index} keeps no output {position} of call {call}")
             y = outputs[position]
-            leaf = y.detach().requires_grad_(grad and y.is_floating_point())
-            with torch.set_grad_enabled(grad):
+            # A graph only for a backward still to come (a loss after it, a perplexity, keeps none).
+            keep = grad and (call, mb) in self._meta
+            leaf = y.detach().requires_grad_(keep and y.is_floating_point())
+            with torch.set_grad_enabled(keep):
                 values = run(leaf, mb)
             if not 0 <= differentiate < len(values):
                 raise ProtocolError(f"the loss program has no output {differentiate}")
-            if grad:
-                arity = self._arity[(call, mb)]
-                self._losses.setdefault((call, mb), []).append((position, leaf, values[differentiate], arity))
+            if keep:
+                graphs[(call, mb)] = (position, leaf, values[differentiate], self._arity[(call, mb)])
             out[mb] = [v.detach() for v in values]
+        for key, graph in graphs.items():  # every micro-batch's, or (after a failure) none
+            self._losses.setdefault(key, []).append(graph)
         return out
 
     def _with_loss_grads(self, call: int, mb: int, grad_out: Any, loss_grads: list[Any] | None) -> Any:
