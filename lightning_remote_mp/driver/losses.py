@@ -45,11 +45,10 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from lightning_remote_mp.driver.outputs import Kept, Step, replay
+from lightning_remote_mp.driver.outputs import ELEMENTWISE, Kept, Step, replay
 from lightning_remote_mp.errors import LrmpError
 from lightning_remote_mp.model.trace import trace_module
 from lightning_remote_mp.model.traced import Interface
@@ -64,19 +63,6 @@ log = logging.getLogger(__name__)
 
 #: Loss programs one model keeps (a new one for each function, each recorded steps and sizes).
 MAX_PROGRAMS = 64
-#: Losses whose target pairs with the output element by element (a broadcast would pair rows
-#: across the batch, which micro-batches cannot).
-ELEMENTWISE = frozenset(
-    [
-        F.mse_loss,
-        F.l1_loss,
-        F.smooth_l1_loss,
-        F.huber_loss,
-        F.binary_cross_entropy,
-        F.binary_cross_entropy_with_logits,
-        F.soft_margin_loss,
-    ]
-)
 
 
 def _target_rows(rows: int, batch: int, parts: Sequence[int]) -> list[int] | None:

@@ -89,11 +89,10 @@ _STEPS = _RESHAPES | frozenset(
     ]
 )
 
-#: The losses computed where the output is (`lightning_remote_mp.driver.losses` runs them).
-LOSSES = frozenset(
+#: Losses whose target pairs with the output element by element (a broadcast would pair rows
+#: across the batch, which micro-batches cannot: `lightning_remote_mp.driver.losses` declines it).
+ELEMENTWISE = frozenset(
     [
-        F.cross_entropy,
-        F.nll_loss,
         F.mse_loss,
         F.l1_loss,
         F.smooth_l1_loss,
@@ -103,6 +102,8 @@ LOSSES = frozenset(
         F.soft_margin_loss,
     ]
 )
+#: The losses computed where the output is (`lightning_remote_mp.driver.losses` runs them).
+LOSSES = frozenset([F.cross_entropy, F.nll_loss]) | ELEMENTWISE
 
 Step = tuple[Any, tuple, dict]  # (function, the arguments after the tensor, keyword arguments)
 
