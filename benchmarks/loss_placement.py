@@ -135,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore")
     vocab, hidden, layers, seq, batch = (1000, 32, 2, 32, 8) if args.quick else (32000, 128, 4, 128, 8)
     rounds = 1 if args.quick else args.rounds
+    args.steps = 3 if args.quick else args.steps
     torch.set_num_threads(1)
     print(_common.environment())
     print(f"Llama: vocabulary {vocab}, hidden {hidden}, {layers} layers; batch {batch} x {seq}")

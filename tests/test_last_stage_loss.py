@@ -417,3 +417,38 @@ def test_a_broadcasting_target_is_computed_on_the_driver(pool):
         "mse_loss", torch.randn(16, 1, generator=torch.Generator().manual_seed(0)), 2, pool
     )
     assert traffic.computed == 0 and traffic.declined and "broadcast" in traffic.declined[0]
+
+
+class ClassesSecond(ShiftedLoss):
+    """``F.cross_entropy(logits.permute(0, 2, 1), labels)``, the classes in dim 1; or, with
+    ``temperature``, ``logits / T`` first, an operation that reads the logits."""
+
+    def __init__(self, model: torch.nn.Module, temperature: float | None = None) -> None:
+        super().__init__(model)
+        self.temperature = temperature
+
+    def _loss(self, batch):
+        logits = self.model(batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        if self.temperature is not None:
+            logits = logits / self.temperature
+        return F.cross_entropy(logits.permute(0, 2, 1), batch["labels"])
+
+
+@pytest.mark.parametrize("temperature", [None, 2.0])
+def test_classes_in_dim_1_stay_on_the_last_stage_and_an_operation_that_reads_first_is_logged(temperature, pool, caplog):
+    torch.manual_seed(0)
+    local = ClassesSecond(H.llama(vocab_size=VOCAB), temperature)
+    remote = copy.deepcopy(local)
+    _fit(local, epochs=1)
+    traffic = _Traffic()
+    strategy = RemoteModelParallelStrategy(hosts=pool[:2], split=["model"], microbatches=2)
+    with caplog.at_level(logging.INFO, logger="lightning_remote_mp"):
+        _fit(remote, strategy, [traffic], epochs=1)
+    assert_same_losses(local.losses, remote.losses, TOL)
+    assert_same_weights(local, remote, 1e-4)
+    reads = [r.getMessage() for r in caplog.records if "reads a model output kept on the last stage" in r.getMessage()]
+    if temperature is None:
+        assert traffic.computed > 0 and traffic.fetched == 0 and traffic.declined == []
+    else:
+        assert traffic.computed == 0 and traffic.fetched > 0
+        assert reads and reads[0].startswith("torch.Tensor.div"), caplog.text

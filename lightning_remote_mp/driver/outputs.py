@@ -30,6 +30,7 @@ only the targets travel there and the loss comes back. Whatever else reads it fe
 
 from __future__ import annotations
 
+import logging
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -50,6 +51,8 @@ class _Read(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         return grad, None, None
 
+
+log = logging.getLogger(__name__)
 
 #: What a `Kept` tensor answers without fetching: its metadata.
 _METADATA = frozenset(
@@ -86,6 +89,8 @@ _STEPS = _RESHAPES | frozenset(
         torch.Tensor.to,
         torch.Tensor.transpose,
         torch.transpose,
+        torch.Tensor.permute,
+        torch.permute,
     ]
 )
 
@@ -124,6 +129,9 @@ def _keeps_rows(func: Any, rest: tuple, kwargs: dict, ndim: int) -> bool:
         if index[0] is Ellipsis:
             return sum(i is not None and i is not Ellipsis for i in index) < ndim
         return isinstance(index[0], slice) and index[0] == slice(None)
+    if func in (torch.Tensor.permute, torch.permute):
+        dims = rest[0] if len(rest) == 1 and isinstance(rest[0], (tuple, list)) else rest or kwargs.get("dims", ())
+        return bool(dims) and isinstance(dims[0], int) and dims[0] % max(ndim, 1) == 0
     if func in (torch.Tensor.transpose, torch.transpose):
         dims = [*rest, *kwargs.values()]
         return len(dims) == 2 and all(isinstance(d, int) and d % max(ndim, 1) != 0 for d in dims)
@@ -227,6 +235,9 @@ class Kept(torch.Tensor):
                 loss = args[0]._source.loss(args[0], func, tuple(args[1:]), kwargs)
             if loss is not None:
                 return loss
+        kept = next((a for a in pytree.tree_leaves((args, kwargs)) if type(a) is Kept), None)
+        if kept is not None and kept._read is None and not kept._source.fetched:
+            _say_read(func, kept)
         args, kwargs = pytree.tree_map_only(Kept, Kept.read, (args, kwargs))
         return func(*args, **kwargs)
 
@@ -240,6 +251,32 @@ class Kept(torch.Tensor):
 
     def __repr__(self) -> str:  # type: ignore[override]
         return repr(self.read())
+
+
+_SAID: set[str] = set()
+
+
+def _say_read(func: Any, kept: Kept) -> None:
+    """Log, once per operation, that it fetches a kept output to the driver (and so would the loss
+    computed from its result): a user who wonders where the bytes went reads why here."""
+    short = getattr(func, "__name__", None) or repr(func)
+    qualname = getattr(func, "__qualname__", "") or ""
+    module = getattr(func, "__module__", None)
+    if qualname.startswith(("TensorBase.", "Tensor.", "_TensorBase.")):
+        name = f"torch.Tensor.{short}"
+    else:
+        name = f"{module}.{short}" if module else short
+    if name in _SAID:
+        return
+    _SAID.add(name)
+    log.info(
+        "%s reads a model output kept on the last stage (%s, %.1f MB): it is fetched to the driver. "
+        "A loss from torch.nn.functional over the output itself, after reshapes and slices only, is "
+        "computed on the last stage instead (docs/loss.md)",
+        name,
+        "x".join(map(str, kept.root.shape)),
+        kept.root.numel() * kept.root.element_size() / 1e6,
+    )
 
 
 class KeptOutputs:
