@@ -71,13 +71,9 @@ class RoutedStage:
         self._backward: dict[tuple[int, int], dict[int, Backward]] = {}
         self._meta: dict[tuple[int, int], _Meta] = {}  # per micro-batch under grad, from its forward
         self._kept: dict[tuple[int, int], dict[int, Any]] = {}  # the model's outputs the driver reads when it needs
-        self._arity: dict[
-            tuple[int, int], int
-        ] = {}  # beside `_kept`: how many outputs the model returned (0: a tensor)
         # Losses computed here under grad over kept outputs, per micro-batch in order: (position,
-        # the output as the loss read it, the loss's value the backward's gradient is for, how
-        # many outputs the model returned).
-        self._losses: dict[tuple[int, int], list[tuple[int, torch.Tensor, torch.Tensor, int]]] = {}
+        # the output as the loss read it, the loss's value the backward's gradient is for).
+        self._losses: dict[tuple[int, int], list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
         self.events: EventLog | None = None  # set while the driver records a timeline
         self._released: collections.deque[int] = collections.deque(maxlen=1024)
 
@@ -173,12 +169,11 @@ class RoutedStage:
         """The model's output with the elements ``keep`` marks left here (`fetch` sends them, when
         the driver reads them): in their place an empty tensor of their dtype, and their shapes."""
         if isinstance(y, torch.Tensor) and keep == [True]:  # a spec's one output
-            self._kept[(call, mb)], self._arity[(call, mb)] = {0: y}, 0
+            self._kept[(call, mb)] = {0: y}
             return y.new_empty(0), {0: list(y.shape)}
         if not isinstance(y, tuple) or len(keep) != len(y):
             raise ProtocolError(f"stage {self.index}: 'keep' names {len(keep)} outputs of a model with other outputs")
         self._kept[(call, mb)] = {i: t for i, (t, k) in enumerate(zip(y, keep)) if k}
-        self._arity[(call, mb)] = len(y)
         sent = tuple(t.new_empty(0) if k else t for t, k in zip(y, keep))
         return sent, {i: list(y[i].shape) for i in self._kept[(call, mb)]}
 
@@ -208,7 +203,7 @@ class RoutedStage:
             if not 0 <= differentiate < len(values):
                 raise ProtocolError(f"the loss program has no output {differentiate}")
             if keep:
-                graphs[(call, mb)] = (position, leaf, values[differentiate], self._arity[(call, mb)])
+                graphs[(call, mb)] = (position, leaf, values[differentiate])
             out[mb] = [v.detach() for v in values]
         for key, graph in graphs.items():  # every micro-batch's, or (after a failure) none
             self._losses.setdefault(key, []).append(graph)
@@ -226,17 +221,18 @@ class RoutedStage:
                 f"for {len(losses)} losses"
             )
         extra: dict[int, torch.Tensor] = {}
-        arity = losses[0][3] if losses else 0
-        for (position, leaf, value, _), g in zip(losses, loss_grads):
+        for (position, leaf, value), g in zip(losses, loss_grads):
             if g is None or not value.requires_grad:
                 continue
             (through,) = torch.autograd.grad(value, leaf, g.to(device=value.device, dtype=value.dtype))
             extra[position] = extra[position] + through if position in extra else through
         if not extra:
             return grad_out
-        if arity == 0:  # the output is one tensor
+        # The driver sends a tuple output's gradient as a tuple, ``None`` where it has none; a layer
+        # spec's one output's as a tensor or ``None``.
+        if not isinstance(grad_out, tuple):
             return extra[0] if grad_out is None else extra[0] + grad_out.to(extra[0].device)
-        grads = list(grad_out) if isinstance(grad_out, tuple) else [None] * arity
+        grads = list(grad_out)
         for position, g in extra.items():
             old = grads[position]
             grads[position] = g if old is None else g + old.to(g.device)
@@ -247,7 +243,6 @@ class RoutedStage:
         drop = set(calls)
         for key in [k for k in self._kept if k[0] in drop]:
             del self._kept[key]
-            self._arity.pop(key, None)
 
     def backward(self, msg: Backward) -> list[Outgoing]:
         parts = self._collect(self._backward, self.targets, msg)
@@ -303,6 +298,6 @@ class RoutedStage:
         drop = set(calls)
         self._released.extend(drop)
         self.stage.release(list(drop))
-        for table in (self._forward, self._backward, self._meta, self._kept, self._arity, self._losses):
+        for table in (self._forward, self._backward, self._meta, self._kept, self._losses):
             for key in [k for k in table if k[0] in drop]:
                 del table[key]  # type: ignore[attr-defined]

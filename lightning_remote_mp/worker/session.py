@@ -308,13 +308,17 @@ class WorkerSession:
         kept = self.route(msg.key).fetch(msg.call)
         if not kept:
             raise SpecError(f"stage {self.route(msg.key).index} keeps no outputs of call {msg.call} (released?)")
-        io = self.stages[msg.key].io
-        out: Any = {mb: [[i, t] for i, t in outputs.items()] for mb, outputs in kept.items()}
-        if io is not None:
-            out, ready = io.to_host(out)
-            if ready is not None:
-                ready.synchronize()  # a reply goes as it is: the copies off the GPU must be done
-        return {"outputs": out}
+        return {"outputs": self._to_host(msg.key, {mb: [[i, t] for i, t in o.items()] for mb, o in kept.items()})}
+
+    def _to_host(self, key: str, value: Any) -> Any:
+        """``value``'s tensors copied off stage ``key``'s GPU (as they are on a CPU stage), for a reply."""
+        io = self.stages[key].io
+        if io is None:
+            return value
+        value, ready = io.to_host(value)
+        if ready is not None:
+            ready.synchronize()  # a reply goes as it is: the copies off the GPU must be done
+        return value
 
     def loss(self, msg: Loss) -> Any:
         """A loss over an output this (last) stage kept, per micro-batch (`requests.Loss`)."""
@@ -333,13 +337,7 @@ class WorkerSession:
                 values = layer(values)
             return values
 
-        values: Any = route.loss(msg.call, msg.position, run, msg.grad, msg.differentiate)
-        io = self.stages[msg.key].io
-        if io is not None:
-            values, ready = io.to_host(values)
-            if ready is not None:
-                ready.synchronize()
-        return {"values": values}
+        return {"values": self._to_host(msg.key, route.loss(msg.call, msg.position, run, msg.grad, msg.differentiate))}
 
     def _loss_program(self, msg: Loss) -> list[GraphLayer]:
         """The loss program ``msg`` names: built from its entries the first time (traced programs
