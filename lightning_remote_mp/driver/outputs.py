@@ -79,9 +79,13 @@ _METADATA = frozenset(
 
 #: A step on a kept output that gives another kept output, recorded, not run: reshapes that keep
 #: the rows in batch order, slices, casts (see `_lazy`).
-_RESHAPES = frozenset([torch.Tensor.view, torch.Tensor.reshape, torch.reshape, torch.Tensor.flatten, torch.flatten])
-_STEPS = _RESHAPES | frozenset(
+_STEPS = frozenset(
     [
+        torch.Tensor.view,
+        torch.Tensor.reshape,
+        torch.reshape,
+        torch.Tensor.flatten,
+        torch.flatten,
         torch.Tensor.contiguous,
         torch.Tensor.__getitem__,
         torch.Tensor.float,
@@ -183,10 +187,6 @@ class Kept(torch.Tensor):
         return t
 
     @property
-    def source(self) -> Any:
-        return self._source
-
-    @property
     def position(self) -> int:
         return self._position
 
@@ -230,7 +230,7 @@ class Kept(torch.Tensor):
                 lazy = args[0]._lazy(func, tuple(args[1:]), kwargs)
             if lazy is not None:
                 return lazy
-        if func in LOSSES and args and type(args[0]) is Kept and not args[0]._source.fetched:
+        if func in LOSSES and args and type(args[0]) is Kept:
             with torch._C.DisableTorchFunctionSubclass():
                 loss = args[0]._source.loss(args[0], func, tuple(args[1:]), kwargs)
             if loss is not None:
