@@ -88,9 +88,16 @@ def child_env(threads: int = 1) -> dict[str, str]:
     return env
 
 
-def stop_processes(procs: Iterable[subprocess.Popen], timeout: float = 10.0) -> None:
-    """Terminate the children this script started (by pid), then kill the ones that linger."""
+def stop_processes(procs: Iterable[subprocess.Popen], timeout: float = 10.0, grace: float = 0.0) -> None:
+    """Terminate the children this script started (by pid), then kill the ones that linger. With
+    ``grace``, first wait that long for them to exit on their own (after being asked to quit)."""
     procs = [p for p in procs if p is not None]
+    deadline = time.monotonic() + grace
+    for p in procs if grace > 0 else ():
+        try:
+            p.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
     for p in procs:
         if p.poll() is None:
             p.terminate()

@@ -389,13 +389,7 @@ class TorchPipeline:
             self._send(json.dumps({"cmd": "quit"}))
         except OSError:
             pass
-        deadline = time.monotonic() + 10
-        for p in self.procs:
-            try:
-                p.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-        _common.stop_processes(self.procs)
+        _common.stop_processes(self.procs, grace=10)
 
 
 # --- the run -----------------------------------------------------------------------------------------

@@ -312,13 +312,7 @@ class TorchPipeline:
                     p.stdin.flush()
             except OSError:
                 pass
-        deadline = time.monotonic() + 10
-        for p in self.procs:
-            try:
-                p.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-        _common.stop_processes(self.procs)
+        _common.stop_processes(self.procs, grace=10)
         for f in self.logs:
             f.close()
         shutil.rmtree(self.tmp, ignore_errors=True)
