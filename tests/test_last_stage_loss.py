@@ -83,34 +83,41 @@ def _fit(model, strategy=None, callbacks=(), epochs: int = 2):
     return model
 
 
+def remote_equals_local(make, strategy, epochs: int = 2, key: str = "model"):
+    """``make()`` fitted locally and, from a copy of the same weights, with ``strategy``: equal step
+    by step. Returns both, and what the remote run moved and computed where."""
+    torch.manual_seed(0)
+    local = make()
+    remote = copy.deepcopy(local)
+    _fit(local, epochs=epochs)
+    traffic = _Traffic(key)
+    _fit(remote, strategy, [traffic], epochs=epochs)
+    assert_same_losses(local.losses, remote.losses, TOL)
+    assert_same_weights(local, remote, 1e-4)
+    return local, remote, traffic
+
+
+def on_two(pool, microbatches: int = 2) -> RemoteModelParallelStrategy:
+    """The traced module ``model`` split over the first two workers of ``pool``."""
+    return RemoteModelParallelStrategy(hosts=pool[:2], split=["model"], microbatches=microbatches)
+
+
 @pytest.mark.parametrize("how,microbatches", [("functional", 4), ("module", 1), ("sum", 2)])
 def test_a_loss_over_the_logits_is_computed_on_the_last_stage_and_trains_as_locally(how, microbatches, pool):
-    torch.manual_seed(0)
-    local = ShiftedLoss(H.llama(vocab_size=VOCAB), how)
-    remote = copy.deepcopy(local)
-    _fit(local)
-    traffic = _Traffic()
-    strategy = RemoteModelParallelStrategy(hosts=pool[:2], split=["model"], microbatches=microbatches)
-    _fit(remote, strategy, [traffic])
-    assert_same_losses(local.losses, remote.losses, TOL)
+    local, remote, traffic = remote_equals_local(
+        lambda: ShiftedLoss(H.llama(vocab_size=VOCAB), how), on_two(pool, microbatches)
+    )
     assert_same_losses(local.val_losses, remote.val_losses, TOL)
-    assert_same_weights(local, remote, 1e-4)
     assert traffic.declined == [] and traffic.computed > 0
     assert traffic.fetched == 0  # the logits never reached the driver
     assert traffic.results < 8 * H.SEQ * VOCAB * 4 / 100, traffic.results
 
 
 def test_reading_the_logits_after_the_loss_fetches_them_and_training_stays_exact(pool):
-    torch.manual_seed(0)
-    local = ShiftedLoss(H.gpt2(vocab_size=VOCAB), accuracy=True)
-    remote = copy.deepcopy(local)
-    _fit(local, epochs=1)
-    traffic = _Traffic()
-    strategy = RemoteModelParallelStrategy(hosts=pool[:2], split=["model"], microbatches=2)
-    _fit(remote, strategy, [traffic], epochs=1)
-    assert_same_losses(local.losses, remote.losses, TOL)
+    local, remote, traffic = remote_equals_local(
+        lambda: ShiftedLoss(H.gpt2(vocab_size=VOCAB), accuracy=True), on_two(pool), epochs=1
+    )
     assert_same_losses(local.accuracies, remote.accuracies, 1e-6)
-    assert_same_weights(local, remote, 1e-4)
     assert traffic.computed > 0 and traffic.fetched > 0
 
 
@@ -128,16 +135,8 @@ class LearnedTargets(ShiftedLoss):
 
 
 def test_a_loss_that_cannot_be_computed_on_the_last_stage_is_computed_on_the_driver_and_says_why(pool, caplog):
-    torch.manual_seed(0)
-    local = LearnedTargets(H.llama(vocab_size=VOCAB))
-    remote = copy.deepcopy(local)
-    _fit(local, epochs=1)
-    traffic = _Traffic()
-    strategy = RemoteModelParallelStrategy(hosts=pool[:2], split=["model"], microbatches=2)
     with caplog.at_level(logging.INFO, logger="lightning_remote_mp"):
-        _fit(remote, strategy, [traffic], epochs=1)
-    assert_same_losses(local.losses, remote.losses, TOL)
-    assert_same_weights(local, remote, 1e-4)
+        _, _, traffic = remote_equals_local(lambda: LearnedTargets(H.llama(vocab_size=VOCAB)), on_two(pool), epochs=1)
     # Training steps fetch the logits; validation, where the prototypes need no gradient, need not.
     assert traffic.fetched > 0 and traffic.computed > 0
     assert traffic.declined and all("needs a gradient" in why for why in traffic.declined)
@@ -213,7 +212,7 @@ def each_loss_remote_and_local(name: str, targets: torch.Tensor, microbatches: i
     remote = copy.deepcopy(local)
     trainer(None, 1).fit(local, torch.utils.data.DataLoader(data, batch_size=8))
     traffic = _Traffic()
-    strategy = RemoteModelParallelStrategy(hosts=pool[:2], split=["model"], microbatches=microbatches)
+    strategy = on_two(pool, microbatches)
     trainer(strategy, 1, callbacks=[traffic]).fit(remote, torch.utils.data.DataLoader(data, batch_size=8))
     assert_same_losses(local.losses, remote.losses, 1e-5)
     assert_same_weights(local, remote, 1e-5)
@@ -265,15 +264,10 @@ class SpecLM(L.LightningModule):
 def test_a_layer_spec_keeps_its_large_output_after_its_first_call_and_trains_as_locally(pool):
     """A spec's output size is known once it has run: the first call's logits come back with the
     result, every later call's stay on the last stage, and the loss is computed there."""
-    torch.manual_seed(0)
-    local = SpecLM()
-    remote = copy.deepcopy(local)
-    _fit(local)
-    traffic = _Traffic("net")
-    _fit(remote, RemoteModelParallelStrategy(hosts=pool[:2], microbatches=2), [traffic])
-    assert_same_losses(local.losses, remote.losses, TOL)
+    local, remote, traffic = remote_equals_local(
+        SpecLM, RemoteModelParallelStrategy(hosts=pool[:2], microbatches=2), key="net"
+    )
     assert_same_losses(local.val_losses, remote.val_losses, TOL)
-    assert_same_weights(local, remote, 1e-4)
     calls = len(remote.losses) + len(remote.val_losses)
     assert traffic.declined == [] and traffic.computed == calls - 1 and traffic.fetched == 0
 
@@ -284,7 +278,7 @@ def test_bf16_mixed_computes_the_loss_in_float32_on_the_last_stage_as_autocast_d
     remote = copy.deepcopy(local)
     trainer(None, 1, precision="bf16-mixed").fit(local, H.padded_data())
     traffic = _Traffic()
-    strategy = RemoteModelParallelStrategy(hosts=pool[:2], split=["model"], microbatches=2)
+    strategy = on_two(pool)
     trainer(strategy, 1, precision="bf16-mixed", callbacks=[traffic]).fit(remote, H.padded_data())
     assert_same_losses(local.losses, remote.losses, 1e-3)
     assert_same_weights(local, remote, 1e-3)
@@ -308,16 +302,11 @@ class Tutorial(ShiftedLoss):
 
 @pytest.mark.parametrize("accuracy", [False, True])
 def test_sizes_spelled_out_and_a_no_grad_read_first_train_as_locally(accuracy, pool):
-    torch.manual_seed(0)
-    local = Tutorial(H.llama(vocab_size=VOCAB), accuracy=accuracy)
-    remote = copy.deepcopy(local)
-    _fit(local, epochs=1)
-    traffic = _Traffic()
-    _fit(remote, RemoteModelParallelStrategy(hosts=pool[:2], split=["model"], microbatches=2), [traffic], epochs=1)
-    assert_same_losses(local.losses, remote.losses, TOL)
+    local, remote, traffic = remote_equals_local(
+        lambda: Tutorial(H.llama(vocab_size=VOCAB), accuracy=accuracy), on_two(pool), epochs=1
+    )
     if accuracy:
         assert_same_losses(local.accuracies, remote.accuracies, 1e-6)
-    assert_same_weights(local, remote, 1e-4)
     assert traffic.declined == []
     assert (traffic.fetched > 0) == accuracy and (traffic.computed > 0) != accuracy
 
@@ -344,7 +333,7 @@ def test_a_new_sequence_length_each_batch_reuses_one_loss_program(pool):
     data = lambda: torch.utils.data.DataLoader(VaryingLengths(), batch_size=None)  # noqa: E731
     trainer(None, 1).fit(local, data())
     traffic = _Traffic()
-    strategy = RemoteModelParallelStrategy(hosts=pool[:2], split=["model"], microbatches=2)
+    strategy = on_two(pool)
     trainer(strategy, 1, callbacks=[traffic]).fit(remote, data())
     assert_same_losses(local.losses, remote.losses, TOL)
     assert_same_weights(local, remote, 1e-4)
@@ -379,7 +368,7 @@ def test_a_loss_computed_after_the_backward_keeps_no_graph_and_trains_as_locally
     remote = copy.deepcopy(local)
     trainer(None, 2).fit(local, H.padded_data())
     traffic = _Traffic()
-    strategy = RemoteModelParallelStrategy(hosts=pool[:2], split=["model"], microbatches=2)
+    strategy = on_two(pool)
     trainer(strategy, 2, callbacks=[traffic]).fit(remote, H.padded_data())
     assert_same_losses(local.losses, remote.losses, TOL)
     assert_same_losses(local.perplexities, remote.perplexities, 1e-3)
@@ -399,14 +388,9 @@ class FlatSpecLM(SpecLM):
 
 
 def test_a_spec_whose_output_rows_are_not_the_batchs_rows_trains_as_locally(pool):
-    torch.manual_seed(0)
-    local = FlatSpecLM()
-    remote = copy.deepcopy(local)
-    _fit(local, epochs=1)
-    traffic = _Traffic("net")
-    _fit(remote, RemoteModelParallelStrategy(hosts=pool[:2], microbatches=2), [traffic], epochs=1)
-    assert_same_losses(local.losses, remote.losses, TOL)
-    assert_same_weights(local, remote, 1e-4)
+    _, _, traffic = remote_equals_local(
+        FlatSpecLM, RemoteModelParallelStrategy(hosts=pool[:2], microbatches=2), epochs=1, key="net"
+    )
     assert traffic.declined == [] and traffic.computed > 0
 
 
@@ -436,16 +420,10 @@ class ClassesSecond(ShiftedLoss):
 
 @pytest.mark.parametrize("temperature", [None, 2.0])
 def test_classes_in_dim_1_stay_on_the_last_stage_and_an_operation_that_reads_first_is_logged(temperature, pool, caplog):
-    torch.manual_seed(0)
-    local = ClassesSecond(H.llama(vocab_size=VOCAB), temperature)
-    remote = copy.deepcopy(local)
-    _fit(local, epochs=1)
-    traffic = _Traffic()
-    strategy = RemoteModelParallelStrategy(hosts=pool[:2], split=["model"], microbatches=2)
     with caplog.at_level(logging.INFO, logger="lightning_remote_mp"):
-        _fit(remote, strategy, [traffic], epochs=1)
-    assert_same_losses(local.losses, remote.losses, TOL)
-    assert_same_weights(local, remote, 1e-4)
+        _, _, traffic = remote_equals_local(
+            lambda: ClassesSecond(H.llama(vocab_size=VOCAB), temperature), on_two(pool), epochs=1
+        )
     reads = [r.getMessage() for r in caplog.records if "reads a model output kept on the last stage" in r.getMessage()]
     if temperature is None:
         assert traffic.computed > 0 and traffic.fetched == 0 and traffic.declined == []
