@@ -12,6 +12,9 @@ same micro-batches, and compute the loss on the last stage:
     RemoteModelParallelStrategy(hosts=[host 1, host 2], split=["model"], balance=...))``; the
     driver on host 0 sends the token ids and labels and receives the loss. ``lrmp bf16`` adds
     ``compression="bf16"`` (activations and their gradients travel as bfloat16);
+    With ``--dial-in``, ``lrmp dial-in`` runs workers that dial the driver (``lrmp-worker
+    --connect``; they listen on nothing), so the boundary goes host 1 -> host 0 -> host 2, relayed
+    by the driver's switchboard: what a pipeline of workers behind NAT costs;
 (b) ``torch``: ``torch.distributed.pipelining``, a hand-built ``PipelineStage`` per host (rank 0 on
     host 1 reads the batch, rank 1 on host 2 computes the loss), ``ScheduleGPipe``, gloo over the
     same links.
@@ -26,6 +29,7 @@ and 2, for the model in ``benchmarks/README.md``.
 
     python benchmarks/lan.py             # 10gbit, 1gbit, 100mbit and 10mbit; 3 rounds (~10 min)
     python benchmarks/lan.py --quick     # smoke run (one rate, tiny model; ~40 s)
+    python benchmarks/lan.py --dial-in --rates 1gbit,100mbit   # and workers that dial in
 """
 
 from __future__ import annotations
@@ -197,7 +201,9 @@ def rate_bps(rate: str) -> float:
 
 
 # --- (a) lrmp ----------------------------------------------------------------------------------------
-def run_lrmp(cfg: dict[str, Any], lan: Any, hosts: list[str], rate: str, compression: str | None) -> dict[str, Any]:
+def run_lrmp(
+    cfg: dict[str, Any], lan: Any, hosts: list[str], rate: str, compression: str | None, listen: str | None = None
+) -> dict[str, Any]:
     import lightning as L
 
     from lightning_remote_mp import RemoteModelParallelStrategy
@@ -249,6 +255,7 @@ def run_lrmp(cfg: dict[str, Any], lan: Any, hosts: list[str], rate: str, compres
         microbatches=cfg["m"],
         compression=compression,
         connect_timeout=60.0,
+        listen=listen,
     )
     trainer = L.Trainer(
         strategy=strategy,
@@ -405,6 +412,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--quick", action="store_true", help="smoke run: one rate, a tiny model, one round")
+    p.add_argument("--dial-in", action="store_true", help="also run workers that dial in (relayed by the driver)")
     p.add_argument("--out", default=_common.RESULTS)
     p.add_argument("--pp-rank", type=int, help=argparse.SUPPRESS)
     p.add_argument("--pp-init", help=argparse.SUPPRESS)
@@ -470,14 +478,19 @@ def main(argv: list[str] | None = None) -> int:
             raw[r] = raw_throughput(lan, rate_bps(r))
         shape_all(lan, "10gbit")
         hosts = [lan.start_worker(i) for i in (1, 2)]
+        configs = CONFIGS + (("lrmp dial-in",) if args.dial_in else ())
+        listen = f"tcp://{lan.addr(0)}:{_common.free_port()}"
+        dialed = [lan.start_worker(i, dial=listen) for i in (1, 2)] if args.dial_in else []
         pipeline = TorchPipeline(cfg, lan)
         results: dict[tuple[str, str], list[dict[str, Any]]] = {}
         for rnd in range(args.rounds):
             for r in rates:
-                order = list(CONFIGS[rnd % 3 :] + CONFIGS[: rnd % 3])
+                order = list(configs[rnd % len(configs) :] + configs[: rnd % len(configs)])
                 for name in order:
                     if name == "torch":
                         res = pipeline.run(lan, r, 1 + args.warmup, args.steps)
+                    elif name == "lrmp dial-in":
+                        res = run_lrmp(cfg, lan, dialed, r, None, listen=listen)
                     else:
                         res = run_lrmp(cfg, lan, hosts, r, "bf16" if name.endswith("bf16") else None)
                     res["round"] = rnd
@@ -494,7 +507,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for r in rates:
         torch_by_round = {x["round"]: x["steps_per_s"] for x in results[(r, "torch")]}
-        for name in CONFIGS:
+        for name in configs:
             runs = results[(r, name)]
             sps = [x["steps_per_s"] for x in runs]
             ratio = _common.median(x["steps_per_s"] / torch_by_round[x["round"]] for x in runs)
@@ -514,7 +527,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table)
     expected = model_bytes(cfg)
     print("\nper step, by the model: " + "; ".join(f"{k} {v / 1e6:.2f} MB" for k, v in expected.items()))
-    first = {name: results[(rates[0], name)][0]["first_loss"] for name in CONFIGS}
+    first = {name: results[(rates[0], name)][0]["first_loss"] for name in configs}
     print("first step's loss: " + ", ".join(f"{k} {v:.4f}" for k, v in first.items() if v is not None))
     if not args.quick:
         os.makedirs(args.out, exist_ok=True)

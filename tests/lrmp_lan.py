@@ -151,6 +151,12 @@ class Lan:
         """Host ``i`` can no longer reach host ``j`` (both still reach everyone else)."""
         _ip("-n", self.namespace(i) or "", "route", "add", "blackhole", f"{self.addr(j)}/32")
 
+    def listening(self, i: int) -> list[str]:
+        """The TCP ports host ``i`` listens on (``ss -ltn`` there), as ``address:port``."""
+        prefix, _ = self._host_device(i)
+        out = subprocess.run([*prefix, "ss", "-ltnH"], capture_output=True, text=True, timeout=30, check=True)
+        return [line.split()[3] for line in out.stdout.splitlines() if line.strip()]
+
     def name_host(self, i: int, name: str, on: int) -> None:
         """Host ``on`` resolves ``name`` to host ``i``'s address (``ip netns exec`` mounts
         /etc/netns/<namespace>/hosts over /etc/hosts for what runs there)."""
@@ -170,16 +176,18 @@ class Lan:
         self.procs.append(proc)
         return proc
 
-    def start_worker(self, i: int, *args: str, timeout: float = 120.0) -> str:
-        """An ``lrmp-worker`` on host ``i`` (extra flags in ``args``); returns its address."""
+    def start_worker(self, i: int, *args: str, timeout: float = 120.0, dial: str | None = None) -> str:
+        """An ``lrmp-worker`` on host ``i`` (extra flags in ``args``); returns its address. With
+        ``dial`` (``tcp://host:port``) it dials the driver there as ``h<i>`` and listens on nothing;
+        its address is then ``dial://h<i>``."""
+        where = ["--connect", dial, "--name", f"h{i}"] if dial else ["--bind", f"tcp://{self.addr(i)}:*"]
         proc = self.popen(
             i,
             [
                 sys.executable,
                 "-m",
                 "lightning_remote_mp.worker",
-                "--bind",
-                f"tcp://{self.addr(i)}:*",
+                *where,
                 "--threads",
                 "1",
                 *args,

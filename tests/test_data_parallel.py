@@ -90,7 +90,7 @@ def test_replica_rows_must_match():
 def test_timeline_has_a_row_per_replica_and_stage(pool, tmp_path):
     import json
 
-    from lightning_remote_mp.wire.transport import normalize_address
+    from lightning_remote_mp.wire.addresses import normalize_address
 
     torch.manual_seed(24)
     hosts = [[pool[0], pool[1]], [pool[2], pool[3]]]

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import datetime
 import logging
-import socket
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from lightning_remote_mp.driver import ties
 from lightning_remote_mp.errors import ConfigurationError
 from lightning_remote_mp.wire import protocol
+from lightning_remote_mp.wire.addresses import address_towards, dial_name
 from lightning_remote_mp.wire.requests import GroupInit
 from lightning_remote_mp.wire.transport import request_all
 
@@ -38,6 +38,14 @@ class Groups:
     def rendezvous(self) -> tuple[str, int]:
         """The address and port of the store where the workers' process groups meet (this process
         hosts it, from the first group on)."""
+        dialed = [n for a in self.session.addresses if (n := dial_name(a))]
+        if dialed:
+            raise ConfigurationError(
+                f"the workers {', '.join(dialed)} dial in, but this model needs them to sum gradients through "
+                "torch.distributed (weights tied across stages), whose workers must accept connections from each "
+                "other, which a worker that dials in cannot. Keep the tied weights on one stage (balance=...), or "
+                "start those workers with --bind where they can accept connections"
+            )
         if self.store is None:
             import torch.distributed as dist
 
@@ -135,13 +143,3 @@ def replica_backend(workers: Sequence[Mapping[str, Any]]) -> str:
     if all(isinstance(g, str) for g in gpus) and len(set(gpus)) < len(gpus):
         return "gloo"
     return "nccl"
-
-
-def address_towards(address: str) -> str:
-    """This machine's IP on the route to ``address`` (no packet is sent)."""
-    host = address.split("://", 1)[-1].rpartition(":")[0].strip("[]")
-    if host in ("localhost", "") or host.startswith("127."):
-        return "127.0.0.1"
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect((host, 9))
-        return s.getsockname()[0]

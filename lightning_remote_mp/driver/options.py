@@ -25,7 +25,7 @@ from typing import Any
 
 from lightning_remote_mp.errors import ConfigurationError
 from lightning_remote_mp.flow import is_split_backward
-from lightning_remote_mp.wire.transport import normalize_address
+from lightning_remote_mp.wire.addresses import DIAL, WORKER_NAME, dial_name, normalize_address
 
 log = logging.getLogger(__name__)
 
@@ -123,8 +123,14 @@ class Topology:
             )
 
     @classmethod
-    def of(cls, hosts: Topology | Sequence[str] | Sequence[Sequence[str]]) -> Topology:
-        """``hosts`` as rows (a flat list is one replica), each address ``tcp://``-prefixed."""
+    def of(cls, hosts: Topology | Sequence[str] | Sequence[Sequence[str]], *, dial_in: bool = False) -> Topology:
+        """``hosts`` as rows (a flat list is one replica), each address ``tcp://``-prefixed. With
+        ``dial_in`` (the strategy listens), a bare name (no port) is a worker that dials in,
+        ``dial://NAME``.
+
+        >>> Topology.of(["gpu-a", "10.0.0.6:5555"], dial_in=True).rows
+        (('dial://gpu-a', 'tcp://10.0.0.6:5555'),)
+        """
         if isinstance(hosts, Topology):
             return hosts
         if isinstance(hosts, str) or not isinstance(hosts, Sequence) or not hosts:
@@ -137,7 +143,13 @@ class Topology:
         rows = [list(row) for row in hosts] if all(nested) else [list(hosts)]
         if any(isinstance(h, (list, tuple)) for row in rows for h in row):
             raise ConfigurationError("hosts nests rows in rows; give a list of addresses, or a list of rows of them")
-        return cls(tuple(tuple(normalize_address(a) for a in row) for row in rows))
+
+        def address(a: Any) -> str:
+            if dial_in and isinstance(a, str) and WORKER_NAME.fullmatch(a.strip()):
+                return DIAL + a.strip()
+            return normalize_address(a)
+
+        return cls(tuple(tuple(address(a) for a in row) for row in rows))
 
     @classmethod
     def in_rows(cls, addresses: Sequence[str], replicas: int) -> Topology:
@@ -157,6 +169,25 @@ class Topology:
     def addresses(self) -> list[str]:
         """Every worker's address, row by row."""
         return [a for row in self.rows for a in row]
+
+
+def check_listen(listen: Any, topology: Topology | None) -> None:
+    """``listen`` is a ``tcp://host:port`` to bind, given exactly when ``hosts`` names workers that dial in."""
+    dialed = [n for a in (topology.addresses if topology else []) if (n := dial_name(a))]
+    if listen is None:
+        if dialed:
+            raise ConfigurationError(
+                f"hosts names workers that dial in ({', '.join(dialed)}), but listen is not set: give "
+                "listen='tcp://0.0.0.0:PORT', the port they dial (lrmp-worker --connect tcp://THIS_HOST:PORT)"
+            )
+        return
+    if not isinstance(listen, str) or not listen.startswith("tcp://") or ":" not in listen[len("tcp://") :]:
+        raise ConfigurationError(f"listen must be an address to listen on like 'tcp://0.0.0.0:7000', got {listen!r}")
+    if not dialed:
+        raise ConfigurationError(
+            "listen is for workers that dial in (lrmp-worker --connect), but hosts names none: name them in hosts "
+            "by their --name, e.g. hosts=['gpu-a', 'gpu-b']"
+        )
 
 
 def check_replicas(replicas: int, topology: Topology | None, local: LocalWorkerOptions | None) -> int:

@@ -54,9 +54,11 @@ from lightning_remote_mp.model.spec import (
     user_code_modules,
 )
 from lightning_remote_mp.wire import protocol
+from lightning_remote_mp.wire.addresses import dial_name, normalize_address, relay_address, resolved, route_dialin
 from lightning_remote_mp.wire.heartbeat import Heartbeat
 from lightning_remote_mp.wire.keys import KeyPair
 from lightning_remote_mp.wire.requests import Hello, Profile, Setup
+from lightning_remote_mp.wire.switchboard import Switchboard
 from lightning_remote_mp.wire.transport import (
     DEFAULT_CALL_TIMEOUT,
     DEFAULT_CONNECT_TIMEOUT,
@@ -64,8 +66,6 @@ from lightning_remote_mp.wire.transport import (
     Connection,
     Curve,
     broadcast,
-    normalize_address,
-    resolved,
 )
 
 log = logging.getLogger(__name__)
@@ -97,6 +97,8 @@ class DriverSession:
         limits: bounds on what this driver accepts from the workers.
         allow_plaintext_allreduce: with ``keys``, let gradients be summed through torch.distributed,
             which CURVE does not cover (replicas, tied weights held by several stages).
+        listen: where workers that dial in (``dial://NAME`` in ``hosts``) reach this driver,
+            ``tcp://host:port`` (`lightning_remote_mp.wire.switchboard`).
     """
 
     def __init__(
@@ -112,6 +114,7 @@ class DriverSession:
         limits: protocol.Limits = protocol.DEFAULT_LIMITS,
         call_timeout: float | None = DEFAULT_CALL_TIMEOUT,
         allow_plaintext_allreduce: bool = False,
+        listen: str | None = None,
     ) -> None:
         self.topology = Topology.of(hosts)
         rows, addresses = self.topology.rows, self.topology.addresses
@@ -124,7 +127,8 @@ class DriverSession:
                 raise ConfigurationError(f"no public key given for the workers at {missing}; give one per worker")
         self.keys = keys
         self.worker_keys = worker_keys
-        curves = {a: Curve(keys, worker_keys[a]) for a in addresses} if keys and worker_keys else {}
+        # A dial-in worker's own link is encrypted; this process reaches it in-process.
+        curves = {a: Curve(keys, worker_keys[a]) for a in addresses if not dial_name(a)} if keys and worker_keys else {}
         self.heartbeat_timeout = heartbeat_timeout
         self.connect_timeout = connect_timeout
         self.allow_plaintext_allreduce = allow_plaintext_allreduce
@@ -134,6 +138,7 @@ class DriverSession:
         with torch.random.fork_rng(devices=[]):  # the draw leaves the driver's stream (data order) as it was
             self.seed = int(torch.randint(0, 2**62, ()).item())
         replicated = len(rows) > 1
+        self.switchboard = self._listen(listen, limits) if any(map(dial_name, addresses)) else None
         self.grid: list[list[Connection]] = []
         try:
             for r, row in enumerate(rows):
@@ -154,6 +159,7 @@ class DriverSession:
         except BaseException:
             for c in (c for row in self.grid for c in row):
                 c.close()
+            self._close_switchboard()
             raise
         self.conns = [c for row in self.grid for c in row]
         for c in self.conns:
@@ -176,6 +182,52 @@ class DriverSession:
         except BaseException:
             self.close()
             raise
+
+    def _listen(self, listen: str | None, limits: protocol.Limits) -> Switchboard:
+        """Wait for the workers that dial in, on a switchboard listening at ``listen``."""
+        names = [n for a in self.addresses if (n := dial_name(a))]
+        if listen is None:
+            raise ConfigurationError(
+                f"hosts names workers that dial in ({', '.join(names)}), but there is no listen= address for them "
+                "to dial: give the strategy listen='tcp://0.0.0.0:PORT'"
+            )
+        if self.topology.replicas > 1:
+            raise ConfigurationError(
+                f"hosts has {self.topology.replicas} rows (replicas) and workers that dial in ({', '.join(names)}): "
+                "replicas sum their gradients through torch.distributed, whose workers must accept connections from "
+                "each other, which a worker that dials in cannot. Train one pipeline with them, or start those "
+                "workers with --bind where they can accept connections"
+            )
+        worker_keys = None
+        if self.keys is not None and self.worker_keys is not None:
+            worker_keys = {n: self.worker_keys[a] for a in self.addresses if (n := dial_name(a))}
+        switchboard = Switchboard(listen, keys=self.keys, worker_keys=worker_keys, limits=limits)
+        route_dialin(names, switchboard.local_endpoint)
+        try:
+            switchboard.wait_for(names, self.connect_timeout)
+        except BaseException:
+            route_dialin(names, None)
+            switchboard.close()
+            raise
+        return switchboard
+
+    def _close_switchboard(self) -> None:
+        if self.switchboard is not None:
+            route_dialin([n for a in self.addresses if (n := dial_name(a))], None)
+            self.switchboard.close()
+            self.switchboard = None
+
+    def peer_address(self, target: Connection, sender: Connection) -> str:
+        """Where the worker of ``sender`` reaches the worker of ``target``: at the IP this driver
+        reaches it at (it need not resolve the names this host knows), or, for a worker that
+        dialed in, through this driver's switchboard: via the driver a dial-in sender dialed itself,
+        via this machine's address towards any other."""
+        name = dial_name(target.address)
+        if name is None:
+            return resolved(target.address)
+        assert self.switchboard is not None
+        via = "" if dial_name(sender.address) else self.switchboard.via_toward(resolved(sender.address))
+        return relay_address(name, via, self.keys.public if self.keys is not None else None)
 
     def grads_version(self) -> int:
         """How many backward passes ran through remote stages: gradients changed if this moved."""
@@ -382,9 +434,10 @@ class DriverSession:
                 exports=stage.exports,
                 sources=stage.sources,
                 targets=stage.targets,
-                # Peers reach each other at the IP the driver reaches them at: they need not resolve its names.
                 peers={
-                    k: resolved(row[k].address) for k, _ in (*stage.sources, *stage.targets) if k != partition.DRIVER
+                    k: self.peer_address(row[k], conn)
+                    for k, _ in (*stage.sources, *stage.targets)
+                    if k != partition.DRIVER
                 },
                 # With CURVE, the keys of those peers: this worker checks them when it connects to one,
                 # and lets them connect to it for this session's forward and backward messages.
@@ -532,6 +585,7 @@ class DriverSession:
             self.heartbeat.close()
         for c in self.conns:
             c.close()
+        self._close_switchboard()
         self.groups.store = None
 
 

@@ -31,6 +31,7 @@ from lightning_remote_mp.driver.options import (
     check_balance,
     check_count,
     check_curve,
+    check_listen,
     check_optional_text,
     check_replicas,
     check_split,
@@ -124,6 +125,13 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
             never returns, a deadlock. ``None`` waits as long as the worker lives.
         store_host: with replicas, the address workers reach this machine at for their rendezvous
             (default: this machine's address on the route to the first worker).
+        listen: where workers that dial in reach this machine, e.g. ``"tcp://0.0.0.0:7000"``: for a
+            GPU box behind NAT or a firewall that accepts no connections, start ``lrmp-worker
+            --connect tcp://THIS_HOST:7000 --name gpu-a`` there and name it in ``hosts`` by its name
+            (``hosts=["gpu-a", "gpu-b"]``, or ``"dial://gpu-a"``; addresses of workers that listen
+            may be mixed in). Setup waits ``connect_timeout`` for them and names who is missing. All
+            of a dial-in worker's traffic takes its one connection; what other workers send it goes
+            through this machine (docs/multi_machine.md).
         curve: CURVE encryption and authentication of every connection, driver to worker and worker
             to worker (`CurveOptions`: ``secret_key``, the path of this driver's ``NAME.key_secret``
             from ``lrmp-worker keygen``; ``worker_public_keys``, with ``hosts`` the workers'
@@ -163,6 +171,7 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
         connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
         call_timeout: float | None = DEFAULT_CALL_TIMEOUT,
         store_host: str | None = None,
+        listen: str | None = None,
         curve: CurveOptions | None = None,
         max_message_bytes: int | None = None,
         split: list[str] | None = None,
@@ -172,7 +181,8 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
         precision_plugin: Any = None,
     ) -> None:
         # Every argument is checked before anything else happens: no file is read, no process started.
-        self.topology = Topology.of(hosts) if hosts is not None else None
+        self.topology = Topology.of(hosts, dial_in=listen is not None) if hosts is not None else None
+        check_listen(listen, self.topology)
         if self.topology is not None and local_workers is not None:
             raise ConfigurationError(
                 "local_workers is for the workers the strategy starts itself (hosts=None); with hosts, start "
@@ -212,6 +222,7 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
         self.connect_timeout = connect_timeout
         self.call_timeout = call_timeout
         self.store_host = store_host
+        self.listen = listen
         self.curve = curve
         self.limits = (
             protocol.Limits(max_message_bytes=max_message_bytes) if max_message_bytes else protocol.DEFAULT_LIMITS
@@ -305,6 +316,7 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
                 worker_keys=worker_keys,
                 limits=self.limits,
                 allow_plaintext_allreduce=self.curve is not None and self.curve.allow_plaintext_allreduce,
+                listen=self.listen,
             )
             for key, module in modules.items():
                 self._session.place(

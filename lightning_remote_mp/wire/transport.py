@@ -15,7 +15,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-import socket
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -33,6 +32,7 @@ from lightning_remote_mp.errors import (
     worker_location,
 )
 from lightning_remote_mp.wire import protocol
+from lightning_remote_mp.wire.addresses import dial_name, endpoint_of, route
 from lightning_remote_mp.wire.keys import KeyPair
 
 if TYPE_CHECKING:
@@ -50,53 +50,6 @@ DEFAULT_HEARTBEAT_INTERVAL = 1.0
 DEFAULT_CALL_TIMEOUT = 300.0
 POLL_SLICE_MS = 50
 _VAGUE_FAILURE_WAIT = 1.0  # seconds a handshake failure without detail waits for a more telling one (a reconnect)
-
-
-def normalize_address(host: str) -> str:
-    """``"host:port"`` becomes ``"tcp://host:port"``; ``tcp://``, ``ipc://`` and ``inproc://`` pass."""
-    if not isinstance(host, str) or not host.strip():
-        raise ConfigurationError(f"worker address must be a non-empty string like 'tcp://10.0.0.5:5555', got {host!r}")
-    host = host.strip()
-    if "://" not in host:
-        host = "tcp://" + host
-    scheme, rest = host.split("://", 1)
-    if scheme not in ("tcp", "ipc", "inproc"):
-        raise ConfigurationError(f"worker address {host!r}: unsupported scheme {scheme!r}; use tcp://host:port")
-    if scheme == "tcp":
-        hostname, sep, port = rest.rpartition(":")
-        if not sep or not hostname or not (port.isdigit() or port == "*"):
-            raise ConfigurationError(f"worker address {host!r} needs a port, like tcp://10.0.0.5:5555")
-    return host
-
-
-def resolved(address: str) -> str:
-    """``address`` with its hostname replaced by the IP address this machine resolves it to: what the
-    driver tells a worker about its peers, which need not resolve the names the driver's host knows
-    (an entry in the driver's /etc/hosts). An IP address, a non-TCP address, or a name that does not
-    resolve here stays as it is.
-
-    >>> resolved("tcp://localhost:5555"), resolved("tcp://10.0.0.5:5555")
-    ('tcp://127.0.0.1:5555', 'tcp://10.0.0.5:5555')
-    """
-    if not address.startswith("tcp://"):
-        return address
-    host, _, port = address[len("tcp://") :].rpartition(":")
-    name = host.strip("[]")
-    try:
-        infos = socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)
-    except OSError:
-        return address
-    ip = str(infos[0][4][0])
-    if ip == name:
-        return address
-    return f"tcp://[{ip}]:{port}" if ":" in ip else f"tcp://{ip}:{port}"
-
-
-def is_loopback(address: str) -> bool:
-    if not address.startswith("tcp://"):
-        return True
-    hostname = address[len("tcp://") :].rpartition(":")[0].strip("[]")
-    return hostname in ("localhost", "::1") or hostname.startswith("127.")
 
 
 def context() -> zmq.Context:
@@ -178,6 +131,13 @@ def dealer(
     ``connect=False`` the caller connects it (after attaching a monitor, say)."""
     sock = context().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    routing_id, via_key = route(address)
+    if routing_id is not None:
+        sock.setsockopt(zmq.ROUTING_ID, routing_id)
+    if dial_name(address):
+        curve = None  # this process's switchboard, in-process: the worker's own link is encrypted
+    elif curve is not None and via_key is not None:
+        curve = Curve(curve.keys, via_key)
     if immediate:
         sock.setsockopt(zmq.IMMEDIATE, 1)
     if limits is not None:
@@ -187,7 +147,7 @@ def dealer(
         sock.curve_publickey = curve.keys.public
         sock.curve_serverkey = curve.server_key
     if connect:
-        sock.connect(address)
+        sock.connect(endpoint_of(address))
     return sock
 
 
@@ -282,7 +242,7 @@ class Connection:
         self._sock = dealer(address, curve=curve, limits=limits, connect=False)
         # Attached before connecting: a refused handshake is not retried, so its event must not be missed.
         self._monitor: zmq.Socket | None = self._sock.get_monitor_socket(_HANDSHAKE_EVENTS)
-        self._sock.connect(address)
+        self._sock.connect(endpoint_of(address))
         self._tcp_connected_at: float | None = None
         self._vague_failure: tuple[float, dict[str, Any]] | None = None
         self._heard = False

@@ -16,11 +16,12 @@ import logging
 import os
 import re
 import signal
+import socket
 import sys
 from collections.abc import Sequence
 
 from lightning_remote_mp.errors import ConfigurationError
-from lightning_remote_mp.wire import protocol, transport
+from lightning_remote_mp.wire import addresses, protocol
 from lightning_remote_mp.worker import allocator
 from lightning_remote_mp.worker.server import DEFAULT_SESSION_TIMEOUT, WorkerServer
 
@@ -64,8 +65,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--bind",
-        default="tcp://127.0.0.1:5555",
-        help="endpoint to listen on, e.g. tcp://0.0.0.0:5555 (port * picks a free one)",
+        default=None,
+        help="endpoint to listen on, e.g. tcp://0.0.0.0:5555 (port * picks a free one; default tcp://127.0.0.1:5555)",
+    )
+    p.add_argument(
+        "--connect",
+        metavar="ADDRESS",
+        help="dial the driver at this address (its listen=, e.g. tcp://driver:7000) and listen on nothing: for a "
+        "machine behind NAT or a firewall that accepts no connections",
+    )
+    p.add_argument(
+        "--name",
+        default=None,
+        help="with --connect: the name the driver's hosts list this worker by (default: this machine's hostname)",
     )
     p.add_argument("--device", default="cpu", help="where this worker keeps its layers: cpu or cuda:N")
     p.add_argument(
@@ -100,6 +112,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="directory of the public keys (*.key) of the drivers allowed to connect; re-read at each connection",
     )
+    sec.add_argument(
+        "--driver-key",
+        metavar="FILE",
+        help="with --connect: the public key (NAME.key) the driver must prove (default: the only key in "
+        "--authorized-keys)",
+    )
     lim = p.add_argument_group("limits on what this worker accepts")
     for f in dataclasses.fields(protocol.Limits):
         if "flag" not in f.metadata:
@@ -118,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def insecure_bind_warning(endpoint: str, secure: bool) -> str | None:
     """The warning for a worker reachable beyond this machine without CURVE (``None`` otherwise)."""
-    if secure or transport.is_loopback(endpoint):
+    if secure or addresses.is_loopback(endpoint):
         return None
     return (
         f"listening on {endpoint} WITHOUT encryption or authentication: anyone who can reach this port can "
@@ -126,6 +144,37 @@ def insecure_bind_warning(endpoint: str, secure: bool) -> str | None:
         "read or alter what it computes. Start it with --secret-key and --authorized-keys (see "
         "`lrmp-worker keygen --help`) unless every host on this network is trusted"
     )
+
+
+def dial_in(args: argparse.Namespace, secure: bool) -> tuple[str | None, str, bytes | None]:
+    """``--connect``'s address, the worker's name, and the driver's public key to check (with CURVE)."""
+    if args.connect is None:
+        if args.name is not None or args.driver_key is not None:
+            raise ConfigurationError("--name and --driver-key are for a worker that dials in: give --connect too")
+        return None, "", None
+    if args.bind is not None:
+        raise ConfigurationError("--connect and --bind exclude each other: a worker that dials in listens on nothing")
+    connect = addresses.normalize_address(args.connect)
+    if not connect.startswith("tcp://"):
+        raise ConfigurationError(f"--connect {args.connect}: give the driver's listen address, tcp://host:port")
+    name = args.name if args.name is not None else socket.gethostname().split(".")[0]
+    if not addresses.WORKER_NAME.fullmatch(name):
+        raise ConfigurationError(
+            f"--name {name!r}: use letters, digits, '.', '_' and '-' (at most 63), as the driver's hosts names it"
+        )
+    if not secure:
+        return connect, name, None
+    from lightning_remote_mp.wire.keys import load_authorized_keys, load_public_key
+
+    if args.driver_key is not None:
+        return connect, name, load_public_key(args.driver_key)
+    keys = sorted(load_authorized_keys(args.authorized_keys))
+    if len(keys) != 1:
+        raise ConfigurationError(
+            f"--authorized-keys {args.authorized_keys} holds {len(keys)} public keys; a worker that dials in checks "
+            "exactly one driver's: name it with --driver-key FILE"
+        )
+    return connect, name, keys[0]
 
 
 def keygen(argv: Sequence[str]) -> int:
@@ -185,7 +234,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         auto_min_macs(torch.device("cpu"))  # a malformed LRMP_SPLIT_BACKWARD_MIN_MACS fails here, not at setup
         limits = protocol.Limits(**{name: getattr(args, name) for name in protocol.LIMIT_FLAGS})
-        bind = transport.normalize_address(args.bind)
+        connect, name, driver_key = dial_in(args, keys is not None)
+        bind = addresses.normalize_address(args.bind or "tcp://127.0.0.1:5555")
         server = WorkerServer(
             bind,
             device=args.device,
@@ -195,11 +245,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             keys=keys,
             authorized_keys=args.authorized_keys,
             parent=os.getppid() if args.exit_with_parent else None,
+            connect=connect,
+            name=name,
+            driver_key=driver_key,
         )
     except Exception as err:
         print(f"lrmp-worker: {err}", file=sys.stderr)
         return 2
-    if warning := insecure_bind_warning(server.endpoint, server.secure):
+    if connect is not None:
+        if not server.secure and not addresses.is_loopback(connect):
+            log.warning(
+                "dialing %s WITHOUT encryption or authentication: whoever answers at that address, or sits between, "
+                "drives this worker. Start it with --secret-key and --authorized-keys unless the network is trusted",
+                connect,
+            )
+    elif warning := insecure_bind_warning(server.endpoint, server.secure):
         log.warning("%s", warning)
     if server.secure:
         log.info(
@@ -210,8 +270,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: server.stop())
     if hasattr(signal, "SIGUSR1"):  # `kill -USR1 <pid>` prints every thread's stack: for a worker that seems stuck
         faulthandler.register(signal.SIGUSR1, all_threads=True)
-    # The launcher of local workers reads this line to learn the bound port.
-    print(f"lrmp-worker ready on {server.endpoint} device={server.device}", flush=True)
+    # The launcher of local workers reads this line to learn the bound port (or the name it dials in by).
+    where = f"{addresses.DIAL}{name} (dialing {connect})" if connect is not None else server.endpoint
+    print(f"lrmp-worker ready on {where} device={server.device}", flush=True)
     try:
         server.serve_forever()
     except KeyboardInterrupt:

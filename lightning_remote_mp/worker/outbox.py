@@ -22,6 +22,7 @@ import zmq
 
 from lightning_remote_mp.errors import PeerUnreachableError
 from lightning_remote_mp.wire import protocol, transport
+from lightning_remote_mp.wire.addresses import RELAY
 from lightning_remote_mp.wire.keys import KeyPair
 from lightning_remote_mp.worker.dispatch import error_body
 
@@ -100,10 +101,13 @@ class Outbox:
     when a copy is done. On CPU nothing is ever held.
     """
 
-    def __init__(self, holder: SocketHolder, wake_endpoint: str, keys: KeyPair | None = None) -> None:
+    def __init__(
+        self, holder: SocketHolder, wake_endpoint: str, keys: KeyPair | None = None, relay_via: str = ""
+    ) -> None:
         self.holder = holder  # the server: its socket to the driver, lent to this thread for each send
         self.wake_endpoint = wake_endpoint  # wakes the serving loop when a held copy is done
         self.keys = keys
+        self.relay_via = relay_via  # a dial-in worker's driver (host:port): where relays without a host go
         self.driver_peer = b""
         self.session = ""
         self.peer_timeout = DEFAULT_PEER_TIMEOUT
@@ -247,7 +251,10 @@ class Outbox:
                         "peers only over CURVE (the driver sends their keys at setup)"
                     )
                 curve = transport.Curve(self.keys, server_key)
-            sock = self._peers[address] = transport.dealer(address, curve=curve, immediate=True)
+            route = address
+            if address.startswith(RELAY + "/"):  # through the driver this worker dialed
+                route = RELAY + self.relay_via + address[len(RELAY) :]
+            sock = self._peers[address] = transport.dealer(route, curve=curve, immediate=True)
         return sock
 
     def close_peers(self) -> None:

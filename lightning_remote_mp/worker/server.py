@@ -43,6 +43,7 @@ from lightning_remote_mp.worker.outbox import DEFAULT_PEER_TIMEOUT, Outbox
 from lightning_remote_mp.worker.session import WorkerSession, describe_device
 from lightning_remote_mp.worker.signals import SignalWakeup
 from lightning_remote_mp.worker.throttle import Throttle
+from lightning_remote_mp.worker.uplink import Uplink
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +99,10 @@ class WorkerServer:
         authorized_keys: directory of the public keys allowed to drive this worker.
         parent: stop once this process is no longer the worker's parent (the driver that started
             it ended, even without stopping it: killed, out of memory).
+        connect: dial the driver's switchboard at this ``tcp://host:port`` instead of listening
+            (`lightning_remote_mp.worker.uplink`); ``bind`` is then ignored.
+        name: with ``connect``, the name the driver knows this worker by.
+        driver_key: with ``connect`` and ``keys``, the public key the driver must prove.
     """
 
     def __init__(
@@ -110,10 +115,20 @@ class WorkerServer:
         keys: KeyPair | None = None,
         authorized_keys: str | os.PathLike[str] | None = None,
         parent: int | None = None,
+        connect: str | None = None,
+        name: str = "",
+        driver_key: bytes | None = None,
     ) -> None:
         from lightning_remote_mp.model.spec import DEFAULT_ALLOWED_PREFIXES
 
-        if (keys is None) != (authorized_keys is None):
+        self.uplink: Uplink | None = None
+        if connect is not None:
+            if keys is not None and driver_key is None:
+                raise ConfigurationError("a worker that dials in with CURVE needs the driver's public key to check")
+            bind = f"inproc://lrmp-worker-{uuid.uuid4().hex}"  # listening on nothing: all comes up the uplink
+            self.uplink = Uplink(connect, name, bind, keys=keys, driver_key=driver_key, limits=limits)
+            authorized_keys = None
+        elif (keys is None) != (authorized_keys is None):
             raise ConfigurationError(
                 "CURVE needs both this worker's key pair (--secret-key) and the directory of the drivers' "
                 "public keys (--authorized-keys)"
@@ -138,7 +153,7 @@ class WorkerServer:
         # The authenticator must answer before the first client can complete a handshake.
         self.auth = (
             WorkerAuth(transport.context(), authorized_keys, self._current_peer_keys)
-            if keys is not None and authorized_keys is not None
+            if keys is not None and authorized_keys is not None and connect is None
             else None
         )
         try:
@@ -172,7 +187,7 @@ class WorkerServer:
 
     @property
     def secure(self) -> bool:
-        return self.auth is not None
+        return self.auth is not None or (self.uplink is not None and self.uplink.curve is not None)
 
     def _current_peer_keys(self) -> frozenset[bytes]:
         return self._session_peer_keys.get(self._session_id or "", frozenset())
@@ -185,12 +200,16 @@ class WorkerServer:
         """Serve until `stop`: requests on a thread of their own, signals and stand-in on this one."""
         serving = threading.Thread(target=self._serve, name="lrmp-serve", daemon=True)
         serving.start()
+        if self.uplink is not None:
+            self.uplink.start()
         signals = SignalWakeup.install()
         try:
             self._watch(signals, serving)
         finally:
             if signals is not None:
                 signals.close()
+            if self.uplink is not None:
+                self.uplink.stop()
             self._stop_serving(serving)
             if self.auth is not None:
                 self.auth.stop()
@@ -386,7 +405,9 @@ class WorkerServer:
     def _on_message(self, header: Any, request: Request) -> None:
         """Answer what the I/O side answers (heartbeats, drivers' greetings, refusals); queue the rest."""
         peer, from_peer = request.peer, request.from_peer
-        if self.auth is not None and not self._authorized(header, request):
+        if (self.auth is not None and not self._authorized(header, request)) or (
+            self.uplink is not None and not self._relay_authorized(request)
+        ):
             self._refuse(
                 peer,
                 request.id,
@@ -442,6 +463,13 @@ class WorkerServer:
         if request.from_peer and user_id and request.session == self._session_id:
             return user_id.encode() in self._current_peer_keys()
         return False
+
+    def _relay_authorized(self, request: Request) -> bool:
+        """Dialed in: what came through the driver's switchboard from another worker (an origin
+        ``r:``, which only the switchboard writes) may only be its session's pipeline."""
+        if not request.peer.startswith(b"r:"):
+            return True
+        return request.from_peer and request.session == self._session_id
 
     def _on_hello(self, request: Request, hello: Hello) -> None:
         """Answered by the thread that holds the socket, at once, so a driver hears back even while
@@ -555,7 +583,7 @@ class WorkerServer:
         torch.set_num_threads(self._threads)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # the current device is per thread too
-        self._outbox = Outbox(self, self._wake_serving, self.keys)
+        self._outbox = Outbox(self, self._wake_serving, self.keys, self.uplink.via if self.uplink else "")
         self._dispatch = Dispatch(self._outbox, self._throttle)
         self._busy_since = time.monotonic()  # the main thread answers drivers meanwhile
         try:
