@@ -7,11 +7,13 @@ one goes through the driver's switchboard. Real workers on loopback, and on an e
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
 import time
 
+import lightning as L
 import pytest
 import torch
 import zmq
@@ -58,8 +60,10 @@ def dial_in():
             env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
         )
         procs.append(proc)
+        start.pids[name] = proc.pid
         return WorkerOutput(proc).wait_ready(time.monotonic() + 120)
 
+    start.pids = {}
     yield start
     for proc in procs:
         proc.kill()
@@ -97,6 +101,30 @@ def test_a_dial_in_worker_beside_one_that_listens(dial_in, twin, pool, dial_in_f
     hosts = [dialed, pool[0]] if dial_in_first else [pool[0], dialed]
     strategy = RemoteModelParallelStrategy(hosts=hosts, listen=f"tcp://0.0.0.0:{port}", microbatches=2, balance=[4, 8])
     _fit_both(twin, strategy)
+
+
+class _Kill(L.Callback):
+    def __init__(self, pid: int) -> None:
+        self.pid, self.at = pid, 0.0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if batch_idx == 1:
+            os.kill(self.pid, signal.SIGKILL)
+            self.at = time.monotonic()
+
+
+def test_a_dial_in_worker_that_dies_is_named_within_the_heartbeat_timeout(dial_in):
+    port = _free_port()
+    dial_in(port, "a")
+    dial_in(port, "b")
+    kill = _Kill(dial_in.pids["b"])
+    strategy = RemoteModelParallelStrategy(
+        hosts=["a", "b"], listen=f"tcp://127.0.0.1:{port}", microbatches=2, heartbeat_timeout=3.0
+    )
+    with pytest.raises(WorkerLostError) as info:
+        trainer(strategy, epochs=3, callbacks=[kill]).fit(Net(residual_spec()), data())
+    assert info.value.address == "dial://b", str(info.value)
+    assert time.monotonic() - kill.at < 3.0 + 3.0
 
 
 def test_a_worker_that_has_not_dialed_in_is_named(dial_in):

@@ -6,6 +6,7 @@ Skipped where namespaces cannot be made (not root, no iproute2); CI runs as root
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 import textwrap
@@ -18,6 +19,12 @@ from test_strategy import Net, assert_same_losses, assert_same_weights, data, re
 
 from lightning_remote_mp import CurveOptions, RemoteModelParallelStrategy, WorkerError, WorkerLostError
 from lightning_remote_mp.wire.keys import generate_keypair, load_keypair, write_public_key
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def _workers(lan, *hosts: int, args: tuple[str, ...] = ()) -> list[str]:
@@ -89,13 +96,17 @@ def test_a_pulled_cable_is_named_and_the_worker_serves_a_new_driver_once_plugged
     assert len(model.losses) == 4
 
 
-def test_a_large_message_on_a_slow_link_is_no_stall(make_lan, twin):
+@pytest.mark.parametrize("dial_in", [False, True], ids=["listening", "dial-in"])
+def test_a_large_message_on_a_slow_link_is_no_stall(make_lan, twin, dial_in):
     """10 Mbit/s links and a 4 MiB activation: each transfer takes over 3 s, longer than the
     heartbeat timeout (2 s), while no worker computes and no message arrives. The bytes move all
-    along (the kernel's TCP counters, in the heartbeats), so it is no stall; and the heartbeats,
-    on connections of their own, never queue behind the activation."""
+    along (the kernel's TCP counters, in the heartbeats), so it is no stall. Heartbeats to workers
+    that listen take connections of their own and never queue behind the activation; those to
+    workers that dial in share their one connection with it (relayed by the driver, both ways),
+    and wait behind it: moving bytes count there too."""
     lan = make_lan(3, "10mbit")
-    hosts = _workers(lan, 1, 2)
+    listen = f"tcp://{lan.addr(0)}:{_free_port()}" if dial_in else None
+    hosts = [lan.start_worker(i, dial=listen) for i in (1, 2)] if dial_in else _workers(lan, 1, 2)
     width = 1024
     spec = [
         ("torch.nn.Linear", {"in_features": 8, "out_features": width}, (1024, 8)),
@@ -112,7 +123,7 @@ def test_a_large_message_on_a_slow_link_is_no_stall(make_lan, twin):
     )
     trainer(epochs=1).fit(local, batches)
     started = time.monotonic()
-    strategy = RemoteModelParallelStrategy(hosts=hosts, balance=[2, 2], heartbeat_timeout=2.0)
+    strategy = RemoteModelParallelStrategy(hosts=hosts, balance=[2, 2], heartbeat_timeout=2.0, listen=listen)
     trainer(strategy, epochs=1).fit(remote, batches)
     took = time.monotonic() - started
     assert took > 2 * 3.0, f"the step took {took:.1f} s: the links were not slow enough to test anything"

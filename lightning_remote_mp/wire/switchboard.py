@@ -20,7 +20,8 @@ came from another worker), so a worker cannot pass for the driver. With CURVE, t
 admits only the workers' public keys, and an uplink's name must be its own key's.
 
 Nothing here decodes what it forwards (ZeroMQ frames pass by reference); only an uplink's
-announcement and, for a worker that is not connected, an error reply are read or written.
+announcement is read. A message for a worker whose link is down is dropped, as a network drops
+it: the driver's heartbeat names that worker.
 """
 
 from __future__ import annotations
@@ -225,14 +226,12 @@ class Switchboard:
                         log.exception("dropped a message the switchboard could not forward")
 
     def _from_driver(self, frames: list[Any]) -> None:
-        """``[d:NAME/..., payload...]`` from this process: down NAME's uplink."""
-        origin = frames[0].bytes
-        name = origin[2:].partition(b"/")[0].decode("ascii", "replace")
+        """``[d:NAME/..., payload...]`` from this process: down NAME's uplink. Nothing answers for a
+        worker that is not connected: the driver's heartbeat names it, as any silent worker."""
+        name = frames[0].bytes[2:].partition(b"/")[0].decode("ascii", "replace")
         link = self.links.get(name)
-        if link is None or not _send(self._tcp, [link.routing_id, frames[0], *frames[1:]]):
-            why = "its link dropped" if link is not None else "it has not dialed in"
-            body = {"type": "WorkerNotConnected", "message": f"worker {name!r} is not connected to this driver: {why}"}
-            _send(self._local, [origin, *protocol.encode(protocol.ERROR, protocol.peek_id(frames[1:]), "", body)])
+        if link is not None:
+            _send(self._tcp, [link.routing_id, frames[0], *frames[1:]])
 
     def _from_worker(self, frames: list[Any]) -> None:
         sender = frames[0].bytes

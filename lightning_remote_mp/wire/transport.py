@@ -470,6 +470,10 @@ class Connection:
             if self.address in hb.lost:
                 self._lost(f"{self.where()} lost{self._doing(what)}: {hb.lost[self.address]}")
             silent = hb.silent_for(self.address)
+            if silent > self.heartbeat_timeout and dial_name(self.address) and (moved := hb.moved_for()) is not None:
+                # A worker that dialed in answers heartbeats on its one connection, behind whatever
+                # large message that connection carries: while bytes move, it is no silence.
+                silent = min(silent, moved)
             if silent > self.heartbeat_timeout:
                 self._lost(
                     f"{self.where()} stopped answering{self._doing(what)}: no reply or heartbeat for {silent:.1f} s "

@@ -35,7 +35,7 @@ from lightning_remote_mp.errors import ConfigurationError, ProtocolError, Protoc
 from lightning_remote_mp.wire import protocol, transport
 from lightning_remote_mp.wire.keys import KeyPair
 from lightning_remote_mp.wire.requests import Hello
-from lightning_remote_mp.wire.traffic import Traffic
+from lightning_remote_mp.wire.traffic import MIN_PROGRESS, Traffic
 from lightning_remote_mp.worker import allocator
 from lightning_remote_mp.worker.auth import DRIVER, WorkerAuth
 from lightning_remote_mp.worker.dispatch import DROP, NEW, Dispatch, Request, error_body, parse
@@ -168,6 +168,7 @@ class WorkerServer:
         self._disconnected_at: float | None = None  # a connection closed during the session: its driver's?
         self._throttle = Throttle(log)
         self._traffic = Traffic()  # sampled by the thread that holds the socket, for heartbeats
+        self._moved: int | None = None  # its last sample
         self._stop = threading.Event()
         # Who uses the ROUTER socket, the monitor and the session's I/O state (the fields above): the
         # serving thread, or the main thread while a request runs (see `socket`).
@@ -421,7 +422,8 @@ class WorkerServer:
             if alive:
                 self._last_seen = time.monotonic()
             # The bytes this worker's connections moved: a large message on a slow link is progress.
-            answer = {"session_alive": alive, "busy": self._computing(), "moved": self._traffic.sample()}
+            self._moved = self._traffic.sample()
+            answer = {"session_alive": alive, "busy": self._computing(), "moved": self._moved}
             session = self._session
             if alive and session is not None and session.id == request.session:
                 answer.update(session.held_back())  # what waits for the driver: named when the pipeline stalls
@@ -465,8 +467,7 @@ class WorkerServer:
         return False
 
     def _relay_authorized(self, request: Request) -> bool:
-        """Dialed in: what came through the driver's switchboard from another worker (an origin
-        ``r:``, which only the switchboard writes) may only be its session's pipeline."""
+        """Dialed in: a peer's message relayed by the driver (origin ``r:``) may only be its session's pipeline."""
         if not request.peer.startswith(b"r:"):
             return True
         return request.from_peer and request.session == self._session_id
@@ -570,10 +571,18 @@ class WorkerServer:
     def _expire_session(self) -> None:
         if self._session_id is None or self._expires_in() > 0:
             return
+        if self.uplink is not None and self._still_moving():
+            self._last_seen = time.monotonic()  # the driver's pings queue behind a large message
+            return
         if time.monotonic() - self._last_seen > self.session_timeout:
             self._end_session(f"driver silent for more than {self.session_timeout:.0f} s")
         else:
             self._end_session(f"a connection closed and the driver has been silent for {DISCONNECT_GRACE:.0f} s since")
+
+    def _still_moving(self) -> bool:
+        """Whether bytes moved since the last heartbeat (which waits behind a large message on an uplink)."""
+        before, self._moved = self._moved, self._traffic.sample()
+        return before is not None and self._moved is not None and self._moved - before >= MIN_PROGRESS
 
     # --- serving thread ------------------------------------------------------------------
     def _serve(self) -> None:
