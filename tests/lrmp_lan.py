@@ -24,6 +24,23 @@ from collections.abc import Sequence
 
 from lightning_remote_mp.driver.launch import WorkerOutput
 
+#: How a test's worker process reports: its output piped (`WorkerOutput` reads the ready line).
+WORKER_OUTPUT = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT}
+
+
+def worker_command(*args: str) -> list[str]:
+    """``lrmp-worker`` with one torch thread and ``args``, importing what this process imports."""
+    return [
+        "env",
+        f"PYTHONPATH={os.pathsep.join(sys.path)}",
+        sys.executable,
+        "-m",
+        "lightning_remote_mp.worker",
+        "--threads",
+        "1",
+        *args,
+    ]
+
 
 class LanUnavailable(RuntimeError):
     """Network namespaces cannot be made here."""
@@ -181,21 +198,7 @@ class Lan:
         ``dial`` (``tcp://host:port``) it dials the driver there as ``h<i>`` and listens on nothing;
         its address is then ``dial://h<i>``."""
         where = ["--connect", dial, "--name", f"h{i}"] if dial else ["--bind", f"tcp://{self.addr(i)}:*"]
-        proc = self.popen(
-            i,
-            [
-                sys.executable,
-                "-m",
-                "lightning_remote_mp.worker",
-                *where,
-                "--threads",
-                "1",
-                *args,
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
-        )
+        proc = self.popen(i, worker_command(*where, *args), **WORKER_OUTPUT)
         return WorkerOutput(proc, index=i).wait_ready(time.monotonic() + timeout)
 
     def close(self) -> None:

@@ -17,6 +17,7 @@ import lightning as L
 import pytest
 import torch
 import zmq
+from lrmp_lan import WORKER_OUTPUT, worker_command
 from test_strategy import Net, assert_same_losses, assert_same_weights, data, residual_spec, trainer
 
 from lightning_remote_mp import ConfigurationError, CurveOptions, RemoteModelParallelStrategy, WorkerLostError
@@ -40,25 +41,8 @@ def dial_in():
     procs: list[subprocess.Popen] = []
 
     def start(port: int, name: str, *args: str) -> str:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "lightning_remote_mp.worker",
-                "--connect",
-                f"tcp://127.0.0.1:{port}",
-                "--name",
-                name,
-                "--threads",
-                "1",
-                "--allow-module",
-                "lrmp_testlayers",
-                *args,
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
-        )
+        argv = ["--connect", f"tcp://127.0.0.1:{port}", "--name", name, "--allow-module", "lrmp_testlayers", *args]
+        proc = subprocess.Popen(worker_command(*argv), **WORKER_OUTPUT)
         procs.append(proc)
         start.pids[name] = proc.pid
         return WorkerOutput(proc).wait_ready(time.monotonic() + 120)

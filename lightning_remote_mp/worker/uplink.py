@@ -213,7 +213,7 @@ class Uplink:
         if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             log.debug("link to %s up", self.connect)
         elif kind == zmq.EVENT_DISCONNECTED:
-            log.info("link to the driver at %s dropped; reconnecting", self.connect)
+            log.debug("link to the driver at %s dropped; reconnecting", self.connect)
         elif kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
             self._throttle.warning(
                 "refused",
