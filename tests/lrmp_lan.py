@@ -17,6 +17,7 @@ import os
 import random
 import secrets
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -40,6 +41,13 @@ def worker_command(*args: str) -> list[str]:
         "1",
         *args,
     ]
+
+
+def free_port() -> int:
+    """A TCP port free on this machine now (for a listener the test's workers dial before it exists)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 class LanUnavailable(RuntimeError):

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,7 +16,7 @@ import lightning as L
 import pytest
 import torch
 import zmq
-from lrmp_lan import WORKER_OUTPUT, worker_command
+from lrmp_lan import WORKER_OUTPUT, free_port, worker_command
 from test_strategy import Net, assert_same_losses, assert_same_weights, data, residual_spec, trainer
 
 from lightning_remote_mp import ConfigurationError, CurveOptions, RemoteModelParallelStrategy, WorkerLostError
@@ -26,12 +25,6 @@ from lightning_remote_mp.wire import protocol, transport
 from lightning_remote_mp.wire.keys import generate_keypair, load_keypair, load_public_key, write_public_key
 from lightning_remote_mp.wire.requests import Hello
 from lightning_remote_mp.wire.switchboard import Switchboard
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture
@@ -66,7 +59,7 @@ def _fit_both(twin, strategy, epochs: int = 2, microbatches: int = 2) -> None:
 
 
 def test_workers_that_dial_in_train_as_local_training_and_serve_the_next_driver(dial_in, twin):
-    port = _free_port()
+    port = free_port()
     hosts = [dial_in(port, "a"), dial_in(port, "b")]
     assert hosts == ["dial://a", "dial://b"]
     listen = f"tcp://127.0.0.1:{port}"
@@ -80,7 +73,7 @@ def test_workers_that_dial_in_train_as_local_training_and_serve_the_next_driver(
 def test_a_dial_in_worker_beside_one_that_listens(dial_in, twin, pool, dial_in_first):
     """Towards the worker that listens, messages go straight to it; towards the one that dialed
     in, through the driver (at this machine's address on the route to the sender)."""
-    port = _free_port()
+    port = free_port()
     dialed = dial_in(port, "a")
     hosts = [dialed, pool[0]] if dial_in_first else [pool[0], dialed]
     strategy = RemoteModelParallelStrategy(hosts=hosts, listen=f"tcp://0.0.0.0:{port}", microbatches=2, balance=[4, 8])
@@ -98,7 +91,7 @@ class _Kill(L.Callback):
 
 
 def test_a_dial_in_worker_that_dies_is_named_within_the_heartbeat_timeout(dial_in):
-    port = _free_port()
+    port = free_port()
     dial_in(port, "a")
     dial_in(port, "b")
     kill = _Kill(dial_in.pids["b"])
@@ -112,7 +105,7 @@ def test_a_dial_in_worker_that_dies_is_named_within_the_heartbeat_timeout(dial_i
 
 
 def test_a_worker_that_has_not_dialed_in_is_named(dial_in):
-    port = _free_port()
+    port = free_port()
     dial_in(port, "a")
     strategy = RemoteModelParallelStrategy(hosts=["a", "b"], listen=f"tcp://127.0.0.1:{port}", connect_timeout=3.0)
     start = time.monotonic()
@@ -136,7 +129,7 @@ def _keys(tmp_path, *names: str):
 
 def test_curve_authenticates_both_directions(dial_in, twin, tmp_path):
     driver_secret, authorized, pairs = _keys(tmp_path, "a", "b")
-    port = _free_port()
+    port = free_port()
     for name, (_, secret) in pairs.items():
         dial_in(port, name, "--secret-key", str(secret), "--authorized-keys", str(authorized))
     curve = CurveOptions(str(driver_secret), [str(pairs["a"][0]), str(pairs["b"][0])])
@@ -144,7 +137,7 @@ def test_curve_authenticates_both_directions(dial_in, twin, tmp_path):
     _fit_both(twin, RemoteModelParallelStrategy(hosts=["a", "b"], listen=listen, microbatches=2, curve=curve))
     # A worker dialing in under its own name with another worker's key is refused and named; one
     # whose key is none of the workers' is refused at the handshake, and counted.
-    port = _free_port()
+    port = free_port()
     dial_in(port, "c", "--secret-key", str(pairs["a"][1]), "--authorized-keys", str(authorized))
     _, stranger = generate_keypair(tmp_path, "stranger")
     dial_in(port, "d", "--secret-key", str(stranger), "--authorized-keys", str(authorized))
@@ -162,7 +155,7 @@ def test_curve_authenticates_both_directions(dial_in, twin, tmp_path):
 def test_a_peer_relayed_by_the_driver_may_send_only_its_pipeline(dial_in):
     """The worker tells the driver's messages from a relaying peer's by the origin the switchboard
     writes: a peer cannot start a session, and cannot pass for the driver."""
-    port = _free_port()
+    port = free_port()
     switchboard = Switchboard(f"tcp://127.0.0.1:{port}")
     peer = transport.context().socket(zmq.DEALER)
     forger = transport.context().socket(zmq.DEALER)
@@ -200,7 +193,7 @@ def test_dial_in_configuration_errors_name_the_argument(arguments, message):
 
 
 def test_replicas_of_dial_in_workers_are_refused_before_any_is_contacted():
-    strategy = RemoteModelParallelStrategy(hosts=[["a", "b"], ["c", "d"]], listen=f"tcp://127.0.0.1:{_free_port()}")
+    strategy = RemoteModelParallelStrategy(hosts=[["a", "b"], ["c", "d"]], listen=f"tcp://127.0.0.1:{free_port()}")
     with pytest.raises(ConfigurationError, match="replicas sum their gradients through torch.distributed"):
         trainer(strategy, epochs=1).fit(Net(residual_spec()), data())
 
@@ -235,7 +228,7 @@ def test_the_worker_command_refuses_a_dial_in_that_cannot_work(tmp_path):
 def test_workers_that_accept_no_connection_train_across_hosts_with_curve(make_lan, twin, tmp_path):
     lan = make_lan(3, "1gbit")
     driver_secret, authorized, pairs = _keys(tmp_path, "h1", "h2")
-    port = _free_port()
+    port = free_port()
     dial = f"tcp://{lan.addr(0)}:{port}"
     hosts = [
         lan.start_worker(
@@ -258,7 +251,7 @@ def test_workers_that_accept_no_connection_train_across_hosts_with_curve(make_la
 
 def test_a_dial_in_worker_and_a_listening_one_on_other_hosts(make_lan, twin):
     lan = make_lan(3, "1gbit")
-    port = _free_port()
+    port = free_port()
     dialed = lan.start_worker(1, "--allow-module", "lrmp_testlayers", dial=f"tcp://{lan.addr(0)}:{port}")
     listening = lan.start_worker(2, "--allow-module", "lrmp_testlayers")
     assert lan.listening(1) == []

@@ -6,7 +6,6 @@ Skipped where namespaces cannot be made (not root, no iproute2); CI runs as root
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import textwrap
@@ -15,16 +14,11 @@ import time
 import lightning as L
 import pytest
 import torch
+from lrmp_lan import free_port
 from test_strategy import Net, assert_same_losses, assert_same_weights, data, residual_spec, trainer
 
 from lightning_remote_mp import CurveOptions, RemoteModelParallelStrategy, WorkerError, WorkerLostError
 from lightning_remote_mp.wire.keys import generate_keypair, load_keypair, write_public_key
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _workers(lan, *hosts: int, args: tuple[str, ...] = ()) -> list[str]:
@@ -105,7 +99,7 @@ def test_a_large_message_on_a_slow_link_is_no_stall(make_lan, twin, dial_in):
     workers that dial in share their one connection with it (relayed by the driver, both ways),
     and wait behind it: moving bytes count there too."""
     lan = make_lan(3, "10mbit")
-    listen = f"tcp://{lan.addr(0)}:{_free_port()}" if dial_in else None
+    listen = f"tcp://{lan.addr(0)}:{free_port()}" if dial_in else None
     hosts = [lan.start_worker(i, dial=listen) for i in (1, 2)] if dial_in else _workers(lan, 1, 2)
     width = 1024
     spec = [
