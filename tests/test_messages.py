@@ -115,7 +115,13 @@ def test_the_fence_travels_and_a_malformed_one_is_refused():
 
 # sha256 of a forward and a backward message's frames: a change here changes what older workers
 # receive. Bump protocol.PROTOCOL_VERSION with it (and say so in the CHANGELOG), then update these.
-PIPELINED_GOLDEN = {"forward": "c9d82d814831c9b4", "backward": "1cf2ebf5af056824"}
+PIPELINED_GOLDEN = {
+    "forward": "484a55c93e5e32bf",
+    "backward": "bf967967fd1fad9b",
+    "scheduled forward": "2dc97ae5141980cb",
+    "early backward": "34593d819778bf16",
+    "scale": "b82d62ac8fcdd2c7",
+}
 
 
 def test_the_wire_format_of_pipelined_messages_is_pinned():
@@ -141,9 +147,14 @@ def test_the_wire_format_of_pipelined_messages_is_pinned():
         "backward": Backward(
             key="net", call=3, mb=1, sender=1, grad_out=t, grads={"r": None}, fence={0: 2}, microbatches=4
         ),
+        # What a schedule adds (`lightning_remote_mp.schedule`): the forward names it and the loss's
+        # output; the last stage's gradients go early; the driver's gradient follows as a scale.
+        "scheduled forward": Forward(key="net", call=3, mb=1, sender=0, x=t, grad=True, schedule="1f1b", seed=0),
+        "early backward": Backward(key="net", call=3, mb=1, sender=1, grad_out=t, early=True, microbatches=4),
+        "scale": Backward(key="net", call=3, mb=1, sender=1, scale=torch.tensor(0.25), microbatches=4),
     }
     got = {}
-    for kind, msg in messages.items():
-        frames = protocol.encode(kind, 0, "session", msg.body())
-        got[kind] = hashlib.sha256(b"".join(bytes(f) for f in frames)).hexdigest()[:16]
+    for name, msg in messages.items():
+        frames = protocol.encode(msg.KIND, 0, "session", msg.body())
+        got[name] = hashlib.sha256(b"".join(bytes(f) for f in frames)).hexdigest()[:16]
     assert got == PIPELINED_GOLDEN, "the wire format changed: bump protocol.PROTOCOL_VERSION, then update the hashes"

@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+import logging
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -24,6 +25,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from lightning_remote_mp import schedule
 from lightning_remote_mp.driver.losses import Losses
 from lightning_remote_mp.driver.outputs import Kept, KeptOutputs
 from lightning_remote_mp.errors import ConfigurationError, ProtocolError, RemoteInputError
@@ -31,11 +33,14 @@ from lightning_remote_mp.flow import DRIVER, Main, is_floating, is_main
 from lightning_remote_mp.model.joins import Join
 from lightning_remote_mp.model.partition import Stage
 from lightning_remote_mp.model.traced import Keep
+from lightning_remote_mp.schedule import check_schedule
 from lightning_remote_mp.wire import protocol
 from lightning_remote_mp.wire.collect import gather
 from lightning_remote_mp.wire.messages import Backward, Forward
 from lightning_remote_mp.wire.requests import Fetch, Release
 from lightning_remote_mp.wire.transport import Connection, broadcast, request_all
+
+log = logging.getLogger(__name__)
 
 #: Activation recomputation choices (torchgpipe's names).
 CHECKPOINT_MODES = ("never", "except_last", "always")
@@ -127,10 +132,17 @@ class RemoteSpec:
         batched: tuple[Sequence[bool], Sequence[Join]] | None = None,
         keep: Keep | None = None,
         compression: str | None = None,
+        schedule: str = "gpipe",
+        loss: int | None = None,
     ) -> None:
         if microbatches < 1:
             raise ConfigurationError(f"microbatches must be at least 1, got {microbatches}")
         self.checkpoint = check_checkpoint_mode(checkpoint)
+        self.schedule = check_schedule(schedule)
+        #: The output that is the model's loss (`lightning_remote_mp.model.traced.Interface.loss_output`):
+        #: under a schedule other than GPipe, each micro-batch's backward starts there on the last
+        #: stage as soon as its forward is done. A model without one runs every call as GPipe.
+        self.loss = loss
         self.key = key
         self.replicas = [list(row) for row in replicas]
         self.stages = self.replicas[0]
@@ -153,6 +165,8 @@ class RemoteSpec:
         # A leaf that requires grad, so the Function's output joins the graph even when the input
         # does not require grad: the remote parameters are invisible to the driver's autograd.
         self._anchor = torch.zeros((), requires_grad=True)
+        self._said_gpipe = False
+        self._planned: set[int] = set()  # micro-batch counts whose plans were checked
 
     def __repr__(self) -> str:
         return " | ".join(
@@ -314,6 +328,18 @@ class RemoteSpec:
         flat = [m for row in sizes for m in row]
         chunks = iter(self._chunks(x, flat))
         keep = self.keep.at(n) if self.keep is not None else None
+        early = grad and self.loss is not None and self.schedule != "gpipe"
+        if grad and self.schedule != "gpipe" and self.loss is None and not self._said_gpipe:
+            self._said_gpipe = True
+            log.info(
+                "%s: schedule=%r starts each micro-batch's backward at the model's loss, and the model returns "
+                "none (a traced model's labels= loss); its micro-batches run as 'gpipe'",
+                self.key,
+                self.schedule,
+            )
+        if early:
+            for row in sizes:
+                self._check_plan(len(row))
         try:
             for r, row in enumerate(sizes):
                 fence = self._fence(r) if row else {}
@@ -327,6 +353,8 @@ class RemoteSpec:
                         modes=modes,
                         checkpoint=grad and self._recomputed(mb, len(row)),
                         keep=keep,
+                        schedule=self.schedule if early else None,
+                        seed=self.loss if early else None,
                     ).body()
                     for mb in range(len(row))
                 ]
@@ -347,6 +375,27 @@ class RemoteSpec:
         if grad:
             self._calls[call] = _Call(sizes=sizes, x_grad=x_needs_grad)
         return _to(y, device), call
+
+    def _check_plan(self, microbatches: int) -> None:
+        """Validate the schedule's lists for this many micro-batches once (the workers build the same
+        lists from the schedule's name), and log them as a grid."""
+        if microbatches < 1 or microbatches in self._planned:
+            return
+        lists = schedule.build(self.schedule, len(self.stages), microbatches)
+        schedule.validate(lists)
+        self._planned.add(microbatches)
+        peaks = ", ".join(str(schedule.peak_in_flight(row)) for row in lists)
+        log.info(
+            "%s: schedule %r over %d stages, %d micro-batches (a stage holds at most %s of them; bubble %.0f%% "
+            "at equal costs):\n%s",
+            self.key,
+            self.schedule,
+            len(self.stages),
+            microbatches,
+            peaks,
+            100 * schedule.simulate(lists).bubble,
+            schedule.format_grid(lists),
+        )
 
     def _batch_size(self, x: Main) -> int:
         if not isinstance(x, tuple):

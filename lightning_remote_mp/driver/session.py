@@ -53,6 +53,7 @@ from lightning_remote_mp.model.spec import (
     source_digest,
     user_code_modules,
 )
+from lightning_remote_mp.schedule import check_schedule
 from lightning_remote_mp.wire import protocol
 from lightning_remote_mp.wire.addresses import dial_name, normalize_address, relay_address, resolved, route_dialin
 from lightning_remote_mp.wire.heartbeat import Heartbeat
@@ -381,6 +382,7 @@ class DriverSession:
         checked: Preflight | None = None,
         deferred_batch_norm: bool = False,
         compression: str | None = None,
+        schedule: str = "gpipe",
     ) -> None:
         """Ship ``module``'s layers to the workers and make its forward run there, splitting each
         batch into ``microbatches`` that flow through the stages concurrently; with
@@ -391,8 +393,10 @@ class DriverSession:
         `preflight` found for ``module`` if the caller ran it already (it runs here otherwise).
         ``deferred_batch_norm``: batch norms update their running statistics once per mini-batch
         (`worker.deferred_bn`). ``compression``: how activations and their gradients travel
-        (`wire.protocol.COMPRESSIONS`)."""
+        (`wire.protocol.COMPRESSIONS`). ``schedule``: the order of each stage's actions
+        (`lightning_remote_mp.schedule`)."""
         check_split_backward(split_backward)
+        check_schedule(schedule)
         if key in self.placements:
             raise LrmpError(f"{module.kind} {key!r} is already placed")
         check_checkpoint_mode(checkpoint)
@@ -460,6 +464,7 @@ class DriverSession:
                 shared=shared[stage.index],
                 deferred_batch_norm=deferred_batch_norm,
                 compression=compression,
+                stages=len(stages) if schedule != "gpipe" else None,
             )
             try:
                 ids.append(conn.send(protocol.SETUP, setup.body()))
@@ -482,6 +487,8 @@ class DriverSession:
             batched=module.batched,
             keep=module.kept_outputs(),
             compression=compression,
+            schedule=schedule,
+            loss=module.loss_output(),
         )
         module.attach(remote)
         self.placements[key] = Placement(key, module, remote)

@@ -49,6 +49,7 @@ from lightning_remote_mp.logs import follow_lightning
 from lightning_remote_mp.model.spec import SpecSequential
 from lightning_remote_mp.model.trace import TracedForward, find_modules
 from lightning_remote_mp.model.traced import TracedSequential
+from lightning_remote_mp.schedule import check_schedule
 from lightning_remote_mp.wire import protocol
 from lightning_remote_mp.wire.keys import KeyPair, generate_keypair, load_keypair, load_public_key, write_public_key
 from lightning_remote_mp.wire.transport import DEFAULT_CALL_TIMEOUT, DEFAULT_CONNECT_TIMEOUT, DEFAULT_HEARTBEAT_TIMEOUT
@@ -97,6 +98,15 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
             micro-batch's stage inputs and recompute the forward at backward: activation memory of one
             micro-batch per stage, for about a third more compute); ``"except_last"`` (all but the
             last micro-batch, whose backward comes first). Results are the same.
+        schedule: the order in which each stage runs its micro-batches' forwards (F), input
+            gradients (B) and weight gradients (W) (`lightning_remote_mp.schedule`, docs/pipelining.md):
+            ``"gpipe"`` (every forward, then every backward: every micro-batch's activations stay
+            alive until its backward), ``"1f1b"`` (one forward, one backward: stage ``i`` holds at most
+            ``stages - i`` micro-batches' activations) or ``"zero_bubble"`` (1F1B with weight gradients
+            held back to fill the drain's idle time). 1F1B and zero-bubble start each micro-batch's
+            backward on the last stage as soon as its forward is done, so they need the loss inside the
+            model (``labels=``, for a traced module); a call without one runs as ``"gpipe"``. The
+            results are the same.
         deferred_batch_norm: with micro-batches, batch norms in training mode normalise each
             micro-batch by its own statistics, and without this also update their running statistics
             (and ``num_batches_tracked``) once per micro-batch, from that micro-batch alone. With it, as
@@ -162,6 +172,7 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
         microbatches: int = 1,
         split_backward: SplitBackward = "auto",
         checkpoint: Literal["never", "except_last", "always"] = "never",
+        schedule: Literal["gpipe", "1f1b", "zero_bubble"] = "gpipe",
         deferred_batch_norm: bool = False,
         compression: Literal["bf16", "int8"] | None = None,
         replicas: int = 1,
@@ -198,6 +209,7 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
         if not isinstance(deferred_batch_norm, bool):
             raise ConfigurationError(f"deferred_batch_norm must be True or False, got {deferred_batch_norm!r}")
         self.checkpoint = check_checkpoint_mode(checkpoint)
+        self.schedule = check_schedule(schedule)
         check_timeout("heartbeat_timeout", heartbeat_timeout)
         check_timeout("connect_timeout", connect_timeout)
         check_timeout("call_timeout", call_timeout, optional=True)
@@ -330,6 +342,7 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
                     deferred_batch_norm=self.deferred_batch_norm,
                     compression=self.compression,
                     checked=checks[key],
+                    schedule=self.schedule,
                 )
             for key, sub in traced.items():
                 place = functools.partial(self._place_traced, key, balances[key], fitting)
@@ -370,6 +383,7 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
             deferred_batch_norm=self.deferred_batch_norm,
             compression=self.compression,
             checked=Preflight(compute=module.compute, checked=[True] * len(module.layers)),
+            schedule=self.schedule,
         )
         if fitting:
             self.optimizers = self.optimizers  # mirrors them over the newly remote parameters

@@ -590,6 +590,12 @@ class SpecSequential(nn.Module):
 
         return Keep([True], [0])
 
+    def loss_output(self) -> int | None:
+        """The position of the module's loss among its outputs, where it computes one (a traced
+        module's, `lightning_remote_mp.model.traced.Interface.loss_output`); ``None`` for a layer spec."""
+        interface = getattr(self, "interface", None)
+        return interface.loss_output() if interface is not None else None
+
     def shared(self) -> list[list[str]]:
         """The tensors several layers hold, one list of their names (``"<layer index>.<name>"``) each:
         a traced model's tied weights. A stage holding several of the names keeps one tensor; stages

@@ -27,6 +27,7 @@ from typing import Any, ClassVar
 import torch
 
 from lightning_remote_mp.flow import is_main
+from lightning_remote_mp.schedule import SCHEDULES
 from lightning_remote_mp.wire import protocol
 from lightning_remote_mp.wire.fields import (
     INT,
@@ -78,6 +79,18 @@ def _is_grad_out(value: Any) -> bool:
     return isinstance(value, torch.Tensor) or (
         isinstance(value, tuple) and all(g is None or isinstance(g, torch.Tensor) for g in value)
     )
+
+
+def _is_schedule(value: Any) -> bool:
+    return value in SCHEDULES
+
+
+def _is_position(value: Any) -> bool:
+    return type(value) is int and value >= 0
+
+
+def _is_scalar(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.numel() == 1 and value.is_floating_point()
 
 
 def _count(kind: str, name: str, value: Any) -> int:
@@ -136,6 +149,13 @@ class Forward(_Pipelined):
             Stages pass it on.
         shapes: in a RESULT, the shape of each element kept (by position); its place in ``x``
             holds an empty tensor of its dtype.
+        schedule: for a call whose backward starts on the last stage (``seed``), the schedule
+            (`lightning_remote_mp.schedule`) whose list of actions each stage runs; ``None``: each
+            stage runs what arrives, as it arrives. Stages pass it on.
+        seed: the position of the model's output that is the loss (a sum over the micro-batch):
+            the last stage runs each micro-batch's backward as soon as its forward is done, with
+            the loss's gradient taken as 1; the driver's backward then brings the real gradient
+            (`Backward.scale`). Stages pass it on.
     """
 
     KIND: ClassVar[str] = protocol.FORWARD
@@ -153,6 +173,8 @@ class Forward(_Pipelined):
     shapes: dict[int, list[int]] | None = field(
         map_of(is_int, _is_shape, "output positions to shapes"), default=None, omit_none=True
     )
+    schedule: str | None = field(must(_is_schedule, "'schedule' must name a schedule"), default=None, omit_none=True)
+    seed: int | None = field(must(_is_position, "'seed' must be an output position"), default=None, omit_none=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,6 +189,10 @@ class Backward(_Pipelined):
         loss_grads: from the driver to the last stage: for each loss the stage computed over this
             micro-batch's kept outputs (`requests.Loss`, in their order), the gradient of its
             value, or ``None`` for a loss the step does not differentiate.
+        early: the gradients of a call whose backward the last stage started during the forward
+            (`Forward.seed`), with the loss's gradient taken as 1.
+        scale: between stages, for such a call, the gradient the driver's backward brought for
+            the loss: each stage adds its weight gradients times ``scale`` to ``.grad``.
     """
 
     KIND: ClassVar[str] = protocol.BACKWARD
@@ -175,6 +201,10 @@ class Backward(_Pipelined):
     grads: dict[str, Any] = _tensors()
     loss_grads: list[Any] | None = field(
         list_of(_is_tensor_or_none, "tensors or None"), default=None, omit_none=True, write=list
+    )
+    early: bool | None = field(lenient(lambda v: True if v is True else None), default=None, omit_none=True)
+    scale: torch.Tensor | None = field(
+        must(_is_scalar, "'scale' must be a floating tensor of one value"), default=None, omit_none=True
     )
 
 

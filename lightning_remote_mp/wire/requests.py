@@ -141,6 +141,8 @@ class Setup(Body):
         deferred_batch_norm: update batch norms' running statistics once per mini-batch, from the
             whole mini-batch (`lightning_remote_mp.worker.deferred_bn`).
         compression: how the stage's pipelined messages carry floating tensors (`protocol.COMPRESSIONS`).
+        stages: how many stages the pipeline has (each stage builds its list of a schedule's actions
+            from it, `lightning_remote_mp.schedule`); ``None``: the stage runs no schedule.
     """
 
     KIND: ClassVar[str] = protocol.SETUP
@@ -169,6 +171,7 @@ class Setup(Body):
     )
     deferred_batch_norm: bool = field(BOOL, default=False)
     compression: str | None = field(choice(("bf16", "int8")), default=None, omit_none=True)
+    stages: int | None = field(INT, default=None, omit_none=True)
 
     @classmethod
     def _check(cls, values: dict[str, Any]) -> None:

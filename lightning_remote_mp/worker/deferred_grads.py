@@ -88,16 +88,17 @@ def auto_min_macs(device: torch.device) -> int:
 
 class _Pending:
     """What one (weight, bias) pair's weight gradient still needs: each micro-batch's input
-    (flattened to rows) and output gradient (as autograd handed it over)."""
+    (flattened to rows) and output gradient (as autograd handed it over), filed by bucket (the
+    owner's, while its backward files: ``None`` for plain backwards, a call's id for one that runs
+    early, `lightning_remote_mp.worker.route`), each with the number of the backward that filed it."""
 
-    __slots__ = ("owner", "weight", "bias", "inputs", "grads")
+    __slots__ = ("owner", "weight", "bias", "filed")
 
     def __init__(self, owner: DeferredWeightGrads, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.owner = owner
         self.weight = weight
         self.bias = bias
-        self.inputs: list[torch.Tensor] = []
-        self.grads: list[torch.Tensor] = []
+        self.filed: dict[Hashable, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
 
 
 class _LinearInputGrad(torch.autograd.Function):
@@ -122,11 +123,12 @@ class _LinearInputGrad(torch.autograd.Function):
             grad_w = rows.t().mm(inputs) if ctx.needs_input_grad[1] else None
             grad_b = rows.sum(0) if ctx.needs_input_grad[2] else None
             return grad_x, grad_w, grad_b, None
-        pending.inputs.append(inputs)
         # The tensor autograd handed over, not a view of it: while it is referenced here, autograd
         # neither makes it a parameter's .grad (it steals only unreferenced buffers) nor adds into
         # it in place. A view of another buffer could still be stolen through its base: a copy.
-        pending.grads.append(grad_out if grad_out._base is None else grad_out.clone())
+        grad = grad_out if grad_out._base is None else grad_out.clone()
+        owner = pending.owner
+        pending.filed.setdefault(owner.bucket, []).append((owner.filings, inputs, grad))
         return grad_x, None, None, None
 
 
@@ -202,6 +204,8 @@ class DeferredWeightGrads:
         self.module = module
         self.min_macs = min_macs
         self.filing = False
+        self.bucket: Hashable = None  # where the backward running now files (`filing_backward`)
+        self.filings = 0  # backwards filed so far: each filed entry carries its backward's number
         self._params: set[int] | None = None  # ids of the module's parameters, while they stay the same
         self._pending: dict[tuple[int, int], _Pending] = {}
         self._intercept = _may_call_linear(module)
@@ -250,14 +254,16 @@ class DeferredWeightGrads:
         self._small.clear()
 
     @contextlib.contextmanager
-    def filing_backward(self) -> Iterator[None]:
+    def filing_backward(self, bucket: Hashable = None) -> Iterator[int]:
         """The stage's backward runs in this block: only there are weight gradients filed for
-        `flush`; any other backward through a recorded linear gets them at once."""
-        self.filing = True
+        `flush`, in ``bucket``; any other backward through a recorded linear gets them at once.
+        Yields the backward's number (`flush`'s ``through``)."""
+        self.filing, self.bucket = True, bucket
+        self.filings += 1
         try:
-            yield
+            yield self.filings
         finally:
-            self.filing = False
+            self.filing, self.bucket = False, None
 
     def _pending_for(
         self, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
@@ -287,24 +293,29 @@ class DeferredWeightGrads:
 
     @property
     def waiting(self) -> bool:
-        """Whether some backward filed weight gradients that `flush` has not added yet."""
-        return any(p.grads for p in self._pending.values())
+        """Whether some plain backward (bucket ``None``) filed weight gradients that `flush` has not added yet."""
+        return any(p.filed.get(None) for p in self._pending.values())
 
     @torch.no_grad()
-    def flush(self) -> bool:
-        """Add the filed weight and bias gradients to ``.grad``; returns whether there were any.
-        A layer's filed tensors are dropped only once its gradients are added: after a failure (out
-        of memory, say) the rest is still there, and a later flush adds it."""
+    def flush(self, bucket: Hashable = None, through: int | None = None) -> bool:
+        """Add the weight and bias gradients filed in ``bucket`` to ``.grad`` (with ``through``,
+        only those of backwards numbered up to it); returns whether there were any. A layer's filed
+        tensors are dropped only once its gradients are added: after a failure (out of memory, say)
+        the rest is still there, and a later flush adds it."""
         flushed = False
         for pending in self._pending.values():
-            if not pending.grads:
+            filed = pending.filed.get(bucket)
+            if not filed:
+                continue
+            due = filed if through is None else [f for f in filed if f[0] <= through]
+            if not due:
                 continue
             # One product per micro-batch, summed in place: no copy of the filed tensors (for an LM
             # head, the output gradients are batch x vocabulary).
             grad_w: torch.Tensor | None = None
             grad_b: torch.Tensor | None = None
-            for filed, inputs in zip(pending.grads, pending.inputs):
-                rows = filed.reshape(-1, filed.shape[-1])
+            for _, inputs, grad in due:
+                rows = grad.reshape(-1, grad.shape[-1])
                 grad_w = rows.t().mm(inputs) if grad_w is None else grad_w.addmm_(rows.t(), inputs)
                 if pending.bias is not None:
                     grad_b = rows.sum(0) if grad_b is None else grad_b.add_(rows.sum(0))
@@ -312,10 +323,18 @@ class DeferredWeightGrads:
             _accumulate(pending.weight, grad_w)
             if pending.bias is not None:
                 _accumulate(pending.bias, grad_b)
-            pending.grads.clear()
-            pending.inputs.clear()
+            rest = filed[len(due) :]
+            if rest:
+                pending.filed[bucket] = rest
+            else:
+                del pending.filed[bucket]
             flushed = True
         return flushed
+
+    def discard(self, bucket: Hashable) -> None:
+        """Forget what backwards filed in ``bucket`` (a call given up on)."""
+        for pending in self._pending.values():
+            pending.filed.pop(bucket, None)
 
 
 def _saved_tensor_hooks_active() -> bool:

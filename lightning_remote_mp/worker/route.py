@@ -19,8 +19,10 @@ from typing import Any, TypeVar
 
 import torch
 
-from lightning_remote_mp.errors import ProtocolError
+from lightning_remote_mp import schedule
+from lightning_remote_mp.errors import LrmpError, ProtocolError
 from lightning_remote_mp.flow import DRIVER, Routes
+from lightning_remote_mp.schedule import BACKWARD, FORWARD, WEIGHTS
 from lightning_remote_mp.wire.messages import Backward, Forward
 from lightning_remote_mp.worker.stage import StageExecutor
 from lightning_remote_mp.worker.timeline import EventLog
@@ -46,6 +48,34 @@ def _wanted(grad_x: Any, flags: bool | list[bool]) -> Any:
     return grad_x if flags else None
 
 
+_LATE_READ = (
+    "the step's loss also depends on {what}, but with a schedule other than 'gpipe' the last stage "
+    "runs the backward from the loss alone, as soon as each micro-batch's forward is done: use "
+    "schedule='gpipe' for this model, or differentiate only the loss"
+)
+
+
+def _times(grad: Any, scale: torch.Tensor) -> Any:
+    if isinstance(grad, tuple):
+        return tuple(_times(g, scale) for g in grad)
+    return grad * scale.to(device=grad.device, dtype=grad.dtype) if isinstance(grad, torch.Tensor) else grad
+
+
+@dataclasses.dataclass
+class _Plan:
+    """One call's actions on this stage (`lightning_remote_mp.schedule`), and what they wait for."""
+
+    actions: collections.deque[schedule.Action]
+    seed: int  # the model's output that is the loss
+    microbatches: int
+    fence: dict[int, int]  # the forward's (`messages._Pipelined.fence`), which its gradients carry on
+    ready: dict[tuple[str, int], dict[int, Any]] = dataclasses.field(default_factory=dict)  # inputs arrived
+    outputs: dict[int, Any] = dataclasses.field(default_factory=dict)  # last stage: outputs, for the loss
+    filings: dict[int, int] = dataclasses.field(default_factory=dict)  # per micro-batch, its backward's number
+    to_driver: dict[int, Backward] = dataclasses.field(default_factory=dict)  # stage 0: input gradients, as 1
+    differentiable: list[bool] = dataclasses.field(default_factory=list)  # last stage: which outputs have a graph
+
+
 @dataclasses.dataclass
 class _Meta:
     """What a micro-batch's backward needs to know of its forward."""
@@ -58,7 +88,14 @@ class _Meta:
 class RoutedStage:
     """A `StageExecutor` plus its routes and the partly arrived micro-batches."""
 
-    def __init__(self, stage: StageExecutor, sources: Routes, targets: Routes, microbatch_limit: int = 4096) -> None:
+    def __init__(
+        self,
+        stage: StageExecutor,
+        sources: Routes,
+        targets: Routes,
+        microbatch_limit: int = 4096,
+        stages: int | None = None,
+    ) -> None:
         self.stage = stage
         self.sources = dict(sources)  # sender stage -> the variables it brings (checked by `requests.Setup`)
         self.targets = dict(targets)
@@ -75,6 +112,13 @@ class RoutedStage:
         # the output as the loss read it, the loss's value the backward's gradient is for).
         self._losses: dict[tuple[int, int], list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
         self.events: EventLog | None = None  # set while the driver records a timeline
+        self.stages = stages
+        # Calls whose backward starts on the last stage: their plans while actions are left, then
+        # until the driver's gradient (its scale) has come for every micro-batch.
+        self._plans: dict[int, _Plan] = {}
+        self._done: dict[int, _Plan] = {}
+        self._scales: dict[int, dict[int, dict[int, Backward]]] = {}
+        self._last_output: Any = None
         self._released: collections.deque[int] = collections.deque(maxlen=1024)
 
     @property
@@ -112,6 +156,14 @@ class RoutedStage:
         if parts is None:
             return []
         first = parts[self.x_from]
+        if first.seed is not None and first.schedule is not None and first.grad:
+            plan = self._plan_of(first)
+            plan.ready[(FORWARD, first.mb)] = parts
+            return self._advance(first.call)
+        return self._run_forward(parts)
+
+    def _run_forward(self, parts: dict[int, Forward]) -> list[Outgoing]:
+        first = parts[self.x_from]
         if first.x is None:
             raise ProtocolError(f"stage {self.index}: the main input is missing")
         imports: dict[str, torch.Tensor] = {}
@@ -140,6 +192,7 @@ class RoutedStage:
             self.events.span("forward", self.stage.key, self.index, call, mb, started, time.time())
         if first.grad:
             self._meta[(call, mb)] = _Meta(saved=out["saved"], x_grad=needs["x"], var_grad=needs)
+        self._last_output = (out["y"], out["requires_grad"]["y"])
         outgoing: list[Outgoing] = []
         for target, names in self.targets.items():
             main = target == self.x_to
@@ -245,11 +298,33 @@ class RoutedStage:
             del self._kept[key]
 
     def backward(self, msg: Backward) -> list[Outgoing]:
+        if msg.call in self._released:
+            return []  # a late message of a call the driver gave up on
+        plan = self._plans.get(msg.call)
+        if plan is not None and msg.early:  # a gradient of the loss taken as 1: an action of the plan
+            parts = self._collect(self._backward, self.targets, msg)
+            if parts is None:
+                return []
+            plan.ready[(BACKWARD, msg.mb)] = parts
+            return self._advance(msg.call)
+        if plan is not None or msg.call in self._done or msg.call in self._scales:  # the driver's, of an early call
+            return self._scale(msg)
+        if msg.early:
+            raise ProtocolError(f"stage {self.index}: an early gradient for call {msg.call}, which runs no schedule")
         parts = self._collect(self._backward, self.targets, msg)
         if parts is None:
             return []
         first = parts[self.x_to]
         call, mb = first.call, first.mb
+        grad_out = first.grad_out
+        if self.x_to == DRIVER:
+            grad_out = self._with_loss_grads(call, mb, grad_out, first.loss_grads)
+        grad_x, grad_imports, meta = self._run_backward(call, mb, grad_out, parts, early=False)
+        return self._gradients(first, grad_x, grad_imports, meta, early=False)
+
+    def _run_backward(
+        self, call: int, mb: int, grad_out: Any, parts: dict[int, Backward], early: bool
+    ) -> tuple[Any, dict[str, torch.Tensor], _Meta]:
         meta = self._meta.pop((call, mb), None)
         if meta is None:
             raise ProtocolError(
@@ -261,31 +336,184 @@ class RoutedStage:
                 g = part.grads.get(name)
                 if isinstance(g, torch.Tensor):
                     grad_exports[name] = grad_exports[name] + g if name in grad_exports else g
-        grad_out = first.grad_out
-        if self.x_to == DRIVER:
-            grad_out = self._with_loss_grads(call, mb, grad_out, first.loss_grads)
-        grad_x, grad_imports = None, {}
+        grad_x: Any = None
+        grad_imports: dict[str, torch.Tensor] = {}
         started = time.time()
         if meta.saved:
-            grad_x, grad_imports = self.stage.backward((call, mb), grad_out, grad_exports)
+            grad_x, grad_imports = self.stage.backward((call, mb), grad_out, grad_exports, early=early)
         if self.events is not None:
             self.events.span("backward", self.stage.key, self.index, call, mb, started, time.time())
+        return grad_x, grad_imports, meta
+
+    def _gradients(
+        self, first: Forward | Backward, grad_x: Any, grad_imports: dict[str, Any], meta: _Meta, early: bool
+    ) -> list[Outgoing]:
+        """A micro-batch's gradients, to each of its sources."""
         return [
             (
                 source,
                 Backward(
                     key=self.stage.key,
-                    call=call,
-                    mb=mb,
+                    call=first.call,
+                    mb=first.mb,
                     sender=self.index,
                     grad_out=_wanted(grad_x, meta.x_grad) if source == self.x_from else None,
                     grads={n: grad_imports.get(n) for n in names if meta.var_grad.get(n)},
                     fence=first.fence,
                     microbatches=first.microbatches,
+                    early=True if early and source != DRIVER else None,
                 ),
             )
             for source, names in self.sources.items()
         ]
+
+    # --- calls whose backward starts on the last stage, as the schedule orders ---------------
+    def _plan_of(self, first: Forward) -> _Plan:
+        plan = self._plans.get(first.call)
+        if plan is None:
+            if self.stages is None or not self.index < self.stages:
+                raise ProtocolError(f"stage {self.index}: a schedule, but setup did not say how many stages there are")
+            if len(self._plans) >= self.limit:
+                raise ProtocolError(f"stage {self.index}: more than {self.limit} calls run a schedule at once")
+            assert first.schedule is not None and first.seed is not None
+            actions = schedule.actions(first.schedule, self.stages, self.index, first.microbatches)
+            plan = self._plans[first.call] = _Plan(
+                collections.deque(actions), first.seed, first.microbatches, dict(first.fence)
+            )
+        return plan
+
+    def _advance(self, call: int) -> list[Outgoing]:
+        """Run ``call``'s actions in the plan's order for as long as the next one has what it waits for."""
+        plan = self._plans[call]
+        out: list[Outgoing] = []
+        while plan.actions:
+            action = plan.actions[0]
+            if action.kind == WEIGHTS:
+                started = time.time()
+                self.stage.flush_early(call, plan.filings.pop(action.mb, 0))
+                if self.events is not None:
+                    self.events.span("weights", self.stage.key, self.index, call, action.mb, started, time.time())
+            else:
+                parts = plan.ready.pop((action.kind, action.mb), None)
+                if parts is None:
+                    break
+                if action.kind == FORWARD:
+                    out += self._run_forward(parts)  # type: ignore[arg-type]
+                    if self.x_to == DRIVER:  # the loss's gradient, taken as 1, is here already
+                        plan.ready[(BACKWARD, action.mb)] = {}
+                        plan.outputs[action.mb], flags = self._last_output
+                        plan.differentiable = flags if isinstance(flags, list) else [flags]
+                else:
+                    out += self._early_backward(call, action.mb, parts, plan)  # type: ignore[arg-type]
+            plan.actions.popleft()
+        if not plan.actions:
+            del self._plans[call]
+            self._done[call] = plan
+            out += self._scale_ready(call)
+        return out
+
+    def _early_backward(self, call: int, mb: int, parts: dict[int, Backward], plan: _Plan) -> list[Outgoing]:
+        if self.x_to == DRIVER:
+            y = plan.outputs.pop(mb)
+            if not isinstance(y, tuple) or not 0 <= plan.seed < len(y):
+                raise ProtocolError(f"stage {self.index}: the model has no output {plan.seed} to start the backward at")
+            loss = y[plan.seed]
+            grad_out: Any = tuple(torch.ones_like(t) if i == plan.seed else None for i, t in enumerate(y))
+            if loss.numel() != 1 or not loss.is_floating_point():
+                raise ProtocolError(f"stage {self.index}: output {plan.seed}, where the backward starts, is no loss")
+            first: Forward | Backward = Backward(
+                key=self.stage.key, call=call, mb=mb, sender=DRIVER, microbatches=plan.microbatches, fence=plan.fence
+            )
+        else:
+            first = parts[self.x_to]
+            grad_out = first.grad_out
+        grad_x, grad_imports, meta = self._run_backward(call, mb, grad_out, parts, early=True)
+        plan.filings[mb] = self.stage.filing
+        outgoing = self._gradients(first, grad_x, grad_imports, meta, early=True)
+        if self.x_from == DRIVER:  # stage 0: the input's gradient waits for the driver's scale
+            plan.to_driver[mb] = next(m for target, m in outgoing if target == DRIVER and isinstance(m, Backward))
+            outgoing = [(t, m) for t, m in outgoing if t != DRIVER]
+        return outgoing
+
+    def _scale(self, msg: Backward) -> list[Outgoing]:
+        """File the driver's gradient of an early call's loss (from the driver, or passed on by the
+        next stage); once the call's actions have all run, apply it."""
+        waiting = self._scales.setdefault(msg.call, {})
+        if len(waiting) >= self.limit and msg.mb not in waiting:
+            raise ProtocolError(f"stage {self.index}: more than {self.limit} micro-batches of call {msg.call}")
+        parts = waiting.setdefault(msg.mb, {})
+        if msg.sender in parts:
+            raise ProtocolError(f"stage {self.index}: the gradient of micro-batch {(msg.call, msg.mb)} came twice")
+        parts[msg.sender] = msg
+        return self._scale_ready(msg.call)
+
+    def _scale_ready(self, call: int) -> list[Outgoing]:
+        """Once the plan of an early call has run and the driver's gradient of every micro-batch is
+        in (from each stage this one feeds), add the weight gradients times it to ``.grad``, and pass
+        it on (stage 0: the input's gradients, times it, to the driver)."""
+        plan = self._done.get(call)
+        waiting = self._scales.get(call, {})
+        expected = set(self.targets)
+        count = plan.microbatches if plan is not None else 0
+        if plan is None or len(waiting) < count or any(set(p) != expected for p in waiting.values()):
+            return []
+        del self._done[call], self._scales[call]
+        scale = None
+        for mb, parts in sorted(waiting.items()):
+            g = self._scale_of(parts[self.x_to], plan)
+            if scale is None:
+                scale = g
+            elif not torch.equal(g, scale):
+                raise LrmpError(
+                    f"stage {self.index}: the loss's micro-batches got different gradients ({scale.item()} and "
+                    f"{g.item()} for micro-batch {mb} of call {call}); a schedule other than 'gpipe' needs one "
+                    "for all of them (a loss that adds its micro-batches' sums): use schedule='gpipe'"
+                )
+        assert scale is not None
+        self.stage.apply_early(call, scale)
+        out: list[Outgoing] = []
+        for mb, parts in sorted(waiting.items()):
+            first = parts[self.x_to]
+            if self.x_from == DRIVER:
+                done = plan.to_driver.get(mb)
+                if done is not None:
+                    out.append((DRIVER, dataclasses.replace(done, grad_out=_times(done.grad_out, scale))))
+                continue
+            for source in self.sources:
+                out.append(
+                    (
+                        source,
+                        Backward(
+                            key=self.stage.key,
+                            call=call,
+                            mb=mb,
+                            sender=self.index,
+                            scale=scale,
+                            fence=first.fence,
+                            microbatches=first.microbatches,
+                        ),
+                    )
+                )
+        return out
+
+    def _scale_of(self, msg: Backward, plan: _Plan) -> torch.Tensor:
+        """The loss's gradient a scale message brings: from the next stage, ``scale``; from the
+        driver, the output's gradient at the loss's position, and nothing at the others."""
+        if msg.sender != DRIVER:
+            if msg.scale is None:
+                raise ProtocolError(f"stage {self.index}: call {msg.call} runs a schedule; its gradient has no scale")
+            return msg.scale
+        if msg.loss_grads and any(g is not None for g in msg.loss_grads):
+            raise LrmpError(_LATE_READ.format(what="a loss computed over one of its other outputs"))
+        seed = plan.seed
+        grads = msg.grad_out if isinstance(msg.grad_out, tuple) else (msg.grad_out,)
+        graph = plan.differentiable
+        # A gradient for an output without a graph here (a count of tokens) goes nowhere, as in `stage.backward`.
+        others = [i for i, g in enumerate(grads) if g is not None and i != seed and i < len(graph) and graph[i]]
+        if others:
+            raise LrmpError(_LATE_READ.format(what=f"its output {others[0]}"))
+        g = grads[seed] if seed < len(grads) else None
+        return g.detach().reshape(()).float() if g is not None else torch.zeros(())
 
     def finish_backward(self, call: int) -> None:
         """After a backward's gradients left: once the call's last micro-batch is through this
@@ -301,3 +529,6 @@ class RoutedStage:
         for table in (self._forward, self._backward, self._meta, self._kept, self._losses):
             for key in [k for k in table if k[0] in drop]:
                 del table[key]  # type: ignore[attr-defined]
+        for calls_table in (self._plans, self._done, self._scales):
+            for call in drop:
+                calls_table.pop(call, None)  # type: ignore[attr-defined]

@@ -215,7 +215,7 @@ class WorkerSession:
         for name, p in stage.named_parameters():
             if name in frozen:
                 p.requires_grad_(False)
-        routed = RoutedStage(stage, msg.sources, msg.targets)
+        routed = RoutedStage(stage, msg.sources, msg.targets, stages=msg.stages)
         routed.events = self.events
         peer_keys = {msg.peers[s]: k.encode("ascii") for s, k in msg.peer_keys.items()}
         self.stages[key] = stage
@@ -247,12 +247,12 @@ class WorkerSession:
             )
 
     def forward(self, msg: Forward) -> Any:
-        self._send(self.route(msg.key).forward(msg), protocol.FORWARD, protocol.RESULT)
+        self._send(self.route(msg.key).forward(msg))
         return NO_REPLY
 
     def backward(self, msg: Backward) -> Any:
         route = self.route(msg.key)
-        self._send(route.backward(msg), protocol.BACKWARD, protocol.DONE)
+        self._send(route.backward(msg))
         try:
             route.finish_backward(msg.call)
         except Exception as err:
@@ -271,8 +271,13 @@ class WorkerSession:
         for stage in self.stages.values():
             stage.flush_weight_grads()
 
-    def _send(self, outgoing: list[Outgoing], peer_kind: str, driver_kind: str) -> None:
+    def _send(self, outgoing: list[Outgoing]) -> None:
+        """Send each message on: a forward's to a peer as FORWARD, to the driver as RESULT; a
+        backward's as BACKWARD, or DONE. (A schedule's action may send either kind.)"""
         for target, msg in outgoing:
+            peer_kind, driver_kind = (
+                (protocol.FORWARD, protocol.RESULT) if isinstance(msg, Forward) else (protocol.BACKWARD, protocol.DONE)
+            )
             if self.events is not None:
                 msg = dataclasses.replace(msg, sent_at=time.time())
             body, ready, about = msg.body(), None, None

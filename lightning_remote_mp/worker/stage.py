@@ -125,6 +125,9 @@ class StageExecutor:
             }
         ).to(device)
         self._saved: dict[tuple[int, int], _Saved] = {}  # by (call, micro-batch)
+        # Per call whose backward runs early: each trainable parameter's own gradient, by id.
+        self._early: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.filing = 0  # the number of the last backward that filed deferred weight gradients
         self._modes: Any = None  # the train/eval flags last applied
         min_macs = auto_min_macs(device) if split_backward == "auto" else 0
         self.deferred = DeferredWeightGrads(self.layers, min_macs) if split_backward else None
@@ -349,8 +352,11 @@ class StageExecutor:
         saved.exports = self._exports(variables)
 
     def backward(
-        self, call_id: tuple[int, int], grad_y: Any, grad_exports: Mapping[str, torch.Tensor]
+        self, call_id: tuple[int, int], grad_y: Any, grad_exports: Mapping[str, torch.Tensor], early: bool = False
     ) -> tuple[Main | None, dict[str, torch.Tensor]]:
+        """Run a micro-batch's backward. ``early``: a call whose backward runs before the driver's
+        (`early_grads`): its weight gradients go to the call's own gradients, and its deferred ones
+        are filed under the call, for `flush_early`. Sets `filing`: the backward's number, for that."""
         saved = self._saved.pop(call_id, None)
         if saved is None:
             raise SpecError(
@@ -371,15 +377,55 @@ class StageExecutor:
                 outputs.append(t)
                 grads.append(self._upload(g).to(dtype=t.dtype))
         if outputs:
-            filing = self.deferred.filing_backward() if self.deferred is not None else contextlib.nullcontext()
-            with filing:
+            bucket = call_id[0] if early else None
+            filing = self.deferred.filing_backward(bucket) if self.deferred is not None else contextlib.nullcontext(0)
+            grads_into = self.early_grads(call_id[0]) if early else contextlib.nullcontext()
+            with grads_into, filing as number:
                 torch.autograd.backward(outputs, grads)
+            self.filing = number
         if isinstance(saved.x, tuple):
             grad_x: Main | None = tuple(t.grad if t.requires_grad else None for t in saved.x)  # type: ignore[misc]
         else:
             grad_x = saved.x.grad if saved.x.requires_grad else None
         grad_imports = {n: t.grad for n, t in saved.imports.items() if t.requires_grad and t.grad is not None}
         return grad_x, grad_imports
+
+    # --- backwards that run before the driver's (`lightning_remote_mp.worker.route`) ---------
+    @contextlib.contextmanager
+    def early_grads(self, call: int) -> Any:
+        """Within this block, ``.grad`` of each trainable parameter is ``call``'s own: the weight
+        gradients of a backward that ran with the loss's gradient taken as 1, kept apart from
+        ``.grad`` (which zero_grad may clear meanwhile) until `apply_early` scales them in."""
+        staging = self._early.setdefault(call, {})
+        params = [p for _, p in self.named_parameters() if p.requires_grad]
+        saved = [p.grad for p in params]
+        for p in params:
+            p.grad = staging.get(id(p), (p, None))[1]
+        try:
+            yield
+        finally:
+            for p, g in zip(params, saved):
+                if p.grad is not None:
+                    staging[id(p)] = (p, p.grad)
+                p.grad = g
+
+    def flush_early(self, call: int, through: int) -> None:
+        """The deferred weight gradients of ``call``'s early backwards numbered up to ``through``,
+        into the call's own gradients (a W action)."""
+        if self.deferred is not None:
+            with self.early_grads(call):
+                self.deferred.flush(bucket=call, through=through)
+
+    @torch.no_grad()
+    def apply_early(self, call: int, scale: torch.Tensor) -> None:
+        """Add ``call``'s own weight gradients times ``scale`` (the loss's real gradient) to ``.grad``."""
+        self.flush_early(call, self.deferred.filings if self.deferred is not None else 0)
+        for p, g in self._early.pop(call, {}).values():
+            g.mul_(scale.to(device=g.device, dtype=g.dtype))
+            if p.grad is None:
+                p.grad = g
+            else:
+                p.grad.add_(g)
 
     def flush_weight_grads(self, call: int | None = None) -> bool:
         """Add the deferred weight gradients to ``.grad``: with ``call``, only once none of its
@@ -395,5 +441,9 @@ class StageExecutor:
         drop = set(calls)
         for key in [k for k in self._saved if k[0] in drop]:
             del self._saved[key]
+        for call in drop:
+            self._early.pop(call, None)
+            if self.deferred is not None:
+                self.deferred.discard(call)
         if self.statistics is not None and any(self._forwards.pop(c, None) for c in drop):
             self.statistics.discard()  # a call given up on part-way: its statistics count for nothing

@@ -1,0 +1,268 @@
+"""Schedules as data (`lightning_remote_mp.schedule`): the lists each stage runs, checked and
+drawn; and on real workers, every schedule trains as local training does, while 1F1B and
+zero-bubble hold at most ``stages - index`` micro-batches per stage."""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lightning_remote_mp import RemoteModelParallelStrategy, schedule
+from lightning_remote_mp.errors import ConfigurationError, LrmpError
+from lightning_remote_mp.schedule import Action, ScheduleError
+
+TOL = 2e-5
+
+
+# --- the lists ------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", schedule.SCHEDULES)
+@pytest.mark.parametrize("stages,microbatches", [(1, 1), (1, 3), (2, 1), (2, 4), (3, 2), (4, 8), (4, 16), (5, 3)])
+def test_every_schedule_is_valid_and_runs_each_action_once(name, stages, microbatches):
+    lists = schedule.build(name, stages, microbatches)
+    schedule.validate(lists)
+    for s, row in enumerate(lists):
+        assert sorted((a.kind, a.mb) for a in row) == sorted((k, mb) for k in "FBW" for mb in range(microbatches)), (
+            f"stage {s}"
+        )
+
+
+@pytest.mark.parametrize("stages,microbatches", [(2, 4), (4, 8), (4, 16), (3, 2)])
+def test_1f1b_and_zero_bubble_hold_at_most_stages_minus_index_microbatches(stages, microbatches):
+    for name in ("1f1b", "zero_bubble"):
+        peaks = [schedule.peak_in_flight(row) for row in schedule.build(name, stages, microbatches)]
+        assert peaks == [min(microbatches, stages - s) for s in range(stages)], name
+    assert [schedule.peak_in_flight(row) for row in schedule.build("gpipe", stages, microbatches)] == [
+        microbatches
+    ] * stages
+
+
+@pytest.mark.parametrize("stages,microbatches", [(2, 4), (3, 6), (4, 8), (4, 16)])
+def test_zero_bubble_leaves_a_smaller_bubble_than_1f1b(stages, microbatches):
+    for costs in ({"F": 1, "B": 1, "W": 1}, {"F": 2, "B": 1, "W": 1}, {"F": 1, "B": 1, "W": 0.5}):
+        one = schedule.simulate(schedule.build("1f1b", stages, microbatches), costs)
+        zero = schedule.simulate(schedule.build("zero_bubble", stages, microbatches), costs)
+        assert zero.bubble < one.bubble and zero.makespan < one.makespan, costs
+
+
+def test_actions_print_and_parse_as_torch_pipelining_writes_them():
+    assert str(Action(2, "F", 0)) == "2F0" and schedule.parse("12W103") == Action(12, "W", 103)
+    with pytest.raises(ScheduleError, match="'2X0' is no action"):
+        schedule.parse("2X0")
+
+
+def _lists(*rows: str) -> list[list[Action]]:
+    return [[schedule.parse(a) for a in row.split()] for row in rows]
+
+
+@pytest.mark.parametrize(
+    "rows, match",
+    [
+        (("0F0 0B0 0W0 0B0", "1F0 1B0 1W0"), "0B0 comes twice on stage 0's list"),
+        (("0F0 0B0", "1F0 1B0 1W0"), "stage 0 never runs 0W0"),
+        (("0F0 0W0 0B0", "1F0 1B0 1W0"), "stage 0 runs micro-batch 0 out of F, B, W order"),
+        (("0F0 0B0 0W0", "0F0 1B0 1W0"), "0F0 is on stage 1's list"),
+        # Stage 0 waits for 1B0 before its 0F1, which stage 1 needs before its 1B0: neither ever runs.
+        (
+            ("0F0 0B0 0W0 0F1 0B1 0W1", "1F0 1F1 1B0 1W0 1B1 1W1"),
+            "waits forever: 0B0 waits for 0F0 and 1B0, 1F1 waits for 0F1",
+        ),
+    ],
+)
+def test_the_validator_names_what_is_wrong_and_draws_the_grid(rows, match):
+    with pytest.raises(ScheduleError, match=match) as err:
+        schedule.validate(_lists(*rows))
+    assert "step  stage 0  stage 1" in str(err.value)
+
+
+def test_a_schedule_that_is_not_one_is_refused_naming_the_choices():
+    with pytest.raises(ConfigurationError, match="schedule must be one of 'gpipe', '1f1b', 'zero_bubble', got '1F1B'"):
+        RemoteModelParallelStrategy(schedule="1F1B")
+    with pytest.raises(ConfigurationError, match="stage < stages"):
+        schedule.actions("1f1b", 2, 2, 4)
+
+
+# --- on workers -------------------------------------------------------------------------------
+transformers = pytest.importorskip("transformers")
+
+import lrmp_hf as H  # noqa: E402
+from test_last_stage_loss import remote_equals_local  # noqa: E402
+from test_strategy import assert_same_losses, assert_same_weights, trainer  # noqa: E402
+
+
+def scheduled(hosts, name: str, microbatches: int = 4, **kwargs) -> RemoteModelParallelStrategy:
+    return RemoteModelParallelStrategy(hosts=hosts, split=["model"], microbatches=microbatches, schedule=name, **kwargs)
+
+
+@pytest.mark.parametrize("name", schedule.SCHEDULES)
+def test_every_schedule_trains_a_traced_lm_with_labels_as_locally(name, pool):
+    """Llama with tied embeddings (a weight on both stages), padded batches, ``labels=``."""
+    local, remote, _ = remote_equals_local(lambda: H.FineTune(H.llama(), "lm"), scheduled(pool[:2], name))
+    assert_same_losses(local.val_losses, remote.val_losses, TOL)
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zero_bubble"])
+def test_three_stages_with_values_that_skip_a_stage_and_lora_train_as_locally(name, pool):
+    """Llama's rotary tables are made on stage 0 and read by every layer: they cross stage 1 to
+    reach stage 2. Only LoRA's adapters train."""
+    remote_equals_local(
+        lambda: H.FineTune(H.lora_llama(num_hidden_layers=3), "lm"), scheduled(pool[:3], name, microbatches=3)
+    )
+
+
+class Accumulated(H.FineTune):
+    """Each step's gradients over two batches, clipped, with AdamW: every scale on the loss."""
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=0.01)
+
+
+def _fit_accumulated(model, strategy=None):
+    trainer(strategy, 2, accumulate_grad_batches=2, gradient_clip_val=0.5).fit(model, H.padded_data(n=32))
+    return model
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zero_bubble"])
+def test_accumulated_clipped_steps_and_replicas_train_as_locally(name, pool):
+    """Lightning divides the loss by 2 and clips after the second backward: the gradient of the loss
+    reaches the stages as a scale of what they computed early, and ``.grad`` holds both batches'
+    sums before the clip reads it. Two replicas of two stages each."""
+    torch.manual_seed(0)
+    local = Accumulated(H.llama(), "lm")
+    remote = copy.deepcopy(local)
+    _fit_accumulated(local)
+    _fit_accumulated(remote, scheduled([pool[:2], pool[2:4]], name))
+    assert_same_losses(local.losses, remote.losses, TOL)
+    assert_same_weights(local, remote, 1e-4)
+
+
+class Residual(torch.nn.Module):
+    """An MLP whose input is added back two blocks later (so it crosses a stage) and whose forward
+    returns its loss, as a model with ``labels=`` does."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(4))
+        self.head = torch.nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        skip = x
+        for i, block in enumerate(self.blocks):
+            x = torch.relu(block(x))
+            if i == 2:
+                x = x + skip
+        return F.mse_loss(self.head(x).squeeze(-1), y)
+
+
+class Regression(L.LightningModule):
+    def __init__(self, skip_step: int | None = None) -> None:
+        super().__init__()
+        self.model = Residual()
+        self.losses: list[float] = []
+        self.skip_step = skip_step
+
+    def training_step(self, batch, batch_idx):
+        loss = self.model(*batch)
+        self.losses.append(loss.item())
+        # A step that returns no loss: Lightning runs no backward (the early gradients are dropped).
+        return None if batch_idx == self.skip_step else loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+def _regression_data():
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(40, 16, generator=g), torch.randn(40, generator=g)
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=10)
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zero_bubble"])
+def test_a_residual_model_whose_loss_is_inside_trains_as_locally_and_a_skipped_step_leaves_nothing(name, pool):
+    torch.manual_seed(0)
+    local = Regression(skip_step=1)
+    remote = copy.deepcopy(local)
+    trainer(None, 2).fit(local, _regression_data())
+    trainer(scheduled(pool[:3], name, microbatches=5), 2).fit(remote, _regression_data())
+    assert_same_losses(local.losses, remote.losses, TOL)
+    assert_same_weights(local, remote, 1e-5)
+
+
+class AlsoReadsTheLogits(H.FineTune):
+    def _loss(self, batch):
+        out = self.model(batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"])
+        return out.loss + 0.1 * out.logits.float().pow(2).mean()
+
+
+def test_a_step_that_differentiates_another_output_under_1f1b_is_refused_with_the_way_out(pool):
+    with pytest.raises(LrmpError, match=r"also depends on .*schedule='gpipe'"):
+        trainer(scheduled(pool[:2], "1f1b"), 1).fit(AlsoReadsTheLogits(H.llama(), "lm"), H.padded_data())
+
+
+class SpecNet(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        from lightning_remote_mp import SpecSequential
+
+        spec = [("torch.nn.Linear", {"in_features": 8, "out_features": 8}, (8, 8))] * 2
+        self.net = SpecSequential(spec)
+        self.losses: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.mse_loss(self.net(x).sum(-1), y)
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+def test_a_layer_spec_whose_loss_is_outside_runs_as_gpipe_and_says_so(pool, caplog):
+    g = torch.Generator().manual_seed(4)
+    data = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(torch.randn(16, 8, generator=g), torch.randn(16, generator=g)), batch_size=8
+    )
+    torch.manual_seed(0)
+    local = SpecNet()
+    remote = copy.deepcopy(local)
+    trainer(None, 2).fit(local, data)
+    strategy = RemoteModelParallelStrategy(hosts=pool[:2], microbatches=2, schedule="1f1b")
+    with caplog.at_level(logging.INFO, logger="lightning_remote_mp"):
+        trainer(strategy, 2).fit(remote, data)
+    assert_same_losses(local.losses, remote.losses, TOL)
+    assert "schedule='1f1b' starts each micro-batch's backward at the model's loss" in caplog.text
+    assert caplog.text.count("run as 'gpipe'") == 1
+
+
+@pytest.mark.parametrize("name", schedule.SCHEDULES)
+def test_the_timeline_shows_each_stage_running_its_list(name, pool, tmp_path):
+    """The workers' own spans: each stage's forwards and backwards in the schedule's order, so a
+    stage never holds more micro-batches than the schedule allows."""
+    path = tmp_path / "trace.json"
+    strategy = scheduled(pool[:3], name, microbatches=6, timeline=str(path), split_backward=True)
+    trainer(strategy, 1).fit(H.FineTune(H.llama(num_hidden_layers=3), "lm"), H.padded_data(n=12, batch=12))
+    events = json.loads(path.read_text())["traceEvents"]
+    rows = {
+        e["pid"]: int(e["args"]["name"].split(" stage ")[1].split()[0])
+        for e in events
+        if e["ph"] == "M" and e["name"] == "process_name" and " stage " in e["args"]["name"]
+    }
+    for pid, stage in rows.items():
+        spans = sorted((e["ts"], e["name"]) for e in events if e["ph"] == "X" and e["pid"] == pid and e["tid"] == 1)
+        order = [n for _, n in spans if n[0] in "FB" and n[1:].isdigit()]
+        planned = [f"{a.kind}{a.mb}" for a in schedule.actions(name, 3, stage, 6) if a.kind in "FB"]
+        if name == "gpipe":  # the driver's backward comes after every forward
+            assert order[:6] == planned[:6], stage
+        else:
+            assert order == planned, f"stage {stage} ran {order}"
+        held = peak = 0
+        for n in order:
+            held += 1 if n[0] == "F" else -1
+            peak = max(peak, held)
+        assert peak == (6 if name == "gpipe" else 3 - stage), f"stage {stage}"
