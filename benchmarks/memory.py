@@ -13,8 +13,15 @@ RSS is reset (``/proc/PID/clear_refs``) once its stage is placed, and the table 
 above that during a warm-up step and the timed steps: the activations a stage keeps, plus what
 backward allocates.
 
-    python benchmarks/memory.py            # 50 MB and 2 GB; an MLP of 32 x 512-wide layers, batch 4096
-    python benchmarks/memory.py --quick    # 32 MB only; a small MLP; the two tables measured side by side
+The third table trains an MLP whose forward returns its loss, traced and split over 4 fresh workers,
+under each schedule (``"gpipe"``, ``"1f1b"``, ``"zero_bubble"``, `lightning_remote_mp.schedule`),
+at 8 and 16 micro-batches, with ``checkpoint="never"`` and ``"always"``: each worker's peak RSS
+rise over the run (reset when training starts, before the stage is placed), the timeline's bubble
+and the step time.
+
+    python benchmarks/memory.py              # 50 MB and 2 GB; an MLP of 32 x 512-wide layers, batch 4096
+    python benchmarks/memory.py --quick      # 32 MB only; small MLPs; the first two tables side by side
+    python benchmarks/memory.py --schedules  # the schedules table alone
 """
 
 from __future__ import annotations
@@ -190,6 +197,191 @@ def recompute_table(quick: bool, proc: subprocess.Popen, log: IO[bytes]) -> None
     )
 
 
+# --- schedules: each stage's peak under each schedule ------------------------------------------
+SCHEDULES = ("gpipe", "1f1b", "zero_bubble")
+
+
+def schedule_sizes(quick: bool) -> tuple[int, int, int, int, list[int]]:
+    """width, blocks per stage, batch, stages, micro-batch counts of the schedules table's MLP."""
+    return (128, 2, 512, 4, [8]) if quick else (512, 4, 4096, 4, [8, 16])
+
+
+def _held(trace: str) -> list[int]:
+    """From a timeline, the most micro-batches each stage held at once (forward run, backward not yet)."""
+    with open(trace) as f:
+        events = json.load(f)["traceEvents"]
+    rows = {
+        e["pid"]: int(e["args"]["name"].split(" stage ")[1].split()[0])
+        for e in events
+        if e["ph"] == "M" and e["name"] == "process_name" and " stage " in e["args"]["name"]
+    }
+    peaks = [0] * len(rows)
+    for pid, stage in rows.items():
+        spans = sorted((e["ts"], e["name"]) for e in events if e.get("pid") == pid and e["ph"] == "X")
+        held = 0
+        for _, name in spans:
+            if name[:1] in ("F", "B") and name[1:].isdigit():
+                held += 1 if name[0] == "F" else -1
+                peaks[stage] = max(peaks[stage], held)
+    return peaks
+
+
+def schedule_driver(width: int, blocks: int, batch: int, stages: int, steps: int, counts: str) -> None:
+    """Runs in its own process: for each schedule, micro-batch count and recomputation mode, trains an
+    MLP whose forward returns its loss (traced, split over ``stages`` fresh workers) and prints one
+    JSON line: each worker's peak RSS rise over the run, the step time and the timeline's bubble."""
+    import tempfile
+    import time
+
+    import lightning as L
+    import torch
+    import torch.nn.functional as F
+
+    from lightning_remote_mp import RemoteModelParallelStrategy
+    from lightning_remote_mp.driver.launch import LocalWorkers
+
+    torch.set_num_threads(1)
+
+    class MLP(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = torch.nn.Sequential(
+                *[torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.ReLU()) for _ in range(blocks * stages)]
+            )
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return F.mse_loss(self.blocks(x), y)
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = MLP()
+
+        def training_step(self, batch, batch_idx):
+            return self.model(*batch)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=1e-4)
+
+    class Measure(L.Callback):
+        def on_train_start(self, trainer, pl_module) -> None:
+            self.base = [_rss_of(p.pid) for p in workers.procs]
+            for p in workers.procs:
+                _reset_peak(p.pid)
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            if batch_idx == 1:  # after the first step: tracing, placement, warm-up
+                self.start = time.perf_counter()
+
+        def on_train_end(self, trainer, pl_module) -> None:
+            self.step_s = (time.perf_counter() - self.start) / steps
+            self.rise = [_peak_rss_of(p.pid) - b for p, b in zip(workers.procs, self.base)]
+
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(batch, width, generator=g), torch.randn(batch, width, generator=g)
+    data = torch.utils.data.TensorDataset(x.repeat(steps + 1, 1), y.repeat(steps + 1, 1))
+    workers = LocalWorkers(stages, devices=["cpu"] * stages, threads=1)
+    addresses = workers.start()
+    try:
+        modes = ("never", "always") if counts != "bubble" else ("never",)
+        runs = [
+            (m, c, n)
+            for m in ([8] if counts == "bubble" else map(int, counts.split(",")))
+            for c in modes
+            for n in SCHEDULES
+        ]
+        # The first run's rise also holds what a fresh worker allocates once: run it again, unprinted, first.
+        for i, (m, checkpoint, name) in enumerate([runs[0], *runs]):
+            measure = Measure()
+            with tempfile.TemporaryDirectory() as tmp:
+                strategy = RemoteModelParallelStrategy(
+                    hosts=addresses,
+                    split=["model"],
+                    microbatches=m,
+                    schedule=name,
+                    checkpoint=checkpoint,
+                    split_backward=True,
+                    timeline=os.path.join(tmp, "trace.json"),
+                )
+                trainer = L.Trainer(
+                    max_epochs=1,
+                    strategy=strategy,
+                    accelerator="cpu",
+                    logger=False,
+                    enable_progress_bar=False,
+                    enable_model_summary=False,
+                    enable_checkpointing=False,
+                    callbacks=[measure],
+                )
+                trainer.fit(Module(), torch.utils.data.DataLoader(data, batch_size=batch))
+                bubble = trainer.callback_metrics["lrmp/bubble_fraction_epoch"].item()
+                held = _held(os.path.join(tmp, "trace.json"))
+            if i:
+                row = {"schedule": name, "m": m, "checkpoint": checkpoint, "rise": measure.rise, "held": held}
+                print(json.dumps({**row, "step_s": measure.step_s, "bubble": bubble}), flush=True)
+    finally:
+        workers.stop()
+
+
+def start_schedules(quick: bool, log: IO[bytes], bubble: bool = False) -> subprocess.Popen:
+    """The schedules' memory run (4 stages), or with ``bubble`` their bubble run: 2 stages, one per
+    CPU, so that the workers do not wait for each other's CPU."""
+    width, blocks, batch, stages, counts = schedule_sizes(quick)
+    steps = 1 if quick else 2
+    if bubble:
+        blocks, stages, steps = blocks * 2, 2, steps + 1
+    rows = "bubble" if bubble else ",".join(map(str, counts))
+    args = [str(v) for v in (width, blocks, batch, stages, steps)] + [rows]
+    cmd = [sys.executable, os.path.abspath(__file__), "--_schedules", *args]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True)
+
+
+def schedules_table(quick: bool, proc: subprocess.Popen, log: IO[bytes], bubble: bool = False) -> None:
+    width, blocks, batch, stages, counts = schedule_sizes(quick)
+    if bubble:
+        blocks, stages, counts = blocks * 2, 2, [8]
+    stdout, _ = proc.communicate()
+    if proc.returncode:
+        log.seek(0)
+        tail = log.read().decode(errors="replace")[-3000:]
+        raise RuntimeError(f"the schedules run failed (exit {proc.returncode}):\n{tail}")
+    results = [json.loads(line) for line in stdout.strip().splitlines() if line.startswith("{")]
+    mib = 1024**2
+    per_mb = 2 * blocks * (batch // counts[0]) * width * 4 / mib
+    rows = [
+        [
+            r["schedule"],
+            str(r["m"]),
+            r["checkpoint"],
+            *(f"{v / mib:,.0f}" for v in r["rise"]),
+            "/".join(map(str, r["held"])),
+            f"{r['bubble'] * 100:.0f}%",
+            f"{r['step_s'] * 1e3:,.0f}",
+        ]
+        for r in results
+    ]
+    print()
+    model = (
+        f"an MLP of {blocks * stages} x (Linear({width},{width}) + ReLU) whose forward returns its MSE loss, traced "
+        f"and split over {stages} workers on {os.cpu_count()} CPUs, batch {batch}, split_backward=True"
+    )
+    if bubble:
+        print(
+            f"lrmp schedules, bubble: {model}, 8 micro-batches. The timeline's bubble (the share of each step a "
+            "stage did not compute) and the step time."
+        )
+    else:
+        print(
+            f"lrmp schedules, memory: {model}; each stage keeps about {per_mb:,.1f} MiB of activations per "
+            f"micro-batch at m={counts[0]}. Peak RSS rise of each worker over the run (its weights, gradients and "
+            "what it holds for backward); held: the most micro-batches each stage held at once (from the timeline: "
+            "forward run, backward not yet); the timeline's bubble (more workers than CPUs: compare the memory, "
+            "not the bubble) and the step time."
+        )
+    header = ["schedule", "m", "checkpoint", *(f"stage {s} MiB" for s in range(stages)), "held", "bubble", "step ms"]
+    print(markdown_table(header, rows))
+
+
 def driver_table(quick: bool) -> None:
     sizes = [(2, "32 MB")] if quick else [(3, "50 MB"), (128, "2 GB")]
     rows, results = [], []
@@ -234,14 +426,23 @@ def main(argv=None) -> None:
     p.add_argument("--out", default=None, help="ignored; kept for the smoke test's interface")
     p.add_argument("--_driver", nargs=2, type=int, help=argparse.SUPPRESS)
     p.add_argument("--_recompute", nargs=5, type=int, help=argparse.SUPPRESS)
+    p.add_argument("--_schedules", nargs=6, help=argparse.SUPPRESS)
+    p.add_argument("--schedules", action="store_true", help="only the schedules table")
     args = p.parse_args(argv)
-    if args._driver or args._recompute:
+    if args._driver or args._recompute or args._schedules:
         exit_on_sigterm()  # a terminated run still stops its workers
         if args._driver:
             driver(*args._driver)
-        else:
+        elif args._recompute:
             recompute_driver(*args._recompute)
+        else:
+            schedule_driver(*[int(v) for v in args._schedules[:5]], args._schedules[5])
         exit_now(0)  # its workers are stopped and its results printed
+    if args.schedules:
+        with tempfile.TemporaryFile() as log:
+            schedules_table(args.quick, start_schedules(args.quick, log), log)
+            schedules_table(args.quick, start_schedules(args.quick, log, bubble=True), log, bubble=True)
+        return
     with tempfile.TemporaryFile() as log:
         # --quick: the recomputation run starts at once, beside the driver runs (each is a fresh process
         # importing torch and starting two workers: seconds of CPU; a smoke run's numbers mean nothing).
@@ -251,6 +452,9 @@ def main(argv=None) -> None:
             driver_table(args.quick)
             recompute = recompute or start_recompute(False, log)
             recompute_table(args.quick, recompute, log)
+            schedules_table(args.quick, start_schedules(args.quick, log), log)
+            if not args.quick:
+                schedules_table(False, start_schedules(False, log, bubble=True), log, bubble=True)
         finally:
             if recompute is not None and recompute.poll() is None:
                 recompute.terminate()

@@ -119,6 +119,9 @@ class RoutedStage:
         self._done: dict[int, _Plan] = {}
         self._scales: dict[int, dict[int, dict[int, Backward]]] = {}
         self._last_output: Any = None
+        #: Sends messages at once (the worker's session sets it): a schedule runs several actions per
+        #: message received, and the next stage waits for the first action's output, not the last's.
+        self.send_now: Callable[[list[Outgoing]], None] | None = None
         self._released: collections.deque[int] = collections.deque(maxlen=1024)
 
     @property
@@ -192,7 +195,7 @@ class RoutedStage:
             self.events.span("forward", self.stage.key, self.index, call, mb, started, time.time())
         if first.grad:
             self._meta[(call, mb)] = _Meta(saved=out["saved"], x_grad=needs["x"], var_grad=needs)
-        self._last_output = (out["y"], out["requires_grad"]["y"])
+        self._last_output = out["y"]
         outgoing: list[Outgoing] = []
         for target, names in self.targets.items():
             main = target == self.x_to
@@ -401,11 +404,13 @@ class RoutedStage:
                     out += self._run_forward(parts)  # type: ignore[arg-type]
                     if self.x_to == DRIVER:  # the loss's gradient, taken as 1, is here already
                         plan.ready[(BACKWARD, action.mb)] = {}
-                        plan.outputs[action.mb], flags = self._last_output
-                        plan.differentiable = flags if isinstance(flags, list) else [flags]
+                        plan.outputs[action.mb] = self._last_output
                 else:
                     out += self._early_backward(call, action.mb, parts, plan)  # type: ignore[arg-type]
             plan.actions.popleft()
+            if self.send_now is not None and out:  # each action's messages leave before the next action runs
+                self.send_now(out)
+                out = []
         if not plan.actions:
             del self._plans[call]
             self._done[call] = plan
@@ -429,6 +434,8 @@ class RoutedStage:
             grad_out = first.grad_out
         grad_x, grad_imports, meta = self._run_backward(call, mb, grad_out, parts, early=True)
         plan.filings[mb] = self.stage.filing
+        if self.x_to == DRIVER:
+            plan.differentiable = list(self.stage.differentiable)
         outgoing = self._gradients(first, grad_x, grad_imports, meta, early=True)
         if self.x_from == DRIVER:  # stage 0: the input's gradient waits for the driver's scale
             plan.to_driver[mb] = next(m for target, m in outgoing if target == DRIVER and isinstance(m, Backward))

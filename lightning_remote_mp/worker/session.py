@@ -217,6 +217,7 @@ class WorkerSession:
                 p.requires_grad_(False)
         routed = RoutedStage(stage, msg.sources, msg.targets, stages=msg.stages)
         routed.events = self.events
+        routed.send_now = self._send
         peer_keys = {msg.peers[s]: k.encode("ascii") for s, k in msg.peer_keys.items()}
         self.stages[key] = stage
         self.routes[key] = routed

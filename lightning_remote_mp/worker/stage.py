@@ -128,6 +128,7 @@ class StageExecutor:
         # Per call whose backward runs early: each trainable parameter's own gradient, by id.
         self._early: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
         self.filing = 0  # the number of the last backward that filed deferred weight gradients
+        self.differentiable: list[bool] = []  # which outputs of the last backward's forward had a graph
         self._modes: Any = None  # the train/eval flags last applied
         min_macs = auto_min_macs(device) if split_backward == "auto" else 0
         self.deferred = DeferredWeightGrads(self.layers, min_macs) if split_backward else None
@@ -367,7 +368,9 @@ class StageExecutor:
             self._rerun(saved)
         assert saved.y is not None
         outputs, grads = [], []
-        for y, g in _pairs(saved.y, grad_y):
+        pairs = _pairs(saved.y, grad_y)
+        self.differentiable = [y.requires_grad for y, _ in pairs]
+        for y, g in pairs:
             if g is not None and y.requires_grad:
                 outputs.append(y)
                 grads.append(self._upload(g).to(dtype=y.dtype))
