@@ -7,6 +7,10 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import os
+import signal
+import threading
+import time
 
 import lightning as L
 import pytest
@@ -14,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_remote_mp import RemoteModelParallelStrategy, schedule
-from lightning_remote_mp.errors import ConfigurationError, LrmpError
+from lightning_remote_mp.errors import ConfigurationError, LrmpError, WorkerLostError
 from lightning_remote_mp.schedule import Action, ScheduleError
 
 TOL = 2e-5
@@ -266,3 +270,28 @@ def test_the_timeline_shows_each_stage_running_its_list(name, pool, tmp_path):
             held += 1 if n[0] == "F" else -1
             peak = max(peak, held)
         assert peak == (6 if name == "gpipe" else 3 - stage), f"stage {stage}"
+
+
+class _KillMidStep(L.Callback):
+    """Kills the worker ``pid`` shortly after the second step starts: while its forward runs, with
+    the early backwards of 1F1B in flight."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid, self.at = pid, None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if batch_idx == 1 and self.at is None:
+            self.at = time.monotonic()
+            threading.Timer(0.05, os.kill, (self.pid, signal.SIGKILL)).start()
+
+
+def test_a_worker_killed_during_a_1f1b_step_is_named_within_the_heartbeat_timeout(pool, start_workers):
+    victim = start_workers(1)
+    address, pid = victim.addresses[0], victim.procs[0].pid
+    kill = _KillMidStep(pid)
+    strategy = scheduled([pool[0], address], "1f1b", heartbeat_timeout=2.0)
+    with pytest.raises(WorkerLostError) as info:
+        trainer(strategy, 3, callbacks=[kill]).fit(H.FineTune(H.llama(), "lm"), H.padded_data())
+    assert kill.at is not None, "the worker was never killed"
+    assert info.value.address == address and info.value.stage == 1, str(info.value)
+    assert time.monotonic() - kill.at < 2.0 + 10, "named too late"
