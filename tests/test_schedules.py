@@ -290,8 +290,11 @@ def test_a_worker_killed_during_a_1f1b_step_is_named_within_the_heartbeat_timeou
     address, pid = victim.addresses[0], victim.procs[0].pid
     kill = _KillMidStep(pid)
     strategy = scheduled([pool[0], address], "1f1b", heartbeat_timeout=2.0)
-    with pytest.raises(WorkerLostError) as info:
+    with pytest.raises(LrmpError) as info:
         trainer(strategy, 3, callbacks=[kill]).fit(H.FineTune(H.llama(), "lm"), H.padded_data())
     assert kill.at is not None, "the worker was never killed"
-    assert info.value.address == address and info.value.stage == 1, str(info.value)
+    # The driver's heartbeats name it (WorkerLostError), or stage 0, failing to send it a micro-batch, does.
+    assert address in str(info.value) and "stage 1" in str(info.value), str(info.value)
+    if isinstance(info.value, WorkerLostError):
+        assert info.value.address == address and info.value.stage == 1
     assert time.monotonic() - kill.at < 2.0 + 10, "named too late"

@@ -276,15 +276,12 @@ class Interface:
         return Keep(batch, list(self.row_bytes))
 
     def loss_output(self) -> int | None:
-        """The pipeline output that is the module's loss, where it returns one: the sum of a
-        mean-reduced loss (``("ratio", i, j)``: ``i``), or else its one output added up over the
-        parts (a sum-reduced loss). A schedule starts each micro-batch's backward there
-        (`lightning_remote_mp.schedule`). ``None``: no loss, or several."""
+        """The pipeline output that is the module's loss, where it returns one: the sum of its one
+        mean-reduced loss (``("ratio", i, j)``: ``i``; HF's ``labels=`` losses, ``F.cross_entropy``
+        and ``F.mse_loss`` by default). A schedule starts each micro-batch's backward there
+        (`lightning_remote_mp.schedule`). ``None``: no such loss, or several."""
         ratios = {leaf[1] for leaf in self.out_leaves if leaf[0] == "ratio"}
-        if ratios:
-            return ratios.pop() if len(ratios) == 1 else None
-        sums = [leaf[1] for leaf in self.out_leaves if leaf[0] == "value" and self.joins_out[leaf[1]] == "sum"]
-        return sums[0] if len(sums) == 1 else None
+        return ratios.pop() if len(ratios) == 1 else None
 
     def unjoinable(self) -> list[str]:
         """The outputs that cannot be joined exactly when a batch is split (see `Join`): named."""

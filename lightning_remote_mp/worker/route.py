@@ -67,6 +67,7 @@ class _Plan:
 
     actions: collections.deque[schedule.Action]
     seed: int  # the model's output that is the loss
+    schedule: str
     microbatches: int
     fence: dict[int, int]  # the forward's (`messages._Pipelined.fence`), which its gradients carry on
     ready: dict[tuple[str, int], dict[int, Any]] = dataclasses.field(default_factory=dict)  # inputs arrived
@@ -118,7 +119,7 @@ class RoutedStage:
         self._plans: dict[int, _Plan] = {}
         self._done: dict[int, _Plan] = {}
         self._scales: dict[int, dict[int, dict[int, Backward]]] = {}
-        self._last_output: Any = None
+        self._failed: collections.OrderedDict[int, Exception] = collections.OrderedDict()  # calls whose action failed
         #: Sends messages at once (the worker's session sets it): a schedule runs several actions per
         #: message received, and the next stage waits for the first action's output, not the last's.
         self.send_now: Callable[[list[Outgoing]], None] | None = None
@@ -159,13 +160,17 @@ class RoutedStage:
         if parts is None:
             return []
         first = parts[self.x_from]
+        if first.call in self._failed:
+            return []  # an action of its schedule failed: the driver learns of it at its backward
         if first.seed is not None and first.schedule is not None and first.grad:
             plan = self._plan_of(first)
             plan.ready[(FORWARD, first.mb)] = parts
             return self._advance(first.call)
         return self._run_forward(parts)
 
-    def _run_forward(self, parts: dict[int, Forward]) -> list[Outgoing]:
+    def _run_forward(self, parts: dict[int, Forward], plan: _Plan | None = None) -> list[Outgoing]:
+        """Run a micro-batch's forward; on the last stage, under a ``plan``, keep its output there
+        for the backward that starts at its loss."""
         first = parts[self.x_from]
         if first.x is None:
             raise ProtocolError(f"stage {self.index}: the main input is missing")
@@ -195,7 +200,8 @@ class RoutedStage:
             self.events.span("forward", self.stage.key, self.index, call, mb, started, time.time())
         if first.grad:
             self._meta[(call, mb)] = _Meta(saved=out["saved"], x_grad=needs["x"], var_grad=needs)
-        self._last_output = out["y"]
+        if plan is not None and self.x_to == DRIVER:
+            plan.outputs[mb] = out["y"]
         outgoing: list[Outgoing] = []
         for target, names in self.targets.items():
             main = target == self.x_to
@@ -303,6 +309,8 @@ class RoutedStage:
     def backward(self, msg: Backward) -> list[Outgoing]:
         if msg.call in self._released:
             return []  # a late message of a call the driver gave up on
+        if msg.early and msg.call in self._failed:
+            return []
         plan = self._plans.get(msg.call)
         if plan is not None and msg.early:  # a gradient of the loss taken as 1: an action of the plan
             parts = self._collect(self._backward, self.targets, msg)
@@ -310,7 +318,7 @@ class RoutedStage:
                 return []
             plan.ready[(BACKWARD, msg.mb)] = parts
             return self._advance(msg.call)
-        if plan is not None or msg.call in self._done or msg.call in self._scales:  # the driver's, of an early call
+        if plan is not None or msg.call in self._done or msg.call in self._scales or msg.call in self._failed:
             return self._scale(msg)
         if msg.early:
             raise ProtocolError(f"stage {self.index}: an early gradient for call {msg.call}, which runs no schedule")
@@ -381,12 +389,24 @@ class RoutedStage:
             assert first.schedule is not None and first.seed is not None
             actions = schedule.actions(first.schedule, self.stages, self.index, first.microbatches)
             plan = self._plans[first.call] = _Plan(
-                collections.deque(actions), first.seed, first.microbatches, dict(first.fence)
+                collections.deque(actions), first.seed, first.schedule, first.microbatches, dict(first.fence)
             )
         return plan
 
     def _advance(self, call: int) -> list[Outgoing]:
-        """Run ``call``'s actions in the plan's order for as long as the next one has what it waits for."""
+        """Run ``call``'s actions in the plan's order for as long as the next one has what it waits for.
+        A failure is kept for the call: its actions may run after the driver's forward has returned,
+        so the driver's backward learns of it (`_scale`) rather than waiting for a gradient that never comes."""
+        try:
+            return self._run_actions(call)
+        except Exception as err:
+            self._failed[call] = err
+            while len(self._failed) > self.limit:
+                self._failed.popitem(last=False)
+            self._plans.pop(call, None)
+            raise
+
+    def _run_actions(self, call: int) -> list[Outgoing]:
         plan = self._plans[call]
         out: list[Outgoing] = []
         while plan.actions:
@@ -401,10 +421,9 @@ class RoutedStage:
                 if parts is None:
                     break
                 if action.kind == FORWARD:
-                    out += self._run_forward(parts)  # type: ignore[arg-type]
+                    out += self._run_forward(parts, plan)  # type: ignore[arg-type]
                     if self.x_to == DRIVER:  # the loss's gradient, taken as 1, is here already
                         plan.ready[(BACKWARD, action.mb)] = {}
-                        plan.outputs[action.mb] = self._last_output
                 else:
                     out += self._early_backward(call, action.mb, parts, plan)  # type: ignore[arg-type]
             plan.actions.popleft()
@@ -425,7 +444,10 @@ class RoutedStage:
             loss = y[plan.seed]
             grad_out: Any = tuple(torch.ones_like(t) if i == plan.seed else None for i, t in enumerate(y))
             if loss.numel() != 1 or not loss.is_floating_point():
-                raise ProtocolError(f"stage {self.index}: output {plan.seed}, where the backward starts, is no loss")
+                raise LrmpError(
+                    f"stage {self.index}: the model's output {plan.seed}, where schedule={plan.schedule!r} starts the "
+                    "backward, is no loss (one floating value per micro-batch): use schedule='gpipe' for this model"
+                )
             first: Forward | Backward = Backward(
                 key=self.stage.key, call=call, mb=mb, sender=DRIVER, microbatches=plan.microbatches, fence=plan.fence
             )
@@ -445,6 +467,14 @@ class RoutedStage:
     def _scale(self, msg: Backward) -> list[Outgoing]:
         """File the driver's gradient of an early call's loss (from the driver, or passed on by the
         next stage); once the call's actions have all run, apply it."""
+        failed = self._failed.get(msg.call)
+        if failed is not None:
+            raise LrmpError(
+                f"stage {self.index}: an action of call {msg.call}'s schedule failed before its backward: "
+                f"{type(failed).__name__}: {failed}"
+            ) from failed
+        if msg.sender not in self.targets:
+            raise ProtocolError(f"stage {self.index} expects no message from stage {msg.sender}")
         waiting = self._scales.setdefault(msg.call, {})
         if len(waiting) >= self.limit and msg.mb not in waiting:
             raise ProtocolError(f"stage {self.index}: more than {self.limit} micro-batches of call {msg.call}")
@@ -465,26 +495,27 @@ class RoutedStage:
         if plan is None or len(waiting) < count or any(set(p) != expected for p in waiting.values()):
             return []
         del self._done[call], self._scales[call]
-        scale = None
-        for mb, parts in sorted(waiting.items()):
-            g = self._scale_of(parts[self.x_to], plan)
-            if scale is None:
-                scale = g
-            elif not torch.equal(g, scale):
+        grads = [self._scale_of(parts[self.x_to], plan) for _, parts in sorted(waiting.items())]
+        scale = grads[0]
+        for mb, g in enumerate(grads):
+            if (g is None) != (scale is None) or (g is not None and scale is not None and not torch.equal(g, scale)):
                 raise LrmpError(
-                    f"stage {self.index}: the loss's micro-batches got different gradients ({scale.item()} and "
-                    f"{g.item()} for micro-batch {mb} of call {call}); a schedule other than 'gpipe' needs one "
+                    f"stage {self.index}: the loss's micro-batches got different gradients ({scale} and "
+                    f"{g} for micro-batch {mb} of call {call}); a schedule other than 'gpipe' needs one "
                     "for all of them (a loss that adds its micro-batches' sums): use schedule='gpipe'"
                 )
-        assert scale is not None
-        self.stage.apply_early(call, scale)
+        if scale is None:  # the step did not differentiate the loss: no gradient, as with GPipe
+            self.stage.release_early(call)
+        else:
+            self.stage.apply_early(call, scale)
         out: list[Outgoing] = []
         for mb, parts in sorted(waiting.items()):
             first = parts[self.x_to]
             if self.x_from == DRIVER:
                 done = plan.to_driver.get(mb)
                 if done is not None:
-                    out.append((DRIVER, dataclasses.replace(done, grad_out=_times(done.grad_out, scale))))
+                    grad = _times(done.grad_out, scale) if scale is not None else None
+                    out.append((DRIVER, dataclasses.replace(done, grad_out=grad)))
                 continue
             for source in self.sources:
                 out.append(
@@ -503,13 +534,11 @@ class RoutedStage:
                 )
         return out
 
-    def _scale_of(self, msg: Backward, plan: _Plan) -> torch.Tensor:
+    def _scale_of(self, msg: Backward, plan: _Plan) -> torch.Tensor | None:
         """The loss's gradient a scale message brings: from the next stage, ``scale``; from the
         driver, the output's gradient at the loss's position, and nothing at the others."""
         if msg.sender != DRIVER:
-            if msg.scale is None:
-                raise ProtocolError(f"stage {self.index}: call {msg.call} runs a schedule; its gradient has no scale")
-            return msg.scale
+            return msg.scale  # None: the step did not differentiate the loss
         if msg.loss_grads and any(g is not None for g in msg.loss_grads):
             raise LrmpError(_LATE_READ.format(what="a loss computed over one of its other outputs"))
         seed = plan.seed
@@ -520,7 +549,7 @@ class RoutedStage:
         if others:
             raise LrmpError(_LATE_READ.format(what=f"its output {others[0]}"))
         g = grads[seed] if seed < len(grads) else None
-        return g.detach().reshape(()).float() if g is not None else torch.zeros(())
+        return g.detach().reshape(()).float() if g is not None else None
 
     def finish_backward(self, call: int) -> None:
         """After a backward's gradients left: once the call's last micro-batch is through this
@@ -536,6 +565,6 @@ class RoutedStage:
         for table in (self._forward, self._backward, self._meta, self._kept, self._losses):
             for key in [k for k in table if k[0] in drop]:
                 del table[key]  # type: ignore[attr-defined]
-        for calls_table in (self._plans, self._done, self._scales):
+        for calls_table in (self._plans, self._done, self._scales, self._failed):
             for call in drop:
                 calls_table.pop(call, None)  # type: ignore[attr-defined]

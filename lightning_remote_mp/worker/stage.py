@@ -430,6 +430,12 @@ class StageExecutor:
             else:
                 p.grad.add_(g)
 
+    def release_early(self, call: int) -> None:
+        """Forget ``call``'s own weight gradients (its loss was not differentiated)."""
+        self._early.pop(call, None)
+        if self.deferred is not None:
+            self.deferred.discard(call)
+
     def flush_weight_grads(self, call: int | None = None) -> bool:
         """Add the deferred weight gradients to ``.grad``: with ``call``, only once none of its
         micro-batches awaits backward any more. Returns whether there was anything to add."""
@@ -445,8 +451,6 @@ class StageExecutor:
         for key in [k for k in self._saved if k[0] in drop]:
             del self._saved[key]
         for call in drop:
-            self._early.pop(call, None)
-            if self.deferred is not None:
-                self.deferred.discard(call)
+            self.release_early(call)
         if self.statistics is not None and any(self._forwards.pop(c, None) for c in drop):
             self.statistics.discard()  # a call given up on part-way: its statistics count for nothing
