@@ -218,3 +218,15 @@ def test_outputs_kept_and_never_read_during_fit_are_there_after_it(pool):
     trainer(strategy, 1, num_sanity_val_steps=0).fit(remote, H.padded_data())
     for a, b in zip(local.outputs, remote.outputs, strict=True):
         torch.testing.assert_close(b.logits.detach(), a.logits.detach(), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "mixtral", "bert", "t5", "vit"])
+def test_a_family_trains_under_zero_bubble_as_locally(family, pool, caplog):
+    """Each family's ``labels=`` loss starts the backward on the last stage (`lightning_remote_mp.schedule`):
+    weights tied across stages (GPT-2), experts (Mixtral), an encoder and a decoder (T5), a classifier
+    (BERT), images (ViT)."""
+    build, task = FAMILIES[family]
+    strategy = RemoteModelParallelStrategy(hosts=pool[:2], split=["model"], microbatches=4, schedule="zero_bubble")
+    with caplog.at_level("INFO", logger="lightning_remote_mp"):
+        remote_equals_local(lambda: H.FineTune(build(), task), strategy)
+    assert "schedule 'zero_bubble' over 2 stages, 4 micro-batches" in caplog.text
