@@ -164,14 +164,18 @@ class Residual(torch.nn.Module):
 
 
 class Regression(L.LightningModule):
+    """``model`` is split; ``pre`` stays on the driver and learns from the input gradient stage 0 sends back."""
+
     def __init__(self, skip_step: int | None = None) -> None:
         super().__init__()
+        self.pre = torch.nn.Linear(16, 16)
         self.model = Residual()
         self.losses: list[float] = []
         self.skip_step = skip_step
 
     def training_step(self, batch, batch_idx):
-        loss = self.model(*batch)
+        x, y = batch
+        loss = self.model(self.pre(x), y)
         self.losses.append(loss.item())
         # A step that returns no loss: Lightning runs no backward (the early gradients are dropped).
         return None if batch_idx == self.skip_step else loss
