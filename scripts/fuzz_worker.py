@@ -152,6 +152,7 @@ class Fuzzer:
             "sources": [[0, ["res"]]],
             "targets": [[2, []]],
             "peers": {0: self.sink_address, 2: self.sink_address},
+            "stages": 3,  # so that forwards naming a schedule run its list (`lightning_remote_mp.schedule`)
         }
         msg = self.request(protocol.SETUP, setup)
         if msg.kind != protocol.OK:
@@ -225,6 +226,7 @@ class Fuzzer:
                 body["requires_grad"] = {"x": True, "res": True}
             else:
                 body = {"key": KEY, "call": call, "mb": mb, "from": 2, "grad_out": x, "grads": {}}
+            self._scheduled(body, kind)
             return protocol.encode(kind, 0, self.session, body)
         if kind == protocol.FORWARD:
             body: dict[str, Any] = {
@@ -248,6 +250,7 @@ class Fuzzer:
                 "grad_out": r.choice([self.tensor(), None]),
                 "grads": r.choice([{}, {"res": self.tensor()}, {"x": 1}]),
             }
+        self._scheduled(body, kind)
         for _ in range(r.choice([0, 0, 0, 1, 2])):  # sometimes a field goes missing or gets odd
             field = r.choice(sorted(body))
             if r.random() < 0.5:
@@ -256,6 +259,21 @@ class Fuzzer:
                 body[field] = self.value()
         self.stats["pipeline"] += 1
         return protocol.encode(kind, r.randint(0, 2**40), self.session_id(), body)
+
+    def _scheduled(self, body: dict[str, Any], kind: str) -> None:
+        """Sometimes the fields of a call that runs a schedule: its name and the loss's output on a
+        forward, an early gradient or the driver's scale on a backward."""
+        r = self.rng
+        if r.random() >= 0.25:
+            return
+        body["microbatches"] = r.choice([1, 2, 3, 4, 0, -1])
+        if kind == protocol.FORWARD:
+            body["schedule"] = r.choice(["1f1b", "zero_bubble", "gpipe", "2f2b", 3])
+            body["seed"] = r.choice([0, 0, 1, -1, "loss"])
+        elif r.random() < 0.5:
+            body["early"] = r.choice([True, True, "yes"])
+        else:
+            body["scale"] = r.choice([torch.tensor(0.5), torch.ones(2), torch.tensor(1), 0.5])
 
     def modes(self) -> Any:
         """Train/eval flags, well-formed or not."""

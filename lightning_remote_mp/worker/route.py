@@ -164,6 +164,7 @@ class RoutedStage:
             return []  # an action of its schedule failed: the driver learns of it at its backward
         if first.seed is not None and first.schedule is not None and first.grad:
             plan = self._plan_of(first)
+            self._check_mb(first, plan)
             plan.ready[(FORWARD, first.mb)] = parts
             return self._advance(first.call)
         return self._run_forward(parts)
@@ -313,6 +314,7 @@ class RoutedStage:
             return []
         plan = self._plans.get(msg.call)
         if plan is not None and msg.early:  # a gradient of the loss taken as 1: an action of the plan
+            self._check_mb(msg, plan)
             parts = self._collect(self._backward, self.targets, msg)
             if parts is None:
                 return []
@@ -392,6 +394,14 @@ class RoutedStage:
                 collections.deque(actions), first.seed, first.schedule, first.microbatches, dict(first.fence)
             )
         return plan
+
+    def _check_mb(self, msg: Forward | Backward, plan: _Plan) -> None:
+        """A micro-batch of the call's plan, or a `ProtocolError` (it would wait in the plan forever)."""
+        if not 0 <= msg.mb < plan.microbatches:
+            raise ProtocolError(
+                f"stage {self.index}: micro-batch {msg.mb} of call {msg.call}, whose schedule has "
+                f"{plan.microbatches} micro-batches"
+            )
 
     def _advance(self, call: int) -> list[Outgoing]:
         """Run ``call``'s actions in the plan's order for as long as the next one has what it waits for.
@@ -475,6 +485,9 @@ class RoutedStage:
             ) from failed
         if msg.sender not in self.targets:
             raise ProtocolError(f"stage {self.index} expects no message from stage {msg.sender}")
+        plan = self._plans.get(msg.call) or self._done.get(msg.call)
+        if plan is not None:
+            self._check_mb(msg, plan)
         waiting = self._scales.setdefault(msg.call, {})
         if len(waiting) >= self.limit and msg.mb not in waiting:
             raise ProtocolError(f"stage {self.index}: more than {self.limit} micro-batches of call {msg.call}")
