@@ -302,3 +302,37 @@ def test_a_worker_killed_during_a_1f1b_step_is_named_within_the_heartbeat_timeou
     if isinstance(info.value, WorkerLostError):
         assert info.value.address == address and info.value.stage == 1
     assert time.monotonic() - kill.at < 2.0 + 10, "named too late"
+
+
+class _Messages(L.Callback):
+    """ZeroMQ messages the driver sent and received in each training step after the first."""
+
+    def __init__(self) -> None:
+        self.steps: list[tuple[int, int]] = []
+
+    def _totals(self, trainer) -> tuple[int, int]:
+        conns = trainer.strategy.session.conns
+        return sum(c.sent_messages for c in conns), sum(c.received_messages for c in conns)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.start = self._totals(trainer) if trainer.strategy.session is not None else None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self.start is not None and batch_idx + trainer.current_epoch > 0:  # the first step places the model
+            sent, received = self._totals(trainer)
+            self.steps.append((sent - self.start[0], received - self.start[1]))
+
+
+def test_a_step_costs_the_driver_the_same_messages_whatever_the_schedule_and_micro_batches(pool):
+    """Micro-batches travel bundled, and a 1F1B backward is one scale per call: per step the driver sends
+    a forward, a backward, and per worker a zero_grad, the tied embedding's gradient sum and a step;
+    it receives the results, the DONEs and the steps' replies."""
+    counts = {}
+    for name in ("gpipe", "1f1b"):
+        for m in (1, 4):
+            messages = _Messages()
+            trainer(scheduled(pool[:2], name, microbatches=m), 1, callbacks=[messages]).fit(
+                H.FineTune(H.llama(), "lm"), H.padded_data(n=24)
+            )
+            counts[(name, m)] = set(messages.steps)
+    assert all(c == {(8, 4)} for c in counts.values()), counts  # 2 steps each

@@ -253,6 +253,10 @@ class Connection:
         self._replied_up_to = 0  # the highest id an OK came for: everything before it has run
         self.closed = False
         self.lost_reason: str | None = None
+        #: ZeroMQ messages sent to the worker and received from it on this connection (a bundle of
+        #: micro-batches is one): what a step costs in hand-offs (heartbeats have their own sockets).
+        self.sent_messages = 0
+        self.received_messages = 0
 
     def where(self) -> str:
         return worker_location(self.address, self.stage, self.replica)
@@ -300,6 +304,7 @@ class Connection:
         while True:  # bounded: a full queue to a worker that stopped reading ends with the heartbeat
             try:
                 self._sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+                self.sent_messages += 1
                 return
             except zmq.Again:
                 self._sock.poll(POLL_SLICE_MS, zmq.POLLOUT)
@@ -375,7 +380,9 @@ class Connection:
 
     def _receive(self) -> list[protocol.Message]:
         try:
-            return protocol.decode_all(self._sock.recv_multipart(copy=False), self.limits)
+            frames = self._sock.recv_multipart(copy=False)
+            self.received_messages += 1
+            return protocol.decode_all(frames, self.limits)
         except ProtocolVersionError as err:
             info = err.info
             raise ProtocolVersionError(
