@@ -257,16 +257,7 @@ def run_lrmp(
         connect_timeout=60.0,
         listen=listen,
     )
-    trainer = L.Trainer(
-        strategy=strategy,
-        max_steps=total,
-        max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[clock],
-    )
+    trainer = _common.timed_trainer(strategy, total, [clock])
     shape_all(lan, "10gbit")
     try:
         trainer.fit(module, data)

@@ -36,7 +36,7 @@ import tempfile
 from typing import IO
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import exit_now, exit_on_sigterm, markdown_table  # noqa: E402
+from _common import exit_now, exit_on_sigterm, markdown_table, timed_trainer  # noqa: E402
 
 WIDTH = 2048  # a Linear(2048, 2048) is 16 MiB of float32 weights
 
@@ -303,16 +303,7 @@ def schedule_driver(width: int, blocks: int, batch: int, stages: int, steps: int
                     split_backward=True,
                     timeline=os.path.join(tmp, "trace.json"),
                 )
-                trainer = L.Trainer(
-                    max_epochs=1,
-                    strategy=strategy,
-                    accelerator="cpu",
-                    logger=False,
-                    enable_progress_bar=False,
-                    enable_model_summary=False,
-                    enable_checkpointing=False,
-                    callbacks=[measure],
-                )
+                trainer = timed_trainer(strategy, steps + 1, [measure])  # a warm-up step and the timed ones
                 trainer.fit(Module(), torch.utils.data.DataLoader(data, batch_size=batch))
                 bubble = trainer.callback_metrics["lrmp/bubble_fraction_epoch"].item()
                 held = _held(os.path.join(tmp, "trace.json"))
