@@ -118,7 +118,8 @@ class RoutedStage:
         # until the driver's gradient (its scale) has come for every micro-batch.
         self._plans: dict[int, _Plan] = {}
         self._done: dict[int, _Plan] = {}
-        self._scales: dict[int, dict[int, dict[int, Backward]]] = {}
+        self._scale_parts: dict[tuple[int, int], dict[int, Backward]] = {}  # scales partly arrived (`_collect`)
+        self._scales: dict[int, dict[int, dict[int, Backward]]] = {}  # and all arrived, by call and micro-batch
         self._failed: collections.OrderedDict[int, Exception] = collections.OrderedDict()  # calls whose action failed
         #: Sends messages at once (the worker's session sets it): a schedule runs several actions per
         #: message received, and the next stage waits for the first action's output, not the last's.
@@ -483,18 +484,15 @@ class RoutedStage:
                 f"stage {self.index}: an action of call {msg.call}'s schedule failed before its backward: "
                 f"{type(failed).__name__}: {failed}"
             ) from failed
-        if msg.sender not in self.targets:
-            raise ProtocolError(f"stage {self.index} expects no message from stage {msg.sender}")
         plan = self._plans.get(msg.call) or self._done.get(msg.call)
         if plan is not None:
             self._check_mb(msg, plan)
-        waiting = self._scales.setdefault(msg.call, {})
-        if len(waiting) >= self.limit and msg.mb not in waiting:
-            raise ProtocolError(f"stage {self.index}: more than {self.limit} micro-batches of call {msg.call}")
-        parts = waiting.setdefault(msg.mb, {})
-        if msg.sender in parts:
+        if msg.mb in self._scales.get(msg.call, {}):
             raise ProtocolError(f"stage {self.index}: the gradient of micro-batch {(msg.call, msg.mb)} came twice")
-        parts[msg.sender] = msg
+        parts = self._collect(self._scale_parts, self.targets, msg)
+        if parts is None:
+            return []
+        self._scales.setdefault(msg.call, {})[msg.mb] = parts
         return self._scale_ready(msg.call)
 
     def _scale_ready(self, call: int) -> list[Outgoing]:
@@ -502,10 +500,8 @@ class RoutedStage:
         in (from each stage this one feeds), add the weight gradients times it to ``.grad``, and pass
         it on (stage 0: the input's gradients, times it, to the driver)."""
         plan = self._done.get(call)
-        waiting = self._scales.get(call, {})
-        expected = set(self.targets)
-        count = plan.microbatches if plan is not None else 0
-        if plan is None or len(waiting) < count or any(set(p) != expected for p in waiting.values()):
+        waiting = self._scales.get(call, {})  # micro-batches whose scale came from every stage this one feeds
+        if plan is None or len(waiting) < plan.microbatches:
             return []
         del self._done[call], self._scales[call]
         grads = [self._scale_of(parts[self.x_to], plan) for _, parts in sorted(waiting.items())]
@@ -575,7 +571,7 @@ class RoutedStage:
         drop = set(calls)
         self._released.extend(drop)
         self.stage.release(list(drop))
-        for table in (self._forward, self._backward, self._meta, self._kept, self._losses):
+        for table in (self._forward, self._backward, self._scale_parts, self._meta, self._kept, self._losses):
             for key in [k for k in table if k[0] in drop]:
                 del table[key]  # type: ignore[attr-defined]
         for calls_table in (self._plans, self._done, self._scales, self._failed):
