@@ -320,9 +320,9 @@ class DeferredWeightGrads:
                 if pending.bias is not None:
                     grad_b = rows.sum(0) if grad_b is None else grad_b.add_(rows.sum(0))
             assert grad_w is not None
-            _accumulate(pending.weight, grad_w)
+            accumulate_grad(pending.weight, grad_w)
             if pending.bias is not None:
-                _accumulate(pending.bias, grad_b)
+                accumulate_grad(pending.bias, grad_b)
             rest = filed[len(due) :]
             if rest:
                 pending.filed[bucket] = rest
@@ -356,7 +356,8 @@ def _has_grad_hooks(t: torch.Tensor) -> bool:
     return bool(getattr(t, "_backward_hooks", None)) or bool(getattr(t, "_post_accumulate_grad_hooks", None))
 
 
-def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
+def accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
+    """Add ``grad`` to ``param.grad`` (or make it ``param.grad``), as autograd accumulates."""
     if param.grad is None:
         param.grad = grad
     else:

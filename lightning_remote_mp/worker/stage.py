@@ -19,7 +19,7 @@ from lightning_remote_mp.flow import Main, SplitBackward, is_floating, is_main
 from lightning_remote_mp.model.spec import LayerEntry, apply_modes, build_layer, normalize_entry
 from lightning_remote_mp.model.wiring import run_layers
 from lightning_remote_mp.worker.deferred_bn import DeferredStatistics
-from lightning_remote_mp.worker.deferred_grads import DeferredWeightGrads, auto_min_macs
+from lightning_remote_mp.worker.deferred_grads import DeferredWeightGrads, accumulate_grad, auto_min_macs
 from lightning_remote_mp.worker.device_io import DeviceIO
 
 
@@ -412,9 +412,9 @@ class StageExecutor:
                     staging[id(p)] = (p, p.grad)
                 p.grad = g
 
-    def flush_early(self, call: int, through: int) -> None:
-        """The deferred weight gradients of ``call``'s early backwards numbered up to ``through``,
-        into the call's own gradients (a W action)."""
+    def flush_early(self, call: int, through: int | None = None) -> None:
+        """The deferred weight gradients of ``call``'s early backwards numbered up to ``through``
+        (all of them without it), into the call's own gradients (a W action)."""
         if self.deferred is not None:
             with self.early_grads(call):
                 self.deferred.flush(bucket=call, through=through)
@@ -422,13 +422,9 @@ class StageExecutor:
     @torch.no_grad()
     def apply_early(self, call: int, scale: torch.Tensor) -> None:
         """Add ``call``'s own weight gradients times ``scale`` (the loss's real gradient) to ``.grad``."""
-        self.flush_early(call, self.deferred.filings if self.deferred is not None else 0)
+        self.flush_early(call)
         for p, g in self._early.pop(call, {}).values():
-            g.mul_(scale.to(device=g.device, dtype=g.dtype))
-            if p.grad is None:
-                p.grad = g
-            else:
-                p.grad.add_(g)
+            accumulate_grad(p, g.mul_(scale.to(device=g.device, dtype=g.dtype)))
 
     def release_early(self, call: int) -> None:
         """Forget ``call``'s own weight gradients (its loss was not differentiated)."""
