@@ -153,3 +153,9 @@ class WorkerStartError(LrmpError):
 class PeerUnreachableError(LrmpError):
     """A stage could not hand a message to the worker of another stage in time (raised on the worker,
     reported to the driver as a `WorkerError`)."""
+
+
+class GroupError(LrmpError):
+    """Summing gradients with the other workers of a process group failed on a worker (reported to
+    the driver as a `WorkerError`): often because another member stopped, which the driver then
+    names instead (`lightning_remote_mp.wire.transport.blame_the_lost`)."""

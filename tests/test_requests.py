@@ -11,6 +11,8 @@ from lightning_remote_mp.errors import ProtocolError
 from lightning_remote_mp.wire import protocol
 from lightning_remote_mp.wire.requests import (
     REQUESTS,
+    Carried,
+    Carry,
     Fetch,
     GetOptimState,
     GetState,
@@ -246,29 +248,37 @@ def _golden() -> dict[str, object]:
         "hello": Hello("host pid 1", protocol.PROTOCOL_VERSION, "0.1.0", "2.13.0", 9.0),
         "fetch": Fetch("net", 4),
         "loss": Loss("net", 4, 1, 1, [0, 1, 2], {0: t[0], 1: t[1]}, whole=[t], grad=True),
+        "carry": Carry(
+            "net",
+            4,
+            0,
+            1,
+            {1: [Carried(7, 6, OptimStep(0, [{"lr": 0.05}], sync=True))], 2: [Carried(3, 2, ZeroGrad(0))]},
+        ),
     }
 
 
 # sha256 of each request's frames. A change here changes what older workers receive: bump
 # protocol.PROTOCOL_VERSION with it (and say so in the CHANGELOG), then update these.
 GOLDEN = {
-    "setup": "0bd6ceeb2e447a5e",
-    "release": "7c3951e7d9c6759a",
-    "get_state": "20c268568f707932",
-    "load_state": "bf1d60a85232725a",
-    "profile": "87b9c64f7241fecf",
-    "optim_create": "0859cd6cf17abc68",
-    "optim_step": "bf51ae870f1291da",
-    "zero_grad": "e072cbf54ffe0c20",
-    "get_optim_state": "d3b20dba3e1cdaad",
-    "load_optim_state": "1421fc7722648cd0",
-    "grads": "814f446ea3a79852",
-    "timeline": "46f64c913d42224d",
-    "group": "ad720e6a642ce972",
-    "sync": "06935433cd73b370",
-    "hello": "eaf6bba26e744629",
-    "fetch": "5194e4670347ca42",
-    "loss": "9e6c5971fd741fd2",
+    "setup": "60763a2e5c56cd06",
+    "release": "f83e56a65d9216ad",
+    "get_state": "19e018e124c09147",
+    "load_state": "82fdbef6386b0a20",
+    "profile": "2e307d8de78955d2",
+    "optim_create": "4de483480c5aa4cf",
+    "optim_step": "ece1ebc0e4930006",
+    "zero_grad": "08b157f6fa252820",
+    "get_optim_state": "60bc6bc223e64274",
+    "load_optim_state": "c4620edda5b9549f",
+    "grads": "dc186efe330a0aef",
+    "timeline": "47bab5d24f769030",
+    "group": "b2f3020e9f07b739",
+    "sync": "98071af6dae1ce62",
+    "hello": "ee3194f79a3667df",
+    "fetch": "bf927312fce3f64d",
+    "loss": "bc91af7d4ef1365c",
+    "carry": "0afab25ffe1738b1",
 }
 
 

@@ -139,6 +139,13 @@ class OptimizerMirror:
         )
         self.replicated = any(len(h.conns) > 1 for h in every)
         self.tied = any(len(holders) > 1 for holders in self.remote.values())
+        # The gradient bytes a stage's replicas sum per step (its weights that train, once per stage).
+        params = {id(p): p for g in self.optimizer.param_groups for p in g["params"]}
+        self._replicated_bytes = sum(
+            params[k].numel() * params[k].element_size() * sum(1 for h in holders if len(h.conns) > 1)
+            for k, holders in self.remote.items()
+            if params[k].requires_grad
+        )
 
     def extend(self, remote: Mapping[int, list[Holder]]) -> None:
         """Take in parameters placed after the mirror was made (a traced module placed at its first
@@ -211,16 +218,23 @@ class OptimizerMirror:
         self._synced_version = version
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        self.sync_grads()
+        # The gradients of replicas and of tied weights' copies are summed by the step itself,
+        # unless clipping summed them already (`sync_grads`).
+        version = self.grads_version()
+        sync = (self.replicated or self.tied) and version != self._synced_version
+        self._synced_version = version
+        if sync:
+            self.allreduced_bytes += self._replicated_bytes
         hparams = [_hparams(g) for g in optimizer.param_groups]
-        # Not awaited: Lightning's loop goes on (hooks, logging, the next batch) while the workers
-        # step; micro-batches sent after it wait for it on each worker (RemoteSpec._fence).
+        # Carried: the step travels with the next call's micro-batches, each stage running it
+        # before them (`Connection.carry`), so it costs the driver no message of its own; whatever
+        # the driver sends a worker first sends it.
         for c in self.conns:
-            c.post(protocol.OPTIM_STEP, OptimStep(self.index, hparams).body())
+            c.carry(OptimStep(self.index, hparams, sync=sync), linked=self.conns if sync else ())
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for c in self.conns:
-            c.post(protocol.ZERO_GRAD, ZeroGrad(self.index, bool(set_to_none)).body())
+            c.carry(ZeroGrad(self.index, bool(set_to_none)))
         self.cls.zero_grad(self.optimizer, set_to_none=set_to_none)
 
     # --- gradients across stages ----------------------------------------------------

@@ -37,7 +37,7 @@ from lightning_remote_mp.schedule import check_schedule
 from lightning_remote_mp.wire import protocol
 from lightning_remote_mp.wire.collect import gather
 from lightning_remote_mp.wire.messages import Backward, Forward
-from lightning_remote_mp.wire.requests import Fetch, Release
+from lightning_remote_mp.wire.requests import Carry, Fetch, Release
 from lightning_remote_mp.wire.transport import Connection, broadcast, request_all
 
 log = logging.getLogger(__name__)
@@ -310,6 +310,27 @@ class RemoteSpec:
                 fence[rs.stage.index] = posted
         return fence
 
+    def _carry(self, replica: int, call: int, toward: int) -> list[tuple[str, Any]]:
+        """The quiet requests (the optimizer's step, zero_grad) that wait for the stages of
+        ``replica`` beyond its first ``toward`` (``1``: down the pipeline, from stage 0; ``-1``: up
+        it, from the last stage), as a `Carry` to bundle with the call's micro-batches: each stage
+        passes the rest on to the next, so a step costs the driver no message of its own. The
+        first stage's own go in the same bundle (`Connection.send_all`)."""
+        row = self.replicas[replica] if toward == 1 else self.replicas[replica][::-1]
+        requests = {}
+        for rs in row[1:]:
+            if rs.conn is not row[0].conn and (taken := rs.conn.take_carried()):
+                requests[rs.stage.index] = taken
+        if not requests:
+            return []
+        return [(protocol.CARRY, Carry(self.key, call, DRIVER, toward, requests).body())]
+
+    def _flush_carried(self) -> None:
+        """Send what waits to be carried to workers whose pipeline got no message (a replica with no
+        share of the batch): a step that sums gradients over the replicas waits for every one."""
+        for conn in self.conns:
+            conn.flush_carried()
+
     def _from_driver(self, call: int, mb: int, microbatches: int, fence: dict[int, int]) -> dict[str, Any]:
         """The header fields of micro-batch ``mb`` of ``call`` as the driver sends it (`messages._Pipelined`)."""
         return {"key": self.key, "call": call, "mb": mb, "sender": DRIVER, "microbatches": microbatches, "fence": fence}
@@ -342,6 +363,7 @@ class RemoteSpec:
                 self._check_plan(len(row))
         try:
             for r, row in enumerate(sizes):
+                carry = self._carry(r, call, 1) if row else []
                 fence = self._fence(r) if row else {}
                 forwards = [
                     Forward(
@@ -359,7 +381,8 @@ class RemoteSpec:
                     for mb in range(len(row))
                 ]
                 if forwards:  # one message to stage 0 for the whole call (`Connection.send_all`)
-                    self.replicas[r][0].conn.send_all(protocol.FORWARD, forwards, self.compression)
+                    self.replicas[r][0].conn.send_all(protocol.FORWARD, forwards, self.compression, lead=carry)
+            self._flush_carried()
             results = self._collect(protocol.RESULT, -1, call, sizes, "forward")
         except BaseException:
             self._abandon(call)
@@ -456,6 +479,7 @@ class RemoteSpec:
         loss_grads = self.losses.grads_for(call)
         try:
             for r, row in enumerate(record.sizes):
+                carry = self._carry(r, call, -1) if row else []
                 fence = self._fence(r) if row else {}
                 backwards = [
                     Backward(
@@ -466,7 +490,8 @@ class RemoteSpec:
                     for mb in range(len(row))
                 ]
                 if backwards:
-                    self.replicas[r][-1].conn.send_all(protocol.BACKWARD, backwards, self.compression)
+                    self.replicas[r][-1].conn.send_all(protocol.BACKWARD, backwards, self.compression, lead=carry)
+            self._flush_carried()
             done = self._collect(protocol.DONE, 0, call, record.sizes, "backward")
         except BaseException:
             self._abandon(call)

@@ -42,7 +42,7 @@ from lightning_remote_mp._version import __version__
 # LimitExceeded lives with the other errors; ``protocol.LimitExceeded`` stays its name here too.
 from lightning_remote_mp.errors import ConfigurationError, LimitExceeded, ProtocolError, ProtocolVersionError
 
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 
 
 class Kind(str, enum.Enum):
@@ -69,6 +69,7 @@ class Kind(str, enum.Enum):
     SYNC = "sync"  # answered once every request sent before it has run (the quiet ones below included)
     FETCH = "fetch"  # the outputs the last stage kept for a call (read on the driver)
     LOSS = "loss"  # a loss over an output the last stage kept, computed there
+    CARRY = "carry"  # quiet requests for the stages down (or up) the pipeline, passed stage to stage
     RESULT = "result"  # worker -> driver: the last stage's output of one micro-batch
     DONE = "done"  # worker -> driver: stage 0 finished one micro-batch's backward
     BYE = "bye"
@@ -88,7 +89,7 @@ RELEASE, OPTIM_CREATE, OPTIM_STEP, ZERO_GRAD = Kind.RELEASE, Kind.OPTIM_CREATE, 
 GET_STATE, LOAD_STATE = Kind.GET_STATE, Kind.LOAD_STATE
 GET_OPTIM_STATE, LOAD_OPTIM_STATE = Kind.GET_OPTIM_STATE, Kind.LOAD_OPTIM_STATE
 GRADS, PROFILE, TIMELINE, GROUP, SYNC = Kind.GRADS, Kind.PROFILE, Kind.TIMELINE, Kind.GROUP, Kind.SYNC
-FETCH, LOSS = Kind.FETCH, Kind.LOSS
+FETCH, LOSS, CARRY = Kind.FETCH, Kind.LOSS, Kind.CARRY
 RESULT, DONE, BYE, PING, OK, ERROR = Kind.RESULT, Kind.DONE, Kind.BYE, Kind.PING, Kind.OK, Kind.ERROR
 
 
@@ -115,6 +116,10 @@ REQUEST_KINDS = frozenset(Kind) - {RESULT, DONE, OK, ERROR}
 #: cost both sides a message for nothing. The ERROR of one says ``"posted": kind``; a SYNC
 #: request is answered once they have all run.
 QUIET_KINDS = frozenset({OPTIM_STEP, ZERO_GRAD})
+
+#: Requests that may travel along the pipeline instead of straight to their worker
+#: (`lightning_remote_mp.wire.requests.Carry`): the quiet ones, which the driver never waits for.
+CARRIED_KINDS = QUIET_KINDS
 
 _EXT_TENSOR = 1
 _EXT_TUPLE = 2

@@ -36,6 +36,7 @@ from lightning_remote_mp.flow import Routes, SplitBackward, is_split_backward
 from lightning_remote_mp.wire import protocol
 from lightning_remote_mp.wire.fields import (
     BOOL,
+    DICT,
     INT,
     LIST,
     STR,
@@ -55,6 +56,7 @@ from lightning_remote_mp.wire.fields import (
     lenient,
     list_of,
     map_of,
+    must,
     number,
     refuse,
 )
@@ -345,6 +347,9 @@ class OptimStep(Body):
 
     index: int = _INDEX
     hparams: Sequence[Mapping[str, Any]] = field(list_of(is_str_keyed, "hyperparameter dicts"), write=as_list_of_dicts)
+    #: First sum the gradients over the stage's replicas and the copies of tied weights (as
+    #: `GradAllreduce` does): they changed since they were last summed.
+    sync: bool = field(BOOL, default=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -355,6 +360,93 @@ class ZeroGrad(Body):
 
     index: int = _INDEX
     set_to_none: bool = field(BOOL, default=True)
+
+
+#: The requests a `Carry` may bring, by kind (`protocol.CARRIED_KINDS`).
+_CARRIED: dict[str, type[Body]] = {OptimStep.KIND: OptimStep, ZeroGrad.KIND: ZeroGrad}
+assert set(_CARRIED) == protocol.CARRIED_KINDS
+
+#: The most requests one `Carry` brings for one stage: a few per optimizer and step.
+MAX_CARRIED = 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class Carried:
+    """One request that travels along the pipeline to its worker (`Carry`).
+
+    Attributes:
+        id: its id among the driver's requests to that worker, as if it had been sent straight there.
+        after: the id of the driver's request to that worker just before it: the worker runs it
+            only once that one has run, so a request that came the short way is never overtaken.
+        request: the request (`protocol.CARRIED_KINDS`).
+    """
+
+    id: int
+    after: int
+    request: Body
+
+    def wire(self) -> list[Any]:
+        return [self.id, self.after, self.request.KIND, self.request.body()]
+
+
+def _carried(kind: str, name: str, value: Any) -> dict[int, tuple[Carried, ...]]:
+    """``{stage: [[id, after, kind, body], ...]}``, ids rising, each body read as its kind's request."""
+    DICT(kind, name, value)
+    out = {}
+    for stage, entries in value.items():
+        if not (is_int(stage) and stage >= 0 and isinstance(entries, list) and 0 < len(entries) <= MAX_CARRIED):
+            raise refuse(
+                kind, f"field {name!r} must map stage numbers to lists of at most {MAX_CARRIED} requests; "
+                f"entry {stage!r:.40} does not"
+            )
+        read: list[Carried] = []
+        for i, e in enumerate(entries):
+            if not (
+                isinstance(e, list)
+                and len(e) == 4
+                and is_int(e[0])
+                and is_int(e[1])
+                and 0 <= e[1] < e[0]
+                and (not read or e[0] > read[-1].id)
+                and e[2] in _CARRIED
+            ):
+                raise refuse(
+                    kind, f"field {name!r}: request {i} for stage {stage} must be [id, after, kind, body] with "
+                    f"after < id, ids rising, and kind one of {sorted(_CARRIED)}"
+                )
+            read.append(Carried(e[0], e[1], _CARRIED[e[2]].from_body(e[3])))
+        out[stage] = tuple(read)
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Carry(Body):
+    """CARRY: the driver's quiet requests (`protocol.CARRIED_KINDS`: the optimizer's step,
+    zero_grad) for the stages of one pipeline, travelling with its micro-batches instead of one
+    message per worker: the driver bundles one with a call's forward (to stage 0) or backward (to
+    the last stage), and each stage passes on what is not its own to the next stage ``toward``,
+    before it runs its own. A step then costs the driver no message of its own.
+
+    Attributes:
+        key, call: the SpecSequential and the call whose messages it travels with.
+        sender: the stage that passed it on, or `lightning_remote_mp.flow.DRIVER` (``from``).
+        toward: ``1``: on down the pipeline (with a forward); ``-1``: up it (with a backward).
+        requests: by stage, its requests (`Carried`), in the order the driver made them.
+
+    >>> c = Carry("net", 3, -1, 1, {1: (Carried(7, 6, ZeroGrad(0)),)})
+    >>> Carry.from_body(c.body()).requests[1][0].request
+    ZeroGrad(index=0, set_to_none=True)
+    """
+
+    KIND: ClassVar[str] = protocol.CARRY
+
+    key: str = field(STR)
+    call: int = field(INT)
+    sender: int = field(INT, wire="from")
+    toward: int = field(must(lambda v: v in (1, -1), "field 'toward' must be 1 or -1"))
+    requests: Mapping[int, Sequence[Carried]] = field(
+        _carried, write=lambda m: {stage: [c.wire() for c in entries] for stage, entries in m.items()}
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -572,5 +664,6 @@ REQUESTS: dict[str, type[Body]] = {
         Sync,
         Fetch,
         Loss,
+        Carry,
     )
 }

@@ -25,6 +25,7 @@ from zmq.utils.monitor import parse_monitor_message
 from lightning_remote_mp.errors import (
     AuthenticationError,
     ConfigurationError,
+    LrmpError,
     ProtocolError,
     ProtocolVersionError,
     WorkerError,
@@ -34,6 +35,7 @@ from lightning_remote_mp.errors import (
 from lightning_remote_mp.wire import protocol
 from lightning_remote_mp.wire.addresses import dial_name, endpoint_of, route
 from lightning_remote_mp.wire.keys import KeyPair
+from lightning_remote_mp.wire.requests import Carried
 
 if TYPE_CHECKING:
     from lightning_remote_mp.wire.heartbeat import Heartbeat  # which makes its sockets here
@@ -250,6 +252,11 @@ class Connection:
         self._unanswered: dict[int, str] = {}  # posted requests whose reply has not been read: id -> what
         self._inbox: collections.deque[protocol.Message] = collections.deque()  # the rest of a bundle read
         self._quiet_up_to = 0  # the id of the last request posted of `protocol.QUIET_KINDS`
+        # Quiet requests that travel along the pipeline (`carry`): not sent yet; and sent that way,
+        # not known to have run. Whatever is sent straight to the worker goes after both.
+        self._carried: list[Carried] = []
+        self._relayed: list[Carried] = []
+        self._linked: list[Connection] = []  # whose carried requests go when these go (`carry`)
         self._replied_up_to = 0  # the highest id an OK came for: everything before it has run
         self.closed = False
         self.lost_reason: str | None = None
@@ -268,27 +275,91 @@ class Connection:
     def send(self, kind: str, body: Any = None) -> int:
         return self.send_all(kind, [body])[0]
 
-    def send_all(self, kind: str, bodies: Sequence[Any], compression: str | None = None) -> list[int]:
+    def send_all(
+        self,
+        kind: str,
+        bodies: Sequence[Any],
+        compression: str | None = None,
+        lead: Sequence[tuple[str, Any]] = (),
+    ) -> list[int]:
         """Send one message of ``kind`` per body, bundled (`protocol.encode_all`) into as few ZeroMQ
         messages as the worker's limits allow: each costs a send and a wake-up on either side.
-        ``compression``: how floating tensors travel (`protocol.COMPRESSIONS`)."""
+        ``compression``: how floating tensors travel (`protocol.COMPRESSIONS`). Returns the ids of
+        ``bodies``.
+
+        Quiet requests `carry` holds, and those sent along the pipeline and not known to have run,
+        go before ``bodies`` (again, for the latter: the worker runs a request once, whichever way
+        it came first), so nothing sent straight to the worker overtakes them. ``lead``: messages
+        ``(kind, body)`` that go before everything, in the same bundle, with no place in the order
+        of requests (id 0): a `lightning_remote_mp.wire.requests.Carry`, which the worker passes on
+        before it runs its own quiet requests."""
         if self.lost_reason is not None:
             raise WorkerLostError(self.lost_reason, **self.located())
         if self.closed:
             raise WorkerLostError(f"{self.where()}: connection already closed", **self.located())
+        encoded = [self._encode(k, body, req_id=0) for k, body in lead]
+        ran = self._known_ran()
+        encoded += [
+            self._encode(c.request.KIND, c.request.body(), req_id=c.id)
+            for c in [*(c for c in self._relayed if c.id > ran), *self._carried]
+        ]
+        self._carried, self._relayed = [], []
+        linked, self._linked = self._linked, []
         ids = []
-        encoded = []
         for body in bodies:
             encoded.append(self._encode(kind, body, compression))
             ids.append(self._next_id)
         for bundle in protocol.encode_all(encoded, self.remote_limits or protocol.DEFAULT_LIMITS):
             self._send_frames(kind, bundle)
+        for other in linked:
+            other.flush_carried()
         return ids
 
-    def _encode(self, kind: str, body: Any, compression: str | None = None) -> list[Any]:
-        self._next_id += 1
+    def carry(self, request: Any, linked: Sequence[Connection] = ()) -> None:
+        """Post ``request`` (of `protocol.CARRIED_KINDS`) to travel with the next call's micro-batches
+        along the pipeline (`take_carried`, `lightning_remote_mp.wire.requests.Carry`) instead of in a
+        message of its own; whatever is sent straight to the worker first sends it (`send_all`).
+        Like `post`, a failure is raised by whichever later call reads the reply.
+
+        ``linked``: the workers that run ``request`` together with this one (a step that sums
+        gradients over them): whatever sends it straight sends theirs too, so none waits for the rest."""
+        req_id = self._next_id = self._next_id + 1
+        self._carried.append(Carried(req_id, req_id - 1, request))
+        self._unanswered[req_id] = request.KIND
+        self._quiet_up_to = req_id
+        self._linked.extend(c for c in linked if c is not self and c not in self._linked)
+
+    def take_carried(self) -> list[Carried]:
+        """The requests `carry` holds, for a `lightning_remote_mp.wire.requests.Carry`: from now on
+        they travel along the pipeline (until known to have run, `send_all` sends them again)."""
+        taken, self._carried = self._carried, []
+        self._relayed.extend(taken)
+        self._linked = []
+        return taken
+
+    def flush_carried(self) -> None:
+        """Send what `carry` holds straight to the worker now (its pipeline gets no message to carry it)."""
+        if self._carried:
+            self.send_all(protocol.SYNC, [])
+
+    def _known_ran(self) -> int:
+        """The id up to which the worker has run the driver's requests, as far as this side knows."""
+        ran = self._replied_up_to
+        if self.heartbeat is not None:
+            ran = max(ran, self.heartbeat.ran.get(self.address, 0))
+        return ran
+
+    def _encode(
+        self, kind: str, body: Any, compression: str | None = None, *, req_id: int | None = None
+    ) -> list[Any]:
+        """``body`` encoded as the next request (or as request ``req_id``, one already counted):
+        a request id is used up only by a message that encodes, so the worker sees no gap."""
+        next_id = self._next_id + 1 if req_id is None else req_id
         try:
-            return protocol.encode(kind, self._next_id, self.session, body, self.remote_limits, compression)
+            frames = protocol.encode(kind, next_id, self.session, body, self.remote_limits, compression)
+            if req_id is None:
+                self._next_id = next_id
+            return frames
         except protocol.LimitExceeded as err:
             flag = protocol.LIMIT_FLAGS.get(err.limit, err.limit)
             raise protocol.LimitExceeded(
@@ -549,6 +620,26 @@ OVERDUE_CAUSES = (
 )
 
 
+def blame_the_lost(err: WorkerError, conns: Iterable[Connection]) -> LrmpError:
+    """The error to raise for ``err``: when it is a failed sum of gradients over a process group
+    (`lightning_remote_mp.errors.GroupError`), most likely because another member stopped, the
+    loss of one of ``conns``, if one is found lost within its heartbeat timeout; else ``err``. A
+    step that sums gradients fails on every member that is left, and blaming the first to report
+    would name a worker that is fine."""
+    if err.remote_type != "GroupError":
+        return err
+    others = [c for c in conns if c.address != err.address]
+    deadline = time.monotonic() + max((c.heartbeat_timeout for c in others), default=0.0) + 2.0
+    while others and time.monotonic() < deadline:
+        for c in others:
+            try:
+                c._check_reachable(time.monotonic(), None, "")
+            except WorkerLostError as lost:
+                return lost
+        time.sleep(POLL_SLICE_MS / 1000)
+    return err
+
+
 class Requests:
     """Requests in flight to several workers (see `post_all`): `wait` collects their replies, in
     order, so the driver can work while the workers do."""
@@ -560,7 +651,13 @@ class Requests:
 
     def wait(self) -> list[Any]:
         """Every reply's body (``bounded``: see `Connection.recv`)."""
-        return [conn.recv(i, what=self.what or kind, bounded=self.bounded) for conn, kind, i in self._sent]
+        try:
+            return [conn.recv(i, what=self.what or kind, bounded=self.bounded) for conn, kind, i in self._sent]
+        except WorkerError as err:
+            blamed = blame_the_lost(err, (conn for conn, _, _ in self._sent))
+            if blamed is err:
+                raise
+            raise blamed from err
 
 
 def post_all(

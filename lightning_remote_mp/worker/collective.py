@@ -16,6 +16,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from lightning_remote_mp.errors import GroupError
+
 
 class GradGroup:
     def __init__(self, host: str, port: int, prefix: str, rank: int, world: int, backend: str, timeout: float) -> None:
@@ -36,7 +38,13 @@ class GradGroup:
     def _allreduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> None:
         opts = dist.AllreduceOptions()
         opts.reduceOp = op
-        self.pg.allreduce([tensor], opts).wait()
+        try:
+            self.pg.allreduce([tensor], opts).wait()
+        except RuntimeError as err:
+            raise GroupError(
+                f"summing gradients over a group of {self.world} workers ({self.backend}, this one rank {self.rank}) "
+                f"failed: {err}"
+            ) from err
 
     def allreduce_grads(self, params: Sequence[torch.nn.Parameter]) -> int:
         """Sum the gradients of ``params`` over the group; returns the bytes reduced.

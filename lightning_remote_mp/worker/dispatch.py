@@ -24,7 +24,7 @@ from lightning_remote_mp.flow import DRIVER
 from lightning_remote_mp.wire import protocol
 from lightning_remote_mp.wire.fields import Body
 from lightning_remote_mp.wire.messages import Backward, Forward, salvage
-from lightning_remote_mp.wire.requests import REQUESTS
+from lightning_remote_mp.wire.requests import REQUESTS, Carry
 from lightning_remote_mp.worker.session import NO_REPLY, WorkerSession
 from lightning_remote_mp.worker.throttle import Throttle
 
@@ -36,7 +36,8 @@ log = logging.getLogger(__name__)
 #: The kinds of the worker's own tasks, queued beside requests: drop a session, start one.
 DROP, NEW = "__drop__", "__new__"
 
-_PIPELINE_KINDS = frozenset({protocol.FORWARD, protocol.BACKWARD})
+#: Kinds that stages send each other too; a failure of one is reported to the driver, whoever sent it.
+_PIPELINE_KINDS = frozenset({protocol.FORWARD, protocol.BACKWARD, protocol.CARRY})
 
 
 @dataclasses.dataclass
@@ -67,6 +68,8 @@ class Request:
         """The micro-batch a pipelined request's failure is reported for (key, call, mb)."""
         if isinstance(self.message, (Forward, Backward)):
             return {"key": self.message.key, "call": self.message.call, "mb": self.message.mb}
+        if isinstance(self.message, Carry):
+            return {"key": self.message.key, "call": self.message.call}
         return self.salvaged
 
 
@@ -77,7 +80,7 @@ def parse(peer: bytes, msg: protocol.Message) -> Request:
     except ProtocolError as err:
         sender, about = salvage(msg.body) if msg.kind in _PIPELINE_KINDS else (None, {})
         return Request(peer, msg.kind, msg.id, msg.session, None, err, sender not in (None, DRIVER), about)
-    from_peer = isinstance(message, (Forward, Backward)) and message.sender != DRIVER
+    from_peer = isinstance(message, (Forward, Backward, Carry)) and message.sender != DRIVER
     return Request(peer, msg.kind, msg.id, msg.session, message, from_peer=from_peer)
 
 
@@ -136,6 +139,8 @@ class Dispatch:
                 return None
             if session is None or session.id != request.session or message is None:
                 raise ProtocolError("session expired")
+            if request.kind in protocol.CARRIED_KINDS and not request.from_peer and session.already_ran(request.id):
+                return None  # it came along the pipeline first (`WorkerSession.carry`)
             body = session.handle(message)
             if body is NO_REPLY or request.kind in protocol.QUIET_KINDS:
                 return None

@@ -654,6 +654,11 @@ class WorkerServer:
                 self._last_busy = time.monotonic()
         if session is not None and from_driver:
             self._pending.extendleft(reversed(session.ran(request.id)))
+        if session is not None and (carried := session.next_carried()) is not None:
+            # The driver's request that came along the pipeline, now that the one before it has run:
+            # it runs next, like one that came straight from the driver.
+            driver = self._outbox.driver_peer or request.peer
+            self._pending.appendleft(Request(driver, carried.request.KIND, carried.id, session.id, carried.request))
         if frames is not None:
             if self._outbox.holding:
                 self._outbox.hold_reply(request.peer, frames)  # after the pipelined messages before it

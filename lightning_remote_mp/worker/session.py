@@ -25,6 +25,8 @@ from lightning_remote_mp.wire import protocol
 from lightning_remote_mp.wire.fields import Body
 from lightning_remote_mp.wire.messages import Backward, Forward
 from lightning_remote_mp.wire.requests import (
+    Carried,
+    Carry,
     Fetch,
     GetOptimState,
     GetState,
@@ -55,6 +57,9 @@ from lightning_remote_mp.worker.timeline import EventLog
 #: Returned by handlers whose answer travels as separate messages (pipelined forward/backward).
 NO_REPLY = object()
 
+
+#: The driver's requests that came along the pipeline and may wait here for earlier ones (`WorkerSession.carry`).
+MAX_CARRIED_WAITING = 4096
 
 #: Loss programs one session may hold (`requests.Loss`); the driver makes at most 64 per model.
 MAX_LOSS_PROGRAMS = 256
@@ -134,6 +139,7 @@ class WorkerSession:
             Sync: self.sync,
             Fetch: self.fetch,
             Loss: self.loss,
+            Carry: self.carry,
         }
         self._loss_programs: dict[tuple[str, int], list[GraphLayer]] = {}  # (key, number) -> its layers
         self.group: GradGroup | None = None  # this stage's replicas
@@ -142,6 +148,7 @@ class WorkerSession:
         self._deferred_failure: Exception | None = None
         self.driver_ran = 0  # the id of the driver's last request run here (they run in order)
         self._held_back: list[Any] = []  # peers' micro-batches waiting for a driver request
+        self._carried: list[Carried] = []  # the driver's requests that came along the pipeline, not run yet
         # A call's answers to the driver (RESULTs, DONEs), kept until they are all there: (key, call, kind) -> answers.
         self._answers: dict[tuple[str, int, str], list[tuple[Any, Any, dict[str, Any] | None]]] = {}
 
@@ -180,6 +187,47 @@ class WorkerSession:
         ready = [task for wanted, _, task in self._held_back if wanted <= self.driver_ran]
         self._held_back = [held for held in self._held_back if held[0] > self.driver_ran]
         return ready
+
+    def next_carried(self) -> Carried | None:
+        """The driver's request that came along the pipeline (`carry`) and runs next: the first, once
+        the request before it has run; ``None`` while none may run. One that came the short way
+        too, and ran, is dropped: each of the driver's requests runs once."""
+        self._carried = [c for c in self._carried if c.id > self.driver_ran]
+        if self._carried and self._carried[0].after <= self.driver_ran:
+            return self._carried.pop(0)
+        return None
+
+    def already_ran(self, req_id: int) -> bool:
+        """Whether the driver's request ``req_id`` (of `protocol.CARRIED_KINDS`) ran already: it
+        came along the pipeline first (`carry`), and this is the copy the driver sent straight here."""
+        return req_id <= self.driver_ran
+
+    def carry(self, msg: Carry) -> Any:
+        """Pass the driver's requests for the stages further ``msg.toward`` on to the next stage that
+        way, then keep this stage's own to run in their turn (`next_carried`). They go on first, so
+        that every stage gets its own at once: a step whose stages sum tied gradients together
+        (`GradGroup`) would otherwise wait on itself."""
+        route = self.route(msg.key)
+        here = route.index
+        rest = {stage: carried for stage, carried in msg.requests.items() if stage != here}
+        if any((stage - here) * msg.toward <= 0 for stage in rest):
+            raise ProtocolError(
+                f"stage {here}: a carry toward {msg.toward:+d} brings requests for stages {sorted(rest)}, "
+                "which are not further that way"
+            )
+        if rest:
+            onward = self.peers[msg.key].get(here + msg.toward)
+            if onward is None:
+                raise ProtocolError(f"stage {here} has no stage {here + msg.toward} to pass the driver's requests on to")
+            self.outbox.to_peer(onward, protocol.CARRY, Carry(msg.key, msg.call, here, msg.toward, rest).body())
+        mine = [c for c in msg.requests.get(here, ()) if c.id > self.driver_ran]
+        if len(self._carried) + len(mine) > MAX_CARRIED_WAITING:
+            raise ProtocolError(
+                f"stage {here}: more than {MAX_CARRIED_WAITING} of the driver's requests wait for ones that never came"
+            )
+        known = {c.id for c in self._carried}
+        self._carried = sorted([*self._carried, *(c for c in mine if c.id not in known)], key=lambda c: c.id)
+        return NO_REPLY
 
     def handle(self, message: Body) -> Any:
         """Run ``message`` (as `lightning_remote_mp.wire.requests.REQUESTS` read it) through its handler."""
@@ -422,8 +470,12 @@ class WorkerSession:
     def optim_step(self, msg: OptimStep) -> Any:
         opt = self.optimizers.get(msg.index)
         if opt is None:
+            if msg.sync:
+                self._allreduce(None)  # every member of a group joins each sum, holding nothing or not
             return None
         self._settle_grads()
+        if msg.sync:
+            self._allreduce(opt)
         if len(msg.hparams) != len(opt.param_groups):
             raise ProtocolError(
                 f"step carries {len(msg.hparams)} groups' hyperparameters; the optimizer has {len(opt.param_groups)}"
