@@ -260,6 +260,34 @@ class Fuzzer:
         self.stats["pipeline"] += 1
         return protocol.encode(kind, r.randint(0, 2**40), self.session_id(), body)
 
+    def carry(self) -> list[Any]:
+        """A CARRY (the driver's quiet requests passed stage to stage): well-formed or not, from the
+        driver or a peer, for this stage or others, its requests' ids and bodies sane or odd."""
+        r = self.rng
+
+        def request() -> Any:
+            kind = r.choice([protocol.OPTIM_STEP, protocol.ZERO_GRAD, protocol.ZERO_GRAD, protocol.SETUP, "nope", 3])
+            body = r.choice(
+                [{"index": 0}, {"index": 0, "hparams": [{"lr": 0.1}], "sync": False}, {"index": "x"}, self.value()]
+            )
+            req_id = r.choice([r.randint(1, 50), r.randint(1, 2**40), 0, -1])
+            after = r.choice([req_id - 1, 0, req_id, r.randint(0, 2**40)]) if isinstance(req_id, int) else 0
+            return r.choice([[req_id, after, kind, body]] * 4 + [[req_id, after, kind], self.value()])
+
+        requests = {
+            r.choice([0, 1, 1, 2, 2, 3, -1, "1"]): [request() for _ in range(r.choice([1, 1, 2, 3, 0]))]
+            for _ in range(r.choice([1, 1, 2]))
+        }
+        body = {
+            "key": r.choice([KEY] * 8 + ["nope"]),
+            "call": r.choice([1, 2, r.randint(0, 10**6), -1]),
+            "from": r.choice([0, 0, 2, -1, 1, 99]),
+            "toward": r.choice([1, 1, -1, -1, 0, 2, "down"]),
+            "requests": r.choice([requests] * 6 + [self.value()]),
+        }
+        self.stats["carry"] += 1
+        return protocol.encode(protocol.CARRY, r.choice([0, r.randint(0, 2**40)]), self.session_id(), body)
+
     def _scheduled(self, body: dict[str, Any], kind: str) -> None:
         """Sometimes the fields of a call that runs a schedule: its name and the loss's output on a
         forward, an early gradient or the driver's scale on a backward."""
@@ -423,7 +451,7 @@ class Fuzzer:
     def build_pool(self, size: int) -> None:
         """Structured messages to send and to mutate: building each costs about a millisecond, mutating
         one microseconds, so a pool keeps the rate of messages up."""
-        makers = [self.pipeline] * 5 + [self.request_kinds] * 2 + [self.lying_header] * 3
+        makers = [self.pipeline] * 5 + [self.carry] + [self.request_kinds] * 2 + [self.lying_header] * 3
         self.pool = [[bytes(f) for f in self.rng.choice(makers)()] for _ in range(size)]
 
     def pooled(self) -> list[Any]:

@@ -36,6 +36,23 @@ def test_two_replicas_of_two_stages_train_like_local(pool, twin):
     assert os.getpid() not in probe_pids(remote)
 
 
+def test_replicas_sum_their_gradients_in_the_carried_step_even_when_one_gets_no_share(pool, twin):
+    """Without clipping, the replicas' gradients are summed by the step itself, which travels with the
+    next batch's micro-batches (`Carry`). The last batch (100 = 3 x 33 + 1) has one sample: the second
+    replica gets no share and no micro-batch, so its step goes to it straight with the first's
+    (`Connection.carry`'s ``linked``), or the first replica's step would wait for it in the sum (it
+    fails, after gloo's timeout, when they are not linked)."""
+    torch.manual_seed(24)
+    local = Net(residual_spec(), lr=1e-2)
+    remote = twin(local)
+    trainer(epochs=2).fit(local, data(batch_size=33))
+    a = pool
+    strategy = RemoteModelParallelStrategy(hosts=[[a[0], a[1]], [a[2], a[3]]], balance=[4, 8], microbatches=2)
+    trainer(strategy, epochs=2).fit(remote, data(batch_size=33))
+    assert_same_losses(local.losses, remote.losses)
+    assert_same_weights(local, remote)
+
+
 def test_checkpoint_holds_one_copy_and_resumes_with_another_replica_count(pool, tmp_path, twin):
     torch.manual_seed(22)
     base = Net(residual_spec(probe=False))

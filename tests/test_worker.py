@@ -914,7 +914,8 @@ def test_a_calls_micro_batches_travel_as_one_message_each_way(worker):
             error = next_zmq_message()
             assert error is not None and [m.kind for m in error] == [protocol.ERROR]
             assert (error[0].body["call"], error[0].body["mb"]) == (8, 1)
-            conn.recv(conn.send(protocol.RELEASE, Release({"net": [8]}).body()), timeout=REPLY_TIMEOUT)
+            conn.post(protocol.RELEASE, Release({"net": [8]}).body())  # answered only if it fails
+            conn.settle(timeout=REPLY_TIMEOUT)
             conn.send_all(protocol.FORWARD, bodies(9, xs[:1]))
             after = next_zmq_message()
             assert after is not None and [(m.kind, m.body["call"]) for m in after] == [(protocol.RESULT, 9)], (
@@ -980,3 +981,31 @@ def test_the_driver_forgets_quiet_requests_once_they_have_run_and_raises_their_f
         conn.settle()
     finally:
         session.close()
+
+
+def test_a_request_carried_along_the_pipeline_waits_for_the_one_before_it_and_runs_once(worker, connect):
+    """The driver's quiet requests may travel with the micro-batches (`Carry`): each names the request
+    before it, and runs only once that one has run, however it came; a copy sent straight afterwards
+    (the driver does not know the first arrived) does not run again."""
+    from lightning_remote_mp.flow import DRIVER
+    from lightning_remote_mp.wire.requests import Carried, Carry, OptimCreate, OptimStep
+
+    client = connect(worker.address)
+    client.ok(protocol.HELLO, {"driver": "pytest"})
+    client.ok(protocol.SETUP, _stage_body())
+    create = OptimCreate(0, "torch.optim.SGD", {"lr": 0.1}, [{"params": ["net/0.weight"], "lr": 0.1}])
+    client.ok(protocol.OPTIM_CREATE, create.body())
+    bad = OptimStep(0, [{"lr": 0.1}, {"lr": 0.2}])  # two groups' hyperparameters for one: it fails when it runs
+    before = client.next_id + 2  # the SYNC sent after the CARRY
+    carry = Carry("net", 1, DRIVER, 1, {0: [Carried(before + 1, before, bad)]})
+    client.send(protocol.CARRY, carry.body())
+    assert client.recv(timeout=0.5) is None, "the carried step ran before the request it follows came"
+    assert client.send(protocol.SYNC) == before
+    first, second = client.recv(), client.recv()
+    assert first is not None and (first.kind, first.id) == (protocol.OK, before)
+    assert second is not None and (second.kind, second.id) == (protocol.ERROR, before + 1), second
+    assert second.body["posted"] == protocol.OPTIM_STEP and "2 groups" in second.body["message"]
+    client.send_raw(protocol.encode(protocol.OPTIM_STEP, before + 1, client.session, bad.body()))  # the copy
+    client.next_id = before + 1
+    assert client.recv(timeout=0.5) is None, "the step ran twice"
+    assert client.ok(protocol.SYNC) is None

@@ -38,7 +38,7 @@ from lightning_remote_mp.wire import protocol
 from lightning_remote_mp.wire.collect import gather
 from lightning_remote_mp.wire.messages import Backward, Forward
 from lightning_remote_mp.wire.requests import Carry, Fetch, Release
-from lightning_remote_mp.wire.transport import Connection, broadcast, request_all
+from lightning_remote_mp.wire.transport import Connection, request_all
 
 log = logging.getLogger(__name__)
 
@@ -200,9 +200,10 @@ class RemoteSpec:
         outputs = []
         while self._outputs_to_release:
             outputs.append(self._outputs_to_release.popleft())
-        if calls or outputs:
+        if calls or outputs:  # carried with the forward that follows (`Connection.carry`)
             last = list({id(row[-1].conn): row[-1].conn for row in self.replicas}.values()) if not calls else self.conns
-            broadcast(last, protocol.RELEASE, Release({self.key: calls} if calls else {}, {self.key: outputs}).body())
+            for conn in last:
+                conn.carry(Release({self.key: calls} if calls else {}, {self.key: outputs}))
 
     def _keeping(self, call: int, sizes: list[list[int]], results: dict[tuple[int, int], Any], device: torch.device):
         """The `Kept` tensors of the outputs the last stages kept of ``call``, by position."""
@@ -325,12 +326,6 @@ class RemoteSpec:
             return []
         return [(protocol.CARRY, Carry(self.key, call, DRIVER, toward, requests).body())]
 
-    def _flush_carried(self) -> None:
-        """Send what waits to be carried to workers whose pipeline got no message (a replica with no
-        share of the batch): a step that sums gradients over the replicas waits for every one."""
-        for conn in self.conns:
-            conn.flush_carried()
-
     def _from_driver(self, call: int, mb: int, microbatches: int, fence: dict[int, int]) -> dict[str, Any]:
         """The header fields of micro-batch ``mb`` of ``call`` as the driver sends it (`messages._Pipelined`)."""
         return {"key": self.key, "call": call, "mb": mb, "sender": DRIVER, "microbatches": microbatches, "fence": fence}
@@ -382,7 +377,6 @@ class RemoteSpec:
                 ]
                 if forwards:  # one message to stage 0 for the whole call (`Connection.send_all`)
                     self.replicas[r][0].conn.send_all(protocol.FORWARD, forwards, self.compression, lead=carry)
-            self._flush_carried()
             results = self._collect(protocol.RESULT, -1, call, sizes, "forward")
         except BaseException:
             self._abandon(call)
@@ -491,7 +485,6 @@ class RemoteSpec:
                 ]
                 if backwards:
                     self.replicas[r][-1].conn.send_all(protocol.BACKWARD, backwards, self.compression, lead=carry)
-            self._flush_carried()
             done = self._collect(protocol.DONE, 0, call, record.sizes, "backward")
         except BaseException:
             self._abandon(call)

@@ -111,11 +111,11 @@ def version_mismatch(other: str, other_version: Any, other_lrmp: Any, this: str)
 #: What a worker accepts; the others travel worker -> driver.
 REQUEST_KINDS = frozenset(Kind) - {RESULT, DONE, OK, ERROR}
 
-#: Requests a worker answers only when they fail: the driver posts them every step without
-#: waiting (`lightning_remote_mp.wire.transport.Connection.post`), and an OK per step and worker would
-#: cost both sides a message for nothing. The ERROR of one says ``"posted": kind``; a SYNC
+#: Requests a worker answers only when they fail: the driver sends them every step without
+#: waiting (`lightning_remote_mp.wire.transport.Connection.carry`), and an OK per step and worker
+#: would cost both sides a message for nothing. The ERROR of one says ``"posted": kind``; a SYNC
 #: request is answered once they have all run.
-QUIET_KINDS = frozenset({OPTIM_STEP, ZERO_GRAD})
+QUIET_KINDS = frozenset({OPTIM_STEP, ZERO_GRAD, RELEASE})
 
 #: Requests that may travel along the pipeline instead of straight to their worker
 #: (`lightning_remote_mp.wire.requests.Carry`): the quiet ones, which the driver never waits for.

@@ -195,8 +195,9 @@ def _lists(value: Mapping[str, Sequence[int]]) -> dict[str, list[int]]:
 @dataclasses.dataclass(frozen=True)
 class Release(Body):
     """RELEASE: forget what the stages hold for these forward calls (the driver is done with them, or
-    gave up on them). ``calls``: the calls, by SpecSequential key; ``outputs``: calls whose kept
-    outputs alone the driver no longer reads (their backward may still come)."""
+    gave up on them); answered only if it fails (`protocol.QUIET_KINDS`). ``calls``: the calls, by
+    SpecSequential key; ``outputs``: calls whose kept outputs alone the driver no longer reads
+    (their backward may still come)."""
 
     KIND: ClassVar[str] = protocol.RELEASE
 
@@ -363,7 +364,7 @@ class ZeroGrad(Body):
 
 
 #: The requests a `Carry` may bring, by kind (`protocol.CARRIED_KINDS`).
-_CARRIED: dict[str, type[Body]] = {OptimStep.KIND: OptimStep, ZeroGrad.KIND: ZeroGrad}
+_CARRIED: dict[str, type[Body]] = {OptimStep.KIND: OptimStep, ZeroGrad.KIND: ZeroGrad, Release.KIND: Release}
 assert set(_CARRIED) == protocol.CARRIED_KINDS
 
 #: The most requests one `Carry` brings for one stage: a few per optimizer and step.
@@ -396,8 +397,9 @@ def _carried(kind: str, name: str, value: Any) -> dict[int, tuple[Carried, ...]]
     for stage, entries in value.items():
         if not (is_int(stage) and stage >= 0 and isinstance(entries, list) and 0 < len(entries) <= MAX_CARRIED):
             raise refuse(
-                kind, f"field {name!r} must map stage numbers to lists of at most {MAX_CARRIED} requests; "
-                f"entry {stage!r:.40} does not"
+                kind,
+                f"field {name!r} must map stage numbers to lists of at most {MAX_CARRIED} requests; "
+                f"entry {stage!r:.40} does not",
             )
         read: list[Carried] = []
         for i, e in enumerate(entries):
@@ -411,8 +413,9 @@ def _carried(kind: str, name: str, value: Any) -> dict[int, tuple[Carried, ...]]
                 and e[2] in _CARRIED
             ):
                 raise refuse(
-                    kind, f"field {name!r}: request {i} for stage {stage} must be [id, after, kind, body] with "
-                    f"after < id, ids rising, and kind one of {sorted(_CARRIED)}"
+                    kind,
+                    f"field {name!r}: request {i} for stage {stage} must be [id, after, kind, body] with "
+                    f"after < id, ids rising, and kind one of {sorted(_CARRIED)}",
                 )
             read.append(Carried(e[0], e[1], _CARRIED[e[2]].from_body(e[3])))
         out[stage] = tuple(read)
@@ -422,7 +425,7 @@ def _carried(kind: str, name: str, value: Any) -> dict[int, tuple[Carried, ...]]
 @dataclasses.dataclass(frozen=True)
 class Carry(Body):
     """CARRY: the driver's quiet requests (`protocol.CARRIED_KINDS`: the optimizer's step,
-    zero_grad) for the stages of one pipeline, travelling with its micro-batches instead of one
+    zero_grad, releases) for the stages of one pipeline, travelling with its micro-batches instead of one
     message per worker: the driver bundles one with a call's forward (to stage 0) or backward (to
     the last stage), and each stage passes on what is not its own to the next stage ``toward``,
     before it runs its own. A step then costs the driver no message of its own.

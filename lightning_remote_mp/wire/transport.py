@@ -349,9 +349,7 @@ class Connection:
             ran = max(ran, self.heartbeat.ran.get(self.address, 0))
         return ran
 
-    def _encode(
-        self, kind: str, body: Any, compression: str | None = None, *, req_id: int | None = None
-    ) -> list[Any]:
+    def _encode(self, kind: str, body: Any, compression: str | None = None, *, req_id: int | None = None) -> list[Any]:
         """``body`` encoded as the next request (or as request ``req_id``, one already counted):
         a request id is used up only by a message that encodes, so the worker sees no gap."""
         next_id = self._next_id + 1 if req_id is None else req_id

@@ -218,7 +218,9 @@ class WorkerSession:
         if rest:
             onward = self.peers[msg.key].get(here + msg.toward)
             if onward is None:
-                raise ProtocolError(f"stage {here} has no stage {here + msg.toward} to pass the driver's requests on to")
+                raise ProtocolError(
+                    f"stage {here} has no stage {here + msg.toward} to pass the driver's requests on to"
+                )
             self.outbox.to_peer(onward, protocol.CARRY, Carry(msg.key, msg.call, here, msg.toward, rest).body())
         mine = [c for c in msg.requests.get(here, ()) if c.id > self.driver_ran]
         if len(self._carried) + len(mine) > MAX_CARRIED_WAITING:
