@@ -38,7 +38,7 @@ from lightning_remote_mp.wire.requests import Hello
 from lightning_remote_mp.wire.traffic import MIN_PROGRESS, Traffic
 from lightning_remote_mp.worker import allocator
 from lightning_remote_mp.worker.auth import DRIVER, WorkerAuth
-from lightning_remote_mp.worker.dispatch import DROP, NEW, Dispatch, Request, error_body, parse
+from lightning_remote_mp.worker.dispatch import DROP, NEW, Dispatch, Request, error_body, next_carried, parse
 from lightning_remote_mp.worker.outbox import DEFAULT_PEER_TIMEOUT, Outbox
 from lightning_remote_mp.worker.session import WorkerSession, describe_device
 from lightning_remote_mp.worker.signals import SignalWakeup
@@ -57,8 +57,7 @@ _COMPUTE_GRACE = 0.5
 #: Seconds a request runs before the main thread takes the socket over to answer heartbeats (which
 #: come every second; a driver gives up on a worker after 9 s of silence).
 STAND_IN_AFTER = 0.2
-#: A worker that finished a request this recently still counts as computing in its heartbeats: it
-#: answers them between the short requests of a pipeline.
+#: A worker that finished a request this recently still counts as computing (between a pipeline's short requests).
 _BUSY_WINDOW = 1.0
 
 
@@ -633,9 +632,8 @@ class WorkerServer:
         self._want_io = False
 
     def _run(self, request: Request) -> None:
-        """Run one request without holding the socket (the main thread may stand in), then reply.
-        A peer's micro-batch that the driver sent after a request this worker has not run yet
-        waits for it (`WorkerSession.hold_back`); it runs right after that request."""
+        """Run one request without holding the socket (the main thread may stand in), then reply. What
+        waited for it runs next: peers' micro-batches (`WorkerSession.hold_back`), a carried request."""
         session = self._session if self._session is not None and self._session.id == request.session else None
         own = request.kind in (DROP, NEW)
         from_driver = not own and not request.from_peer
@@ -654,11 +652,8 @@ class WorkerServer:
                 self._last_busy = time.monotonic()
         if session is not None and from_driver:
             self._pending.extendleft(reversed(session.ran(request.id)))
-        if session is not None and (carried := session.next_carried()) is not None:
-            # The driver's request that came along the pipeline, now that the one before it has run:
-            # it runs next, like one that came straight from the driver.
-            driver = self._outbox.driver_peer or request.peer
-            self._pending.appendleft(Request(driver, carried.request.KIND, carried.id, session.id, carried.request))
+        if session is not None and (carried := next_carried(session, self._outbox.driver_peer or request.peer)):
+            self._pending.appendleft(carried)  # the driver's request that came along the pipeline: it runs next
         if frames is not None:
             if self._outbox.holding:
                 self._outbox.hold_reply(request.peer, frames)  # after the pipelined messages before it
