@@ -166,11 +166,14 @@ def run_lrmp(
         def __init__(self) -> None:
             self.ends: list[float] = []
             self.cpu: list[float] = []
+            self.messages: list[tuple[int, int]] = []  # ZeroMQ messages the driver sent and received so far
 
-        def on_train_batch_end(self, *args: Any, **kwargs: Any) -> None:
+        def on_train_batch_end(self, trainer: Any, *args: Any, **kwargs: Any) -> None:
             self.ends.append(time.perf_counter())
             if len(self.ends) in (cfg["warmup"], total):
                 self.cpu.append([time.process_time(), *(_common.process_cpu(p) for p in pids)])
+                conns = trainer.strategy.session.conns
+                self.messages.append((sum(c.sent_messages for c in conns), sum(c.received_messages for c in conns)))
 
     class Repeat(torch.utils.data.IterableDataset):
         def __init__(self, n: int) -> None:
@@ -193,7 +196,14 @@ def run_lrmp(
         trainer.fit(LitMLP(), torch.utils.data.DataLoader(Repeat(total), batch_size=None))
     if len(timer.ends) != total:
         raise RuntimeError(f"lrmp m={m}: {len(timer.ends)} steps ran, expected {total}")
+    (sent0, received0), (sent1, received1) = timer.messages
+    MESSAGES[m] = ((sent1 - sent0) / cfg["steps"], (received1 - received0) / cfg["steps"])
     return timer.ends[-1] - timer.ends[cfg["warmup"] - 1], [b - a for a, b in zip(*timer.cpu)]
+
+
+#: For each micro-batch count, the ZeroMQ messages lrmp's driver sent and received per timed step
+#: (the same in every round and for every split_backward: what a step costs in hand-offs).
+MESSAGES: dict[int, tuple[float, float]] = {}
 
 
 # --- (c) torch.distributed.pipelining ------------------------------------------------------------
@@ -513,6 +523,9 @@ def main(argv: list[str] | None = None) -> int:
             f"best lrmp / best torch schedule, same round: median {_common.median(best_vs_torch):.2f}x "
             f"(rounds: {', '.join(f'{v:.2f}' for v in best_vs_torch)})"
         )
+    if MESSAGES:
+        per_m = ", ".join(f"m={m}: {out:g} out, {back:g} in" for m, (out, back) in sorted(MESSAGES.items()))
+        print(f"driver's ZeroMQ messages per step (lrmp): {per_m}")
     print(f"wall time {time.perf_counter() - started:.0f} s")
 
     os.makedirs(args.out, exist_ok=True)
