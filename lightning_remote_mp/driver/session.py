@@ -186,7 +186,7 @@ class DriverSession:
 
     def _listen(self, listen: str | None, limits: protocol.Limits) -> Switchboard:
         """Wait for the workers that dial in, on a switchboard listening at ``listen``."""
-        names = [n for a in self.addresses if (n := dial_name(a))]
+        names = list(self.dial_names.values())
         if listen is None:
             raise ConfigurationError(
                 f"hosts names workers that dial in ({', '.join(names)}), but there is no listen= address for them "
@@ -201,7 +201,7 @@ class DriverSession:
             )
         worker_keys = None
         if self.keys is not None and self.worker_keys is not None:
-            worker_keys = {n: self.worker_keys[a] for a in self.addresses if (n := dial_name(a))}
+            worker_keys = {n: self.worker_keys[a] for a, n in self.dial_names.items()}
         switchboard = Switchboard(listen, keys=self.keys, worker_keys=worker_keys, limits=limits)
         route_dialin(names, switchboard.local_endpoint)
         try:
@@ -214,7 +214,7 @@ class DriverSession:
 
     def _close_switchboard(self) -> None:
         if self.switchboard is not None:
-            route_dialin([n for a in self.addresses if (n := dial_name(a))], None)
+            route_dialin(list(self.dial_names.values()), None)
             self.switchboard.close()
             self.switchboard = None
 
@@ -238,6 +238,11 @@ class DriverSession:
     def addresses(self) -> list[str]:
         """Every worker's address, row by row (as `conns`)."""
         return self.topology.addresses
+
+    @property
+    def dial_names(self) -> dict[str, str]:
+        """The workers that dial in: their name, by address (``dial:NAME``)."""
+        return {a: n for a in self.addresses if (n := dial_name(a))}
 
     def _hello(self, timeout: float) -> list[dict[str, Any]]:
         driver = f"{socket.gethostname()} pid {os.getpid()}"
