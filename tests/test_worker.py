@@ -1009,3 +1009,26 @@ def test_a_request_carried_along_the_pipeline_waits_for_the_one_before_it_and_ru
     client.next_id = before + 1
     assert client.recv(timeout=0.5) is None, "the step ran twice"
     assert client.ok(protocol.SYNC) is None
+
+
+def test_a_message_that_cannot_be_encoded_sends_nothing_and_loses_no_held_request(worker):
+    """The driver holds its quiet requests until the next message (`Connection.carry`). One that
+    cannot be encoded raises before anything is sent: the held step still goes with the next
+    message, and no request id goes missing (the worker would wait for it)."""
+    from lightning_remote_mp.errors import ProtocolError
+    from lightning_remote_mp.wire.requests import OptimStep
+
+    session = DriverSession([worker.address], connect_timeout=REPLY_TIMEOUT)
+    try:
+        net = _spec()
+        session.place("net", net)
+        session.mirror_optimizer(0, torch.optim.SGD(net.parameters(), lr=0.1))
+        conn = session.conns[0]
+        conn.carry(OptimStep(0, [{"lr": 0.1}, {"lr": 0.2}]))  # two groups' hyperparameters for one: it fails
+        with pytest.raises(ProtocolError, match="cannot send a value of type object"):
+            conn.send_all(protocol.SYNC, [{"x": object()}])
+        with pytest.raises(WorkerError, match=r"optim_step \(reported late"):
+            conn.settle(timeout=REPLY_TIMEOUT)
+        conn.settle(timeout=REPLY_TIMEOUT)  # answered: the worker saw every id in order
+    finally:
+        session.close()

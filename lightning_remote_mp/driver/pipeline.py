@@ -326,6 +326,13 @@ class RemoteSpec:
             return []
         return [(protocol.CARRY, Carry(self.key, call, DRIVER, toward, requests).body())]
 
+    def _flush_linked(self) -> None:
+        """After every replica's message of a call went: a step that sums gradients over workers
+        some of which got none (a replica with no share of the batch) goes to those straight, or
+        the others would wait for them in the sum (`Connection.flush_linked`)."""
+        for conn in self.conns:
+            conn.flush_linked()
+
     def _from_driver(self, call: int, mb: int, microbatches: int, fence: dict[int, int]) -> dict[str, Any]:
         """The header fields of micro-batch ``mb`` of ``call`` as the driver sends it (`messages._Pipelined`)."""
         return {"key": self.key, "call": call, "mb": mb, "sender": DRIVER, "microbatches": microbatches, "fence": fence}
@@ -376,7 +383,10 @@ class RemoteSpec:
                     for mb in range(len(row))
                 ]
                 if forwards:  # one message to stage 0 for the whole call (`Connection.send_all`)
-                    self.replicas[r][0].conn.send_all(protocol.FORWARD, forwards, self.compression, lead=carry)
+                    self.replicas[r][0].conn.send_all(
+                        protocol.FORWARD, forwards, self.compression, lead=carry, link=False
+                    )
+            self._flush_linked()
             results = self._collect(protocol.RESULT, -1, call, sizes, "forward")
         except BaseException:
             self._abandon(call)
@@ -484,7 +494,10 @@ class RemoteSpec:
                     for mb in range(len(row))
                 ]
                 if backwards:
-                    self.replicas[r][-1].conn.send_all(protocol.BACKWARD, backwards, self.compression, lead=carry)
+                    self.replicas[r][-1].conn.send_all(
+                        protocol.BACKWARD, backwards, self.compression, lead=carry, link=False
+                    )
+            self._flush_linked()
             done = self._collect(protocol.DONE, 0, call, record.sizes, "backward")
         except BaseException:
             self._abandon(call)

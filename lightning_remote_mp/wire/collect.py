@@ -15,9 +15,9 @@ from collections.abc import Callable, Sequence
 
 import zmq
 
-from lightning_remote_mp.errors import WorkerError, WorkerLostError
+from lightning_remote_mp.errors import WorkerLostError
 from lightning_remote_mp.wire import protocol
-from lightning_remote_mp.wire.transport import OVERDUE_CAUSES, POLL_SLICE_MS, Connection, blame_the_lost
+from lightning_remote_mp.wire.transport import OVERDUE_CAUSES, POLL_SLICE_MS, Connection
 
 log = logging.getLogger(__name__)
 
@@ -51,13 +51,7 @@ def gather(
         # The rest of a bundle first: the socket it came on may have nothing more to read.
         ready = [c for c in by_sock.values() if c._inbox] or [by_sock[id(s)] for s, _ in poller.poll(POLL_SLICE_MS)]
         for conn in ready:
-            try:
-                msg = conn.read()
-            except WorkerError as err:  # a request posted earlier failed (the optimizer's step, say)
-                blamed = blame_the_lost(err, by_sock.values())
-                if blamed is err:
-                    raise
-                raise blamed from err
+            msg = conn.read()
             if msg is None:
                 continue
             body = msg.body if isinstance(msg.body, dict) else {}

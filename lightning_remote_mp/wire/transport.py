@@ -17,7 +17,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
@@ -264,6 +264,9 @@ class Connection:
         #: micro-batches is one): what a step costs in hand-offs (heartbeats have their own sockets).
         self.sent_messages = 0
         self.received_messages = 0
+        #: The connections of this one's session (`DriverSession` sets it): where to look for a lost
+        #: worker when a failure here may be its doing (`blame_the_lost`).
+        self.session_conns: Sequence[Connection] = [self]
 
     def where(self) -> str:
         return worker_location(self.address, self.stage, self.replica)
@@ -281,6 +284,7 @@ class Connection:
         bodies: Sequence[Any],
         compression: str | None = None,
         lead: Sequence[tuple[str, Any]] = (),
+        link: bool = True,
     ) -> list[int]:
         """Send one message of ``kind`` per body, bundled (`protocol.encode_all`) into as few ZeroMQ
         messages as the worker's limits allow: each costs a send and a wake-up on either side.
@@ -292,27 +296,30 @@ class Connection:
         it came first), so nothing sent straight to the worker overtakes them. ``lead``: messages
         ``(kind, body)`` that go before everything, in the same bundle, with no place in the order
         of requests (id 0): a `lightning_remote_mp.wire.requests.Carry`, which the worker passes on
-        before it runs its own quiet requests."""
+        before it runs its own quiet requests. ``link=False`` leaves the workers linked to the held
+        requests (`carry`) to the caller, which sends them theirs another way first (`flush_linked`).
+        If a message cannot be encoded, nothing is sent, and nothing held is lost."""
         if self.lost_reason is not None:
             raise WorkerLostError(self.lost_reason, **self.located())
         if self.closed:
             raise WorkerLostError(f"{self.where()}: connection already closed", **self.located())
-        encoded = [self._encode(k, body, req_id=0) for k, body in lead]
-        ran = self._known_ran()
-        encoded += [
-            self._encode(c.request.KIND, c.request.body(), req_id=c.id)
-            for c in [*(c for c in self._relayed if c.id > ran), *self._carried]
-        ]
-        self._carried, self._relayed = [], []
-        linked, self._linked = self._linked, []
+        first_id, ran = self._next_id, self._known_ran()
+        held = [*(c for c in self._relayed if c.id > ran), *self._carried]
         ids = []
-        for body in bodies:
-            encoded.append(self._encode(kind, body, compression))
-            ids.append(self._next_id)
+        try:
+            encoded = [self._encode(k, body, req_id=0) for k, body in lead]
+            encoded += [self._encode(c.request.KIND, c.request.body(), req_id=c.id) for c in held]
+            for body in bodies:
+                encoded.append(self._encode(kind, body, compression))
+                ids.append(self._next_id)
+        except BaseException:
+            self._next_id = first_id  # nothing was sent: no id is used up, and what was held still is
+            raise
+        self._carried, self._relayed = [], []
         for bundle in protocol.encode_all(encoded, self.remote_limits or protocol.DEFAULT_LIMITS):
             self._send_frames(kind, bundle)
-        for other in linked:
-            other.flush_carried()
+        if link:
+            self.flush_linked()
         return ids
 
     def carry(self, request: Any, linked: Sequence[Connection] = ()) -> None:
@@ -322,7 +329,8 @@ class Connection:
         Like `post`, a failure is raised by whichever later call reads the reply.
 
         ``linked``: the workers that run ``request`` together with this one (a step that sums
-        gradients over them): whatever sends it straight sends theirs too, so none waits for the rest."""
+        gradients over them): once it leaves, straight or along the pipeline, theirs must leave too
+        (`flush_linked`), so that none waits for the rest."""
         req_id = self._next_id = self._next_id + 1
         self._carried.append(Carried(req_id, req_id - 1, request))
         self._unanswered[req_id] = request.KIND
@@ -331,16 +339,23 @@ class Connection:
 
     def take_carried(self) -> list[Carried]:
         """The requests `carry` holds, for a `lightning_remote_mp.wire.requests.Carry`: from now on
-        they travel along the pipeline (until known to have run, `send_all` sends them again)."""
+        they travel along the pipeline (until known to have run, `send_all` sends them again). The
+        caller sends the `Carry`, then calls `flush_linked`."""
         taken, self._carried = self._carried, []
         self._relayed.extend(taken)
-        self._linked = []
         return taken
 
     def flush_carried(self) -> None:
         """Send what `carry` holds straight to the worker now (its pipeline gets no message to carry it)."""
         if self._carried:
             self.send_all(protocol.SYNC, [])
+
+    def flush_linked(self) -> None:
+        """Send straight what the workers linked to this one's requests (`carry`) still hold: a
+        replica whose pipeline got no message this call, say."""
+        linked, self._linked = self._linked, []
+        for other in linked:
+            other.flush_carried()
 
     def _known_ran(self) -> int:
         """The id up to which the worker has run the driver's requests, as far as this side knows."""
@@ -444,7 +459,7 @@ class Connection:
         if posted is None:
             return msg
         if msg.kind == protocol.ERROR:
-            raise self._remote_error(msg.body, f"{posted} (reported late: the driver does not wait for it)")
+            self._raise_remote(msg.body, f"{posted} (reported late: the driver does not wait for it)")
         return None
 
     def _receive(self) -> list[protocol.Message]:
@@ -477,7 +492,7 @@ class Connection:
                     log.debug("%s: dropping stale reply %s (waiting for %s)", self.where(), msg.id, req_id)
                     continue
                 if msg.kind == protocol.ERROR:
-                    raise self._remote_error(msg.body, what)
+                    self._raise_remote(msg.body, what)
                 return msg.body
             if bounded:
                 self._check_alive(start, timeout, what)
@@ -576,6 +591,15 @@ class Connection:
         self.lost_reason = message
         raise WorkerLostError(message, **self.located())
 
+    def _raise_remote(self, body: Any, what: str) -> NoReturn:
+        """Raise the worker's failure ``body`` (`_remote_error`), or the loss of another worker of
+        the session that caused it (`blame_the_lost`)."""
+        err = self._remote_error(body, what)
+        blamed = blame_the_lost(err, self.session_conns)
+        if blamed is err:
+            raise err
+        raise blamed from err
+
     def _remote_error(self, body: Any, what: str) -> WorkerError:
         body = body if isinstance(body, dict) else {}
         rtype = str(body.get("type", "Error"))
@@ -649,13 +673,7 @@ class Requests:
 
     def wait(self) -> list[Any]:
         """Every reply's body (``bounded``: see `Connection.recv`)."""
-        try:
-            return [conn.recv(i, what=self.what or kind, bounded=self.bounded) for conn, kind, i in self._sent]
-        except WorkerError as err:
-            blamed = blame_the_lost(err, (conn for conn, _, _ in self._sent))
-            if blamed is err:
-                raise
-            raise blamed from err
+        return [conn.recv(i, what=self.what or kind, bounded=self.bounded) for conn, kind, i in self._sent]
 
 
 def post_all(
