@@ -211,17 +211,22 @@ class OptimizerMirror:
         if they changed since last time: each replica saw a share of the batch, each copy of a tied
         weight its stage's uses of it, and the sums are the whole batch's gradients."""
         version = self.grads_version()
-        if (self.replicated or self.tied) and version != self._synced_version:
+        if self._unsummed(version):
             replies = broadcast(self.conns, protocol.GRADS, GradAllreduce(self.index).body())
             primary = {id(c) for c in self.primary}
             self.allreduced_bytes += sum(r["bytes"] for c, r in zip(self.conns, replies) if id(c) in primary)
         self._synced_version = version
 
+    def _unsummed(self, version: int) -> bool:
+        """Whether there are copies (replicas, tied weights) whose gradients changed (to ``version``
+        of `grads_version`) since they were last summed."""
+        return (self.replicated or self.tied) and version != self._synced_version
+
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         # The gradients of replicas and of tied weights' copies are summed by the step itself,
         # unless clipping summed them already (`sync_grads`).
         version = self.grads_version()
-        sync = (self.replicated or self.tied) and version != self._synced_version
+        sync = self._unsummed(version)
         self._synced_version = version
         if sync:
             self.allreduced_bytes += self._replicated_bytes

@@ -163,10 +163,9 @@ class DriverSession:
             self._close_switchboard()
             raise
         self.conns = [c for row in self.grid for c in row]
-        for conn in self.conns:
-            conn.session_conns = self.conns  # a failed sum of gradients may be another worker's loss
         for c in self.conns:
             c.session = self.id
+            c.session_conns = self.conns  # a failed sum of gradients may be another worker's loss
         self.store_host = store_host
         self.groups = Groups(self)  # where workers sum gradients: replicas, stages holding tied weights
         self.heartbeat: Heartbeat | None = None

@@ -333,8 +333,7 @@ class Connection:
         (`flush_linked`), so that none waits for the rest."""
         req_id = self._next_id = self._next_id + 1
         self._carried.append(Carried(req_id, req_id - 1, request))
-        self._unanswered[req_id] = request.KIND
-        self._quiet_up_to = req_id
+        self._awaits(req_id, request.KIND)
         self._linked.extend(c for c in linked if c is not self and c not in self._linked)
 
     def take_carried(self) -> list[Carried]:
@@ -399,7 +398,11 @@ class Connection:
         is sent next sees its effect; a failure is raised by whichever later call reads the reply
         (or by `settle`). Requests of `protocol.QUIET_KINDS` are answered only when they fail: one
         counts as run once a later request's reply arrives, or the heartbeat says so."""
-        req_id = self.send(kind, body)
+        self._awaits(self.send(kind, body), kind)
+
+    def _awaits(self, req_id: int, kind: str) -> None:
+        """Request ``req_id`` (of ``kind``) went without waiting (`post`, `carry`): its reply is read
+        later, and a quiet one is answered only if it fails (`settle` asks)."""
         self._unanswered[req_id] = kind
         if kind in protocol.QUIET_KINDS:
             self._quiet_up_to = req_id

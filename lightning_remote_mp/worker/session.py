@@ -192,6 +192,8 @@ class WorkerSession:
         """The driver's request that came along the pipeline (`carry`) and runs next: the first, once
         the request before it has run; ``None`` while none may run. One that came the short way
         too, and ran, is dropped: each of the driver's requests runs once."""
+        if not self._carried:
+            return None  # asked after every request: nothing to build while none came this way
         self._carried = [c for c in self._carried if c.id > self.driver_ran]
         if self._carried and self._carried[0].after <= self.driver_ran:
             return self._carried.pop(0)
@@ -471,13 +473,12 @@ class WorkerSession:
 
     def optim_step(self, msg: OptimStep) -> Any:
         opt = self.optimizers.get(msg.index)
-        if opt is None:
-            if msg.sync:
-                self._allreduce(None)  # every member of a group joins each sum, holding nothing or not
-            return None
-        self._settle_grads()
+        if opt is not None:
+            self._settle_grads()
         if msg.sync:
-            self._allreduce(opt)
+            self._allreduce(opt)  # every member of a group joins each sum, holding nothing or not
+        if opt is None:
+            return None
         if len(msg.hparams) != len(opt.param_groups):
             raise ProtocolError(
                 f"step carries {len(msg.hparams)} groups' hyperparameters; the optimizer has {len(opt.param_groups)}"
