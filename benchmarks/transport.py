@@ -49,9 +49,9 @@ def serve_zmq(kind: str) -> int:
     import zmq
 
     if kind == "lrmp":
-        from lightning_remote_mp.wire import protocol, transport
+        from lightning_remote_mp.wire import protocol, sockets
 
-        sock, _ = transport.bind_router("tcp://127.0.0.1:*")
+        sock, _ = sockets.bind_router("tcp://127.0.0.1:*")
     else:
         protocol = None
         sock = zmq.Context.instance().socket(zmq.ROUTER)

@@ -164,3 +164,28 @@ class SlowStepSGD(torch.optim.SGD):
         if os.getpid() != self.driver_pid:
             time.sleep(self.seconds)
         return super().step(closure)
+
+
+class BackwardHook(nn.Module):
+    """Identity whose backward, counted where it runs, sleeps ``sleep`` seconds every time and raises
+    at the ``fail_at``-th (0: never): a stage whose backward is slow, or fails, after its forward
+    went fine."""
+
+    def __init__(self, sleep: float = 0.0, fail_at: int = 0) -> None:
+        super().__init__()
+        self.sleep, self.fail_at = float(sleep), int(fail_at)
+        self.backwards = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x * 1.0
+        if y.requires_grad and y.device.type != "meta":
+
+            def hook(grad: torch.Tensor) -> torch.Tensor:
+                self.backwards += 1
+                time.sleep(self.sleep)
+                if self.backwards == self.fail_at:
+                    raise ValueError(f"backward {self.fail_at} failed on purpose")
+                return grad
+
+            y.register_hook(hook)
+        return y

@@ -21,7 +21,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_remote_mp import LocalWorkerOptions, RemoteModelParallelStrategy, SpecSequential
-from lightning_remote_mp.wire import protocol, transport
+from lightning_remote_mp.wire import protocol, sockets
 from lightning_remote_mp.worker.outbox import Outbox
 from lightning_remote_mp.worker.server import WorkerServer
 
@@ -49,7 +49,7 @@ class Copy:
 def outbox() -> Iterator[tuple[Outbox, zmq.Socket]]:
     """An outbox on a real (not serving) worker socket, and the driver's DEALER connected to it."""
     server = WorkerServer("tcp://127.0.0.1:*")
-    driver = transport.dealer(server.endpoint)
+    driver = sockets.dealer(server.endpoint)
     driver.send_multipart(protocol.encode(protocol.PING, 1, "s"))
     assert server.sock.poll(5000), "the worker socket heard nothing from the driver"
     peer_id = server.sock.recv_multipart()[0]
@@ -107,7 +107,7 @@ def test_the_serving_loop_is_woken_when_a_copy_is_done_not_before(outbox):
 def test_a_held_send_that_fails_is_reported_for_its_micro_batch(outbox):
     box, driver = outbox
     box.peer_timeout = 0.3
-    gone = transport.context().socket(zmq.ROUTER)
+    gone = sockets.context().socket(zmq.ROUTER)
     nobody = f"tcp://127.0.0.1:{gone.bind_to_random_port('tcp://127.0.0.1')}"
     gone.close(0)  # a port that was free a moment ago: nobody listens there
     copy = Copy()

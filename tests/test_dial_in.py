@@ -21,7 +21,7 @@ from test_strategy import Net, assert_same_losses, assert_same_weights, data, re
 
 from lightning_remote_mp import ConfigurationError, CurveOptions, RemoteModelParallelStrategy, WorkerLostError
 from lightning_remote_mp.driver.launch import WorkerOutput
-from lightning_remote_mp.wire import protocol, transport
+from lightning_remote_mp.wire import protocol, sockets
 from lightning_remote_mp.wire.keys import generate_keypair, load_keypair, load_public_key, write_public_key
 from lightning_remote_mp.wire.requests import Hello
 from lightning_remote_mp.wire.switchboard import Switchboard
@@ -157,8 +157,8 @@ def test_a_peer_relayed_by_the_driver_may_send_only_its_pipeline(dial_in):
     writes: a peer cannot start a session, and cannot pass for the driver."""
     port = free_port()
     switchboard = Switchboard(f"tcp://127.0.0.1:{port}")
-    peer = transport.context().socket(zmq.DEALER)
-    forger = transport.context().socket(zmq.DEALER)
+    peer = sockets.context().socket(zmq.DEALER)
+    forger = sockets.context().socket(zmq.DEALER)
     try:
         dial_in(port, "a")
         switchboard.wait_for(["a"], 60)

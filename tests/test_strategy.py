@@ -289,6 +289,38 @@ def test_lost_remote_worker_is_named_within_heartbeat_timeout(start_workers, poo
     DriverSession([pool[0]], connect_timeout=10).close()
 
 
+class _BackwardSpans(L.Callback):
+    """How long each ``loss.backward()`` took on the driver."""
+
+    def __init__(self) -> None:
+        self.began = 0.0
+        self.spans: list[float] = []
+
+    def on_before_backward(self, trainer, pl_module, loss):
+        self.began = time.monotonic()
+
+    def on_after_backward(self, trainer, pl_module):
+        self.spans.append(time.monotonic() - self.began)
+
+
+def test_the_driver_goes_on_while_the_workers_run_a_backward_that_returns_it_nothing(twin, pool):
+    # Stage 1's backward takes 0.8 s. No input needs a gradient, so loss.backward() returns as soon
+    # as the backward is sent; Lightning's step and the next batch go on meanwhile, and the driver
+    # confirms the backward before its next message. The training is the same.
+    spec = residual_spec(probe=False)
+    spec.insert(8, ("lrmp_testlayers.BackwardHook", {"sleep": 0.8}, (32, WIDTH)))
+    torch.manual_seed(3)
+    local = Net(spec)
+    remote = twin(local)
+    trainer(epochs=1, max_steps=2).fit(local, data())
+    spans = _BackwardSpans()
+    strategy = RemoteModelParallelStrategy(hosts=pool[:2], balance=[4, 7])
+    trainer(strategy, epochs=1, max_steps=2, callbacks=[spans]).fit(remote, data())
+    assert_same_losses(local.losses, remote.losses)
+    assert_same_weights(local, remote)
+    assert len(spans.spans) == 2 and max(spans.spans) < 0.4, spans.spans
+
+
 def test_worker_exception_reaches_driver_with_layer_and_stage(pool):
     workers = SimpleNamespace(addresses=pool[:2])
     spec = [

@@ -817,7 +817,7 @@ def test_a_micro_batch_from_a_peer_waits_for_the_driver_request_sent_before_it(p
     """The driver posts requests (the optimizer's step, zero_grad) without waiting for their replies
     and sends the next micro-batch to stage 0 at once, so stage 0's output can reach stage 1 before
     the request does. Stage 1 holds such a micro-batch back (its fence) until it has run the request."""
-    from lightning_remote_mp.wire import transport
+    from lightning_remote_mp.wire import sockets
     from lightning_remote_mp.wire.messages import Forward
     from lightning_remote_mp.wire.requests import LoadState
 
@@ -836,7 +836,7 @@ def test_a_micro_batch_from_a_peer_waits_for_the_driver_request_sent_before_it(p
         assert stage1.address == pool[1]
         request_id = stage1._next_id + 1  # the id of the driver's next request to stage 1
         x = torch.randn(2, 4)
-        peer = transport.dealer(stage1.address)  # stage 0's link to stage 1, as a worker opens it
+        peer = sockets.dealer(stage1.address)  # stage 0's link to stage 1, as a worker opens it
         early = Forward(key="net", call=99, mb=0, sender=0, x=x, fence={1: request_id})
         peer.send_multipart(protocol.encode(protocol.FORWARD, 0, stage1.session, early.body()))
         # A second micro-batch behind it on the same link, with nothing to wait for: its result proves

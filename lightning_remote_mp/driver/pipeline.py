@@ -153,6 +153,8 @@ class RemoteSpec:
         self.backwards = 0
         self._ids = itertools.count(1)
         self._calls: dict[int, _Call] = {}
+        #: Backwards sent and not yet known done (`confirm`): call -> micro-batch sizes per replica.
+        self._unconfirmed: dict[int, list[list[int]]] = {}
         self._to_release: collections.deque[int] = collections.deque()
         #: Which elements of the output the last stage keeps until they are read (`driver.outputs`).
         self.keep = keep
@@ -498,17 +500,43 @@ class RemoteSpec:
                         protocol.BACKWARD, backwards, self.compression, lead=carry, link=False
                     )
             self._flush_linked()
+            if not (any(record.x_grad) if isinstance(record.x_grad, list) else record.x_grad):
+                # Nothing to return: the driver goes on (Lightning's step, the next batch) while the
+                # workers run the backward, and confirms it before its next message (`confirm`).
+                self._unconfirmed[call] = record.sizes
+                return None
             done = self._collect(protocol.DONE, 0, call, record.sizes, "backward")
         except BaseException:
             self._abandon(call)
             raise
-        if not (any(record.x_grad) if isinstance(record.x_grad, list) else record.x_grad):
-            return None
         parts = [done[(r, mb)].grad_out for r, row in enumerate(record.sizes) for mb in range(len(row))]
         if any(p is None for p in parts):
             return None
         flags = self.batched_in or [True] * len(parts[0])
         return self._joined(parts, ["batch" if b else "sum" for b in flags], "input")
+
+    def confirm(self, on_failure: Callable[[], None] = lambda: None) -> None:
+        """Wait for stage 0 to report done every micro-batch of the backwards that returned at once
+        (no input needed a gradient): before the driver's next message to any worker, which must
+        not overtake them (`lightning_remote_mp.wire.transport.Connection.before_send`). A failure
+        among them is raised here, once; ``on_failure`` runs first (the session drops the requests
+        posted since, the optimizer's step: they must not run on gradients that are wrong)."""
+        while self._unconfirmed:
+            call = next(iter(self._unconfirmed))
+            sizes = self._unconfirmed.pop(call)
+            try:
+                self._collect(
+                    protocol.DONE,
+                    0,
+                    call,
+                    sizes,
+                    f"backward (of call {call}, which the driver confirms before its next message to the "
+                    "workers: it does not wait for a backward that returns no gradient)",
+                )
+            except BaseException:
+                on_failure()
+                self._abandon(call)
+                raise
 
     def _grad_chunks(self, grad_y: tuple, flat: list[int]) -> list[tuple]:
         joins = self.joins_out or ["batch"] * len(grad_y)

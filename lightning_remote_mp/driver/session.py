@@ -166,6 +166,7 @@ class DriverSession:
         for c in self.conns:
             c.session = self.id
             c.session_conns = self.conns  # a failed sum of gradients may be another worker's loss
+            c.before_send = self.confirm_backwards
         self.store_host = store_host
         self.groups = Groups(self)  # where workers sum gradients: replicas, stages holding tied weights
         self.heartbeat: Heartbeat | None = None
@@ -499,6 +500,17 @@ class DriverSession:
         module.attach(remote)
         self.placements[key] = Placement(key, module, remote)
 
+    def confirm_backwards(self) -> None:
+        """Before any message to a worker: the backwards sent without waiting are done
+        (`RemoteSpec.confirm`). If one failed, the requests posted since (the step on its gradients,
+        zero_grad) are dropped unsent, and the failure is raised."""
+        for pl in list(self.placements.values()):
+            pl.remote.confirm(on_failure=self._discard_carried)
+
+    def _discard_carried(self) -> None:
+        for c in self.conns:
+            c.discard_carried()
+
     def placed_stages(self, key: str) -> list[list[RemoteStage]]:
         """The stages of the module placed as ``key``: one row per replica, in stage order; each
         `RemoteStage` holds its `partition.Stage` (index, layers) and its worker's `Connection`."""
@@ -582,6 +594,8 @@ class DriverSession:
             raise late
 
     def close(self) -> None:
+        for c in self.conns:
+            c.before_send = None  # the session is over: nothing more to confirm
         live = [c for c in self.conns if not c.closed and c.lost_reason is None]
         ids = []
         for c in live:

@@ -56,7 +56,7 @@ def gather(
                 continue
             body = msg.body if isinstance(msg.body, dict) else {}
             if msg.kind == protocol.ERROR and msg.id == 0 and body.get("call") in (call, None):
-                raise conn._remote_error(body, what)
+                raise conn.remote_failure(body, what)
             if want(conn, msg):
                 got.append((conn, msg))
                 progress = time.monotonic()

@@ -15,8 +15,9 @@ import zmq
 
 from lightning_remote_mp.errors import ProtocolError
 from lightning_remote_mp.wire import protocol
+from lightning_remote_mp.wire.sockets import Curve, dealer, inproc_pull, wake
 from lightning_remote_mp.wire.traffic import MIN_PROGRESS, Traffic
-from lightning_remote_mp.wire.transport import DEFAULT_HEARTBEAT_INTERVAL, Curve, dealer, inproc_pull, wake
+from lightning_remote_mp.wire.transport import DEFAULT_HEARTBEAT_INTERVAL
 
 
 class Heartbeat:

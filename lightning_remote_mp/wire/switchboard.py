@@ -38,7 +38,7 @@ import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
 from lightning_remote_mp.errors import ConfigurationError, WorkerLostError
-from lightning_remote_mp.wire import protocol, transport
+from lightning_remote_mp.wire import protocol, sockets
 from lightning_remote_mp.wire.addresses import DIAL, address_towards
 from lightning_remote_mp.wire.keys import KeyPair
 
@@ -100,7 +100,7 @@ class Switchboard:
         try:
             self._tcp = self._listening(listen, limits)
             self.endpoint = bytes(self._tcp.getsockopt(zmq.LAST_ENDPOINT)).decode()
-            self._local = transport.context().socket(zmq.ROUTER)
+            self._local = sockets.context().socket(zmq.ROUTER)
             _router_options(self._local)
             self._local.bind(self.local_endpoint)
         except zmq.ZMQError as err:
@@ -108,7 +108,7 @@ class Switchboard:
             raise ConfigurationError(f"listen={listen!r}: cannot listen there for workers to dial in: {err}") from None
         self._stop = threading.Event()
         self._wake = f"inproc://lrmp-switchboard-wake-{uuid.uuid4().hex}"
-        self._wake_rx = transport.inproc_pull(self._wake)
+        self._wake_rx = sockets.inproc_pull(self._wake)
         self._thread = threading.Thread(target=self._run, name="lrmp-switchboard", daemon=True)
         self._thread.start()
         log.info("listening on %s for workers that dial in", self.endpoint)
@@ -192,7 +192,7 @@ class Switchboard:
 
     def close(self) -> None:
         self._stop.set()
-        transport.wake(self._wake)
+        sockets.wake(self._wake)
         self._thread.join(timeout=5)
         self._close_sockets()
 

@@ -1,22 +1,18 @@
-"""ZeroMQ sockets, deadlines and heartbeats. Every socket lrmp opens is created here.
+"""The driver's connection to a worker: requests, replies and deadlines.
 
 The driver talks to each worker through a `Connection` (a DEALER socket), whose waits the
 `lightning_remote_mp.wire.heartbeat` bounds: a worker that dies or hangs is noticed while the driver
-waits for a reply. A worker serves on one ROUTER socket (`bind_router`). A pipeline's answers are
-collected from several connections at once by `lightning_remote_mp.wire.collect`.
-
-With CURVE keys (`Curve`), every socket encrypts and authenticates: a client socket proves its key
-pair and checks the server's public key; a server socket asks the worker's ZAP handler
-(`lightning_remote_mp.worker.auth`) whether the client's key may connect.
+waits for a reply. A worker serves on one ROUTER socket. A pipeline's answers are collected from
+several connections at once by `lightning_remote_mp.wire.collect`. The sockets themselves are made
+by `lightning_remote_mp.wire.sockets`.
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import zmq
@@ -33,9 +29,9 @@ from lightning_remote_mp.errors import (
     worker_location,
 )
 from lightning_remote_mp.wire import protocol
-from lightning_remote_mp.wire.addresses import dial_name, endpoint_of, route
-from lightning_remote_mp.wire.keys import KeyPair
+from lightning_remote_mp.wire.addresses import dial_name, endpoint_of
 from lightning_remote_mp.wire.requests import Carried
+from lightning_remote_mp.wire.sockets import HANDSHAKE_EVENTS, Curve, dealer, handshake_failure
 
 if TYPE_CHECKING:
     from lightning_remote_mp.wire.heartbeat import Heartbeat  # which makes its sockets here
@@ -52,156 +48,6 @@ DEFAULT_HEARTBEAT_INTERVAL = 1.0
 DEFAULT_CALL_TIMEOUT = 300.0
 POLL_SLICE_MS = 50
 _VAGUE_FAILURE_WAIT = 1.0  # seconds a handshake failure without detail waits for a more telling one (a reconnect)
-
-
-def context() -> zmq.Context:
-    return zmq.Context.instance()
-
-
-#: The ZAP domain of lrmp's server sockets (what the worker's authenticator is configured for).
-ZAP_DOMAIN = "lrmp"
-
-
-@dataclasses.dataclass(frozen=True)
-class Curve:
-    """A client's CURVE settings for one server: its own key pair and the server's public key."""
-
-    keys: KeyPair
-    server_key: bytes
-
-
-def inproc_pull(endpoint: str) -> zmq.Socket:
-    """The receiving end of an in-process channel between threads (bound here)."""
-    sock = context().socket(zmq.PULL)
-    sock.bind(endpoint)
-    return sock
-
-
-def inproc_push(endpoint: str) -> zmq.Socket:
-    """The sending end of an in-process channel between threads (connected here)."""
-    sock = context().socket(zmq.PUSH)
-    sock.connect(endpoint)
-    return sock
-
-
-def wake(endpoint: str) -> None:
-    """Wake a loop polling an inproc PULL socket bound at ``endpoint`` (from any thread).
-
-    A courtesy only: if the loop's end cannot take the message (it is already closing), the loop
-    still sees its stop flag within one poll interval.
-    """
-    sock = inproc_push(endpoint)
-    sock.setsockopt(zmq.LINGER, 1000)
-    try:
-        sock.send(b"", zmq.NOBLOCK)
-    except zmq.Again:
-        pass
-    sock.close()
-
-
-def bind_router(
-    address: str, *, keys: KeyPair | None = None, limits: protocol.Limits = protocol.DEFAULT_LIMITS
-) -> tuple[zmq.Socket, str]:
-    """A worker's serving socket; returns it with the endpoint actually bound (port ``*`` resolved).
-
-    With ``keys`` the socket is a CURVE server: clients must know its public key, and their own keys
-    are checked by the ZAP handler of this process (which must be running before any client comes).
-    """
-    sock = context().socket(zmq.ROUTER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting driver takes its identity back
-    sock.setsockopt(zmq.MAXMSGSIZE, limits.frame_cap)  # an oversized frame drops its sender as it arrives
-    if keys is not None:
-        sock.curve_secretkey = keys.secret
-        sock.curve_publickey = keys.public
-        sock.curve_server = True
-        sock.zap_domain = ZAP_DOMAIN.encode()
-    sock.bind(address)
-    return sock, sock.getsockopt(zmq.LAST_ENDPOINT).decode()
-
-
-def dealer(
-    address: str,
-    *,
-    curve: Curve | None = None,
-    immediate: bool = False,
-    limits: protocol.Limits | None = None,
-    connect: bool = True,
-) -> zmq.Socket:
-    """A client socket. ``immediate``: queue messages only on a completed connection (and handshake),
-    so a send that cannot be delivered is seen as such instead of waiting in a queue. With
-    ``connect=False`` the caller connects it (after attaching a monitor, say)."""
-    sock = context().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    routing_id, via_key = route(address)
-    if routing_id is not None:
-        sock.setsockopt(zmq.ROUTING_ID, routing_id)
-    if dial_name(address):
-        curve = None  # this process's switchboard, in-process: the worker's own link is encrypted
-    elif curve is not None and via_key is not None:
-        curve = Curve(curve.keys, via_key)
-    if immediate:
-        sock.setsockopt(zmq.IMMEDIATE, 1)
-    if limits is not None:
-        sock.setsockopt(zmq.MAXMSGSIZE, limits.frame_cap)
-    if curve is not None:
-        sock.curve_secretkey = curve.keys.secret
-        sock.curve_publickey = curve.keys.public
-        sock.curve_serverkey = curve.server_key
-    if connect:
-        sock.connect(endpoint_of(address))
-    return sock
-
-
-_HANDSHAKE_EVENTS = (
-    zmq.EVENT_CONNECTED
-    | zmq.EVENT_HANDSHAKE_SUCCEEDED
-    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-)
-
-
-def handshake_failure(event: Mapping[str, Any], curve: Curve | None) -> str | None:
-    """Why a handshake failed, in words, from a socket monitor event (``None`` if it did not fail)."""
-    kind, value = event["event"], event["value"]
-    if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-        if curve is None:
-            return f"the worker refused this connection (ZAP status {value})"
-        return (
-            f"the worker refused this driver's public key {curve.keys.public.decode()} (ZAP status {value}): "
-            "put the driver's public key file (NAME.key from `lrmp-worker keygen`) into the worker's "
-            "--authorized-keys directory"
-        )
-    if kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
-        if value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
-            if curve is None:
-                return (
-                    "the worker requires CURVE encryption and authentication (it runs with --secret-key), "
-                    "but this driver has no keys: give the strategy curve=CurveOptions(secret_key, worker_public_keys)"
-                )
-            return (
-                "the worker does not use CURVE encryption (it runs without --secret-key), but this driver has "
-                "keys configured: start the worker with --secret-key and --authorized-keys, or drop the keys here"
-            )
-        return f"the ZeroMQ handshake failed (protocol error {value:#x}): is this address an lrmp-worker?"
-    if kind == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
-        if curve is not None:
-            # libzmq reports a worker without CURVE this way too when the connection drops before the
-            # mechanism mismatch is read (a race), so both causes are named.
-            return (
-                f"the CURVE handshake failed: the public key configured for this worker "
-                f"({curve.server_key.decode()}) is probably not the public key of the --secret-key it runs with, "
-                "unless the worker does not use CURVE encryption at all (it runs without --secret-key)"
-            )
-        # A worker that requires CURVE drops a plaintext client; libzmq names the mismatch, or, when
-        # the connection drops first (a race), says nothing more than this.
-        return (
-            "the ZeroMQ handshake failed: the worker probably requires CURVE encryption and authentication "
-            "(it runs with --secret-key) while this driver has no keys (give the strategy curve=CurveOptions(...)), "
-            "unless something other than an lrmp-worker listens at this address"
-        )
-    return None
 
 
 class Connection:
@@ -243,7 +89,7 @@ class Connection:
         self.curve = curve
         self._sock = dealer(address, curve=curve, limits=limits, connect=False)
         # Attached before connecting: a refused handshake is not retried, so its event must not be missed.
-        self._monitor: zmq.Socket | None = self._sock.get_monitor_socket(_HANDSHAKE_EVENTS)
+        self._monitor: zmq.Socket | None = self._sock.get_monitor_socket(HANDSHAKE_EVENTS)
         self._sock.connect(endpoint_of(address))
         self._tcp_connected_at: float | None = None
         self._vague_failure: tuple[float, dict[str, Any]] | None = None
@@ -267,6 +113,10 @@ class Connection:
         #: The connections of this one's session (`DriverSession` sets it): where to look for a lost
         #: worker when a failure here may be its doing (`blame_the_lost`).
         self.session_conns: Sequence[Connection] = [self]
+        #: Called before anything is sent to the worker or its replies are awaited (`send_all`,
+        #: `take_carried`, `settle`): the driver session confirms there the backwards it sent without waiting
+        #: (`lightning_remote_mp.driver.pipeline.RemoteSpec.confirm`), so that nothing overtakes them.
+        self.before_send: Callable[[], None] | None = None
 
     def where(self) -> str:
         return worker_location(self.address, self.stage, self.replica)
@@ -299,6 +149,8 @@ class Connection:
         before it runs its own quiet requests. ``link=False`` leaves the workers linked to the held
         requests (`carry`) to the caller, which sends them theirs another way first (`flush_linked`).
         If a message cannot be encoded, nothing is sent, and nothing held is lost."""
+        if self.before_send is not None:
+            self.before_send()
         if self.lost_reason is not None:
             raise WorkerLostError(self.lost_reason, **self.located())
         if self.closed:
@@ -340,9 +192,23 @@ class Connection:
         """The requests `carry` holds, for a `lightning_remote_mp.wire.requests.Carry`: from now on
         they travel along the pipeline (until known to have run, `send_all` sends them again). The
         caller sends the `Carry`, then calls `flush_linked`."""
+        if self.before_send is not None:
+            self.before_send()
         taken, self._carried = self._carried, []
         self._relayed.extend(taken)
         return taken
+
+    def discard_carried(self) -> None:
+        """Forget what `carry` holds, unsent: requests posted after a failure the driver learned of
+        late (a backward it did not wait for), which must not run. They are the last ids given out,
+        so the next request takes the first of them and the worker sees no gap."""
+        if self._carried:
+            for c in self._carried:
+                self._unanswered.pop(c.id, None)
+            self._next_id = self._carried[0].id - 1
+            self._quiet_up_to = min(self._quiet_up_to, self._next_id)
+            self._carried = []
+        self._linked = []
 
     def flush_carried(self) -> None:
         """Send what `carry` holds straight to the worker now (its pipeline gets no message to carry it)."""
@@ -431,6 +297,8 @@ class Connection:
 
     def settle(self, timeout: float | None = None, what: str = "") -> None:
         """Wait until every posted request has been answered (before ``what``); raise the first failure."""
+        if self.before_send is not None:
+            self.before_send()
         start = time.monotonic()
         if self._quiet_up_to > self._replied_up_to:
             self.post(protocol.SYNC)  # answered after the quiet requests before it have run (or failed)
@@ -597,11 +465,16 @@ class Connection:
     def _raise_remote(self, body: Any, what: str) -> NoReturn:
         """Raise the worker's failure ``body`` (`_remote_error`), or the loss of another worker of
         the session that caused it (`blame_the_lost`)."""
+        raise self.remote_failure(body, what)
+
+    def remote_failure(self, body: Any, what: str) -> LrmpError:
+        """The error to raise for the worker's failure ``body``: `_remote_error`, or the loss of another
+        worker of the session that caused it (`blame_the_lost`), with the report as its cause."""
         err = self._remote_error(body, what)
         blamed = blame_the_lost(err, self.session_conns)
-        if blamed is err:
-            raise err
-        raise blamed from err
+        if blamed is not err:
+            blamed.__cause__ = err
+        return blamed
 
     def _remote_error(self, body: Any, what: str) -> WorkerError:
         body = body if isinstance(body, dict) else {}
@@ -647,11 +520,12 @@ OVERDUE_CAUSES = (
 
 def blame_the_lost(err: WorkerError, conns: Iterable[Connection]) -> LrmpError:
     """The error to raise for ``err``: when it is a failed sum of gradients over a process group
-    (`lightning_remote_mp.errors.GroupError`), most likely because another member stopped, the
-    loss of one of ``conns``, if one is found lost within its heartbeat timeout; else ``err``. A
-    step that sums gradients fails on every member that is left, and blaming the first to report
-    would name a worker that is fine."""
-    if err.remote_type != "GroupError":
+    (`lightning_remote_mp.errors.GroupError`), or a message another worker could not take
+    (``PeerUnreachableError``), most likely because another worker stopped, the loss of one of
+    ``conns``, if one is found lost within its heartbeat timeout; else ``err``. A step that sums
+    gradients fails on every member that is left, a backward on the stage after the lost one,
+    and blaming the first to report would name a worker that is fine."""
+    if err.remote_type not in ("GroupError", "PeerUnreachableError"):
         return err
     others = [c for c in conns if c.address != err.address]
     deadline = time.monotonic() + max((c.heartbeat_timeout for c in others), default=0.0) + 2.0

@@ -26,7 +26,7 @@ import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
 from lightning_remote_mp.wire.keys import load_authorized_keys
-from lightning_remote_mp.wire.transport import ZAP_DOMAIN
+from lightning_remote_mp.wire.sockets import ZAP_DOMAIN
 from lightning_remote_mp.worker.throttle import Throttle
 
 log = logging.getLogger(__name__)

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 import zmq
 
 from lightning_remote_mp.errors import PeerUnreachableError
-from lightning_remote_mp.wire import protocol, transport
+from lightning_remote_mp.wire import protocol, sockets
 from lightning_remote_mp.wire.addresses import RELAY
 from lightning_remote_mp.wire.keys import KeyPair
 from lightning_remote_mp.worker.dispatch import error_body
@@ -76,7 +76,7 @@ class _CopyWaiter:
         self._thread.join(timeout=_STOP_GRACE)
 
     def _run(self) -> None:
-        wake = transport.inproc_push(self._endpoint)
+        wake = sockets.inproc_push(self._endpoint)
         try:
             while (event := self._events.get()) is not None:
                 with contextlib.suppress(Exception):
@@ -250,11 +250,11 @@ class Outbox:
                         f"no public key was announced for the worker at {address}; this worker talks to its "
                         "peers only over CURVE (the driver sends their keys at setup)"
                     )
-                curve = transport.Curve(self.keys, server_key)
+                curve = sockets.Curve(self.keys, server_key)
             route = address
             if address.startswith(RELAY + "/"):  # through the driver this worker dialed
                 route = RELAY + self.relay_via + address[len(RELAY) :]
-            sock = self._peers[address] = transport.dealer(route, curve=curve, immediate=True)
+            sock = self._peers[address] = sockets.dealer(route, curve=curve, immediate=True)
         return sock
 
     def close_peers(self) -> None:

@@ -32,7 +32,7 @@ import zmq
 
 from lightning_remote_mp._version import __version__
 from lightning_remote_mp.errors import ConfigurationError, ProtocolError, ProtocolVersionError
-from lightning_remote_mp.wire import protocol, transport
+from lightning_remote_mp.wire import protocol, sockets
 from lightning_remote_mp.wire.keys import KeyPair
 from lightning_remote_mp.wire.requests import Hello
 from lightning_remote_mp.wire.traffic import MIN_PROGRESS, Traffic
@@ -151,12 +151,12 @@ class WorkerServer:
         self._session_peer_keys: dict[str, frozenset[bytes]] = {}  # session -> announced peer keys
         # The authenticator must answer before the first client can complete a handshake.
         self.auth = (
-            WorkerAuth(transport.context(), authorized_keys, self._current_peer_keys)
+            WorkerAuth(sockets.context(), authorized_keys, self._current_peer_keys)
             if keys is not None and authorized_keys is not None and connect is None
             else None
         )
         try:
-            self.sock, self.endpoint = transport.bind_router(bind, keys=keys, limits=limits)
+            self.sock, self.endpoint = sockets.bind_router(bind, keys=keys, limits=limits)
         except BaseException:
             if self.auth is not None:
                 self.auth.stop()
@@ -176,9 +176,9 @@ class WorkerServer:
         self._standing_in = False  # the main thread holds it
         self._pending: collections.deque[Request] = collections.deque()  # read, not yet run
         self._wake_serving = f"inproc://lrmp-serving-{uuid.uuid4().hex}"
-        self._serving_rx = transport.inproc_pull(self._wake_serving)
+        self._serving_rx = sockets.inproc_pull(self._wake_serving)
         self._wake_main = f"inproc://lrmp-main-{uuid.uuid4().hex}"
-        self._main_rx = transport.inproc_pull(self._wake_main)
+        self._main_rx = sockets.inproc_pull(self._wake_main)
         self._last_busy = 0.0
         self._session: WorkerSession | None = None  # owned by the serving thread
         self.served = 0
@@ -218,7 +218,7 @@ class WorkerServer:
         """Let the serving thread end, but do not wait long for a request that is still running: a
         stopped worker must be gone at once, and the process exits without that thread anyway."""
         self._stop.set()  # also when the watch ended by an exception (Ctrl-C)
-        transport.wake(self._wake_serving)
+        sockets.wake(self._wake_serving)
         serving.join(timeout=_COMPUTE_GRACE)
         busy_since = self._busy_since
         if serving.is_alive() and busy_since is not None:
@@ -239,8 +239,8 @@ class WorkerServer:
     def stop(self) -> None:
         """Stop serving (from any thread, or a signal handler)."""
         self._stop.set()
-        transport.wake(self._wake_serving)
-        transport.wake(self._wake_main)
+        sockets.wake(self._wake_serving)
+        sockets.wake(self._wake_main)
 
     # --- the socket: the serving thread's, lent to the main thread during long requests -------------
     @contextlib.contextmanager
@@ -627,7 +627,7 @@ class WorkerServer:
         """Block until this (the serving) thread holds the socket, taking it from a standing-in main thread."""
         self._want_io = True
         if self._standing_in:
-            transport.wake(self._wake_main)
+            sockets.wake(self._wake_main)
         self._io.acquire()
         self._want_io = False
 

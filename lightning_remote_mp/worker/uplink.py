@@ -30,7 +30,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from lightning_remote_mp._version import __version__
-from lightning_remote_mp.wire import protocol, transport
+from lightning_remote_mp.wire import protocol, sockets
 from lightning_remote_mp.wire.keys import KeyPair
 from lightning_remote_mp.wire.switchboard import ANNOUNCE, ANNOUNCE_INTERVAL, HELLO, WELCOME
 from lightning_remote_mp.worker.throttle import Throttle
@@ -70,12 +70,12 @@ class Uplink:
         self.connect = connect
         self.name = name
         self.endpoint = endpoint
-        self.curve = transport.Curve(keys, driver_key) if keys is not None and driver_key is not None else None
+        self.curve = sockets.Curve(keys, driver_key) if keys is not None and driver_key is not None else None
         self.limits = limits
         self._throttle = Throttle(log)
         self._stop = threading.Event()
         self._wake = f"inproc://lrmp-uplink-wake-{uuid.uuid4().hex}"
-        self._wake_rx = transport.inproc_pull(self._wake)
+        self._wake_rx = sockets.inproc_pull(self._wake)
         self._thread = threading.Thread(target=self._run, name="lrmp-uplink", daemon=True)
 
     @staticmethod
@@ -92,11 +92,11 @@ class Uplink:
 
     def stop(self) -> None:
         self._stop.set()
-        transport.wake(self._wake)
+        sockets.wake(self._wake)
         self._thread.join(timeout=2)
 
     def _run(self) -> None:
-        up = transport.dealer(self.connect, curve=self.curve, limits=self.limits, connect=False)
+        up = sockets.dealer(self.connect, curve=self.curve, limits=self.limits, connect=False)
         up.setsockopt(zmq.ROUTING_ID, self.routing_id(self.name))
         up.setsockopt(zmq.IMMEDIATE, 1)  # nothing queues for a driver that is not connected: it is lost, as on TCP
         up.setsockopt(zmq.SNDHWM, 0)
@@ -167,7 +167,7 @@ class Uplink:
                 continue
             sock = origins.get(origin)
             if sock is None:
-                sock = transport.context().socket(zmq.DEALER)
+                sock = sockets.context().socket(zmq.DEALER)
                 sock.setsockopt(zmq.LINGER, 0)
                 sock.setsockopt(zmq.ROUTING_ID, origin)  # the server answers this origin by its name
                 sock.setsockopt(zmq.SNDHWM, 0)
