@@ -272,7 +272,14 @@ class Fuzzer:
             )
             req_id = r.choice([r.randint(1, 50), r.randint(1, 2**40), 0, -1])
             after = r.choice([req_id - 1, 0, req_id, r.randint(0, 2**40)]) if isinstance(req_id, int) else 0
-            return r.choice([[req_id, after, kind, body]] * 4 + [[req_id, after, kind], self.value()])
+            try:
+                frames = [bytes(f) for f in protocol.encode(str(kind), max(req_id, 0), self.session_id(), body)]
+            except Exception:
+                frames = [r.randbytes(r.choice([0, 8, 64]))]
+            # Never the driver's seal: only the driver and the worker know the key.
+            seal = r.choice([r.randbytes(32), r.randbytes(32), r.randbytes(7), b"", "seal"])
+            entry = [after, r.choice([frames] * 4 + [[r.randbytes(40)], frames + frames, self.value()]), seal]
+            return r.choice([entry] * 4 + [entry[:2], [req_id, after, kind, body], self.value()])
 
         requests = {
             r.choice([0, 1, 1, 2, 2, 3, -1, "1"]): [request() for _ in range(r.choice([1, 1, 2, 3, 0]))]

@@ -237,14 +237,30 @@ def test_failed_deferred_weight_gradients_fail_the_step(pool):
     trainer(strategy, epochs=1).fit(Net(spec), data())
 
 
-def test_a_failed_backward_the_driver_did_not_wait_for_is_raised_and_the_step_after_it_never_runs(pool):
+class _TailNet(Net):
+    """`Net` with a layer of the driver's own after the split module: it steps on the driver."""
+
+    def __init__(self, spec: list) -> None:
+        super().__init__(spec)
+        self.tail = torch.nn.Linear(1, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(self.tail(self.net(x)))
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=self.lr)
+
+
+@pytest.mark.parametrize("tail", [False, True], ids=["all-remote", "driver-layer-after"])
+def test_a_failed_backward_the_driver_did_not_wait_for_is_raised_and_the_step_after_it_never_runs(pool, tail):
     # The second backward fails on stage 1. The driver, which did not wait for it, learns so before
-    # its next message (the third forward): it raises the failure, and the optimizer's step that
-    # Lightning posted in between never runs. The weights brought back are one step's, as locally.
+    # its next message (the third forward), or before a layer of its own steps: it raises the
+    # failure, and the optimizer's step never runs, there or on the workers. The weights brought
+    # back are one step's, as locally.
     spec = residual_spec(probe=False)
     spec.insert(8, ("lrmp_testlayers.BackwardHook", {"fail_at": 2}, (32, 16)))
     torch.manual_seed(3)
-    local = Net(spec)
+    local = _TailNet(spec) if tail else Net(spec)
     remote = copy.deepcopy(local)
     with pytest.raises(ValueError, match="backward 2 failed on purpose"):
         trainer(epochs=1).fit(local, data())

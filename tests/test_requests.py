@@ -9,18 +9,15 @@ import zmq
 
 from lightning_remote_mp.errors import ProtocolError
 from lightning_remote_mp.wire import protocol
+from lightning_remote_mp.wire.grads import GradAllreduce, GradClamp, GradNorms, Grads, GradScale
 from lightning_remote_mp.wire.requests import (
     REQUESTS,
+    SEAL_KEY_BYTES,
     Carried,
     Carry,
     Fetch,
     GetOptimState,
     GetState,
-    GradAllreduce,
-    GradClamp,
-    GradNorms,
-    Grads,
-    GradScale,
     GroupInit,
     Hello,
     LoadOptimState,
@@ -245,7 +242,7 @@ def _golden() -> dict[str, object]:
         "timeline": Timeline("clock"),
         "group": GroupInit("127.0.0.1", 29500, "p", 0, 2, "gloo", 30.0),
         "sync": Sync(),
-        "hello": Hello("host pid 1", protocol.PROTOCOL_VERSION, "0.1.0", "2.13.0", 9.0),
+        "hello": Hello("host pid 1", protocol.PROTOCOL_VERSION, "0.1.0", "2.13.0", 9.0, seal_key=b"k" * 32),
         "fetch": Fetch("net", 4),
         "loss": Loss("net", 4, 1, 1, [0, 1, 2], {0: t[0], 1: t[1]}, whole=[t], grad=True),
         "carry": Carry(
@@ -253,7 +250,10 @@ def _golden() -> dict[str, object]:
             4,
             0,
             1,
-            {1: [Carried(7, 6, OptimStep(0, [{"lr": 0.05}], sync=True))], 2: [Carried(3, 2, ZeroGrad(0))]},
+            {
+                1: [Carried.sealed(OptimStep(0, [{"lr": 0.05}], sync=True), 7, 6, "s", bytes(SEAL_KEY_BYTES))],
+                2: [Carried.sealed(ZeroGrad(0), 3, 2, "s", bytes(SEAL_KEY_BYTES))],
+            },
         ),
     }
 
@@ -261,24 +261,24 @@ def _golden() -> dict[str, object]:
 # sha256 of each request's frames. A change here changes what older workers receive: bump
 # protocol.PROTOCOL_VERSION with it (and say so in the CHANGELOG), then update these.
 GOLDEN = {
-    "setup": "60763a2e5c56cd06",
-    "release": "f83e56a65d9216ad",
-    "get_state": "19e018e124c09147",
-    "load_state": "82fdbef6386b0a20",
-    "profile": "2e307d8de78955d2",
-    "optim_create": "4de483480c5aa4cf",
-    "optim_step": "ece1ebc0e4930006",
-    "zero_grad": "08b157f6fa252820",
-    "get_optim_state": "60bc6bc223e64274",
-    "load_optim_state": "c4620edda5b9549f",
-    "grads": "dc186efe330a0aef",
-    "timeline": "47bab5d24f769030",
-    "group": "b2f3020e9f07b739",
-    "sync": "98071af6dae1ce62",
-    "hello": "ee3194f79a3667df",
-    "fetch": "bf927312fce3f64d",
-    "loss": "bc91af7d4ef1365c",
-    "carry": "0afab25ffe1738b1",
+    "setup": "189a5e760b819af0",
+    "release": "4c629373b3e89be6",
+    "get_state": "707e8283f409a563",
+    "load_state": "da3843b4efaadcf7",
+    "profile": "73e9e5473b49a87e",
+    "optim_create": "04ac7a7dac022688",
+    "optim_step": "3004a1c660491d60",
+    "zero_grad": "167d75691a9b2586",
+    "get_optim_state": "2c67d9587ae7b650",
+    "load_optim_state": "11f09484fc9c6277",
+    "grads": "be96c50b098ccbb0",
+    "timeline": "ca315e7fc16d0649",
+    "group": "35898b71a9d14bf0",
+    "sync": "eee8aff168f82f3d",
+    "hello": "1d92c5948660f527",
+    "fetch": "93a33f751176259e",
+    "loss": "e8df11ed3d0bb9f6",
+    "carry": "14677bce07f372f7",
 }
 
 

@@ -60,12 +60,9 @@ import torch
 from lightning_remote_mp.errors import LrmpError
 from lightning_remote_mp.model.spec import layer_path, refuse_main
 from lightning_remote_mp.wire import protocol
+from lightning_remote_mp.wire.grads import GradAllreduce, GradClamp, GradNorms, GradScale
 from lightning_remote_mp.wire.requests import (
     GetOptimState,
-    GradAllreduce,
-    GradClamp,
-    GradNorms,
-    GradScale,
     LoadOptimState,
     OptimCreate,
     OptimStep,
@@ -222,6 +219,13 @@ class OptimizerMirror:
         of `grads_version`) since they were last summed."""
         return (self.replicated or self.tied) and version != self._synced_version
 
+    def confirm_backward(self) -> None:
+        """Before the driver's own layers step (`_mirrored_class`): make sure that the backward the
+        driver did not wait for succeeded (`Connection.confirm_sent`), or a failure there would leave
+        them a step ahead of the workers' layers, whose step is then dropped."""
+        if self.conns and self.local_grads():
+            self.conns[0].confirm_sent()
+
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         # The gradients of replicas and of tied weights' copies are summed by the step itself,
         # unless clipping summed them already (`sync_grads`).
@@ -353,8 +357,30 @@ _MIRRORED: dict[type, type] = {}
 
 
 def _mirrored_class(cls: type) -> type:
-    """``cls`` with a ``zero_grad`` that reaches the workers too (mechanism 2 in the module docstring)."""
+    """``cls`` with a ``zero_grad`` that reaches the workers too (mechanism 2 in the module
+    docstring), and a ``step`` that steps the driver's own layers only once the backward is known to
+    have succeeded on the workers (`OptimizerMirror.confirm_backward`): after the closure, which
+    runs it (Lightning's automatic optimization), or before the step."""
     if cls not in _MIRRORED:
+
+        def step(self: Any, closure: Any = None) -> Any:
+            mirror = getattr(self, "_lrmp_mirror", None)
+            if mirror is None:
+                return cls.step(self) if closure is None else cls.step(self, closure)
+            if closure is None:
+                mirror.confirm_backward()
+                return cls.step(self)
+
+            def confirmed() -> Any:
+                loss = closure()
+                mirror.confirm_backward()
+                return loss
+
+            return cls.step(self, confirmed)
+
+        # ``cls.step`` runs the optimizer's step hooks: torch must not wrap this one with them again
+        # (it does so for a class whose ``step`` is not marked, when an instance is unpickled).
+        step.hooked = True  # type: ignore[attr-defined]
 
         def zero_grad(self: Any, set_to_none: bool = True) -> None:
             mirror = getattr(self, "_lrmp_mirror", None)
@@ -363,7 +389,9 @@ def _mirrored_class(cls: type) -> type:
             else:
                 mirror.zero_grad(set_to_none=set_to_none)
 
-        _MIRRORED[cls] = type(cls.__name__, (cls,), {"zero_grad": zero_grad, "__module__": cls.__module__})
+        _MIRRORED[cls] = type(
+            cls.__name__, (cls,), {"zero_grad": zero_grad, "step": step, "__module__": cls.__module__}
+        )
     return _MIRRORED[cls]
 
 

@@ -153,8 +153,9 @@ class RemoteSpec:
         self.backwards = 0
         self._ids = itertools.count(1)
         self._calls: dict[int, _Call] = {}
-        #: Backwards sent and not yet known done (`confirm`): call -> micro-batch sizes per replica.
-        self._unconfirmed: dict[int, list[list[int]]] = {}
+        #: Backwards sent and not yet known done (`confirm`; at most one, as every send confirms them):
+        #: call -> its micro-batch sizes per replica, and each connection's `Connection.last_id` then.
+        self._unconfirmed: dict[int, tuple[list[list[int]], list[tuple[Connection, int]]]] = {}
         self._to_release: collections.deque[int] = collections.deque()
         #: Which elements of the output the last stage keeps until they are read (`driver.outputs`).
         self.keep = keep
@@ -342,6 +343,7 @@ class RemoteSpec:
     def forward(
         self, x: Main, *, grad: bool, x_needs_grad: bool | list[bool], autocast: dict[str, Any] | None
     ) -> tuple[Main, int]:
+        self.conns[0].confirm_sent()  # the last backward, before anything is posted for this call
         self._flush_releases()
         call = next(self._ids)
         modes = self.modes()
@@ -503,7 +505,8 @@ class RemoteSpec:
             if not (any(record.x_grad) if isinstance(record.x_grad, list) else record.x_grad):
                 # Nothing to return: the driver goes on (Lightning's step, the next batch) while the
                 # workers run the backward, and confirms it before its next message (`confirm`).
-                self._unconfirmed[call] = record.sizes
+                marks = [(c, c.last_id) for c in self.conns[0].session_conns]  # what is posted later may be dropped
+                self._unconfirmed[call] = (record.sizes, marks)
                 return None
             done = self._collect(protocol.DONE, 0, call, record.sizes, "backward")
         except BaseException:
@@ -515,15 +518,15 @@ class RemoteSpec:
         flags = self.batched_in or [True] * len(parts[0])
         return self._joined(parts, ["batch" if b else "sum" for b in flags], "input")
 
-    def confirm(self, on_failure: Callable[[], None] = lambda: None) -> None:
+    def confirm(self) -> None:
         """Wait for stage 0 to report done every micro-batch of the backwards that returned at once
         (no input needed a gradient): before the driver's next message to any worker, which must
         not overtake them (`lightning_remote_mp.wire.transport.Connection.before_send`). A failure
-        among them is raised here, once; ``on_failure`` runs first (the session drops the requests
-        posted since, the optimizer's step: they must not run on gradients that are wrong)."""
+        among them is raised here, once; the requests the driver posted since it sent that backward
+        (the optimizer's step on its gradients, zero_grad) are dropped unsent first."""
         while self._unconfirmed:
             call = next(iter(self._unconfirmed))
-            sizes = self._unconfirmed.pop(call)
+            sizes, marks = self._unconfirmed.pop(call)
             try:
                 self._collect(
                     protocol.DONE,
@@ -534,7 +537,8 @@ class RemoteSpec:
                     "workers: it does not wait for a backward that returns no gradient)",
                 )
             except BaseException:
-                on_failure()
+                for conn, mark in marks:
+                    conn.discard_carried(mark)
                 self._abandon(call)
                 raise
 

@@ -16,6 +16,7 @@ True
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -163,8 +164,10 @@ class DriverSession:
             self._close_switchboard()
             raise
         self.conns = [c for row in self.grid for c in row]
+        seal_keys: dict[str, bytes] = {}
         for c in self.conns:
             c.session = self.id
+            c.seal_key = seal_keys.setdefault(c.address, c.seal_key)  # one per worker, however many stages
             c.session_conns = self.conns  # a failed sum of gradients may be another worker's loss
             c.before_send = self.confirm_backwards
         self.store_host = store_host
@@ -257,7 +260,8 @@ class DriverSession:
             limits=self.conns[0].limits if self.conns else protocol.DEFAULT_LIMITS,
         )
         deadline = time.monotonic() + timeout
-        pending = {id(c): (c, c.send(protocol.HELLO, hello.body())) for c in self.conns}
+        bodies = {id(c): dataclasses.replace(hello, seal_key=c.seal_key).body() for c in self.conns}
+        pending = {id(c): (c, c.send(protocol.HELLO, bodies[id(c)])) for c in self.conns}
         replies: dict[int, dict[str, Any]] = {}
         while pending:
             waits = []
@@ -274,7 +278,7 @@ class DriverSession:
                     waits.append(wait)
             if pending:  # held by sessions of a driver that is gone: ask again once they are dropped
                 time.sleep(max(waits))
-                pending = {key: (c, c.send(protocol.HELLO, hello.body())) for key, (c, _) in pending.items()}
+                pending = {key: (c, c.send(protocol.HELLO, bodies[key])) for key, (c, _) in pending.items()}
         infos = [replies[id(c)] for c in self.conns]
         for c, info in zip(self.conns, infos):
             if info.get("protocol") != protocol.PROTOCOL_VERSION:
@@ -505,11 +509,7 @@ class DriverSession:
         (`RemoteSpec.confirm`). If one failed, the requests posted since (the step on its gradients,
         zero_grad) are dropped unsent, and the failure is raised."""
         for pl in list(self.placements.values()):
-            pl.remote.confirm(on_failure=self._discard_carried)
-
-    def _discard_carried(self) -> None:
-        for c in self.conns:
-            c.discard_carried()
+            pl.remote.confirm()
 
     def placed_stages(self, key: str) -> list[list[RemoteStage]]:
         """The stages of the module placed as ``key``: one row per replica, in stage order; each
@@ -595,7 +595,10 @@ class DriverSession:
 
     def close(self) -> None:
         for c in self.conns:
-            c.before_send = None  # the session is over: nothing more to confirm
+            # The session is over: nothing more to confirm, and nothing held may run now (a step
+            # could overtake a backward that is still running there).
+            c.before_send = None
+            c.discard_carried(after=0)
         live = [c for c in self.conns if not c.closed and c.lost_reason is None]
         ids = []
         for c in live:

@@ -126,9 +126,11 @@ class TimelineCallback(pl.Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        conns = self._conns()
+        if conns:
+            conns[0].confirm_sent()  # the step's backward, which the driver did not wait for, is part of it
         end = time.time()
         self._add_rows()
-        conns = self._conns()
         spans: list[tuple[Any, float, float]] = []
         for conn, reply in zip(conns, broadcast(conns, protocol.TIMELINE, Timeline("fetch").body())):
             offset = self._offsets.get(conn.address, 0.0)

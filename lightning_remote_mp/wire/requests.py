@@ -27,11 +27,14 @@ lightning_remote_mp.errors.ProtocolError: optim_step message: field 'hparams' mu
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import hmac
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, Literal, get_args
 
 import torch
 
+from lightning_remote_mp.errors import ProtocolError
 from lightning_remote_mp.flow import Routes, SplitBackward, is_split_backward
 from lightning_remote_mp.wire import protocol
 from lightning_remote_mp.wire.fields import (
@@ -40,7 +43,6 @@ from lightning_remote_mp.wire.fields import (
     INT,
     LIST,
     STR,
-    TENSOR,
     Body,
     anything,
     as_dict,
@@ -60,6 +62,7 @@ from lightning_remote_mp.wire.fields import (
     number,
     refuse,
 )
+from lightning_remote_mp.wire.grads import Grads
 from lightning_remote_mp.wire.keys import is_z85_key
 from lightning_remote_mp.wire.messages import Backward, Forward
 
@@ -371,27 +374,68 @@ assert set(_CARRIED) == protocol.CARRIED_KINDS
 MAX_CARRIED = 1024
 
 
+#: Bytes of the key that seals the requests the driver sends a worker along the pipeline (`Carried`).
+SEAL_KEY_BYTES = 32
+
+
+def _seal(key: bytes, after: int, frames: Sequence[bytes]) -> bytes:
+    """HMAC-SHA256, under ``key``, of ``after`` and the request's frames (each with its length)."""
+    mac = hmac.new(key, after.to_bytes(8, "little"), hashlib.sha256)
+    for frame in frames:
+        mac.update(len(frame).to_bytes(8, "little"))
+        mac.update(frame)
+    return mac.digest()
+
+
 @dataclasses.dataclass(frozen=True)
 class Carried:
-    """One request that travels along the pipeline to its worker (`Carry`).
+    """One request that travels along the pipeline to its worker (`Carry`), sealed for it.
+
+    The request travels as the frames the driver would send that worker straight (`protocol.encode`:
+    its kind, id, session and body), with a seal: an HMAC under a key only the driver and that
+    worker know (each worker's own, from the driver's HELLO). The stages it crosses on the way pass
+    it on as it came; they can neither forge nor alter it for another worker.
 
     Attributes:
         id: its id among the driver's requests to that worker, as if it had been sent straight there.
         after: the id of the driver's request to that worker just before it: the worker runs it
             only once that one has run, so a request that came the short way is never overtaken.
         request: the request (`protocol.CARRIED_KINDS`).
+        frames: the request as encoded for its worker; ``seal``: their HMAC (`sealed`, `sealed_by`).
+        session: the session its frames name.
+
+    >>> key = bytes(SEAL_KEY_BYTES)
+    >>> c = Carried.sealed(ZeroGrad(0), 7, 6, "s", key)
+    >>> c.sealed_by(key, "s"), c.sealed_by(bytes(range(SEAL_KEY_BYTES)), "s"), c.sealed_by(key, "other")
+    (True, False, False)
     """
 
     id: int
     after: int
     request: Body
+    frames: tuple[bytes, ...] = ()
+    seal: bytes = b""
+    session: str = ""
+
+    @classmethod
+    def sealed(cls, request: Body, req_id: int, after: int, session: str, key: bytes) -> Carried:
+        """``request``, the driver's ``req_id``-th to a worker, sealed with that worker's ``key``."""
+        frames = tuple(bytes(f) for f in protocol.encode(request.KIND, req_id, session, request.body()))
+        return cls(req_id, after, request, frames, _seal(key, after, frames), session)
+
+    def sealed_by(self, key: bytes | None, session: str) -> bool:
+        """Whether the driver of ``session`` sealed this request with ``key`` (its worker's)."""
+        if not key or self.session != session:
+            return False
+        return hmac.compare_digest(self.seal, _seal(key, self.after, self.frames))
 
     def wire(self) -> list[Any]:
-        return [self.id, self.after, self.request.KIND, self.request.body()]
+        return [self.after, list(self.frames), self.seal]
 
 
 def _carried(kind: str, name: str, value: Any) -> dict[int, tuple[Carried, ...]]:
-    """``{stage: [[id, after, kind, body], ...]}``, ids rising, each body read as its kind's request."""
+    """``{stage: [[after, frames, seal], ...]}``, ids rising, each request's frames decoded and read
+    as its kind's request (its seal is checked by the worker it is for: `Carried.sealed_by`)."""
     DICT(kind, name, value)
     out = {}
     for stage, entries in value.items():
@@ -403,21 +447,33 @@ def _carried(kind: str, name: str, value: Any) -> dict[int, tuple[Carried, ...]]
             )
         read: list[Carried] = []
         for i, e in enumerate(entries):
-            if not (
+            message = None
+            if (
                 isinstance(e, list)
-                and len(e) == 4
+                and len(e) == 3
                 and is_int(e[0])
-                and is_int(e[1])
-                and 0 <= e[1] < e[0]
-                and (not read or e[0] > read[-1].id)
-                and e[2] in _CARRIED
+                and isinstance(e[1], list)
+                and all(isinstance(f, bytes) for f in e[1])
+                and isinstance(e[2], bytes)
+                and len(e[2]) == hashlib.sha256().digest_size
+            ):
+                try:
+                    message = protocol.decode(e[1])
+                except ProtocolError:
+                    message = None
+            if not (
+                message is not None
+                and message.kind in _CARRIED
+                and 0 <= e[0] < message.id
+                and (not read or message.id > read[-1].id)
             ):
                 raise refuse(
                     kind,
-                    f"field {name!r}: request {i} for stage {stage} must be [id, after, kind, body] with "
-                    f"after < id, ids rising, and kind one of {sorted(_CARRIED)}",
+                    f"field {name!r}: request {i} for stage {stage} must be [after, frames, seal] with frames "
+                    f"that decode to a request of kind one of {sorted(_CARRIED)}, after < its id, ids rising",
                 )
-            read.append(Carried(e[0], e[1], _CARRIED[e[2]].from_body(e[3])))
+            request = _CARRIED[message.kind].from_body(message.body)
+            read.append(Carried(message.id, e[0], request, tuple(e[1]), e[2], message.session))
         out[stage] = tuple(read)
     return out
 
@@ -436,7 +492,7 @@ class Carry(Body):
         toward: ``1``: on down the pipeline (with a forward); ``-1``: up it (with a backward).
         requests: by stage, its requests (`Carried`), in the order the driver made them.
 
-    >>> c = Carry("net", 3, -1, 1, {1: (Carried(7, 6, ZeroGrad(0)),)})
+    >>> c = Carry("net", 3, -1, 1, {1: (Carried.sealed(ZeroGrad(0), 7, 6, "s", bytes(SEAL_KEY_BYTES)),)})
     >>> Carry.from_body(c.body()).requests[1][0].request
     ZeroGrad(index=0, set_to_none=True)
     """
@@ -472,70 +528,6 @@ class LoadOptimState(Body):
     state: Mapping[str, Mapping[str, Any]] = field(
         map_of(is_str, is_str_keyed, "parameter names to state dicts"), write=as_dict_of_dicts
     )
-
-
-def _grad_op(kind: str, name: str, value: Any) -> str:
-    return choice(list(_GRAD_OPS))(kind, name, value)
-
-
-@dataclasses.dataclass(frozen=True)
-class Grads(Body):
-    """GRADS: one operation on the gradients of optimizer ``index``'s parameters, for clipping and
-    replicas across workers. The operations are its subclasses (`GradNorms`, `GradScale`,
-    `GradClamp`, `GradAllreduce`), each named by its ``op``; `from_body` returns the one a body's
-    ``op`` names."""
-
-    KIND: ClassVar[str] = protocol.GRADS
-
-    index: int = _INDEX
-    op: str = field(_grad_op, default="", init=False, repr=False)
-
-    @classmethod
-    def from_body(cls, body: Any) -> Grads:  # type: ignore[override]
-        """A received body, checked, as the operation it names; raises `ProtocolError` if it is malformed."""
-        if cls is not Grads:
-            return super().from_body(body)
-        return _GRAD_OPS[cls._read(body)["op"]].from_body(body)
-
-
-@dataclasses.dataclass(frozen=True)
-class GradNorms(Grads):
-    """``op="norms"``: each gradient's ``norm_type`` norm (for ``clip_grad_norm_`` across stages)."""
-
-    op: str = field(_grad_op, default="norms", init=False, repr=False)
-    norm_type: float = field(number)
-
-
-def _coef(kind: str, name: str, value: Any) -> torch.Tensor:
-    if TENSOR(kind, name, value).dim() != 0 or not value.is_floating_point():
-        raise refuse(kind, f"field {name!r} must be a floating-point scalar tensor")
-    return value
-
-
-@dataclasses.dataclass(frozen=True)
-class GradScale(Grads):
-    """``op="scale"``: multiply every gradient by ``coef``, a scalar tensor (the clipping coefficient)."""
-
-    op: str = field(_grad_op, default="scale", init=False, repr=False)
-    coef: torch.Tensor = field(_coef)
-
-
-@dataclasses.dataclass(frozen=True)
-class GradClamp(Grads):
-    """``op="clamp"``: clamp every gradient to ``[-value, value]`` (``clip_grad_value_``)."""
-
-    op: str = field(_grad_op, default="clamp", init=False, repr=False)
-    value: float = field(number)
-
-
-@dataclasses.dataclass(frozen=True)
-class GradAllreduce(Grads):
-    """``op="allreduce"``: sum the gradients over the stage's replicas (`GroupInit` joined them)."""
-
-    op: str = field(_grad_op, default="allreduce", init=False, repr=False)
-
-
-_GRAD_OPS: dict[str, type[Grads]] = {c.op: c for c in (GradNorms, GradScale, GradClamp, GradAllreduce)}  # type: ignore[misc]
 
 
 # --- observing and replicas -----------------------------------------------------------------
@@ -619,6 +611,11 @@ class Hello(Body):
     #: What the driver accepts (`protocol.Limits.as_dict`): the worker's bundles of answers stay within it.
     limits: protocol.Limits = field(
         lenient(protocol.Limits.from_dict), default=protocol.DEFAULT_LIMITS, write=protocol.Limits.as_dict
+    )
+    #: This worker's key for the session: the driver seals with it what it sends the worker along the
+    #: pipeline (`Carried`), so that no other worker can forge or alter it. ``None``: none may come.
+    seal_key: bytes | None = field(
+        lenient(lambda v: v if isinstance(v, bytes) and len(v) == SEAL_KEY_BYTES else None), default=None
     )
 
     @classmethod

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import secrets
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -30,7 +31,7 @@ from lightning_remote_mp.errors import (
 )
 from lightning_remote_mp.wire import protocol
 from lightning_remote_mp.wire.addresses import dial_name, endpoint_of
-from lightning_remote_mp.wire.requests import Carried
+from lightning_remote_mp.wire.requests import SEAL_KEY_BYTES, Carried
 from lightning_remote_mp.wire.sockets import HANDSHAKE_EVENTS, Curve, dealer, handshake_failure
 
 if TYPE_CHECKING:
@@ -103,6 +104,8 @@ class Connection:
         self._carried: list[Carried] = []
         self._relayed: list[Carried] = []
         self._linked: list[Connection] = []  # whose carried requests go when these go (`carry`)
+        #: This worker's key for the session (HELLO brings it there): seals the requests `carry` holds.
+        self.seal_key = secrets.token_bytes(SEAL_KEY_BYTES)
         self._replied_up_to = 0  # the highest id an OK came for: everything before it has run
         self.closed = False
         self.lost_reason: str | None = None
@@ -124,6 +127,12 @@ class Connection:
     def located(self) -> dict[str, Any]:
         """Where this worker is (address, stage, replica): the keyword arguments of the errors about it."""
         return {"address": self.address, "stage": self.stage, "replica": self.replica}
+
+    def confirm_sent(self) -> None:
+        """Confirm now what the driver sent without waiting and must know done (`before_send`):
+        before the driver acts on the assumption that it succeeded (steps its own layers, say)."""
+        if self.before_send is not None:
+            self.before_send()
 
     def send(self, kind: str, body: Any = None) -> int:
         return self.send_all(kind, [body])[0]
@@ -149,8 +158,7 @@ class Connection:
         before it runs its own quiet requests. ``link=False`` leaves the workers linked to the held
         requests (`carry`) to the caller, which sends them theirs another way first (`flush_linked`).
         If a message cannot be encoded, nothing is sent, and nothing held is lost."""
-        if self.before_send is not None:
-            self.before_send()
+        self.confirm_sent()
         if self.lost_reason is not None:
             raise WorkerLostError(self.lost_reason, **self.located())
         if self.closed:
@@ -184,7 +192,7 @@ class Connection:
         gradients over them): once it leaves, straight or along the pipeline, theirs must leave too
         (`flush_linked`), so that none waits for the rest."""
         req_id = self._next_id = self._next_id + 1
-        self._carried.append(Carried(req_id, req_id - 1, request))
+        self._carried.append(Carried.sealed(request, req_id, req_id - 1, self.session, self.seal_key))
         self._awaits(req_id, request.KIND)
         self._linked.extend(c for c in linked if c is not self and c not in self._linked)
 
@@ -192,23 +200,28 @@ class Connection:
         """The requests `carry` holds, for a `lightning_remote_mp.wire.requests.Carry`: from now on
         they travel along the pipeline (until known to have run, `send_all` sends them again). The
         caller sends the `Carry`, then calls `flush_linked`."""
-        if self.before_send is not None:
-            self.before_send()
+        self.confirm_sent()
         taken, self._carried = self._carried, []
         self._relayed.extend(taken)
         return taken
 
-    def discard_carried(self) -> None:
-        """Forget what `carry` holds, unsent: requests posted after a failure the driver learned of
-        late (a backward it did not wait for), which must not run. They are the last ids given out,
-        so the next request takes the first of them and the worker sees no gap."""
-        if self._carried:
-            for c in self._carried:
+    @property
+    def last_id(self) -> int:
+        """The id of the last request this side has given out (sent, or held by `carry`)."""
+        return self._next_id
+
+    def discard_carried(self, after: int) -> None:
+        """Forget the requests `carry` holds, unsent, whose ids come after ``after`` (a `last_id`):
+        those posted after a failure the driver learned of late (a backward it did not wait for),
+        which must not run. They are the last ids given out, so the next request takes the first of
+        them and the worker sees no gap."""
+        dropped = [c for c in self._carried if c.id > after]
+        if dropped:
+            for c in dropped:
                 self._unanswered.pop(c.id, None)
-            self._next_id = self._carried[0].id - 1
+            self._carried = [c for c in self._carried if c.id <= after]
+            self._next_id = dropped[0].id - 1
             self._quiet_up_to = min(self._quiet_up_to, self._next_id)
-            self._carried = []
-        self._linked = []
 
     def flush_carried(self) -> None:
         """Send what `carry` holds straight to the worker now (its pipeline gets no message to carry it)."""
@@ -297,8 +310,7 @@ class Connection:
 
     def settle(self, timeout: float | None = None, what: str = "") -> None:
         """Wait until every posted request has been answered (before ``what``); raise the first failure."""
-        if self.before_send is not None:
-            self.before_send()
+        self.confirm_sent()
         start = time.monotonic()
         if self._quiet_up_to > self._replied_up_to:
             self.post(protocol.SYNC)  # answered after the quiet requests before it have run (or failed)
@@ -528,7 +540,10 @@ def blame_the_lost(err: WorkerError, conns: Iterable[Connection]) -> LrmpError:
     if err.remote_type not in ("GroupError", "PeerUnreachableError"):
         return err
     others = [c for c in conns if c.address != err.address]
-    deadline = time.monotonic() + max((c.heartbeat_timeout for c in others), default=0.0) + 2.0
+    wait = max((c.heartbeat_timeout for c in others), default=0.0)
+    if err.remote_type == "PeerUnreachableError":
+        wait /= 2  # the reporting worker waited its peer timeout (the heartbeat's) already
+    deadline = time.monotonic() + wait + 2.0
     while others and time.monotonic() < deadline:
         for c in others:
             try:

@@ -605,9 +605,8 @@ class WorkerServer:
         poller.register(self._serving_rx, zmq.POLLIN)
         try:
             while not self._stop.is_set():
-                # Read before each queued request too, so heartbeats are answered between them. With
-                # nothing queued, sleep until a message or the session's expiry: an idle worker uses no CPU.
-                # Messages held for their copies off a GPU go as soon as they can.
+                # Read before each queued request too (heartbeats are answered between them). None queued:
+                # sleep until a message, the session's expiry or a held message's retry. Idle uses no CPU.
                 retry = self._outbox.flush() if self._outbox.holding else None
                 ready = dict(poller.poll(0 if self._pending else self._poll_timeout(retry)))
                 self._on_ready(ready, self._serving_rx)
@@ -682,6 +681,7 @@ class WorkerServer:
             self._outbox,
             limits=self.limits,
             announce_peer_keys=lambda keys: self.announce_peer_keys(session_id, keys),
+            seal_key=hello.seal_key,
         )
         self._outbox.peer_timeout = hello.heartbeat_timeout or DEFAULT_PEER_TIMEOUT
         self._outbox.driver_limits = hello.limits

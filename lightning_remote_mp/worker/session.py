@@ -23,6 +23,7 @@ from lightning_remote_mp.model.graph import GraphLayer
 from lightning_remote_mp.model.spec import build_layer, normalize_entry, resolve_class, source_digest
 from lightning_remote_mp.wire import protocol
 from lightning_remote_mp.wire.fields import Body
+from lightning_remote_mp.wire.grads import GradAllreduce, GradClamp, GradNorms, Grads, GradScale
 from lightning_remote_mp.wire.messages import Backward, Forward
 from lightning_remote_mp.wire.requests import (
     Carried,
@@ -30,11 +31,6 @@ from lightning_remote_mp.wire.requests import (
     Fetch,
     GetOptimState,
     GetState,
-    GradAllreduce,
-    GradClamp,
-    GradNorms,
-    Grads,
-    GradScale,
     GroupInit,
     LoadOptimState,
     LoadState,
@@ -102,8 +98,10 @@ class WorkerSession:
         *,
         limits: protocol.Limits = protocol.DEFAULT_LIMITS,
         announce_peer_keys: Callable[[list[bytes]], None] | None = None,
+        seal_key: bytes | None = None,
     ) -> None:
         self.id = session_id
+        self.seal_key = seal_key  # the driver's requests that come along the pipeline bear its seal (`carry`)
         self.outbox = outbox
         self.limits = limits
         self.announce_peer_keys = announce_peer_keys
@@ -211,6 +209,14 @@ class WorkerSession:
         (`GradGroup`) would otherwise wait on itself."""
         route = self.route(msg.key)
         here = route.index
+        for c in msg.requests.get(here, ()):
+            if not c.sealed_by(self.seal_key, self.id):
+                came = "from the driver" if msg.sender == DRIVER else f"from stage {msg.sender}"
+                raise PermissionError(
+                    f"stage {here}: the driver's request {c.id} ({c.request.KIND}), which came along the pipeline "
+                    f"{came}, does not bear the driver's seal for this worker: forged or altered on the way. "
+                    "Nothing it brought runs; check the workers of this pipeline"
+                )
         rest = {stage: carried for stage, carried in msg.requests.items() if stage != here}
         if any((stage - here) * msg.toward <= 0 for stage in rest):
             raise ProtocolError(
