@@ -984,25 +984,51 @@ def test_the_driver_forgets_quiet_requests_once_they_have_run_and_raises_their_f
         session.close()
 
 
-def test_a_carried_request_without_the_drivers_seal_for_this_worker_is_refused_and_runs_nothing(worker, connect):
-    """What the driver sends a worker along the pipeline bears its seal for that worker (an HMAC
-    under the key its HELLO gave). A stage on the way knows no other worker's key: a request it
-    forges or alters, or one sealed for another session, is refused, names where it came from, and
-    does not run; the driver's own sealed request does."""
-    from lightning_remote_mp.wire.requests import Carried, Carry, OptimCreate, OptimStep
+def _sealing_worker(client: Client) -> tuple[bytes, Any]:
+    """A session that gave the worker a seal key (returned), a stage and an SGD optimizer; and a step
+    that fails when it runs (two groups' hyperparameters for one), so a test sees whether it ran."""
+    from lightning_remote_mp.wire.requests import OptimCreate, OptimStep
 
-    client = connect(worker.address)
     key = os.urandom(32)
     client.ok(protocol.HELLO, {"driver": "pytest", "seal_key": key})
     client.ok(protocol.SETUP, _stage_body())
     create = OptimCreate(0, "torch.optim.SGD", {"lr": 0.1}, [{"params": ["net/0.weight"], "lr": 0.1}])
     client.ok(protocol.OPTIM_CREATE, create.body())
-    bad = OptimStep(0, [{"lr": 0.1}, {"lr": 0.2}])  # two groups' hyperparameters for one: it fails when it runs
+    return key, OptimStep(0, [{"lr": 0.1}, {"lr": 0.2}])
+
+
+def _carried_step_runs_right_after_the_request_it_follows(client: Client, key: bytes, step: Any, sender: int) -> Any:
+    """Carry ``step``, sealed with ``key``, after a SYNC not sent yet: it must not run before that
+    SYNC, and must run (and fail) right after it. Returns its error's body."""
+    from lightning_remote_mp.wire.requests import Carried, Carry
+
+    before = client.next_id + 2  # the SYNC sent after the CARRY
+    carried = Carried.sealed(step, before + 1, before, client.session, key)
+    client.send(protocol.CARRY, Carry("net", 1, sender, 1, {0: [carried]}).body())
+    assert client.recv(timeout=0.5) is None, "the carried step ran before the request it follows came"
+    assert client.send(protocol.SYNC) == before
+    first, second = client.recv(), client.recv()
+    assert first is not None and (first.kind, first.id) == (protocol.OK, before)
+    assert second is not None and (second.kind, second.id) == (protocol.ERROR, before + 1), second
+    assert "2 groups" in second.body["message"]
+    client.next_id = before + 1
+    return second.body
+
+
+def test_a_carried_request_without_the_drivers_seal_for_this_worker_is_refused_and_runs_nothing(worker, connect):
+    """What the driver sends a worker along the pipeline bears its seal for that worker (an HMAC
+    under the key its HELLO gave). A stage on the way knows no other worker's key: a request it
+    forges or alters, or one sealed for another session, is refused, names where it came from, and
+    does not run; the driver's own sealed request does."""
+    from lightning_remote_mp.wire.requests import Carried, Carry
+
+    client = connect(worker.address)
+    key, bad = _sealing_worker(client)
     ran = client.next_id  # every request so far has run: a carried one after it would run at once
     forged = [
         Carried.sealed(bad, ran + 1, ran, client.session, os.urandom(32)),  # another key
         Carried.sealed(bad, ran + 1, ran, "another session", key),  # another session's
-        dataclasses.replace(Carried.sealed(bad, ran + 1, ran + 1 - 1, client.session, key), after=ran - 1),  # altered
+        dataclasses.replace(Carried.sealed(bad, ran + 1, ran, client.session, key), after=ran - 1),  # altered
     ]
     for carried in forged:
         client.send(protocol.CARRY, Carry("net", 1, 1, 1, {0: [carried]}).body())  # as if stage 1 passed it on
@@ -1011,16 +1037,7 @@ def test_a_carried_request_without_the_drivers_seal_for_this_worker_is_refused_a
         text = error.body["message"]
         assert "does not bear the driver's seal" in text and "from stage 1" in text and "2 groups" not in text, text
     assert client.ok(protocol.SYNC) is None  # none of them ran
-    before = client.next_id + 2  # the SYNC sent after the CARRY
-    sealed = Carried.sealed(bad, before + 1, before, client.session, key)
-    client.send(protocol.CARRY, Carry("net", 2, 1, 1, {0: [sealed]}).body())
-    assert client.recv(timeout=0.5) is None, "the carried step ran before the request it follows came"
-    assert client.send(protocol.SYNC) == before
-    first, second = client.recv(), client.recv()
-    assert first is not None and (first.kind, first.id) == (protocol.OK, before)
-    assert second is not None and (second.kind, second.id) == (protocol.ERROR, before + 1), second
-    assert "2 groups" in second.body["message"]  # the sealed step ran (and failed, as it should)
-    client.next_id = before + 1
+    _carried_step_runs_right_after_the_request_it_follows(client, key, bad, sender=1)
     assert client.ok(protocol.SYNC) is None
 
 
@@ -1029,24 +1046,12 @@ def test_a_request_carried_along_the_pipeline_waits_for_the_one_before_it_and_ru
     before it, and runs only once that one has run, however it came; a copy sent straight afterwards
     (the driver does not know the first arrived) does not run again."""
     from lightning_remote_mp.flow import DRIVER
-    from lightning_remote_mp.wire.requests import Carried, Carry, OptimCreate, OptimStep
 
     client = connect(worker.address)
-    key = os.urandom(32)
-    client.ok(protocol.HELLO, {"driver": "pytest", "seal_key": key})
-    client.ok(protocol.SETUP, _stage_body())
-    create = OptimCreate(0, "torch.optim.SGD", {"lr": 0.1}, [{"params": ["net/0.weight"], "lr": 0.1}])
-    client.ok(protocol.OPTIM_CREATE, create.body())
-    bad = OptimStep(0, [{"lr": 0.1}, {"lr": 0.2}])  # two groups' hyperparameters for one: it fails when it runs
-    before = client.next_id + 2  # the SYNC sent after the CARRY
-    carry = Carry("net", 1, DRIVER, 1, {0: [Carried.sealed(bad, before + 1, before, client.session, key)]})
-    client.send(protocol.CARRY, carry.body())
-    assert client.recv(timeout=0.5) is None, "the carried step ran before the request it follows came"
-    assert client.send(protocol.SYNC) == before
-    first, second = client.recv(), client.recv()
-    assert first is not None and (first.kind, first.id) == (protocol.OK, before)
-    assert second is not None and (second.kind, second.id) == (protocol.ERROR, before + 1), second
-    assert second.body["posted"] == protocol.OPTIM_STEP and "2 groups" in second.body["message"]
+    key, bad = _sealing_worker(client)
+    error = _carried_step_runs_right_after_the_request_it_follows(client, key, bad, sender=DRIVER)
+    before = client.next_id - 1
+    assert error["posted"] == protocol.OPTIM_STEP
     client.send_raw(protocol.encode(protocol.OPTIM_STEP, before + 1, client.session, bad.body()))  # the copy
     client.next_id = before + 1
     assert client.recv(timeout=0.5) is None, "the step ran twice"
