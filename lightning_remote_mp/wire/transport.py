@@ -14,7 +14,7 @@ import logging
 import secrets
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
@@ -191,8 +191,10 @@ class Connection:
         ``linked``: the workers that run ``request`` together with this one (a step that sums
         gradients over them): once it leaves, straight or along the pipeline, theirs must leave too
         (`flush_linked`), so that none waits for the rest."""
-        req_id = self._next_id = self._next_id + 1
-        self._carried.append(Carried.sealed(request, req_id, req_id - 1, self.session, self.seal_key))
+        req_id = self._next_id + 1
+        sealed = Carried.sealed(request, req_id, req_id - 1, self.session, self.seal_key)
+        self._next_id = req_id  # used up only once encoded: a request that cannot be leaves no gap
+        self._carried.append(sealed)
         self._awaits(req_id, request.KIND)
         self._linked.extend(c for c in linked if c is not self and c not in self._linked)
 
@@ -342,7 +344,7 @@ class Connection:
         if posted is None:
             return msg
         if msg.kind == protocol.ERROR:
-            self._raise_remote(msg.body, f"{posted} (reported late: the driver does not wait for it)")
+            raise self.remote_failure(msg.body, f"{posted} (reported late: the driver does not wait for it)")
         return None
 
     def _receive(self) -> list[protocol.Message]:
@@ -375,7 +377,7 @@ class Connection:
                     log.debug("%s: dropping stale reply %s (waiting for %s)", self.where(), msg.id, req_id)
                     continue
                 if msg.kind == protocol.ERROR:
-                    self._raise_remote(msg.body, what)
+                    raise self.remote_failure(msg.body, what)
                 return msg.body
             if bounded:
                 self._check_alive(start, timeout, what)
@@ -473,11 +475,6 @@ class Connection:
     def _lost(self, message: str) -> None:
         self.lost_reason = message
         raise WorkerLostError(message, **self.located())
-
-    def _raise_remote(self, body: Any, what: str) -> NoReturn:
-        """Raise the worker's failure ``body`` (`_remote_error`), or the loss of another worker of
-        the session that caused it (`blame_the_lost`)."""
-        raise self.remote_failure(body, what)
 
     def remote_failure(self, body: Any, what: str) -> LrmpError:
         """The error to raise for the worker's failure ``body``: `_remote_error`, or the loss of another
