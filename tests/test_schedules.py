@@ -310,24 +310,28 @@ class _Messages(L.Callback):
     def __init__(self) -> None:
         self.steps: list[tuple[int, int]] = []
 
-    def _totals(self, trainer) -> tuple[int, int]:
+    def _totals(self, trainer) -> tuple[int, int, int]:
         conns = trainer.strategy.session.conns
-        return sum(c.sent_messages for c in conns), sum(c.received_messages for c in conns)
+        return (
+            sum(c.sent_messages for c in conns),
+            sum(c.received_messages for c in conns),
+            sum(c.sent_requests for c in conns),
+        )
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self.start = self._totals(trainer) if trainer.strategy.session is not None else None
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if self.start is not None and batch_idx + trainer.current_epoch > 0:  # the first step places the model
-            sent, received = self._totals(trainer)
-            self.steps.append((sent - self.start[0], received - self.start[1]))
+            self.steps.append(tuple(now - then for now, then in zip(self._totals(trainer), self.start)))
 
 
 def test_a_step_costs_the_driver_the_same_messages_whatever_the_schedule_and_micro_batches(pool):
     """Micro-batches travel bundled, a 1F1B backward is one scale per call, and the optimizer's step and
     zero_grad (with the tied embedding's gradient sum) travel with the micro-batches (`Carry`): per step
     the driver sends one forward and one backward, and receives the results and the DONEs. Before
-    carried requests it sent 8 (2 zero_grads, 2 gradient sums, 2 steps besides) and received 4."""
+    carried requests it sent 8 (2 zero_grads, 2 gradient sums, 2 steps besides) and received 4. A
+    request that went along the pipeline is not sent straight again once the call's answer proves it ran."""
     counts = {}
     for name in ("gpipe", "1f1b"):
         for m in (1, 4):
@@ -336,4 +340,8 @@ def test_a_step_costs_the_driver_the_same_messages_whatever_the_schedule_and_mic
                 H.FineTune(H.llama(), "lm"), H.padded_data(n=24)
             )
             counts[(name, m)] = set(messages.steps)
-    assert all(c == {(2, 2)} for c in counts.values()), counts  # 2 steps each
+    assert all({(sent, received) for sent, received, _ in c} == {(2, 2)} for c in counts.values()), counts
+    # Requests in those messages: each micro-batch's forward and backward, and the two quiet requests that
+    # go straight (stage 0's step, stage 1's zero_grad). The other two travel along the pipeline, and the
+    # call's answer shows they ran there, so they are not sent straight as well (they were: 2m + 4).
+    assert all({requests for _, _, requests in c} == {2 * m + 2} for (_, m), c in counts.items()), counts

@@ -154,8 +154,11 @@ class RemoteSpec:
         self._ids = itertools.count(1)
         self._calls: dict[int, _Call] = {}
         #: Backwards sent and not yet known done (`confirm`; at most one, as every send confirms them):
-        #: call -> its micro-batch sizes per replica, and each connection's `Connection.last_id` then.
-        self._unconfirmed: dict[int, tuple[list[list[int]], list[tuple[Connection, int]]]] = {}
+        #: call -> its micro-batch sizes per replica, each connection's `Connection.last_id` then, and
+        #: the fences its messages carried (per replica).
+        self._unconfirmed: dict[
+            int, tuple[list[list[int]], list[tuple[Connection, int]], dict[int, dict[int, int]]]
+        ] = {}
         self._to_release: collections.deque[int] = collections.deque()
         #: Which elements of the output the last stage keeps until they are read (`driver.outputs`).
         self.keep = keep
@@ -267,10 +270,13 @@ class RemoteSpec:
             if conn.lost_reason is None and not conn.closed:
                 conn.send(protocol.RELEASE, Release({self.key: [call]}).body())
 
-    def _collect(self, kind: str, end: int, call: int, sizes: list[list[int]], what: str) -> dict[tuple[int, int], Any]:
+    def _collect(
+        self, kind: str, end: int, call: int, sizes: list[list[int]], what: str, fences: dict[int, dict[int, int]]
+    ) -> dict[tuple[int, int], Any]:
         """Gather the messages of ``kind`` (RESULT: `Forward`; DONE: `Backward`) for ``call`` from each
         replica's stage ``end`` (0 or -1), one per micro-batch of ``sizes`` (per replica),
-        keyed by (replica, micro-batch)."""
+        keyed by (replica, micro-batch). Once all came, every stage of each replica has run the
+        driver's requests its ``fences`` (per replica, what the call's messages carried) named."""
         count = sum(map(len, sizes))
         replica_of = {id(row[end].conn): r for r, row in enumerate(self.replicas)}
         got = gather(
@@ -298,6 +304,10 @@ class RemoteSpec:
             out[(r, msg.mb)] = msg
             if kind == protocol.RESULT:
                 self.result_bytes += sum(t.nbytes for t in pytree.tree_leaves(msg.x) if isinstance(t, torch.Tensor))
+        for r, fence in fences.items():
+            for rs in self.replicas[r]:
+                if rs.stage.index in fence:
+                    rs.conn.ran_through(fence[rs.stage.index])
         return out
 
     def _fence(self, replica: int) -> dict[int, int]:
@@ -367,10 +377,11 @@ class RemoteSpec:
         if early:
             for row in sizes:
                 self._check_plan(len(row))
+        fences: dict[int, dict[int, int]] = {}
         try:
             for r, row in enumerate(sizes):
                 carry = self._carry(r, call, 1) if row else []
-                fence = self._fence(r) if row else {}
+                fence = fences[r] = self._fence(r) if row else {}
                 forwards = [
                     Forward(
                         **self._from_driver(call, mb, len(row), fence),
@@ -391,7 +402,7 @@ class RemoteSpec:
                         protocol.FORWARD, forwards, self.compression, lead=carry, link=False
                     )
             self._flush_linked()
-            results = self._collect(protocol.RESULT, -1, call, sizes, "forward")
+            results = self._collect(protocol.RESULT, -1, call, sizes, "forward", fences)
         except BaseException:
             self._abandon(call)
             raise
@@ -485,10 +496,11 @@ class RemoteSpec:
         else:
             grads = iter(grad_y.split(flat, dim=0) if grad_y is not None else [None] * len(flat))
         loss_grads = self.losses.grads_for(call)
+        fences: dict[int, dict[int, int]] = {}
         try:
             for r, row in enumerate(record.sizes):
                 carry = self._carry(r, call, -1) if row else []
-                fence = self._fence(r) if row else {}
+                fence = fences[r] = self._fence(r) if row else {}
                 backwards = [
                     Backward(
                         **self._from_driver(call, mb, len(row), fence),
@@ -506,9 +518,9 @@ class RemoteSpec:
                 # Nothing to return: the driver goes on (Lightning's step, the next batch) while the
                 # workers run the backward, and confirms it before its next message (`confirm`).
                 marks = [(c, c.last_id) for c in self.conns[0].session_conns]  # what is posted later may be dropped
-                self._unconfirmed[call] = (record.sizes, marks)
+                self._unconfirmed[call] = (record.sizes, marks, fences)
                 return None
-            done = self._collect(protocol.DONE, 0, call, record.sizes, "backward")
+            done = self._collect(protocol.DONE, 0, call, record.sizes, "backward", fences)
         except BaseException:
             self._abandon(call)
             raise
@@ -526,7 +538,7 @@ class RemoteSpec:
         (the optimizer's step on its gradients, zero_grad) are dropped unsent first."""
         while self._unconfirmed:
             call = next(iter(self._unconfirmed))
-            sizes, marks = self._unconfirmed.pop(call)
+            sizes, marks, fences = self._unconfirmed.pop(call)
             try:
                 self._collect(
                     protocol.DONE,
@@ -535,6 +547,7 @@ class RemoteSpec:
                     sizes,
                     f"backward (of call {call}, which the driver confirms before its next message to the "
                     "workers: it does not wait for a backward that returns no gradient)",
+                    fences,
                 )
             except BaseException:
                 for conn, mark in marks:

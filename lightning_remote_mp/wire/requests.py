@@ -418,9 +418,18 @@ class Carried:
     session: str = ""
 
     @classmethod
-    def sealed(cls, request: Body, req_id: int, after: int, session: str, key: bytes) -> Carried:
-        """``request``, the driver's ``req_id``-th to a worker, sealed with that worker's ``key``."""
-        frames = tuple(bytes(f) for f in protocol.encode(request.KIND, req_id, session, request.body()))
+    def sealed(
+        cls,
+        request: Body,
+        req_id: int,
+        after: int,
+        session: str,
+        key: bytes,
+        limits: protocol.Limits | None = None,
+    ) -> Carried:
+        """``request``, the driver's ``req_id``-th to a worker, sealed with that worker's ``key``;
+        encoded within that worker's ``limits``, so that its frames may also go to it straight."""
+        frames = tuple(bytes(f) for f in protocol.encode(request.KIND, req_id, session, request.body(), limits))
         return cls(req_id, after, request, frames, _seal(key, after, frames), session)
 
     def sealed_by(self, key: bytes | None, session: str) -> bool:

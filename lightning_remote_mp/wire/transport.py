@@ -10,10 +10,11 @@ by `lightning_remote_mp.wire.sockets`.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import secrets
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import zmq
@@ -107,12 +108,16 @@ class Connection:
         #: This worker's key for the session (HELLO brings it there): seals the requests `carry` holds.
         self.seal_key = secrets.token_bytes(SEAL_KEY_BYTES)
         self._replied_up_to = 0  # the highest id an OK came for: everything before it has run
+        self._answered_through = 0  # the highest id a pipelined answer proved run (`ran_through`)
         self.closed = False
         self.lost_reason: str | None = None
         #: ZeroMQ messages sent to the worker and received from it on this connection (a bundle of
         #: micro-batches is one): what a step costs in hand-offs (heartbeats have their own sockets).
         self.sent_messages = 0
         self.received_messages = 0
+        #: The driver's requests sent straight to the worker (each message of a bundle, but a `Carry`):
+        #: a request that travelled along the pipeline and is known to have run is not among them again.
+        self.sent_requests = 0
         #: The connections of this one's session (`DriverSession` sets it): where to look for a lost
         #: worker when a failure here may be its doing (`blame_the_lost`).
         self.session_conns: Sequence[Connection] = [self]
@@ -168,7 +173,7 @@ class Connection:
         ids = []
         try:
             encoded = [self._encode(k, body, req_id=0) for k, body in lead]
-            encoded += [self._encode(c.request.KIND, c.request.body(), req_id=c.id) for c in held]
+            encoded += [list(c.frames) for c in held]  # encoded for this worker when posted (`carry`)
             for body in bodies:
                 encoded.append(self._encode(kind, body, compression))
                 ids.append(self._next_id)
@@ -176,6 +181,7 @@ class Connection:
             self._next_id = first_id  # nothing was sent: no id is used up, and what was held still is
             raise
         self._carried, self._relayed = [], []
+        self.sent_requests += len(encoded) - len(lead)
         for bundle in protocol.encode_all(encoded, self.remote_limits or protocol.DEFAULT_LIMITS):
             self._send_frames(kind, bundle)
         if link:
@@ -192,7 +198,8 @@ class Connection:
         gradients over them): once it leaves, straight or along the pipeline, theirs must leave too
         (`flush_linked`), so that none waits for the rest."""
         req_id = self._next_id + 1
-        sealed = Carried.sealed(request, req_id, req_id - 1, self.session, self.seal_key)
+        with self._naming_errors():
+            sealed = Carried.sealed(request, req_id, req_id - 1, self.session, self.seal_key, self.remote_limits)
         self._next_id = req_id  # used up only once encoded: a request that cannot be leaves no gap
         self._carried.append(sealed)
         self._awaits(req_id, request.KIND)
@@ -237,9 +244,19 @@ class Connection:
         for other in linked:
             other.flush_carried()
 
+    def ran_through(self, req_id: int) -> None:
+        """The worker has run the driver's requests up to ``req_id``: a call's answer came through
+        the pipeline, and a micro-batch reaches a stage only once the requests its ``fence`` names
+        have run there (`lightning_remote_mp.driver.pipeline.RemoteSpec._fence`). So the requests
+        sent along the pipeline up to there are not sent again (`send_all`), and the quiet ones are
+        no longer waited for."""
+        if req_id > self._answered_through:
+            self._answered_through = req_id
+            self._ran_up_to(req_id + 1)
+
     def _known_ran(self) -> int:
         """The id up to which the worker has run the driver's requests, as far as this side knows."""
-        ran = self._replied_up_to
+        ran = max(self._replied_up_to, self._answered_through)
         if self.heartbeat is not None:
             ran = max(ran, self.heartbeat.ran.get(self.address, 0))
         return ran
@@ -248,11 +265,17 @@ class Connection:
         """``body`` encoded as the next request (or as request ``req_id``, one already counted):
         a request id is used up only by a message that encodes, so the worker sees no gap."""
         next_id = self._next_id + 1 if req_id is None else req_id
-        try:
+        with self._naming_errors():
             frames = protocol.encode(kind, next_id, self.session, body, self.remote_limits, compression)
-            if req_id is None:
-                self._next_id = next_id
-            return frames
+        if req_id is None:
+            self._next_id = next_id
+        return frames
+
+    @contextlib.contextmanager
+    def _naming_errors(self) -> Iterator[None]:
+        """An encoding failure, as an error that names this worker (and a limit's flag)."""
+        try:
+            yield
         except protocol.LimitExceeded as err:
             flag = protocol.LIMIT_FLAGS.get(err.limit, err.limit)
             raise protocol.LimitExceeded(
