@@ -13,6 +13,10 @@ Configurations (all in the same run, interleaved round by round, median over rou
     on two lrmp-worker processes (``LocalWorkers(2, threads=1)``, the same workers the
     strategy starts for ``local_workers=LocalWorkerOptions(threads=1)``; started once and reused by every fit so that
     the rounds can alternate), timed by a callback over the steps after the warm-up;
+(b') ``lrmp-inside m=M`` (``--lrmp-inside-m``): the same MLP as an unchanged ``nn.Module`` whose
+    forward returns its MSE loss, traced (``split=["model"]``) and run with ``schedule="1f1b"``: the
+    loss on the last stage, as torch.distributed.pipelining computes it, so a step costs the driver
+    one message each way (the inputs and targets out, the losses back);
 (c) ``torch <Schedule> m=M``: torch.distributed.pipelining, ``PipelineStage`` built by hand on each of
     two processes talking gloo over 127.0.0.1 (NCCL with ``--device cuda``), with ScheduleGPipe and
     Schedule1F1B.
@@ -142,7 +146,7 @@ def ceiling(m: int, penalty: float) -> float:
 
 # --- (b) lrmp through Lightning ------------------------------------------------------------------
 def run_lrmp(
-    cfg: dict[str, Any], addresses: list[str], pids: list[int], m: int, split: bool | str = "auto"
+    cfg: dict[str, Any], addresses: list[str], pids: list[int], m: int, split: bool | str = "auto", inside: bool = False
 ) -> tuple[float, list[float]]:
     """Wall seconds, and CPU seconds of the driver and of each worker, of the steps after the warm-up."""
     import lightning as L
@@ -161,6 +165,24 @@ def run_lrmp(
 
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.SGD(self.parameters(), lr=LR)
+
+    class WithLoss(nn.Module):
+        """The MLP whose forward returns its loss, as a model called with ``labels=`` does."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = plain_mlp(cfg["width"], cfg["depth"])
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return F.mse_loss(self.net(x), y)
+
+    class LitInside(LitMLP):
+        def __init__(self) -> None:
+            L.LightningModule.__init__(self)
+            self.model = WithLoss()
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return self.model(*batch)
 
     class StepTimer(Callback):
         def __init__(self) -> None:
@@ -187,23 +209,27 @@ def run_lrmp(
     total = cfg["warmup"] + cfg["steps"]
     torch.manual_seed(0)
     timer = StepTimer()
-    strategy = RemoteModelParallelStrategy(
-        hosts=addresses, balance=[cfg["depth"], cfg["depth"]], microbatches=m, split_backward=split
-    )
+    if inside:
+        strategy = RemoteModelParallelStrategy(hosts=addresses, split=["model"], microbatches=m, schedule="1f1b")
+    else:
+        strategy = RemoteModelParallelStrategy(
+            hosts=addresses, balance=[cfg["depth"], cfg["depth"]], microbatches=m, split_backward=split
+        )
     trainer = _common.timed_trainer(strategy, total, [timer])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer.fit(LitMLP(), torch.utils.data.DataLoader(Repeat(total), batch_size=None))
+        trainer.fit(LitInside() if inside else LitMLP(), torch.utils.data.DataLoader(Repeat(total), batch_size=None))
     if len(timer.ends) != total:
         raise RuntimeError(f"lrmp m={m}: {len(timer.ends)} steps ran, expected {total}")
     (sent0, received0), (sent1, received1) = timer.messages
-    MESSAGES[m] = ((sent1 - sent0) / cfg["steps"], (received1 - received0) / cfg["steps"])
+    name = f"loss in the model, m={m}" if inside else f"m={m}"
+    MESSAGES[name] = ((sent1 - sent0) / cfg["steps"], (received1 - received0) / cfg["steps"])
     return timer.ends[-1] - timer.ends[cfg["warmup"] - 1], [b - a for a, b in zip(*timer.cpu)]
 
 
 #: For each micro-batch count, the ZeroMQ messages lrmp's driver sent and received per timed step
 #: (the same in every round and for every split_backward: what a step costs in hand-offs).
-MESSAGES: dict[int, tuple[float, float]] = {}
+MESSAGES: dict[str, tuple[float, float]] = {}
 
 
 # --- (c) torch.distributed.pipelining ------------------------------------------------------------
@@ -334,6 +360,7 @@ def configurations(args: argparse.Namespace) -> list[tuple[str, str, int]]:
     configs += [("lrmp", "", m) for m in args.lrmp_m]
     configs += [("lrmp-nosplit", "", m) for m in args.lrmp_nosplit_m]
     configs += [("lrmp-split", "", m) for m in args.lrmp_split_m]
+    configs += [("lrmp-inside", "", m) for m in args.lrmp_inside_m]
     configs += [("torch", s, m) for s in args.schedules for m in args.torch_m]
     return configs
 
@@ -347,6 +374,8 @@ def label(kind: str, schedule: str, m: int) -> str:
         return f"(b) lrmp, m={m}, split_backward=False"
     if kind == "lrmp-split":
         return f"(b) lrmp, m={m}, split_backward=True"
+    if kind == "lrmp-inside":
+        return f"(b') lrmp, loss in the model, 1F1B, m={m}"
     return f"(c) torch {schedule}, m={m}"
 
 
@@ -362,6 +391,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--lrmp-m", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--lrmp-nosplit-m", type=int, nargs="*", default=[4], help="lrmp with split_backward=False")
     p.add_argument("--lrmp-split-m", type=int, nargs="*", default=[], help="lrmp with split_backward=True")
+    p.add_argument(
+        "--lrmp-inside-m", type=int, nargs="*", default=[], help="lrmp, the loss in the traced model, schedule='1f1b'"
+    )
     p.add_argument("--torch-m", type=int, nargs="+", default=[4, 8])
     p.add_argument("--schedules", nargs="+", default=["GPipe", "1F1B"], choices=["GPipe", "1F1B"])
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the model computes")
@@ -372,7 +404,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.quick:
         args.width, args.batch, args.warmup, args.steps, args.rounds = 256, 64, 1, 3, 1
-        args.lrmp_m, args.lrmp_nosplit_m, args.torch_m = [1, 2], [2], [2]
+        args.lrmp_m, args.lrmp_nosplit_m, args.torch_m, args.lrmp_inside_m = [1, 2], [2], [2], [2]
     args.warmup = max(1, args.warmup)
     if args.device == "cuda":
         if not torch.cuda.is_available():
@@ -435,8 +467,8 @@ def main(argv: list[str] | None = None) -> int:
                 if kind == "plain":
                     s, cpu_s = run_plain(cfg)
                 elif kind.startswith("lrmp"):
-                    split = {"lrmp": "auto", "lrmp-split": True, "lrmp-nosplit": False}[kind]
-                    s, cpu_s = run_lrmp(cfg, addresses, pids, m, split=split)
+                    split = {"lrmp": "auto", "lrmp-split": True, "lrmp-nosplit": False, "lrmp-inside": "auto"}[kind]
+                    s, cpu_s = run_lrmp(cfg, addresses, pids, m, split=split, inside=kind == "lrmp-inside")
                 else:
                     assert pipeline is not None
                     s, cpu_s = pipeline.run(schedule, m, args.warmup, args.steps)
@@ -524,7 +556,7 @@ def main(argv: list[str] | None = None) -> int:
             f"(rounds: {', '.join(f'{v:.2f}' for v in best_vs_torch)})"
         )
     if MESSAGES:
-        per_m = ", ".join(f"m={m}: {out:g} out, {back:g} in" for m, (out, back) in sorted(MESSAGES.items()))
+        per_m = ", ".join(f"{m}: {out:g} out, {back:g} in" for m, (out, back) in sorted(MESSAGES.items()))
         print(f"driver's ZeroMQ messages per step (lrmp): {per_m}")
     print(f"wall time {time.perf_counter() - started:.0f} s")
 

@@ -241,3 +241,19 @@ def format_grid(lists: Sequence[Sequence[Action]], spans: Mapping[Action, tuple[
         for t in range(steps)
     ]
     return "\n".join([head, *rows])
+
+
+def checked(schedule: str, stages: int, microbatches: int) -> str:
+    """Build and `validate` ``schedule``'s lists, and describe them: what each stage holds at most,
+    the bubble at equal costs, and the grid.
+
+    >>> print(checked("1f1b", 2, 2).splitlines()[0])
+    schedule '1f1b' over 2 stages, 2 micro-batches (a stage holds at most 2, 1 of them; bubble 25% at equal costs):
+    """
+    lists = build(schedule, stages, microbatches)
+    validate(lists)
+    peaks = ", ".join(str(peak_in_flight(row)) for row in lists)
+    return (
+        f"schedule {schedule!r} over {stages} stages, {microbatches} micro-batches (a stage holds at most {peaks} "
+        f"of them; bubble {100 * simulate(lists).bubble:.0f}% at equal costs):\n{format_grid(lists)}"
+    )

@@ -266,9 +266,16 @@ class Fuzzer:
         r = self.rng
 
         def request() -> Any:
-            kind = r.choice([protocol.OPTIM_STEP, protocol.ZERO_GRAD, protocol.ZERO_GRAD, protocol.SETUP, "nope", 3])
+            kinds = [protocol.OPTIM_STEP, protocol.ZERO_GRAD, protocol.ZERO_GRAD, protocol.LOSS_GRAD, protocol.SETUP]
+            kind = r.choice([*kinds, "nope", 3])
             body = r.choice(
-                [{"index": 0}, {"index": 0, "hparams": [{"lr": 0.1}], "sync": False}, {"index": "x"}, self.value()]
+                [
+                    {"index": 0},
+                    {"index": 0, "hparams": [{"lr": 0.1}], "sync": False},
+                    {"index": "x"},
+                    {"key": KEY, "call": r.choice([1, 2, -1]), "grad": r.choice([torch.tensor(0.5), self.tensor()])},
+                    self.value(),
+                ]
             )
             req_id = r.choice([r.randint(1, 50), r.randint(1, 2**40), 0, -1])
             after = r.choice([req_id - 1, 0, req_id, r.randint(0, 2**40)]) if isinstance(req_id, int) else 0

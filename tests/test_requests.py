@@ -23,6 +23,7 @@ from lightning_remote_mp.wire.requests import (
     LoadOptimState,
     LoadState,
     Loss,
+    LossGrad,
     OptimCreate,
     OptimStep,
     Profile,
@@ -252,33 +253,38 @@ def _golden() -> dict[str, object]:
             1,
             {
                 1: [Carried.sealed(OptimStep(0, [{"lr": 0.05}], sync=True), 7, 6, "s", bytes(SEAL_KEY_BYTES))],
-                2: [Carried.sealed(ZeroGrad(0), 3, 2, "s", bytes(SEAL_KEY_BYTES))],
+                2: [
+                    Carried.sealed(ZeroGrad(0), 3, 2, "s", bytes(SEAL_KEY_BYTES)),
+                    Carried.sealed(LossGrad("net", 4, torch.tensor(0.25)), 4, 3, "s", bytes(SEAL_KEY_BYTES)),
+                ],
             },
         ),
+        "loss_grad": LossGrad("net", 4, torch.tensor(0.125)),
     }
 
 
 # sha256 of each request's frames. A change here changes what older workers receive: bump
 # protocol.PROTOCOL_VERSION with it (and say so in the CHANGELOG), then update these.
 GOLDEN = {
-    "setup": "189a5e760b819af0",
-    "release": "4c629373b3e89be6",
-    "get_state": "707e8283f409a563",
-    "load_state": "da3843b4efaadcf7",
-    "profile": "73e9e5473b49a87e",
-    "optim_create": "04ac7a7dac022688",
-    "optim_step": "3004a1c660491d60",
-    "zero_grad": "167d75691a9b2586",
-    "get_optim_state": "2c67d9587ae7b650",
-    "load_optim_state": "11f09484fc9c6277",
-    "grads": "be96c50b098ccbb0",
-    "timeline": "ca315e7fc16d0649",
-    "group": "35898b71a9d14bf0",
-    "sync": "eee8aff168f82f3d",
-    "hello": "1d92c5948660f527",
-    "fetch": "93a33f751176259e",
-    "loss": "e8df11ed3d0bb9f6",
-    "carry": "14677bce07f372f7",
+    "setup": "900960a95ad09de4",
+    "release": "d51f22eec22bdec8",
+    "get_state": "0c4cdaadb36b28ab",
+    "load_state": "4d62a0f1141168a2",
+    "profile": "4a1f85df1777ff83",
+    "optim_create": "0e870afd3af85723",
+    "optim_step": "dd0114ff9101026d",
+    "zero_grad": "1a2fb3623014a322",
+    "get_optim_state": "d6609f1f8e1aaeca",
+    "load_optim_state": "a8331cede7ac4f29",
+    "grads": "521e9ff92401ad5e",
+    "timeline": "e8804cbe3335a5df",
+    "group": "c146e82bf4eaba5b",
+    "sync": "bfd34bc3033a2cdb",
+    "hello": "42773e3723d0012e",
+    "fetch": "fbbf9ce422c44097",
+    "loss": "979a8c8f87f9079b",
+    "carry": "3500cafa3ac6a5b0",
+    "loss_grad": "0fe685a5e4fc5a01",
 }
 
 

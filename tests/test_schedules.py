@@ -201,6 +201,56 @@ def test_a_residual_model_whose_loss_is_inside_trains_as_locally_and_a_skipped_s
     assert_same_weights(local, remote, 1e-5)
 
 
+class _Heaviside(torch.nn.Module):
+    """An MLP whose forward returns its loss, with a term in layer ``where`` whose backward does not
+    exist: ``heaviside`` (an operator workers run) has no derivative."""
+
+    def __init__(self, where: int) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(4))
+        self.where = where
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            x = torch.relu(layer(x))
+            if i == self.where:
+                x = x + 0 * torch.heaviside(x, torch.ones_like(x))
+        return F.mse_loss(x.sum(-1), y)
+
+
+class _Steps(L.LightningModule):
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def training_step(self, batch, batch_idx):
+        return self.model(*batch)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("where", [0, 3], ids=["stage 0", "last stage"])
+def test_a_backward_that_fails_on_a_stage_under_1f1b_is_raised_and_no_stage_steps(where, pool):
+    """The stages run the backward from the loss on their own and the driver does not wait for it:
+    its failure on one stage is raised by the driver's next message, naming the call, and no stage
+    steps on the gradients (the other stage's step waits behind the failed one's loss gradient, or
+    never leaves it), so the weights brought back are the first ones, as locally."""
+    torch.manual_seed(0)
+    local = _Steps(_Heaviside(where))
+    remote = copy.deepcopy(local)
+    with pytest.raises(RuntimeError, match="heaviside"):
+        trainer(None, 1).fit(local, _regression_data())
+    strategy = scheduled(pool[:2], "1f1b", microbatches=1)  # the loss comes back before the backward fails
+    with pytest.raises(LrmpError) as info:
+        trainer(strategy, 1).fit(remote, _regression_data())
+    text = str(info.value)
+    # Raised by the first message that meets it: the results of call 1, if they are still coming, or later.
+    assert "heaviside" in text and f"stage {min(where, 1)}" in text, text
+    assert_same_weights(local, remote, 0.0)
+    assert strategy.session is None
+
+
 class AlsoReadsTheLogits(H.FineTune):
     def _loss(self, batch):
         out = self.model(batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"])
@@ -326,12 +376,13 @@ class _Messages(L.Callback):
             self.steps.append(tuple(now - then for now, then in zip(self._totals(trainer), self.start)))
 
 
-def test_a_step_costs_the_driver_the_same_messages_whatever_the_schedule_and_micro_batches(pool):
-    """Micro-batches travel bundled, a 1F1B backward is one scale per call, and the optimizer's step and
-    zero_grad (with the tied embedding's gradient sum) travel with the micro-batches (`Carry`): per step
-    the driver sends one forward and one backward, and receives the results and the DONEs. Before
-    carried requests it sent 8 (2 zero_grads, 2 gradient sums, 2 steps besides) and received 4. A
-    request that went along the pipeline is not sent straight again once the call's answer proves it ran."""
+def test_a_step_costs_the_driver_one_message_each_way_under_1f1b_and_two_under_gpipe(pool):
+    """Micro-batches travel bundled, and the optimizer's step and zero_grad (with the tied embedding's
+    gradient sum) travel with them (`Carry`). Under GPipe the driver sends one forward and one
+    backward per step, and receives the results and the DONEs. Under 1F1B the stages run the backward
+    from the model's loss on their own, and the loss's gradient goes with the next forward
+    (`LossGrad`): the driver sends the forward and receives the losses, nothing else. Before carried
+    requests it sent 8 (2 zero_grads, 2 gradient sums, 2 steps besides) and received 4."""
     counts = {}
     for name in ("gpipe", "1f1b"):
         for m in (1, 4):
@@ -339,9 +390,12 @@ def test_a_step_costs_the_driver_the_same_messages_whatever_the_schedule_and_mic
             trainer(scheduled(pool[:2], name, microbatches=m), 1, callbacks=[messages]).fit(
                 H.FineTune(H.llama(), "lm"), H.padded_data(n=24)
             )
-            counts[(name, m)] = set(messages.steps)
-    assert all({(sent, received) for sent, received, _ in c} == {(2, 2)} for c in counts.values()), counts
-    # Requests in those messages: each micro-batch's forward and backward, and the two quiet requests that
-    # go straight (stage 0's step, stage 1's zero_grad). The other two travel along the pipeline, and the
-    # call's answer shows they ran there, so they are not sent straight as well (they were: 2m + 4).
-    assert all({requests for _, _, requests in c} == {2 * m + 2} for (_, m), c in counts.items()), counts
+            counts[(name, m)] = set(messages.steps)  # 2 steps each
+    expected = {"gpipe": (2, 2), "1f1b": (1, 1)}
+    assert all({(s, r) for s, r, _ in c} == {expected[name]} for (name, _), c in counts.items()), counts
+    # Requests in those messages. GPipe: each micro-batch's forward and backward, and the two quiet
+    # requests that go straight (stage 0's step, stage 1's zero_grad); the other two travel along the
+    # pipeline, and the call's answer shows they ran there, so they are not sent straight as well (they
+    # were: 2m + 4). 1F1B: each micro-batch's forward, and stage 0's zero_grad, loss gradient and step.
+    requests = {"gpipe": lambda m: 2 * m + 2, "1f1b": lambda m: m + 3}
+    assert all({q for _, _, q in c} == {requests[name](m)} for (name, m), c in counts.items()), counts

@@ -50,6 +50,7 @@ from torch.utils import _pytree as pytree
 
 from lightning_remote_mp.driver.outputs import ELEMENTWISE, Kept, Step, replay
 from lightning_remote_mp.errors import LrmpError
+from lightning_remote_mp.model.joins import join_parts
 from lightning_remote_mp.model.trace import trace_module
 from lightning_remote_mp.model.traced import Interface
 from lightning_remote_mp.wire import protocol
@@ -211,7 +212,7 @@ class Losses:
             self._records.setdefault(call, []).append(record)
             diff = list(_OnLastStage.apply(record, kept.root, diff))
         per_part = [tuple(diff[i] if j == d else raw[k][j] for j in range(len(raw[k]))) for i, k in enumerate(order)]
-        joined = self.spec._joined(per_part, program.interface.joins_out, "loss output")
+        joined = join_parts(per_part, program.interface.joins_out, "loss output", self.spec.key)
         self.computed += 1
         return program.interface.outputs(joined if isinstance(joined, tuple) else (joined,))
 

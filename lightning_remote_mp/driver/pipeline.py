@@ -30,14 +30,14 @@ from lightning_remote_mp.driver.losses import Losses
 from lightning_remote_mp.driver.outputs import Kept, KeptOutputs
 from lightning_remote_mp.errors import ConfigurationError, ProtocolError, RemoteInputError
 from lightning_remote_mp.flow import DRIVER, Main, is_floating, is_main
-from lightning_remote_mp.model.joins import Join
+from lightning_remote_mp.model.joins import Join, join_parts
 from lightning_remote_mp.model.partition import Stage
 from lightning_remote_mp.model.traced import Keep
 from lightning_remote_mp.schedule import check_schedule
 from lightning_remote_mp.wire import protocol
 from lightning_remote_mp.wire.collect import gather
 from lightning_remote_mp.wire.messages import Backward, Forward
-from lightning_remote_mp.wire.requests import Carry, Fetch, Release
+from lightning_remote_mp.wire.requests import Carry, Fetch, LossGrad, Release
 from lightning_remote_mp.wire.transport import Connection, request_all
 
 log = logging.getLogger(__name__)
@@ -80,6 +80,7 @@ def _to(value: Any, device: torch.device) -> Any:
 class _Call:
     sizes: list[list[int]]  # per replica, the micro-batch sizes along dim 0 (empty: no share)
     x_grad: bool | list[bool]
+    early: bool = False  # its backward started at the model's loss on the last stage (a schedule's)
 
 
 def _autocast_state(device_type: str) -> dict[str, Any] | None:
@@ -133,7 +134,7 @@ class RemoteSpec:
         keep: Keep | None = None,
         compression: str | None = None,
         schedule: str = "gpipe",
-        loss: int | None = None,
+        loss: tuple[int | None, int | None] = (None, None),
     ) -> None:
         if microbatches < 1:
             raise ConfigurationError(f"microbatches must be at least 1, got {microbatches}")
@@ -141,8 +142,9 @@ class RemoteSpec:
         self.schedule = check_schedule(schedule)
         #: The output that is the model's loss (`lightning_remote_mp.model.traced.Interface.loss_output`):
         #: under a schedule other than GPipe, each micro-batch's backward starts there on the last
-        #: stage as soon as its forward is done. A model without one runs every call as GPipe.
-        self.loss = loss
+        #: stage as soon as its forward is done. A model without one runs every call as GPipe. And the
+        #: output it is divided by (a mean's count: no gradient flows through it).
+        self.loss, self.loss_count = loss
         self.key = key
         self.replicas = [list(row) for row in replicas]
         self.stages = self.replicas[0]
@@ -159,6 +161,11 @@ class RemoteSpec:
         self._unconfirmed: dict[
             int, tuple[list[list[int]], list[tuple[Connection, int]], dict[int, dict[int, int]]]
         ] = {}
+        #: Calls whose loss's gradient went with the driver's next requests (`LossGrad`), not yet known
+        #: applied: the next forward's answers show it (its fences), any other message confirms it first.
+        #: call -> each connection's `Connection.last_id` before (what to drop if it fails: `_drop_deferred`).
+        self._deferred: dict[int, dict[int, int]] = {}
+        self._forwarding = False
         self._to_release: collections.deque[int] = collections.deque()
         #: Which elements of the output the last stage keeps until they are read (`driver.outputs`).
         self.keep = keep
@@ -262,21 +269,32 @@ class RemoteSpec:
             if not source.fetched:
                 source.fetch_now()
 
-    def _abandon(self, call: int) -> None:
-        """After a failure mid-call, let the workers drop what they hold for it (best effort)."""
-        self._calls.pop(call, None)
-        self.losses.forget([call])
+    def _abandon(self, *calls: int) -> None:
+        """After a failure mid-call, let the workers drop what they hold for ``calls`` (best effort)."""
+        for call in calls:
+            self._calls.pop(call, None)
+        self.losses.forget(list(calls))
+        for call in calls:
+            self._deferred.pop(call, None)
         for conn in self.conns:
             if conn.lost_reason is None and not conn.closed:
-                conn.send(protocol.RELEASE, Release({self.key: [call]}).body())
+                conn.send(protocol.RELEASE, Release({self.key: list(calls)}).body())
 
     def _collect(
-        self, kind: str, end: int, call: int, sizes: list[list[int]], what: str, fences: dict[int, dict[int, int]]
+        self,
+        kind: str,
+        end: int,
+        call: int,
+        sizes: list[list[int]],
+        what: str,
+        fences: dict[int, dict[int, int]],
+        late: Sequence[int] = (),
     ) -> dict[tuple[int, int], Any]:
         """Gather the messages of ``kind`` (RESULT: `Forward`; DONE: `Backward`) for ``call`` from each
         replica's stage ``end`` (0 or -1), one per micro-batch of ``sizes`` (per replica),
         keyed by (replica, micro-batch). Once all came, every stage of each replica has run the
-        driver's requests its ``fences`` (per replica, what the call's messages carried) named."""
+        driver's requests its ``fences`` (per replica, what the call's messages carried) named. An
+        error of one of the ``late`` calls (`_deferred`) is raised too."""
         count = sum(map(len, sizes))
         replica_of = {id(row[end].conn): r for r, row in enumerate(self.replicas)}
         got = gather(
@@ -288,6 +306,7 @@ class RemoteSpec:
             call=call,
             what=what,
             patience=max(map(len, sizes), default=1),  # a stage answers a call's micro-batches together
+            late={c: self._late_what(c) for c in late},
         )
         parse = Forward.from_body if kind == protocol.RESULT else Backward.from_body
         out: dict[tuple[int, int], Any] = {}
@@ -353,6 +372,15 @@ class RemoteSpec:
     def forward(
         self, x: Main, *, grad: bool, x_needs_grad: bool | list[bool], autocast: dict[str, Any] | None
     ) -> tuple[Main, int]:
+        self._forwarding = True  # the loss gradients posted since the last forward go with this one
+        try:
+            return self._forward(x, grad=grad, x_needs_grad=x_needs_grad, autocast=autocast)
+        finally:
+            self._forwarding = False
+
+    def _forward(
+        self, x: Main, *, grad: bool, x_needs_grad: bool | list[bool], autocast: dict[str, Any] | None
+    ) -> tuple[Main, int]:
         self.conns[0].confirm_sent()  # the last backward, before anything is posted for this call
         self._flush_releases()
         call = next(self._ids)
@@ -402,42 +430,29 @@ class RemoteSpec:
                         protocol.FORWARD, forwards, self.compression, lead=carry, link=False
                     )
             self._flush_linked()
-            results = self._collect(protocol.RESULT, -1, call, sizes, "forward", fences)
+            results = self._collect(protocol.RESULT, -1, call, sizes, "forward", fences, self._deferred)
         except BaseException:
-            self._abandon(call)
+            self._abandon(call, *self._drop_deferred(self._deferred))
             raise
+        self._deferred = {}  # the fences of this call's micro-batches named their loss gradients: they ran
         outputs = [results[(r, mb)].x for r, row in enumerate(sizes) for mb in range(len(row))]
         device = (x[0] if isinstance(x, tuple) else x).device
-        y = self._joined(outputs, self.joins_out, "output")
+        y = join_parts(outputs, self.joins_out, "output", self.key)
         if keep is not None:  # the outputs left on the last stages, until read
             kept = self._keeping(call, sizes, results, device)
             y = tuple(kept.get(i, t) for i, t in enumerate(y)) if isinstance(y, tuple) else kept[0]
         elif self.keep is not None and n > 0:
             self.keep = self.keep.learned(outputs, n)
         if grad:
-            self._calls[call] = _Call(sizes=sizes, x_grad=x_needs_grad)
+            self._calls[call] = _Call(sizes=sizes, x_grad=x_needs_grad, early=early)
         return _to(y, device), call
 
     def _check_plan(self, microbatches: int) -> None:
         """Validate the schedule's lists for this many micro-batches once (the workers build the same
         lists from the schedule's name), and log them as a grid."""
-        if microbatches < 1 or microbatches in self._planned:
-            return
-        lists = schedule.build(self.schedule, len(self.stages), microbatches)
-        schedule.validate(lists)
-        self._planned.add(microbatches)
-        peaks = ", ".join(str(schedule.peak_in_flight(row)) for row in lists)
-        log.info(
-            "%s: schedule %r over %d stages, %d micro-batches (a stage holds at most %s of them; bubble %.0f%% "
-            "at equal costs):\n%s",
-            self.key,
-            self.schedule,
-            len(self.stages),
-            microbatches,
-            peaks,
-            100 * schedule.simulate(lists).bubble,
-            schedule.format_grid(lists),
-        )
+        if microbatches >= 1 and microbatches not in self._planned:
+            self._planned.add(microbatches)
+            log.info("%s: %s", self.key, schedule.checked(self.schedule, len(self.stages), microbatches))
 
     def _batch_size(self, x: Main) -> int:
         if not isinstance(x, tuple):
@@ -457,33 +472,6 @@ class RemoteSpec:
         ]
         return [tuple(parts) for parts in zip(*per)] if flat else [x]
 
-    def _joined(self, parts: list[Any], joins: Sequence[Join] | None, what: str) -> Any:
-        """Micro-batch results back into one batch (for a tuple, element by element, each as its
-        `lightning_remote_mp.model.joins.Join` says: concatenated, or added up)."""
-        if not isinstance(parts[0], tuple):
-            if any(p is None for p in parts):
-                return None
-            return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
-        if len(parts) == 1:
-            return parts[0]
-        kinds = joins or ["batch"] * len(parts[0])
-        out = []
-        for i, join in enumerate(kinds):
-            items = [p[i] for p in parts]
-            if all(t is None for t in items):
-                out.append(None)
-            elif join == "batch":
-                out.append(torch.cat(items, dim=0))
-            elif join == "sum":  # a sum over the batch; or the gradient of an input every part saw whole
-                out.append(torch.stack([t for t in items if t is not None]).sum(0))
-            else:
-                raise ConfigurationError(
-                    f"{self.key!r}: {what} {i} has no batch dimension and is no sum (a statistic of the whole "
-                    "batch?), so the parts of a batch (micro-batches, replicas) cannot be joined back; compute it "
-                    "outside the split module, or use microbatches=1 and a single replica"
-                )
-        return tuple(out)
-
     def _recomputed(self, mb: int, count: int) -> bool:
         return self.checkpoint == "always" or (self.checkpoint == "except_last" and mb < count - 1)
 
@@ -496,6 +484,9 @@ class RemoteSpec:
         else:
             grads = iter(grad_y.split(flat, dim=0) if grad_y is not None else [None] * len(flat))
         loss_grads = self.losses.grads_for(call)
+        x_grad = any(record.x_grad) if isinstance(record.x_grad, list) else record.x_grad
+        if record.early and not x_grad and not loss_grads and self._defer(call, record.sizes, grad_y, flat):
+            return None
         fences: dict[int, dict[int, int]] = {}
         try:
             for r, row in enumerate(record.sizes):
@@ -514,7 +505,7 @@ class RemoteSpec:
                         protocol.BACKWARD, backwards, self.compression, lead=carry, link=False
                     )
             self._flush_linked()
-            if not (any(record.x_grad) if isinstance(record.x_grad, list) else record.x_grad):
+            if not x_grad:
                 # Nothing to return: the driver goes on (Lightning's step, the next batch) while the
                 # workers run the backward, and confirms it before its next message (`confirm`).
                 marks = [(c, c.last_id) for c in self.conns[0].session_conns]  # what is posted later may be dropped
@@ -528,7 +519,85 @@ class RemoteSpec:
         if any(p is None for p in parts):
             return None
         flags = self.batched_in or [True] * len(parts[0])
-        return self._joined(parts, ["batch" if b else "sum" for b in flags], "input")
+        return join_parts(parts, ["batch" if b else "sum" for b in flags], "input", self.key)
+
+    def _defer(self, call: int, sizes: list[list[int]], grad_y: Main | None, flat: list[int]) -> bool:
+        """Post the loss's gradient of ``call`` (an early call: the stages ran its backward from the
+        loss on their own) to every stage, to go with the driver's next requests (`LossGrad`), if
+        it is one number that only the loss brings; each stage applies it once its part of the call
+        has run, before anything the driver sends after it. Returns whether it did."""
+        seed = self.loss
+        if seed is None or not isinstance(grad_y, tuple) or not flat:
+            return False
+        chunks = self._grad_chunks(grad_y, flat)
+        value = chunks[0][seed]
+        for chunk in chunks:
+            g = chunk[seed]
+            others = (o for i, o in enumerate(chunk) if i not in (seed, self.loss_count))
+            if any(o is not None for o in others) or (g is None) != (value is None):
+                return False  # another output's gradient too: the stages say what that means (`Backward`)
+            if g is not None and (g.numel() != 1 or not g.is_floating_point() or not torch.equal(g, value)):
+                return False
+        grad = value.detach().reshape(()).float().cpu() if value is not None else None
+        marks = {id(c): c.last_id for c in self.conns}
+        for r, row in enumerate(self.replicas):
+            for rs in row if sizes[r] else ():
+                rs.conn.carry(LossGrad(self.key, call, grad))
+        self._deferred[call] = marks
+        return True
+
+    def _late_what(self, call: int) -> str:
+        return (
+            f"backward (of call {call}, which the stages ran from the model's loss on their own; its loss's gradient "
+            "went with the driver's next message)"
+        )
+
+    def _confirm_deferred(self) -> None:
+        """Before a message other than the next forward: every stage applied the loss gradients
+        posted (`_defer`), and ran the requests before this message. Stage 0 first, bringing the
+        other stages theirs, which it passes on once it applied its own; then the others."""
+        deferred, self._deferred = self._deferred, {}
+        calls = list(deferred)
+        late = {c: self._late_what(c) for c in calls}
+        try:
+            first: dict[int, tuple[Connection, int]] = {}
+            for r, row in enumerate(self.replicas):
+                carry = self._carry(r, calls[-1], 1)
+                first[id(row[0].conn)] = (
+                    row[0].conn,
+                    row[0].conn.send_all(protocol.SYNC, [None], lead=carry, link=False)[0],
+                )
+            self._flush_linked()
+            self._synced(first, calls[-1], late)
+            self._synced({id(c): (c, c.send(protocol.SYNC)) for c in self.conns if id(c) not in first}, calls[-1], late)
+        except BaseException:
+            self._abandon(*self._drop_deferred(deferred))
+            raise
+
+    def _drop_deferred(self, deferred: dict[int, dict[int, int]]) -> list[int]:
+        """After a failure while loss gradients were deferred: the requests posted since the first
+        (that gradient, the step on it) are dropped, sent or not, and never sent straight; a stage
+        that could not apply its gradient passed none of them on (`WorkerSession.carry`). Returns
+        the calls."""
+        if deferred:
+            marks = next(iter(deferred.values()))
+            for conn in self.conns:
+                conn.discard_carried(marks[id(conn)], relayed=True)
+        return list(deferred)
+
+    def _synced(self, syncs: dict[int, tuple[Connection, int]], call: int, late: dict[int, str]) -> None:
+        """Wait for the replies to ``syncs`` (a SYNC request per connection), raising any failure."""
+        got = gather(
+            self.conns,
+            lambda c, m: id(c) in syncs and m.id == syncs[id(c)][1],
+            len(syncs),
+            call=call,
+            what=late[call],
+            late=late,
+        )
+        for c, m in got:
+            if m.kind == protocol.ERROR:
+                raise c.remote_failure(m.body if isinstance(m.body, dict) else {}, late[call])
 
     def confirm(self) -> None:
         """Wait for stage 0 to report done every micro-batch of the backwards that returned at once
@@ -554,6 +623,8 @@ class RemoteSpec:
                     conn.discard_carried(mark)
                 self._abandon(call)
                 raise
+        if self._deferred and not self._forwarding:
+            self._confirm_deferred()
 
     def _grad_chunks(self, grad_y: tuple, flat: list[int]) -> list[tuple]:
         joins = self.joins_out or ["batch"] * len(grad_y)

@@ -499,7 +499,7 @@ class DriverSession:
             keep=module.kept_outputs(),
             compression=compression,
             schedule=schedule,
-            loss=module.loss_output(),
+            loss=(module.loss_output(), module.loss_count_output()),
         )
         module.attach(remote)
         self.placements[key] = Placement(key, module, remote)

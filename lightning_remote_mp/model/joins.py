@@ -36,6 +36,8 @@ from typing import Any, Literal
 import torch
 from torch import fx
 
+from lightning_remote_mp.errors import ConfigurationError
+
 aten = torch.ops.aten
 
 #: How one pipeline output joins across the parts of a batch (see the module docstring).
@@ -189,3 +191,37 @@ def join_of(node: fx.Node, batch: str | None, sums: Sequence[fx.Node] = ()) -> J
         if isinstance(a, fx.Node) and fixed and join_of(a, batch, sums) == "sum":
             return "sum"
     return "whole"
+
+
+def join_parts(parts: list[Any], joins: Sequence[Join] | None, what: str, key: str) -> Any:
+    """The parts' results (micro-batches, replicas) of split module ``key`` back into one batch's:
+    for a tuple, element by element, each as its `Join` says (concatenated, or added up).
+
+    >>> join_parts([(torch.ones(2, 1), torch.tensor(3.0)), (torch.zeros(1, 1), torch.tensor(4.0))], ["batch", "sum"], "output", "net")
+    (tensor([[1.],
+            [1.],
+            [0.]]), tensor(7.))
+    """  # noqa: E501
+    if not isinstance(parts[0], tuple):
+        if any(p is None for p in parts):
+            return None
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+    if len(parts) == 1:
+        return parts[0]
+    kinds = joins or ["batch"] * len(parts[0])
+    out = []
+    for i, join in enumerate(kinds):
+        items = [p[i] for p in parts]
+        if all(t is None for t in items):
+            out.append(None)
+        elif join == "batch":
+            out.append(torch.cat(items, dim=0))
+        elif join == "sum":  # a sum over the batch; or the gradient of an input every part saw whole
+            out.append(torch.stack([t for t in items if t is not None]).sum(0))
+        else:
+            raise ConfigurationError(
+                f"{key!r}: {what} {i} has no batch dimension and is no sum (a statistic of the whole "
+                "batch?), so the parts of a batch (micro-batches, replicas) cannot be joined back; compute it "
+                "outside the split module, or use microbatches=1 and a single replica"
+            )
+    return tuple(out)

@@ -596,6 +596,11 @@ class SpecSequential(nn.Module):
         interface = getattr(self, "interface", None)
         return interface.loss_output() if interface is not None else None
 
+    def loss_count_output(self) -> int | None:
+        """The position of the count that loss is divided by (`Interface.loss_count`), or ``None``."""
+        interface = getattr(self, "interface", None)
+        return interface.loss_count() if interface is not None else None
+
     def shared(self) -> list[list[str]]:
         """The tensors several layers hold, one list of their names (``"<layer index>.<name>"``) each:
         a traced model's tied weights. A stage holding several of the names keeps one tensor; stages

@@ -283,6 +283,12 @@ class Interface:
         ratios = {leaf[1] for leaf in self.out_leaves if leaf[0] == "ratio"}
         return ratios.pop() if len(ratios) == 1 else None
 
+    def loss_count(self) -> int | None:
+        """The pipeline output that `loss_output` is divided by: a count of what the loss averages,
+        which no parameter's gradient flows through."""
+        ratios = {leaf[1:] for leaf in self.out_leaves if leaf[0] == "ratio"}
+        return ratios.pop()[1] if len(ratios) == 1 else None
+
     def unjoinable(self) -> list[str]:
         """The outputs that cannot be joined exactly when a batch is split (see `Join`): named."""
         names = self.output_names()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import zmq
 
@@ -30,6 +30,7 @@ def gather(
     call: int,
     what: str,
     patience: int = 1,
+    late: Mapping[int, str] | None = None,
 ) -> list[tuple[Connection, protocol.Message]]:
     """Collect ``count`` unsolicited messages that ``want`` accepts, from any of ``conns``.
 
@@ -37,7 +38,8 @@ def gather(
     dropped; a lost worker fails the wait like `Connection.recv` does. ``call_timeout`` bounds the
     time between two accepted messages, not the whole wait: a long pipeline that moves is fine.
     ``patience`` multiplies it where one message answers for several micro-batches (a stage
-    sends a call's answers together, once it has them all).
+    sends a call's answers together, once it has them all). ``late``: earlier calls whose errors
+    are raised too, each as what it names (their workers finish them without the driver waiting).
     """
     poller = zmq.Poller()
     by_sock = {}
@@ -57,6 +59,8 @@ def gather(
             body = msg.body if isinstance(msg.body, dict) else {}
             if msg.kind == protocol.ERROR and msg.id == 0 and body.get("call") in (call, None):
                 raise conn.remote_failure(body, what)
+            if msg.kind == protocol.ERROR and msg.id == 0 and late and body.get("call") in late:
+                raise conn.remote_failure(body, late[body["call"]])
             if want(conn, msg):
                 got.append((conn, msg))
                 progress = time.monotonic()

@@ -89,7 +89,8 @@ def _is_position(value: Any) -> bool:
     return type(value) is int and value >= 0
 
 
-def _is_scalar(value: Any) -> bool:
+def is_scalar(value: Any) -> bool:
+    """A floating tensor of one value (a loss's gradient)."""
     return isinstance(value, torch.Tensor) and value.numel() == 1 and value.is_floating_point()
 
 
@@ -204,7 +205,7 @@ class Backward(_Pipelined):
     )
     early: bool | None = field(lenient(lambda v: True if v is True else None), default=None, omit_none=True)
     scale: torch.Tensor | None = field(
-        must(_is_scalar, "'scale' must be a floating tensor of one value"), default=None, omit_none=True
+        must(is_scalar, "'scale' must be a floating tensor of one value"), default=None, omit_none=True
     )
 
 

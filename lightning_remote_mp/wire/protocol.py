@@ -42,7 +42,7 @@ from lightning_remote_mp._version import __version__
 # LimitExceeded lives with the other errors; ``protocol.LimitExceeded`` stays its name here too.
 from lightning_remote_mp.errors import ConfigurationError, LimitExceeded, ProtocolError, ProtocolVersionError
 
-PROTOCOL_VERSION = 10
+PROTOCOL_VERSION = 11
 
 
 class Kind(str, enum.Enum):
@@ -70,6 +70,7 @@ class Kind(str, enum.Enum):
     FETCH = "fetch"  # the outputs the last stage kept for a call (read on the driver)
     LOSS = "loss"  # a loss over an output the last stage kept, computed there
     CARRY = "carry"  # quiet requests for the stages down (or up) the pipeline, passed stage to stage
+    LOSS_GRAD = "loss_grad"  # the driver's gradient of a call's loss, whose backward the stages ran on their own
     RESULT = "result"  # worker -> driver: the last stage's output of one micro-batch
     DONE = "done"  # worker -> driver: stage 0 finished one micro-batch's backward
     BYE = "bye"
@@ -89,7 +90,7 @@ RELEASE, OPTIM_CREATE, OPTIM_STEP, ZERO_GRAD = Kind.RELEASE, Kind.OPTIM_CREATE, 
 GET_STATE, LOAD_STATE = Kind.GET_STATE, Kind.LOAD_STATE
 GET_OPTIM_STATE, LOAD_OPTIM_STATE = Kind.GET_OPTIM_STATE, Kind.LOAD_OPTIM_STATE
 GRADS, PROFILE, TIMELINE, GROUP, SYNC = Kind.GRADS, Kind.PROFILE, Kind.TIMELINE, Kind.GROUP, Kind.SYNC
-FETCH, LOSS, CARRY = Kind.FETCH, Kind.LOSS, Kind.CARRY
+FETCH, LOSS, CARRY, LOSS_GRAD = Kind.FETCH, Kind.LOSS, Kind.CARRY, Kind.LOSS_GRAD
 RESULT, DONE, BYE, PING, OK, ERROR = Kind.RESULT, Kind.DONE, Kind.BYE, Kind.PING, Kind.OK, Kind.ERROR
 
 
@@ -115,7 +116,7 @@ REQUEST_KINDS = frozenset(Kind) - {RESULT, DONE, OK, ERROR}
 #: waiting (`lightning_remote_mp.wire.transport.Connection.carry`), and an OK per step and worker
 #: would cost both sides a message for nothing. The ERROR of one says ``"posted": kind``; a SYNC
 #: request is answered once they have all run.
-QUIET_KINDS = frozenset({OPTIM_STEP, ZERO_GRAD, RELEASE})
+QUIET_KINDS = frozenset({OPTIM_STEP, ZERO_GRAD, RELEASE, LOSS_GRAD})
 
 #: Requests that may travel along the pipeline instead of straight to their worker
 #: (`lightning_remote_mp.wire.requests.Carry`): the quiet ones, which the driver never waits for.

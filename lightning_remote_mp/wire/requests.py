@@ -64,7 +64,7 @@ from lightning_remote_mp.wire.fields import (
 )
 from lightning_remote_mp.wire.grads import Grads
 from lightning_remote_mp.wire.keys import is_z85_key
-from lightning_remote_mp.wire.messages import Backward, Forward
+from lightning_remote_mp.wire.messages import Backward, Forward, is_scalar
 
 
 def _is_tensor_map(value: Any) -> bool:
@@ -366,8 +366,24 @@ class ZeroGrad(Body):
     set_to_none: bool = field(BOOL, default=True)
 
 
+@dataclasses.dataclass(frozen=True)
+class LossGrad(Body):
+    """LOSS_GRAD: the driver's gradient of the loss of call ``call`` of ``key``, whose backward the
+    stages started on their own (`messages.Forward.seed`): each adds its weight gradients times
+    ``grad`` to ``.grad`` once its part of the call has run, and runs none of the driver's later
+    requests before (``None``: the step did not differentiate the loss; nothing is added)."""
+
+    KIND: ClassVar[str] = protocol.LOSS_GRAD
+
+    key: str = field(STR)
+    call: int = field(INT)
+    grad: torch.Tensor | None = field(
+        must(is_scalar, "'grad' must be a floating tensor of one value"), default=None, omit_none=True
+    )
+
+
 #: The requests a `Carry` may bring, by kind (`protocol.CARRIED_KINDS`).
-_CARRIED: dict[str, type[Body]] = {OptimStep.KIND: OptimStep, ZeroGrad.KIND: ZeroGrad, Release.KIND: Release}
+_CARRIED: dict[str, type[Body]] = {c.KIND: c for c in (OptimStep, ZeroGrad, Release, LossGrad)}
 assert set(_CARRIED) == protocol.CARRIED_KINDS
 
 #: The most requests one `Carry` brings for one stage: a few per optimizer and step.
@@ -674,5 +690,6 @@ REQUESTS: dict[str, type[Body]] = {
         Fetch,
         Loss,
         Carry,
+        LossGrad,
     )
 }

@@ -158,10 +158,11 @@ class Connection:
         Quiet requests `carry` holds, and those sent along the pipeline and not known to have run,
         go before ``bodies`` (again, for the latter: the worker runs a request once, whichever way
         it came first), so nothing sent straight to the worker overtakes them. ``lead``: messages
-        ``(kind, body)`` that go before everything, in the same bundle, with no place in the order
-        of requests (id 0): a `lightning_remote_mp.wire.requests.Carry`, which the worker passes on
-        before it runs its own quiet requests. ``link=False`` leaves the workers linked to the held
-        requests (`carry`) to the caller, which sends them theirs another way first (`flush_linked`).
+        ``(kind, body)`` that go before everything but the worker's loss gradients, in the same
+        bundle, with no place in the order of requests (id 0): a `lightning_remote_mp.wire.requests.Carry`,
+        which the worker passes on before it runs its other quiet requests. ``link=False`` leaves the
+        workers linked to the held requests (`carry`) to the caller, which sends them theirs another
+        way first (`flush_linked`).
         If a message cannot be encoded, nothing is sent, and nothing held is lost."""
         self.confirm_sent()
         if self.lost_reason is not None:
@@ -171,9 +172,13 @@ class Connection:
         first_id, ran = self._next_id, self._known_ran()
         held = [*(c for c in self._relayed if c.id > ran), *self._carried]
         ids = []
+        # The lead goes after this worker's loss gradients (`LossGrad`): it passes the lead on only once
+        # it applied them, so that the stages beyond never step on gradients this one could not add.
+        cut = next((i + 1 for i in range(len(held) - 1, -1, -1) if held[i].request.KIND == protocol.LOSS_GRAD), 0)
         try:
-            encoded = [self._encode(k, body, req_id=0) for k, body in lead]
-            encoded += [list(c.frames) for c in held]  # encoded for this worker when posted (`carry`)
+            encoded = [list(c.frames) for c in held[:cut]]  # encoded for this worker when posted (`carry`)
+            encoded += [self._encode(k, body, req_id=0) for k, body in lead]
+            encoded += [list(c.frames) for c in held[cut:]]
             for body in bodies:
                 encoded.append(self._encode(kind, body, compression))
                 ids.append(self._next_id)
@@ -219,11 +224,14 @@ class Connection:
         """The id of the last request this side has given out (sent, or held by `carry`)."""
         return self._next_id
 
-    def discard_carried(self, after: int) -> None:
+    def discard_carried(self, after: int, relayed: bool = False) -> None:
         """Forget the requests `carry` holds, unsent, whose ids come after ``after`` (a `last_id`):
         those posted after a failure the driver learned of late (a backward it did not wait for),
         which must not run. They are the last ids given out, so the next request takes the first of
-        them and the worker sees no gap."""
+        them and the worker sees no gap. With ``relayed``, those sent along the pipeline after it
+        are not sent straight either: the worker skips their ids (it runs requests by rising id)."""
+        if relayed:
+            self._relayed = [c for c in self._relayed if c.id <= after]
         dropped = [c for c in self._carried if c.id > after]
         if dropped:
             for c in dropped:

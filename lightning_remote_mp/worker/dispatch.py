@@ -24,8 +24,8 @@ from lightning_remote_mp.flow import DRIVER
 from lightning_remote_mp.wire import protocol
 from lightning_remote_mp.wire.fields import Body
 from lightning_remote_mp.wire.messages import Backward, Forward, salvage
-from lightning_remote_mp.wire.requests import REQUESTS, Carry
-from lightning_remote_mp.worker.session import NO_REPLY, WorkerSession
+from lightning_remote_mp.wire.requests import REQUESTS, Carry, LossGrad
+from lightning_remote_mp.worker.session import NO_REPLY, WAITS, WorkerSession
 from lightning_remote_mp.worker.throttle import Throttle
 
 if TYPE_CHECKING:
@@ -85,9 +85,9 @@ def parse(peer: bytes, msg: protocol.Message) -> Request:
 
 
 def next_carried(session: WorkerSession, driver: bytes) -> Request | None:
-    """The driver's request that came along the pipeline and runs next (`WorkerSession.next_carried`),
+    """The driver's request that came along the pipeline and runs next (`Order.next_carried`),
     as a request from ``driver`` (the driver's identity on the server socket), or ``None``."""
-    carried = session.next_carried()
+    carried = session.order.next_carried()
     if carried is None:
         return None
     return Request(driver, carried.request.KIND, carried.id, session.id, carried.request)
@@ -148,9 +148,16 @@ class Dispatch:
                 return None
             if session is None or session.id != request.session or message is None:
                 raise ProtocolError("session expired")
-            if request.kind in protocol.CARRIED_KINDS and not request.from_peer and session.already_ran(request.id):
-                return None  # it came along the pipeline first (`WorkerSession.carry`)
+            if not request.from_peer:
+                if session.order.park(request):
+                    return None  # it runs once the loss gradient before it is applied (`Order.park`)
+                if request.kind in protocol.CARRIED_KINDS and session.order.already_ran(request.id):
+                    return None  # it came along the pipeline first (`WorkerSession.carry`)
             body = session.handle(message)
+            if body is WAITS:
+                assert isinstance(message, LossGrad)
+                session.order.wait(request.id, message)
+                return None
             if body is NO_REPLY or request.kind in protocol.QUIET_KINDS:
                 return None
             return protocol.encode(protocol.OK, request.id, request.session, body)

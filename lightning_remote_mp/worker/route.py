@@ -121,6 +121,7 @@ class RoutedStage:
         self._scale_parts: dict[tuple[int, int], dict[int, Backward]] = {}  # scales partly arrived (`_collect`)
         self._scales: dict[int, dict[int, dict[int, Backward]]] = {}  # and all arrived, by call and micro-batch
         self._failed: collections.OrderedDict[int, Exception] = collections.OrderedDict()  # calls whose action failed
+        self._loss_grads: dict[int, torch.Tensor | None] = {}  # the driver's (`loss_grad`), until the plan has run
         #: Sends messages at once (the worker's session sets it): a schedule runs several actions per
         #: message received, and the next stage waits for the first action's output, not the last's.
         self.send_now: Callable[[list[Outgoing]], None] | None = None
@@ -157,6 +158,8 @@ class RoutedStage:
         return parts
 
     def forward(self, msg: Forward) -> list[Outgoing]:
+        if msg.call in self._released:
+            return []  # a call the driver gave up on, whose forward waited here behind a loss gradient
         parts = self._collect(self._forward, self.sources, msg)
         if parts is None:
             return []
@@ -444,8 +447,46 @@ class RoutedStage:
         if not plan.actions:
             del self._plans[call]
             self._done[call] = plan
+            if call in self._loss_grads:
+                self._apply(call, self._loss_grads.pop(call))
             out += self._scale_ready(call)
         return out
+
+    def loss_grad(self, call: int, grad: torch.Tensor | None) -> bool:
+        """The driver's gradient of ``call``'s loss, straight from the driver (`requests.LossGrad`):
+        applied once the call's plan has run here. Returns whether it waits for that."""
+        if call in self._plans:
+            self._loss_grads[call] = grad
+            return True
+        self._check_applicable(call)
+        self._apply(call, grad)
+        return False
+
+    def loss_grad_waits(self, call: int) -> bool:
+        """Whether the driver's gradient of ``call``'s loss still waits for the call's plan here; an
+        action of it that failed meanwhile, or a release of the call, raises."""
+        if call in self._failed:
+            self._loss_grads.pop(call, None)
+        self._check_applicable(call)
+        return call in self._loss_grads
+
+    def _check_applicable(self, call: int) -> None:
+        failed = self._failed.get(call)
+        if failed is not None:
+            raise LrmpError(
+                f"stage {self.index}: an action of call {call}'s schedule failed before its backward: "
+                f"{type(failed).__name__}: {failed}"
+            ) from failed
+        if call in self._released:
+            raise LrmpError(f"stage {self.index}: call {call} was released before its loss's gradient was applied")
+
+    def _apply(self, call: int, grad: torch.Tensor | None) -> None:
+        if self._done.pop(call, None) is None:
+            raise ProtocolError(f"stage {self.index}: a loss gradient for call {call}, which ran no schedule here")
+        if grad is None:  # the step did not differentiate the loss: no gradient, as with GPipe
+            self.stage.release_early(call)
+        else:
+            self.stage.apply_early(call, grad)
 
     def _early_backward(self, call: int, mb: int, parts: dict[int, Backward], plan: _Plan) -> list[Outgoing]:
         if self.x_to == DRIVER:
@@ -478,12 +519,7 @@ class RoutedStage:
     def _scale(self, msg: Backward) -> list[Outgoing]:
         """File the driver's gradient of an early call's loss (from the driver, or passed on by the
         next stage); once the call's actions have all run, apply it."""
-        failed = self._failed.get(msg.call)
-        if failed is not None:
-            raise LrmpError(
-                f"stage {self.index}: an action of call {msg.call}'s schedule failed before its backward: "
-                f"{type(failed).__name__}: {failed}"
-            ) from failed
+        self._check_applicable(msg.call)
         plan = self._plans.get(msg.call) or self._done.get(msg.call)
         if plan is not None:
             self._check_mb(msg, plan)
@@ -574,6 +610,6 @@ class RoutedStage:
         for table in (self._forward, self._backward, self._scale_parts, self._meta, self._kept, self._losses):
             for key in [k for k in table if k[0] in drop]:
                 del table[key]  # type: ignore[attr-defined]
-        for calls_table in (self._plans, self._done, self._scales, self._failed):
+        for calls_table in (self._plans, self._done, self._scales, self._failed, self._loss_grads):
             for call in drop:
                 calls_table.pop(call, None)  # type: ignore[attr-defined]

@@ -425,8 +425,8 @@ class WorkerServer:
             answer = {"session_alive": alive, "busy": self._computing(), "moved": self._moved}
             session = self._session
             if alive and session is not None and session.id == request.session:
-                answer.update(session.held_back())  # what waits for the driver: named when the pipeline stalls
-                answer["ran"] = session.driver_ran  # the driver's requests up to this one have run
+                answer.update(session.order.held_back())  # what waits for the driver: named when the pipeline stalls
+                answer["ran"] = session.order.driver_ran  # the driver's requests up to this one have run
             self._reply(peer, protocol.OK, request.id, answer)
             return
         if isinstance(request.message, Hello):
@@ -649,8 +649,8 @@ class WorkerServer:
             self._busy_since = None
             if not own:
                 self._last_busy = time.monotonic()
-        if session is not None and from_driver:
-            self._pending.extendleft(reversed(session.ran(request.id)))
+        if session is not None:  # a peer's message may complete what requests wait for (`Order.ran`)
+            self._pending.extendleft(reversed(session.order.ran(request.id if from_driver else 0)))
         if session is not None and (carried := next_carried(session, self._outbox.driver_peer or request.peer)):
             self._pending.appendleft(carried)  # the driver's request that came along the pipeline: it runs next
         if frames is not None:

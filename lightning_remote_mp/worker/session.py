@@ -26,7 +26,6 @@ from lightning_remote_mp.wire.fields import Body
 from lightning_remote_mp.wire.grads import GradAllreduce, GradClamp, GradNorms, Grads, GradScale
 from lightning_remote_mp.wire.messages import Backward, Forward
 from lightning_remote_mp.wire.requests import (
-    Carried,
     Carry,
     Fetch,
     GetOptimState,
@@ -35,6 +34,7 @@ from lightning_remote_mp.wire.requests import (
     LoadOptimState,
     LoadState,
     Loss,
+    LossGrad,
     OptimCreate,
     OptimStep,
     Profile,
@@ -45,6 +45,7 @@ from lightning_remote_mp.wire.requests import (
     ZeroGrad,
 )
 from lightning_remote_mp.worker.collective import GradGroup
+from lightning_remote_mp.worker.order import Order
 from lightning_remote_mp.worker.profile import profile_layers
 from lightning_remote_mp.worker.route import Outgoing, RoutedStage
 from lightning_remote_mp.worker.stage import StageExecutor
@@ -52,10 +53,9 @@ from lightning_remote_mp.worker.timeline import EventLog
 
 #: Returned by handlers whose answer travels as separate messages (pipelined forward/backward).
 NO_REPLY = object()
+#: A handler's answer that its request waits (`Order.wait`): it has not run yet.
+WAITS = object()
 
-
-#: The driver's requests that came along the pipeline and may wait here for earlier ones (`WorkerSession.carry`).
-MAX_CARRIED_WAITING = 4096
 
 #: Loss programs one session may hold (`requests.Loss`); the driver makes at most 64 per model.
 MAX_LOSS_PROGRAMS = 256
@@ -138,77 +138,60 @@ class WorkerSession:
             Fetch: self.fetch,
             Loss: self.loss,
             Carry: self.carry,
+            LossGrad: self.loss_grad,
         }
         self._loss_programs: dict[tuple[str, int], list[GraphLayer]] = {}  # (key, number) -> its layers
         self.group: GradGroup | None = None  # this stage's replicas
         self.tie_groups: list[tuple[GradGroup, list[str]]] = []  # stages holding copies of tied weights: theirs here
         self.events: EventLog | None = None
         self._deferred_failure: Exception | None = None
-        self.driver_ran = 0  # the id of the driver's last request run here (they run in order)
-        self._held_back: list[Any] = []  # peers' micro-batches waiting for a driver request
-        self._carried: list[Carried] = []  # the driver's requests that came along the pipeline, not run yet
+        self.order = Order(self._loss_grad_waits)  # which of the driver's requests run when
         # A call's answers to the driver (RESULTs, DONEs), kept until they are all there: (key, call, kind) -> answers.
         self._answers: dict[tuple[str, int, str], list[tuple[Any, Any, dict[str, Any] | None]]] = {}
 
-    # --- order between the driver's requests and the micro-batches from peers --------------
+    # --- order between the driver's requests and the micro-batches from peers (`order`) ------
     def hold_back(self, message: Forward | Backward, task: Any) -> bool:
         """Keep ``task`` (a peer's pipelined ``message``) for later if the driver sent it after a
         request to this worker that has not run here yet: its `messages._Pipelined.fence`. Returns
-        whether it was kept; `ran` gives it back once that request has run."""
-        key = message.key
-        route = self.routes.get(key)
+        whether it was kept; `Order.ran` gives it back once that request has run."""
+        route = self.routes.get(message.key)
         if route is None:
             return False  # nothing to wait for; a stage this worker does not hold is refused when it runs
-        wanted = message.fence.get(route.index)
-        if wanted is None or wanted <= self.driver_ran:
-            return False
-        if sum(1 for _, held_key, _ in self._held_back if held_key == key) >= route.limit:
-            raise ProtocolError(
-                f"stage {route.index}: more than {route.limit} micro-batches wait for driver requests that never came"
-            )
-        self._held_back.append((wanted, key, task))
-        return True
+        try:
+            return self.order.hold_back(message.key, message.fence.get(route.index), route.limit, task)
+        except ProtocolError as err:
+            raise ProtocolError(f"stage {route.index}: {err}") from None
 
-    def held_back(self) -> dict[str, int]:
-        """``{"held_back": n, "waits_for": request id}`` while micro-batches wait for a driver request
-        (the heartbeat's answer carries it), else ``{}``."""
-        held = list(self._held_back)  # read by the thread answering heartbeats
-        if not held:
-            return {}
-        return {"held_back": len(held), "waits_for": min(wanted for wanted, _, _ in held)}
+    def _loss_grad_waits(self, key: str, call: int) -> bool:
+        route = self.routes.get(key)
+        return route is not None and route.loss_grad_waits(call)
 
-    def ran(self, req_id: int) -> list[Any]:
-        """The driver's request ``req_id`` has run: the held-back tasks that may run now, in the order they came."""
-        self.driver_ran = max(self.driver_ran, req_id)
-        if not self._held_back:
-            return []
-        ready = [task for wanted, _, task in self._held_back if wanted <= self.driver_ran]
-        self._held_back = [held for held in self._held_back if held[0] > self.driver_ran]
-        return ready
-
-    def next_carried(self) -> Carried | None:
-        """The driver's request that came along the pipeline (`carry`) and runs next: the first, once
-        the request before it has run; ``None`` while none may run. One that came the short way
-        too, and ran, is dropped: each of the driver's requests runs once."""
-        if not self._carried:
-            return None  # asked after every request: nothing to build while none came this way
-        self._carried = [c for c in self._carried if c.id > self.driver_ran]
-        if self._carried and self._carried[0].after <= self.driver_ran:
-            return self._carried.pop(0)
-        return None
-
-    def already_ran(self, req_id: int) -> bool:
-        """Whether the driver's request ``req_id`` (of `protocol.CARRIED_KINDS`) ran already: it
-        came along the pipeline first (`carry`), and this is the copy the driver sent straight here."""
-        return req_id <= self.driver_ran
+    def loss_grad(self, msg: LossGrad) -> Any:
+        """Apply the driver's gradient of a call's loss (`RoutedStage.loss_grad`), or `WAITS` for the
+        call's actions here first (`Order.wait`)."""
+        try:
+            waits = self.route(msg.key).loss_grad(msg.call, msg.grad)
+        except Exception as err:
+            self.order.no_step = f"the loss's gradient of call {msg.call} of {msg.key!r} was not applied here: {err}"
+            raise
+        self.order.no_step = None
+        return WAITS if waits else None
 
     def carry(self, msg: Carry) -> Any:
         """Pass the driver's requests for the stages further ``msg.toward`` on to the next stage that
-        way, then keep this stage's own to run in their turn (`next_carried`). They go on first, so
+        way, then keep this stage's own to run in their turn (`Order.next_carried`). They go on first, so
         that every stage gets its own at once: a step whose stages sum tied gradients together
         (`GradGroup`) would otherwise wait on itself."""
         route = self.route(msg.key)
         here = route.index
+        if self.order.no_step is not None:  # the stages beyond must not step on gradients this one lacks
+            log.warning(
+                "stage %d: the driver's requests for stages %s are not passed on: %s",
+                here,
+                sorted(msg.requests),
+                self.order.no_step,
+            )
+            return NO_REPLY
         for c in msg.requests.get(here, ()):
             if not c.sealed_by(self.seal_key, self.id):
                 came = "from the driver" if msg.sender == DRIVER else f"from stage {msg.sender}"
@@ -230,13 +213,7 @@ class WorkerSession:
                     f"stage {here} has no stage {here + msg.toward} to pass the driver's requests on to"
                 )
             self.outbox.to_peer(onward, protocol.CARRY, Carry(msg.key, msg.call, here, msg.toward, rest).body())
-        mine = [c for c in msg.requests.get(here, ()) if c.id > self.driver_ran]
-        if len(self._carried) + len(mine) > MAX_CARRIED_WAITING:
-            raise ProtocolError(
-                f"stage {here}: more than {MAX_CARRIED_WAITING} of the driver's requests wait for ones that never came"
-            )
-        known = {c.id for c in self._carried}
-        self._carried = sorted([*self._carried, *(c for c in mine if c.id not in known)], key=lambda c: c.id)
+        self.order.keep_carried(list(msg.requests.get(here, ())), f"stage {here}")
         return NO_REPLY
 
     def handle(self, message: Body) -> Any:
@@ -478,6 +455,8 @@ class WorkerSession:
         return {"parameters": len(names)}
 
     def optim_step(self, msg: OptimStep) -> Any:
+        if self.order.no_step is not None:
+            raise LrmpError(f"optimizer {msg.index} did not step: {self.order.no_step}")
         opt = self.optimizers.get(msg.index)
         if opt is not None:
             self._settle_grads()
