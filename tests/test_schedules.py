@@ -377,25 +377,32 @@ class _Messages(L.Callback):
 
 
 def test_a_step_costs_the_driver_one_message_each_way_under_1f1b_and_two_under_gpipe(pool):
-    """Micro-batches travel bundled, and the optimizer's step and zero_grad (with the tied embedding's
-    gradient sum) travel with them (`Carry`). Under GPipe the driver sends one forward and one
-    backward per step, and receives the results and the DONEs. Under 1F1B the stages run the backward
-    from the model's loss on their own, and the loss's gradient goes with the next forward
-    (`LossGrad`): the driver sends the forward and receives the losses, nothing else. Before carried
-    requests it sent 8 (2 zero_grads, 2 gradient sums, 2 steps besides) and received 4."""
+    """Micro-batches travel bundled, and the optimizer's step and zero_grad travel with them
+    (`Carry`). Under GPipe the driver sends one forward and one backward per step, and receives the
+    results and the DONEs. Under 1F1B the stages run the backward from the model's loss on their
+    own, and the loss's gradient goes with the next forward (`LossGrad`): the driver sends the
+    forward and receives the losses, nothing else. Not where the step sums a tied embedding's
+    gradient over the stages: there the driver confirms the backward before the step, as under
+    GPipe. Before carried requests a step cost 8 messages out (2 zero_grads, 2 sums, 2 steps besides)."""
     counts = {}
-    for name in ("gpipe", "1f1b"):
-        for m in (1, 4):
-            messages = _Messages()
-            trainer(scheduled(pool[:2], name, microbatches=m), 1, callbacks=[messages]).fit(
-                H.FineTune(H.llama(), "lm"), H.padded_data(n=24)
-            )
-            counts[(name, m)] = set(messages.steps)  # 2 steps each
-    expected = {"gpipe": (2, 2), "1f1b": (1, 1)}
-    assert all({(s, r) for s, r, _ in c} == {expected[name]} for (name, _), c in counts.items()), counts
+    for name, tied, m in [
+        ("gpipe", True, 1),
+        ("gpipe", True, 4),
+        ("1f1b", True, 4),
+        ("1f1b", False, 1),
+        ("1f1b", False, 4),
+    ]:
+        messages = _Messages()
+        trainer(scheduled(pool[:2], name, microbatches=m), 1, callbacks=[messages]).fit(
+            H.FineTune(H.llama(tie_word_embeddings=tied), "lm"), H.padded_data(n=24)
+        )
+        counts[(name, tied, m)] = set(messages.steps)  # 2 steps each
+    deferred = {("1f1b", False, 1), ("1f1b", False, 4)}
+    assert all({(s, r) for s, r, _ in c} == {(1, 1) if k in deferred else (2, 2)} for k, c in counts.items()), counts
     # Requests in those messages. GPipe: each micro-batch's forward and backward, and the two quiet
     # requests that go straight (stage 0's step, stage 1's zero_grad); the other two travel along the
     # pipeline, and the call's answer shows they ran there, so they are not sent straight as well (they
-    # were: 2m + 4). 1F1B: each micro-batch's forward, and stage 0's zero_grad, loss gradient and step.
-    requests = {"gpipe": lambda m: 2 * m + 2, "1f1b": lambda m: m + 3}
-    assert all({q for _, _, q in c} == {requests[name](m)} for (name, m), c in counts.items()), counts
+    # were: 2m + 4). Deferred: each micro-batch's forward, and stage 0's zero_grad, loss gradient and step.
+    assert all(
+        {q for _, _, q in c} == {m + 3 if k in deferred else 2 * m + 2} for k, c in counts.items() for m in [k[2]]
+    ), counts

@@ -26,6 +26,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from lightning_remote_mp import schedule
+from lightning_remote_mp.driver.loss_grads import DeferredLossGrads
 from lightning_remote_mp.driver.losses import Losses
 from lightning_remote_mp.driver.outputs import Kept, KeptOutputs
 from lightning_remote_mp.errors import ConfigurationError, ProtocolError, RemoteInputError
@@ -37,7 +38,7 @@ from lightning_remote_mp.schedule import check_schedule
 from lightning_remote_mp.wire import protocol
 from lightning_remote_mp.wire.collect import gather
 from lightning_remote_mp.wire.messages import Backward, Forward
-from lightning_remote_mp.wire.requests import Carry, Fetch, LossGrad, Release
+from lightning_remote_mp.wire.requests import Carry, Fetch, Release
 from lightning_remote_mp.wire.transport import Connection, request_all
 
 log = logging.getLogger(__name__)
@@ -161,10 +162,8 @@ class RemoteSpec:
         self._unconfirmed: dict[
             int, tuple[list[list[int]], list[tuple[Connection, int]], dict[int, dict[int, int]]]
         ] = {}
-        #: Calls whose loss's gradient went with the driver's next requests (`LossGrad`), not yet known
-        #: applied: the next forward's answers show it (its fences), any other message confirms it first.
-        #: call -> each connection's `Connection.last_id` before (what to drop if it fails: `_drop_deferred`).
-        self._deferred: dict[int, dict[int, int]] = {}
+        #: The loss gradients of early calls, posted to go with the driver's next message.
+        self.loss_grads = DeferredLossGrads(self)
         self._forwarding = False
         self._to_release: collections.deque[int] = collections.deque()
         #: Which elements of the output the last stage keeps until they are read (`driver.outputs`).
@@ -274,8 +273,7 @@ class RemoteSpec:
         for call in calls:
             self._calls.pop(call, None)
         self.losses.forget(list(calls))
-        for call in calls:
-            self._deferred.pop(call, None)
+        self.loss_grads.forget(calls)
         for conn in self.conns:
             if conn.lost_reason is None and not conn.closed:
                 conn.send(protocol.RELEASE, Release({self.key: list(calls)}).body())
@@ -294,7 +292,7 @@ class RemoteSpec:
         replica's stage ``end`` (0 or -1), one per micro-batch of ``sizes`` (per replica),
         keyed by (replica, micro-batch). Once all came, every stage of each replica has run the
         driver's requests its ``fences`` (per replica, what the call's messages carried) named. An
-        error of one of the ``late`` calls (`_deferred`) is raised too."""
+        error of one of the ``late`` calls (`DeferredLossGrads`) is raised too."""
         count = sum(map(len, sizes))
         replica_of = {id(row[end].conn): r for r, row in enumerate(self.replicas)}
         got = gather(
@@ -306,7 +304,7 @@ class RemoteSpec:
             call=call,
             what=what,
             patience=max(map(len, sizes), default=1),  # a stage answers a call's micro-batches together
-            late={c: self._late_what(c) for c in late},
+            late={c: self.loss_grads.what(c) for c in late},
         )
         parse = Forward.from_body if kind == protocol.RESULT else Backward.from_body
         out: dict[tuple[int, int], Any] = {}
@@ -406,8 +404,10 @@ class RemoteSpec:
             for row in sizes:
                 self._check_plan(len(row))
         fences: dict[int, dict[int, int]] = {}
+        sent = False
         try:
             for r, row in enumerate(sizes):
+                sent = True  # from here on, what was held may be on its way
                 carry = self._carry(r, call, 1) if row else []
                 fence = fences[r] = self._fence(r) if row else {}
                 forwards = [
@@ -430,11 +430,13 @@ class RemoteSpec:
                         protocol.FORWARD, forwards, self.compression, lead=carry, link=False
                     )
             self._flush_linked()
-            results = self._collect(protocol.RESULT, -1, call, sizes, "forward", fences, self._deferred)
+            results = self._collect(protocol.RESULT, -1, call, sizes, "forward", fences, list(self.loss_grads.calls))
         except BaseException:
-            self._abandon(call, *self._drop_deferred(self._deferred))
+            # Once sent, the loss gradients and the step on them may have failed on a stage: none goes
+            # again. A forward that could not even be encoded sent nothing: they stay held.
+            self._abandon(call, *(self.loss_grads.drop() if sent else ()))
             raise
-        self._deferred = {}  # the fences of this call's micro-batches named their loss gradients: they ran
+        self.loss_grads.calls = {}  # the fences of this call's micro-batches named their loss gradients: they ran
         outputs = [results[(r, mb)].x for r, row in enumerate(sizes) for mb in range(len(row))]
         device = (x[0] if isinstance(x, tuple) else x).device
         y = join_parts(outputs, self.joins_out, "output", self.key)
@@ -485,7 +487,7 @@ class RemoteSpec:
             grads = iter(grad_y.split(flat, dim=0) if grad_y is not None else [None] * len(flat))
         loss_grads = self.losses.grads_for(call)
         x_grad = any(record.x_grad) if isinstance(record.x_grad, list) else record.x_grad
-        if record.early and not x_grad and not loss_grads and self._defer(call, record.sizes, grad_y, flat):
+        if record.early and not x_grad and not loss_grads and self.loss_grads.post(call, record.sizes, grad_y, flat):
             return None
         fences: dict[int, dict[int, int]] = {}
         try:
@@ -521,84 +523,6 @@ class RemoteSpec:
         flags = self.batched_in or [True] * len(parts[0])
         return join_parts(parts, ["batch" if b else "sum" for b in flags], "input", self.key)
 
-    def _defer(self, call: int, sizes: list[list[int]], grad_y: Main | None, flat: list[int]) -> bool:
-        """Post the loss's gradient of ``call`` (an early call: the stages ran its backward from the
-        loss on their own) to every stage, to go with the driver's next requests (`LossGrad`), if
-        it is one number that only the loss brings; each stage applies it once its part of the call
-        has run, before anything the driver sends after it. Returns whether it did."""
-        seed = self.loss
-        if seed is None or not isinstance(grad_y, tuple) or not flat:
-            return False
-        chunks = self._grad_chunks(grad_y, flat)
-        value = chunks[0][seed]
-        for chunk in chunks:
-            g = chunk[seed]
-            others = (o for i, o in enumerate(chunk) if i not in (seed, self.loss_count))
-            if any(o is not None for o in others) or (g is None) != (value is None):
-                return False  # another output's gradient too: the stages say what that means (`Backward`)
-            if g is not None and (g.numel() != 1 or not g.is_floating_point() or not torch.equal(g, value)):
-                return False
-        grad = value.detach().reshape(()).float().cpu() if value is not None else None
-        marks = {id(c): c.last_id for c in self.conns}
-        for r, row in enumerate(self.replicas):
-            for rs in row if sizes[r] else ():
-                rs.conn.carry(LossGrad(self.key, call, grad))
-        self._deferred[call] = marks
-        return True
-
-    def _late_what(self, call: int) -> str:
-        return (
-            f"backward (of call {call}, which the stages ran from the model's loss on their own; its loss's gradient "
-            "went with the driver's next message)"
-        )
-
-    def _confirm_deferred(self) -> None:
-        """Before a message other than the next forward: every stage applied the loss gradients
-        posted (`_defer`), and ran the requests before this message. Stage 0 first, bringing the
-        other stages theirs, which it passes on once it applied its own; then the others."""
-        deferred, self._deferred = self._deferred, {}
-        calls = list(deferred)
-        late = {c: self._late_what(c) for c in calls}
-        try:
-            first: dict[int, tuple[Connection, int]] = {}
-            for r, row in enumerate(self.replicas):
-                carry = self._carry(r, calls[-1], 1)
-                first[id(row[0].conn)] = (
-                    row[0].conn,
-                    row[0].conn.send_all(protocol.SYNC, [None], lead=carry, link=False)[0],
-                )
-            self._flush_linked()
-            self._synced(first, calls[-1], late)
-            self._synced({id(c): (c, c.send(protocol.SYNC)) for c in self.conns if id(c) not in first}, calls[-1], late)
-        except BaseException:
-            self._abandon(*self._drop_deferred(deferred))
-            raise
-
-    def _drop_deferred(self, deferred: dict[int, dict[int, int]]) -> list[int]:
-        """After a failure while loss gradients were deferred: the requests posted since the first
-        (that gradient, the step on it) are dropped, sent or not, and never sent straight; a stage
-        that could not apply its gradient passed none of them on (`WorkerSession.carry`). Returns
-        the calls."""
-        if deferred:
-            marks = next(iter(deferred.values()))
-            for conn in self.conns:
-                conn.discard_carried(marks[id(conn)], relayed=True)
-        return list(deferred)
-
-    def _synced(self, syncs: dict[int, tuple[Connection, int]], call: int, late: dict[int, str]) -> None:
-        """Wait for the replies to ``syncs`` (a SYNC request per connection), raising any failure."""
-        got = gather(
-            self.conns,
-            lambda c, m: id(c) in syncs and m.id == syncs[id(c)][1],
-            len(syncs),
-            call=call,
-            what=late[call],
-            late=late,
-        )
-        for c, m in got:
-            if m.kind == protocol.ERROR:
-                raise c.remote_failure(m.body if isinstance(m.body, dict) else {}, late[call])
-
     def confirm(self) -> None:
         """Wait for stage 0 to report done every micro-batch of the backwards that returned at once
         (no input needed a gradient): before the driver's next message to any worker, which must
@@ -623,8 +547,8 @@ class RemoteSpec:
                     conn.discard_carried(mark)
                 self._abandon(call)
                 raise
-        if self._deferred and not self._forwarding:
-            self._confirm_deferred()
+        if self.loss_grads.calls and not self._forwarding:
+            self.loss_grads.confirm()
 
     def _grad_chunks(self, grad_y: tuple, flat: list[int]) -> list[tuple]:
         joins = self.joins_out or ["batch"] * len(grad_y)

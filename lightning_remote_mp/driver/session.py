@@ -501,6 +501,9 @@ class DriverSession:
             schedule=schedule,
             loss=(module.loss_output(), module.loss_count_output()),
         )
+        remote.loss_grads.enabled = remote.loss_grads.enabled and not tied and not self.placements
+        for other in self.placements.values():
+            other.remote.loss_grads.enabled = False
         module.attach(remote)
         self.placements[key] = Placement(key, module, remote)
 

@@ -398,6 +398,15 @@ class Connection:
         ``bounded=False`` exempts the call from ``call_timeout``: moving a stage's weights (setup,
         checkpoints) or profiling it takes as long as the stage is large and the network slow, and
         the heartbeat still catches a worker that dies or hangs meanwhile."""
+        unasked: list[protocol.Message] = []  # a pipeline's failures: the next gather raises them (`collect`)
+        try:
+            return self._recv(req_id, timeout, what, bounded, unasked)
+        finally:
+            self._inbox.extendleft(reversed(unasked))
+
+    def _recv(
+        self, req_id: int, timeout: float | None, what: str, bounded: bool, unasked: list[protocol.Message]
+    ) -> Any:
         start = time.monotonic()
         while True:
             if self.readable(POLL_SLICE_MS):
@@ -405,7 +414,10 @@ class Connection:
                 if msg is None:
                     continue
                 if msg.id != req_id:
-                    log.debug("%s: dropping stale reply %s (waiting for %s)", self.where(), msg.id, req_id)
+                    if msg.id == 0 and msg.kind == protocol.ERROR:
+                        unasked.append(msg)
+                    else:
+                        log.debug("%s: dropping stale reply %s (waiting for %s)", self.where(), msg.id, req_id)
                     continue
                 if msg.kind == protocol.ERROR:
                     raise self.remote_failure(msg.body, what)

@@ -122,7 +122,9 @@ class Order:
     def park(self, request: Any) -> bool:
         """Keep the driver's ``request`` (a `lightning_remote_mp.worker.dispatch.Request`) while a
         loss gradient sent before it waits; returns whether it was kept. A release of that call
-        goes at once: the driver gave up on it, and what it sent since is dropped (`_settle`)."""
+        goes at once: the driver gave up on it. The requests parked behind the gradient then run in
+        their order, but for the quiet ones (the step on it), which the release's later id shows as
+        run already: they are skipped (`already_ran`)."""
         if self._waiting is None or 0 < request.id <= self._waiting[0]:  # 0: a `Carry` the driver sent after it
             return False
         _, key, call = self._waiting

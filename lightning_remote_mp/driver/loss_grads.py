@@ -1,0 +1,132 @@
+"""The loss's gradient of a call whose backward the stages ran on their own, sent with the driver's
+next message instead of as a backward through the pipeline.
+
+Under 1F1B or zero-bubble, when the model returns its own loss, the last stage starts each
+micro-batch's backward at that loss with its gradient taken as 1, and every stage keeps the weight
+gradients this gives apart from ``.grad`` (`lightning_remote_mp.worker.route`). The driver's
+``backward()`` then only has one number to tell each stage: the loss's real gradient (Lightning's
+``1 / accumulate_grad_batches``, a loss scale). `DeferredLossGrads.post` posts it to every stage as
+a quiet request (`lightning_remote_mp.wire.requests.LossGrad`) that goes with the next message, in
+front of the optimizer's step, so a step costs the driver its forward and its losses, nothing else.
+
+A stage applies it once its part of the call has run, and runs nothing the driver sent after it
+before then (`lightning_remote_mp.worker.order`). Stage 0 passes the other stages' requests on only
+once it applied its own, and a stage that could not apply it refuses the step. The next forward's
+results prove it applied everywhere (their fences name it); any other message confirms it first
+(`confirm`). Where the step sums gradients over workers (replicas, a tied weight on several
+stages), a failure could leave the sum waiting for a worker that refuses the step: there the
+driver waits for the backward as under GPipe (`enabled` is false).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from lightning_remote_mp.wire import protocol
+from lightning_remote_mp.wire.collect import gather
+from lightning_remote_mp.wire.requests import LossGrad
+from lightning_remote_mp.wire.transport import Connection
+
+if TYPE_CHECKING:
+    from lightning_remote_mp.driver.pipeline import RemoteSpec
+
+
+class DeferredLossGrads:
+    """The loss gradients posted by one `RemoteSpec`'s backwards and not yet known applied."""
+
+    def __init__(self, spec: RemoteSpec) -> None:
+        self.spec = spec
+        #: call -> each connection's `Connection.last_id` before its gradient was posted (`drop`).
+        self.calls: dict[int, dict[int, int]] = {}
+        #: Whether gradients may be deferred: one replica, no tied weights over stages, and the only
+        #: module placed on its workers (the driver session clears it otherwise).
+        self.enabled = len(spec.replicas) == 1
+
+    def post(self, call: int, sizes: list[list[int]], grad_y: Any, flat: list[int]) -> bool:
+        """Post the loss's gradient of ``call`` (an early call: the stages ran its backward from the
+        loss) to every stage that had a share of it, if it is one number that only the loss brings
+        (``grad_y``: the outputs' gradients). Returns whether it did; if not, the backward goes
+        through the pipeline as before (`lightning_remote_mp.wire.messages.Backward`)."""
+        spec, seed = self.spec, self.spec.loss
+        if not self.enabled or seed is None or not isinstance(grad_y, tuple) or not flat:
+            return False
+        chunks = spec._grad_chunks(grad_y, flat)
+        value = chunks[0][seed]
+        for chunk in chunks:
+            g = chunk[seed]
+            others = (o for i, o in enumerate(chunk) if i not in (seed, spec.loss_count))
+            if any(o is not None for o in others) or (g is None) != (value is None):
+                return False  # another output's gradient too: the stages say what that means
+            if g is not None and (g.numel() != 1 or not g.is_floating_point() or not torch.equal(g, value)):
+                return False
+        grad = value.detach().reshape(()).float().cpu() if value is not None else None
+        marks = {id(c): c.last_id for c in spec.conns}
+        for r, row in enumerate(spec.replicas):
+            for rs in row if sizes[r] else ():
+                rs.conn.carry(LossGrad(spec.key, call, grad))
+        self.calls[call] = marks
+        return True
+
+    @staticmethod
+    def what(call: int) -> str:
+        """What a failure of ``call``'s deferred backward is raised as having happened during."""
+        return (
+            f"backward (of call {call}, which the stages ran from the model's loss on their own; its loss's gradient "
+            "went with the driver's next message)"
+        )
+
+    def forget(self, calls: Sequence[int]) -> None:
+        for call in calls:
+            self.calls.pop(call, None)
+
+    def confirm(self) -> None:
+        """Before a message other than the next forward: every stage applied the gradients posted,
+        and ran the requests before this message. Stage 0 first, bringing the other stages theirs,
+        which it passes on once it applied its own; then the others. A failure drops what was
+        posted since (`drop`) and is raised."""
+        spec, posted = self.spec, self.calls
+        self.calls = {}
+        calls = list(posted)
+        late = {c: self.what(c) for c in calls}
+        try:
+            first: dict[int, tuple[Connection, int]] = {}
+            for r, row in enumerate(spec.replicas):
+                carry = spec._carry(r, calls[-1], 1)
+                conn = row[0].conn
+                first[id(conn)] = (conn, conn.send_all(protocol.SYNC, [None], lead=carry, link=False)[0])
+            spec._flush_linked()
+            self._synced(first, calls[-1], late)
+            self._synced({id(c): (c, c.send(protocol.SYNC)) for c in spec.conns if id(c) not in first}, calls[-1], late)
+        except BaseException:
+            self.calls = posted
+            spec._abandon(*self.drop())
+            raise
+
+    def drop(self) -> list[int]:
+        """After a failure: the requests posted since the first gradient (it, the step on it) are
+        dropped, sent or not, and never sent straight; a stage that could not apply its gradient
+        passed none of them on (`lightning_remote_mp.worker.session.WorkerSession.carry`). Returns
+        the calls, forgotten."""
+        posted, self.calls = self.calls, {}
+        if posted:
+            marks = next(iter(posted.values()))
+            for conn in self.spec.conns:
+                conn.discard_carried(marks[id(conn)], relayed=True)
+        return list(posted)
+
+    def _synced(self, syncs: dict[int, tuple[Connection, int]], call: int, late: dict[int, str]) -> None:
+        """Wait for the replies to ``syncs`` (a SYNC request per connection), raising any failure."""
+        got = gather(
+            self.spec.conns,
+            lambda c, m: id(c) in syncs and m.id == syncs[id(c)][1],
+            len(syncs),
+            call=call,
+            what=late[call],
+            late=late,
+        )
+        for c, m in got:
+            if m.kind == protocol.ERROR:
+                raise c.remote_failure(m.body if isinstance(m.body, dict) else {}, late[call])
