@@ -39,8 +39,9 @@ class DeferredLossGrads:
 
     def __init__(self, spec: RemoteSpec) -> None:
         self.spec = spec
-        #: call -> each connection's `Connection.last_id` before its gradient was posted (`drop`).
-        self.calls: dict[int, dict[int, int]] = {}
+        #: call -> each connection with its `Connection.last_id` before the gradient was posted (`drop`),
+        #: as `RemoteSpec` keeps them for a backward it did not wait for.
+        self.calls: dict[int, list[tuple[Connection, int]]] = {}
         #: Whether gradients may be deferred: one replica, no tied weights over stages, and the only
         #: module placed on its workers (the driver session clears it otherwise).
         self.enabled = len(spec.replicas) == 1
@@ -63,7 +64,7 @@ class DeferredLossGrads:
             if g is not None and (g.numel() != 1 or not g.is_floating_point() or not torch.equal(g, value)):
                 return False
         grad = value.detach().reshape(()).float().cpu() if value is not None else None
-        marks = {id(c): c.last_id for c in spec.conns}
+        marks = [(c, c.last_id) for c in spec.conns]
         for r, row in enumerate(spec.replicas):
             for rs in row if sizes[r] else ():
                 rs.conn.carry(LossGrad(spec.key, call, grad))
@@ -111,10 +112,8 @@ class DeferredLossGrads:
         passed none of them on (`lightning_remote_mp.worker.session.WorkerSession.carry`). Returns
         the calls, forgotten."""
         posted, self.calls = self.calls, {}
-        if posted:
-            marks = next(iter(posted.values()))
-            for conn in self.spec.conns:
-                conn.discard_carried(marks[id(conn)], relayed=True)
+        for conn, mark in next(iter(posted.values()), []):
+            conn.discard_carried(mark, relayed=True)
         return list(posted)
 
     def _synced(self, syncs: dict[int, tuple[Connection, int]], call: int, late: dict[int, str]) -> None:

@@ -407,7 +407,6 @@ class RemoteSpec:
         sent = False
         try:
             for r, row in enumerate(sizes):
-                sent = True  # from here on, what was held may be on its way
                 carry = self._carry(r, call, 1) if row else []
                 fence = fences[r] = self._fence(r) if row else {}
                 forwards = [
@@ -429,6 +428,7 @@ class RemoteSpec:
                     self.replicas[r][0].conn.send_all(
                         protocol.FORWARD, forwards, self.compression, lead=carry, link=False
                     )
+                    sent = True  # what was held is on its way
             self._flush_linked()
             results = self._collect(protocol.RESULT, -1, call, sizes, "forward", fences, list(self.loss_grads.calls))
         except BaseException:

@@ -57,15 +57,16 @@ def gather(
             if msg is None:
                 continue
             body = msg.body if isinstance(msg.body, dict) else {}
-            if msg.kind == protocol.ERROR and msg.id == 0 and body.get("call") in (call, None):
-                raise conn.remote_failure(body, what)
-            if msg.kind == protocol.ERROR and msg.id == 0 and late and body.get("call") in late:
-                raise conn.remote_failure(body, late[body["call"]])
-            if want(conn, msg):
+            if msg.kind == protocol.ERROR and msg.id == 0:  # a pipeline's failure, which nobody asked for
+                failed = body.get("call")
+                if failed in (call, None):
+                    raise conn.remote_failure(body, what)
+                if late and failed in late:
+                    raise conn.remote_failure(body, late[failed])
+                log.warning("%s: late error of an earlier call, dropped: %.300s", conn.where(), body.get("message"))
+            elif want(conn, msg):
                 got.append((conn, msg))
                 progress = time.monotonic()
-            elif msg.kind == protocol.ERROR and msg.id == 0:
-                log.warning("%s: late error of an earlier call, dropped: %.300s", conn.where(), body.get("message"))
             else:
                 log.debug("%s: dropping stale %s message", conn.where(), msg.kind)
         for c in by_sock.values():

@@ -72,14 +72,11 @@ class Order:
         """The driver's request ``req_id`` has run here (0: a peer's message has): the tasks that
         may run now, in the order they came: the driver's requests that waited behind a loss's
         gradient, once it is applied, then peers' micro-batches."""
-        ready: list[Any] = []
-        if self._waiting is not None:
-            # The loss gradient that waits, and what was parked behind it, have not run.
-            kept = req_id == self._waiting[0] or any(r.id == req_id for r in self._parked)
-            ready = self._settle()
-            if not kept:
-                self.driver_ran = max(self.driver_ran, req_id)
-        else:
+        # The loss gradient that waits, and what was parked behind it, have not run.
+        waiting = self._waiting
+        kept = waiting is not None and (req_id == waiting[0] or any(r.id == req_id for r in self._parked))
+        ready = self._settle() if waiting is not None else []
+        if not kept:
             self.driver_ran = max(self.driver_ran, req_id)
         if self._held_back:
             ready += [task for wanted, _, task in self._held_back if wanted <= self.driver_ran]
@@ -110,7 +107,8 @@ class Order:
 
     def already_ran(self, req_id: int) -> bool:
         """Whether the driver's request ``req_id`` ran already: it came along the pipeline first, and
-        this is the copy the driver sent straight here (or it was dropped, `_settle`)."""
+        this is the copy the driver sent straight here; or it waited behind a loss gradient whose
+        call the driver released, with a later id (`park`)."""
         return req_id <= self.driver_ran
 
     # --- requests behind a loss's gradient -----------------------------------------------------
