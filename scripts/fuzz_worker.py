@@ -368,6 +368,9 @@ class Fuzzer:
                 ["aten", "_sparse_coo_tensor_unsafe", "default"],
                 ["aten", "set_grad_enabled", "default"],
                 ["aten", "empty", "memory_format"],
+                ["aten", "new_empty_strided", "default"],  # allowed, an allocator: hostile sizes and strides
+                ["aten", "_unsafe_view", "default"],  # refused: a view that autograd does not track
+                ["aten", "resize_as_", "default"],  # refused
                 ["python", "pow"],
                 ["mylib", "evil", "default"],
                 ["python", "eval"],

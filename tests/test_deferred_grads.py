@@ -382,3 +382,38 @@ def test_a_forward_too_small_to_defer_skips_the_torch_function_mode_next_time():
     assert spy.seen == [True, False, True, False]
     deferred.parameters_replaced()  # new parameters: nothing is known about them
     assert not step(torch.randn(3, 4, generator=g)) and spy.seen[-1] is True
+
+
+# Layers that write in place: into the stage's input (a received activation, a leaf that requires
+# grad on the worker), and into a Linear's output, a view for 3-d inputs (issue #38's UnflattenM).
+IN_PLACE = [
+    ["torch.nn.ELU", {"inplace": True}, [4, WIDTH]],
+    ["torch.nn.Linear", {"in_features": WIDTH, "out_features": WIDTH}, [4, WIDTH]],
+    ["torch.nn.ELU", {"inplace": True}, [4, WIDTH]],
+    ["torch.nn.Linear", {"in_features": WIDTH, "out_features": 3}, [4, WIDTH]],
+]
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["kept", "recomputed"])
+@pytest.mark.parametrize("split", [False, True, "auto"])
+def test_layers_that_write_in_place_into_the_stages_input_and_a_linears_output(split, recompute):
+    """As locally, where the input is the previous layer's output; ELU, unlike ReLU, changes what it
+    is applied to twice, so a recomputed forward that started from an input written into shows."""
+    torch.manual_seed(0)
+    stage = StageExecutor("net", 1, 0, IN_PLACE, [], torch.device("cpu"), ["torch.nn"], split_backward=split)
+    local = nn.Sequential(nn.ELU(inplace=True), nn.Linear(WIDTH, WIDTH), nn.ELU(inplace=True), nn.Linear(WIDTH, 3))
+    local.load_state_dict(stage.state_dict())
+    g = torch.Generator().manual_seed(3)
+    x, grad_out = torch.randn(5, 2, WIDTH, generator=g), torch.randn(5, 2, 3, generator=g)
+
+    out = stage.forward((1, 0), x.clone(), {}, grad=True, needs_grad={"x": True}, recompute=recompute)
+    grad_x, _ = stage.backward((1, 0), grad_out, {})
+    stage.flush_weight_grads(1)
+    leaf = x.clone().requires_grad_(True)
+    y = local(leaf * 1.0)  # a layer's output, not a leaf
+    y.backward(grad_out)
+
+    torch.testing.assert_close(out["y"], y.detach())
+    torch.testing.assert_close(grad_x, leaf.grad)
+    for (name, p), q in zip(local.named_parameters(), stage.layers.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, msg=name)

@@ -7,9 +7,8 @@ checkpointed, pipelined and mirrored exactly like layers of a spec; the worker n
 
 What a worker accepts, checked before anything runs (`load_program`):
 
-- ATen and prims operators (``torch.ops.aten.*``, ``torch.ops.prims.*``) by namespace, name and
-  overload, except those that reach outside the process (`DENIED_OPERATORS`: ``from_file`` reads
-  files);
+- ATen operators (``torch.ops.aten.*``) by namespace, name and overload, those of `allowed_operator`
+  (none reaches outside the process: ``from_file``, which reads files, is refused);
 - a few Python operators on shapes and tuples (`PYTHON_OPERATORS`: ``getitem``, integer arithmetic);
 - argument values that are numbers, strings, dtypes, lists and tuples of them, references to earlier
   steps, and a device/layout/memory-format marker. Nothing names a class, a module or a function
@@ -62,7 +61,13 @@ ALLOWED_NAMESPACES = ("aten",)
 #: ``_grouped_mm`` is the grouped matrix product of a mixture of experts in bfloat16. The line after
 #: it holds the losses of ``torch.nn.functional`` that `lightning_remote_mp.driver.losses` computes
 #: on the last stage, and ``broadcast_tensors`` (views of its inputs at one shape) that some of them
-#: trace to. None does I/O, calls back into Python or reaches beyond its tensors.
+#: trace to. The line after that came from the models of issue #38 (Cohere, GPT-J, CodeGen, GLM4 and
+#: Ernie 4.5 interleave rotary embeddings with ``stack``, Mamba's scan loop stacks its states, Falcon
+#: takes ``weight.T``, DeepSeek-V3 ``new_empty``) and the spellings of the same that a user reaches
+#: next: ``stack`` and ``hstack`` are ``cat`` of their inputs, ``numpy_T``, ``mT``, ``moveaxis`` and
+#: ``swapdims`` views of one (``permute`` and ``transpose``), ``new_empty`` and ``new_empty_strided``
+#: allocators like ``new_zeros`` (run zero-filled, `_ZERO_FILLED`). None does I/O, calls back into
+#: Python or reaches beyond its tensors.
 COMPOSITE_OPERATORS = frozenset(
     """
     linear bilinear conv1d conv2d conv3d conv_transpose1d conv_transpose2d conv_transpose3d batch_norm
@@ -86,11 +91,13 @@ COMPOSITE_OPERATORS = frozenset(
     diagonal_scatter take_along_dim flip fliplr flipud roll rot90 meshgrid broadcast_to
     histc index_put index_put_ empty_like _grouped_mm
     binary_cross_entropy huber_loss soft_margin_loss nll_loss2d nll_loss_nd broadcast_tensors
+    stack hstack numpy_T mT moveaxis swapdims new_empty new_empty_strided
     """.split()
 )
-#: Operators whose results start uninitialised: run zero-filled, so a program never reads memory
-#: the worker freed (weights of another session, keys).
-_ZERO_FILLED = frozenset({"empty", "empty_strided", "empty_like"})
+#: Operators that leave memory uninitialised: allocators, and ``resize_`` where it grows a tensor.
+#: They run zero-filled (`_zero_filled`), so a program never reads memory the worker freed (weights
+#: of another session, keys).
+_ZERO_FILLED = frozenset({"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "resize_"})
 #: Steps dropped on load: shape and metadata assertions the tracer inserts, which would pin the
 #: trace's device (a CUDA worker runs a program traced on a CPU driver) or re-check its guards.
 DROPPED_OPERATORS = frozenset(
@@ -274,12 +281,30 @@ def _core(packet: torch._ops.OpOverloadPacket) -> bool:
     return any(torch.Tag.core in getattr(packet, overload).tags for overload in packet.overloads())
 
 
-def _zero_filled(op: Callable[..., Any]) -> Callable[..., Any]:
+def _zero_filled(op: torch._ops.OpOverload) -> Callable[..., Any]:
+    """``op`` without uninitialised memory: a fresh tensor's whole memory zeroed, the gaps between a
+    strided tensor's elements too (``as_strided`` reaches them); a tensor it writes into (``out=``,
+    ``resize_``'s own) zeroed where its memory grew, and an allocator's ``out`` where it is written."""
+    resize = op._schema.name == "aten::resize_"
+
     def zeroed(*args: Any, **kwargs: Any) -> torch.Tensor:
-        return op(*args, **kwargs).zero_()
+        into = args[0] if resize and args else kwargs.get("out")
+        if not isinstance(into, torch.Tensor):
+            out = op(*args, **kwargs)
+            _memory(out).zero_()
+            return out
+        before = into.untyped_storage().nbytes()
+        out = op(*args, **kwargs)
+        _memory(out)[before:].zero_()
+        return out if resize else out.zero_()
 
     zeroed.__wrapped_op__ = op  # type: ignore[attr-defined]  # whose schema the arguments are checked against
     return zeroed
+
+
+def _memory(t: torch.Tensor) -> torch.Tensor:
+    """The whole memory under ``t``, as bytes."""
+    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
 
 
 def _check_devices(op: Any, args: Sequence[Any], kwargs: Mapping[str, Any], where: str) -> None:

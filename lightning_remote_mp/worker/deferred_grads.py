@@ -108,7 +108,11 @@ class _LinearInputGrad(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pending: _Pending):
         ctx.save_for_backward(x, weight)
         ctx.pending = pending
-        return F.linear(x, weight, bias)
+        out = F.linear(x, weight, bias)
+        # With a bias and an input of 3 or more dims, F.linear returns its 2-d product viewed as the
+        # input's shape, and autograd refuses to let a view made inside a Function be modified in place
+        # (``y.add_(1)`` after a Linear). The same memory as a tensor of its own: what matmul returns.
+        return out if out._base is None else torch.ops.aten._unsafe_view(out, out.shape)
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor):

@@ -35,6 +35,15 @@ def _signature(x: Main, variables: Mapping[str, torch.Tensor]) -> tuple[Any, ...
     )
 
 
+def _writable(t: torch.Tensor) -> torch.Tensor:
+    """A received tensor as the layers get it: a leaf that requires grad (whose ``.grad`` is the input
+    gradient sent back) as an alias that is neither a leaf nor a view, so that the stage's first operation
+    may write into it in place (``x.add_(1)``, as locally on the previous layer's output); autograd refuses
+    that on a leaf that requires grad and on a view of one. ``_unsafe_view`` (how matmul returns its
+    products) shares the memory: no copy, and no one reads the received tensor's values after the layers."""
+    return torch.ops.aten._unsafe_view(t, t.shape) if t.requires_grad and t.is_leaf else t
+
+
 def _pairs(y: Main, grad: Any) -> list[tuple[torch.Tensor, Any]]:
     """(output, its gradient or None) pairs, for a tensor or a tuple."""
     if isinstance(y, tuple):
@@ -246,9 +255,16 @@ class StageExecutor:
         variables = {n: self._to_device(t, grad and bool(needs_grad.get(n))) for n, t in imports.items()}
         imported = dict(variables)
         replay = self._recording_state(autocast) if grad and recompute else None
-        y = self._run(x, variables, grad=grad and replay is None, autocast=autocast, statistics=True)
+        run_x, run_variables = x, variables
+        if replay is not None:
+            # The rerun at backward starts from the received tensors: this run, without grad, takes copies,
+            # which a layer may write into in place (``x.add_(1)``) without changing what the rerun computes.
+            with torch.no_grad():
+                run_x = tuple(t.clone() for t in x) if isinstance(x, tuple) else x.clone()
+                run_variables = {n: t.clone() for n, t in variables.items()}
+        y = self._run(run_x, run_variables, grad=grad and replay is None, autocast=autocast, statistics=True)
         self._count_forward(call_id[0], microbatches)
-        exports = self._exports(variables)
+        exports = self._exports(run_variables)
         if replay is not None:
             # No graph was kept: whether outputs need gradients is what a graph would have said, an
             # over-estimate at worst (an output that turns out not to need one gets none).
@@ -302,6 +318,10 @@ class StageExecutor:
         deferred_statistics = contextlib.nullcontext()
         if self.statistics is not None and statistics:
             deferred_statistics = self.statistics.recording(self.layers)
+        if grad:
+            with torch.enable_grad():
+                x = tuple(map(_writable, x)) if isinstance(x, tuple) else _writable(x)
+                variables.update({n: _writable(t) for n, t in variables.items()})
         with torch.set_grad_enabled(grad), cast, defer, deferred_statistics:
             y = run_layers(((int(k), m) for k, m in self.layers.items()), x, variables)
         if not is_main(y):

@@ -1,0 +1,236 @@
+"""What the models of issue #38 ("every model") needed, on real workers and real Trainers, each run
+compared step by step with the same model trained locally: the operators they trace to (``stack``
+of interleaved rotary embeddings, ``weight.T``, ``new_empty``...), in-place operations on a Linear's
+output and on a stage's input, and the errors that name what fixed or doubled the batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lrmp_traced import Trained
+from test_zoo import remote_equals_local
+from torch import nn
+
+from lightning_remote_mp import RemoteModelParallelStrategy
+from lightning_remote_mp.errors import RefusedOperatorError, TraceError
+from lightning_remote_mp.model.graph import GraphLayer, load_program
+from lightning_remote_mp.model.trace import trace_module
+
+SEQ, DIM, CLASSES = 5, 8, 3
+
+
+def _sequences(n: int = 24, batch: int = 8, seed: int = 0) -> torch.utils.data.DataLoader:
+    """3-d inputs (batch, positions, features), a class per position."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, SEQ, DIM, generator=g)
+    y = (x[..., 0] > 0).long() + (x[..., 1] > 0).long()
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=batch)
+
+
+def _operators(module: nn.Module) -> set[str]:
+    """The operators the units of ``module``'s trace call (what the workers are sent)."""
+    traced = trace_module(module, (torch.randn(4, SEQ, DIM),), {}, "m")
+    return {
+        ".".join(step[1][1:])
+        for entry in traced.entries
+        for program in entry.kwargs["programs"].values()
+        for step in program["steps"]
+    }
+
+
+class Rotary(nn.Module):
+    """Rotary position embeddings on interleaved pairs, as GPT-J, CodeGen and Cohere write them:
+    ``torch.stack((-x2, x1), dim=-1).flatten(-2)``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(x.shape[1], dtype=x.dtype, device=x.device)[:, None]
+        inv = 1.0 / 100 ** (torch.arange(0, x.shape[-1], 2, dtype=x.dtype, device=x.device) / x.shape[-1])
+        angle = (pos * inv).repeat_interleave(2, -1)
+        rotated = torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
+        return x * angle.cos() + rotated * angle.sin()
+
+
+class Operators(nn.Module):
+    """Every operator issue #38 added, in a model that learns: Falcon's ``weight.T``, interleaved rotary
+    embeddings, DeepSeek-V3's ``new_empty`` filled by a copy, ``new_empty_strided``, ``swapdims``,
+    ``moveaxis``, ``mT`` and ``hstack``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(DIM, DIM) * 0.3)
+        self.rotary = Rotary()
+        self.mix = nn.Linear(SEQ, SEQ)
+        self.head = nn.Linear(2 * DIM, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.rotary(x @ self.w.T)
+        fresh = h.new_empty(h.shape)
+        fresh.copy_(h.tanh())
+        halves = h.new_empty_strided(h.shape, h.stride()).fill_(0.5)
+        h = h + fresh * halves
+        h = torch.moveaxis(self.mix(torch.swapdims(h, 1, 2)), 2, 1)  # mixes positions
+        h = h + 0.01 * h @ (h.mT @ h).mT
+        both = torch.hstack([h, h * h])  # (batch, 2 * positions, features)
+        return self.head(both.reshape(h.shape[0], SEQ, 2 * DIM))
+
+
+NEW_OPERATORS = {
+    "stack.default",
+    "numpy_T.default",
+    "new_empty.default",
+    "new_empty_strided.default",
+    "mT.default",
+    "moveaxis.int",
+    "swapdims.default",
+    "hstack.default",
+}
+
+
+def test_the_operators_of_rotary_embeddings_transposes_and_fresh_tensors_train_as_locally(twin, pool):
+    assert NEW_OPERATORS <= _operators(Operators())  # they reach the workers as they are
+    remote_equals_local(
+        lambda: Trained(Operators()),
+        _sequences,
+        twin,
+        RemoteModelParallelStrategy(hosts=pool[:2], microbatches=2, split=["model"]),
+    )
+
+
+def _run(*steps: list) -> torch.Tensor:
+    """The last step's value, of a program that takes ``x`` (three ones)."""
+    program = {"inputs": ["x"], "steps": list(steps), "outputs": [steps[-1][0]]}
+    return GraphLayer({"train": program}, {})((torch.ones(3),))[0]
+
+
+X = {"ref": "x"}
+
+
+@pytest.mark.parametrize(
+    "steps",
+    [
+        [["e", ["aten", "new_empty", "default"], [X, [4096]], {}]],
+        # the gaps between a strided tensor's elements, which as_strided reaches
+        [
+            ["e", ["aten", "new_empty_strided", "default"], [X, [2], [4000]], {}],
+            ["all", ["aten", "as_strided", "default"], [{"ref": "e"}, [4001], [1]], {}],
+        ],
+        [
+            ["e", ["aten", "empty_strided", "default"], [[2], [4000]], {}],
+            ["all", ["aten", "as_strided", "default"], [{"ref": "e"}, [4001], [1]], {}],
+        ],
+        # what resize_ grows a tensor by (its own elements stay)
+        [
+            ["z", ["aten", "zeros", "default"], [[1]], {}],
+            ["r", ["aten", "resize_", "default"], [{"ref": "z"}, [4096]], {}],
+        ],
+    ],
+    ids=["new_empty", "new_empty_strided", "empty_strided", "resize_"],
+)
+def test_memory_a_program_allocates_holds_zeros_not_freed_memory(steps):
+    secret = torch.full((8192,), 7.0)
+    del secret
+    assert not _run(*steps).any()
+
+
+def test_resize_keeps_a_tensors_elements_and_zeroes_what_it_grows_by():
+    assert _run(["r", ["aten", "resize_", "default"], [X, [5]], {}]).tolist() == [1.0, 1.0, 1.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("target", [["aten", "_unsafe_view", "default"], ["aten", "resize_as_", "default"]])
+def test_operators_beside_the_new_ones_stay_refused(target):
+    with pytest.raises(RefusedOperatorError, match="allowlist"):
+        load_program({"inputs": ["x"], "steps": [["y", target, [X, X], {}]], "outputs": ["y"]}, "here")
+
+
+class Shift(nn.Module):
+    """Adds a constant to its input in place, as torch's test_unflatten.py's ``UnflattenM`` does to a
+    Linear's output."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.add_(1.0)
+
+
+class InPlace(nn.Module):
+    """A Linear whose output is shifted in place (its stage's own value), then a stage that begins by
+    shifting its input in place (a received activation)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Sequential(nn.Linear(DIM, 12), Shift())
+        self.second = nn.Sequential(Shift(), nn.Linear(12, 12), nn.Tanh(), nn.Linear(12, CLASSES))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(self.first(x))
+
+
+@pytest.mark.parametrize("split_backward", ["auto", False])
+def test_in_place_operations_on_a_linears_output_and_on_a_stages_input_train_as_locally(twin, pool, split_backward):
+    """With ``"auto"`` every linear call defers here (the tests' workers defer every call): its output,
+    a view for 3-d inputs, is modified in place. Stage 1 starts at ``second``, whose first step writes
+    into the activation it received; the input gradient it sends back trains stage 0."""
+    strategy = RemoteModelParallelStrategy(
+        hosts=pool[:2], microbatches=2, split=["model"], balance={"model": ["second"]}, split_backward=split_backward
+    )
+    remote_equals_local(lambda: Trained(InPlace()), _sequences, twin, strategy)
+
+
+class DefaultTable(nn.Module):
+    """A default argument whose rows happen to be the batch's: torch.export fixes the batch's size."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor, offsets: torch.Tensor = torch.zeros(6, SEQ, DIM)) -> torch.Tensor:  # noqa: B008
+        return self.lin(x) + offsets
+
+
+class Doubled(nn.Module):
+    """Returns two batches' rows along dim 0."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        return torch.cat([h, -h])
+
+
+@pytest.mark.parametrize(
+    "module, match",
+    [
+        (
+            DefaultTable,
+            r"the trace fixed the batch at 6 rows, .*: the default value of forward's argument 'offsets' "
+            r"\(shape \(6, 5, 8\)\) has as many rows",
+        ),
+        (Doubled, r"returns 'the output' with 2 times the batch's rows in dim 0 \(12 for a batch of 6\)"),
+    ],
+    ids=["default argument", "doubled rows"],
+)
+def test_an_output_without_the_batchs_rows_says_what_fixed_or_doubled_them(module, match):
+    x = torch.randn(6, SEQ, DIM)
+    traced = trace_module(module(), (x,), {}, "m")
+    with pytest.raises(TraceError, match=match) as info:
+        traced.check_batch_split(traced.interface.inputs((x,), {}))
+    assert "carries no batch dimension and is no loss" not in str(info.value)
+
+
+def test_gpt_j_fine_tunes_remotely_as_it_does_locally(pool):
+    """GPT-J (its rotary embeddings interleave pairs with ``stack``), with ``labels=`` and padded batches."""
+    pytest.importorskip("transformers")
+    import lrmp_hf as H
+    from test_hf_zoo import remote_equals_local as hf_remote_equals_local
+
+    def gpt_j() -> torch.nn.Module:
+        t = H._transformers()
+        config = t.GPTJConfig(
+            vocab_size=H.VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=2, rotary_dim=8, bos_token_id=0,
+            eos_token_id=0,
+        )  # fmt: skip
+        return t.GPTJForCausalLM(config)
+
+    hf_remote_equals_local(
+        lambda: H.FineTune(gpt_j(), "lm"), RemoteModelParallelStrategy(hosts=pool[:2], microbatches=2, split=["model"])
+    )
