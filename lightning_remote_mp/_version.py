@@ -2,4 +2,6 @@
 in its greeting, a worker logs it) without importing the package's face. pyproject.toml reads it
 from here without importing anything."""
 
-__version__ = "0.1.0"
+# 0.MINOR.PATCH before 1.0: MINOR is the wire protocol's version, PATCH counts releases that keep it
+# (the policy is at the top of CHANGELOG.md, whose newest heading names this version).
+__version__ = "0.12.0"

@@ -4,7 +4,8 @@ lrmp-worker --bind tcp://0.0.0.0:5555 --device cuda:0 --allow-module mypackage.l
     --secret-key keys/worker1.key_secret --authorized-keys keys/drivers
 
 ``lrmp-worker keygen [DIR] --name NAME`` writes a CURVE key pair (``NAME.key``, ``NAME.key_secret``),
-into ``~/.lrmp`` without ``DIR``.
+into ``~/.lrmp`` without ``DIR``. ``lrmp-worker --version`` says which lrmp, wire protocol and torch
+it runs.
 """
 
 from __future__ import annotations
@@ -20,13 +21,16 @@ import socket
 import sys
 from collections.abc import Sequence
 
+from lightning_remote_mp._version import __version__
 from lightning_remote_mp.errors import ConfigurationError
 from lightning_remote_mp.wire import addresses, protocol
 from lightning_remote_mp.worker import allocator
 from lightning_remote_mp.worker.server import DEFAULT_SESSION_TIMEOUT, WorkerServer
+from lightning_remote_mp.worker.signals import StopSignal
 
 log = logging.getLogger("lightning_remote_mp.worker")
 
+DEFAULT_BIND = "tcp://127.0.0.1:5555"  # loopback: a worker listens beyond this machine only when told to
 _UNITS = {"": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "ki": 1024, "mi": 1024**2, "gi": 1024**3}
 
 
@@ -56,6 +60,31 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def version_line() -> str:
+    """``lrmp-worker 0.12.0 (wire protocol 12, torch 2.13.0+cpu)``: what ``--version`` prints."""
+    import torch
+
+    return f"lrmp-worker {__version__} (wire protocol {protocol.PROTOCOL_VERSION}, torch {torch.__version__})"
+
+
+class _PrintVersion(argparse.Action):
+    """``--version``: argparse's own action takes its text when the parser is built, which would
+    import torch for every ``--help``; this one asks for it only when the flag is given."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, help: str | None = None) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=help)
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: str | Sequence[object] | None,
+        option_string: str | None = None,
+    ) -> None:
+        print(version_line())
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     d = protocol.DEFAULT_LIMITS
     p = argparse.ArgumentParser(
@@ -64,9 +93,12 @@ def build_parser() -> argparse.ArgumentParser:
         "`lrmp-worker keygen [DIR] --name NAME` writes a CURVE key pair instead.",
     )
     p.add_argument(
+        "--version", action=_PrintVersion, help="print lrmp's, the wire protocol's and torch's versions, and exit"
+    )
+    p.add_argument(
         "--bind",
         default=None,
-        help="endpoint to listen on, e.g. tcp://0.0.0.0:5555 (port * picks a free one; default tcp://127.0.0.1:5555)",
+        help=f"endpoint to listen on, e.g. tcp://0.0.0.0:5555 (port * picks a free one; default {DEFAULT_BIND})",
     )
     p.add_argument(
         "--connect",
@@ -144,6 +176,25 @@ def insecure_bind_warning(endpoint: str, secure: bool) -> str | None:
         "read or alter what it computes. Start it with --secret-key and --authorized-keys (see "
         "`lrmp-worker keygen --help`) unless every host on this network is trusted"
     )
+
+
+def loopback_hint(endpoint: str) -> str | None:
+    """What the ready line adds for a worker that only this machine can reach (``None`` otherwise):
+    ``--bind`` defaults to loopback, and a driver elsewhere would otherwise just time out."""
+    if not endpoint.startswith("tcp://") or not addresses.is_loopback(endpoint):
+        return None
+    port = endpoint.rpartition(":")[2]
+    return (
+        f"(loopback: only this machine can reach it; start it with --bind tcp://0.0.0.0:{port} "
+        "to accept other machines)"
+    )
+
+
+def ready_line(where: str, device: object, hint: str | None = None) -> str:
+    """The line a worker prints once it serves; the launcher of local workers reads the address
+    from its first word after ``ready on``."""
+    line = f"lrmp-worker ready on {where} device={device} lrmp={__version__} protocol={protocol.PROTOCOL_VERSION}"
+    return f"{line} {hint}" if hint else line
 
 
 def dial_in(args: argparse.Namespace, secure: bool) -> tuple[str | None, str, bytes | None]:
@@ -235,7 +286,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         auto_min_macs(torch.device("cpu"))  # a malformed LRMP_SPLIT_BACKWARD_MIN_MACS fails here, not at setup
         limits = protocol.Limits(**{name: getattr(args, name) for name in protocol.LIMIT_FLAGS})
         connect, name, driver_key = dial_in(args, keys is not None)
-        bind = addresses.normalize_address(args.bind or "tcp://127.0.0.1:5555")
+        bind = addresses.normalize_address(args.bind or DEFAULT_BIND)
         server = WorkerServer(
             bind,
             device=args.device,
@@ -267,16 +318,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             server.keys.public.decode() if server.keys else "?",
             args.authorized_keys,
         )
-    signal.signal(signal.SIGTERM, lambda *_: server.stop())
+    stop_signal = StopSignal(server.stop)
     if hasattr(signal, "SIGUSR1"):  # `kill -USR1 <pid>` prints every thread's stack: for a worker that seems stuck
         faulthandler.register(signal.SIGUSR1, all_threads=True)
     # The launcher of local workers reads this line to learn the bound port (or the name it dials in by).
-    where = f"{addresses.DIAL}{name} (dialing {connect})" if connect is not None else server.endpoint
-    print(f"lrmp-worker ready on {where} device={server.device}", flush=True)
+    if connect is not None:
+        print(ready_line(f"{addresses.DIAL}{name} (dialing {connect})", server.device), flush=True)
+    else:
+        print(ready_line(server.endpoint, server.device, loopback_hint(server.endpoint)), flush=True)
     try:
         server.serve_forever()
     except KeyboardInterrupt:
         pass
+    if stop_signal.received is not None:
+        log.info("stopped by %s", stop_signal.received)
     # Sockets are closed and nothing is left to flush but logs; skip the interpreter's slow teardown
     # of torch's module graph so that a stopped worker is gone at once.
     logging.shutdown()

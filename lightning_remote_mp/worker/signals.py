@@ -1,10 +1,12 @@
-"""Signals wake the worker's main thread, whichever thread the OS delivers them to."""
+"""Signals wake the worker's main thread, whichever thread the OS delivers them to, and the signal
+that stopped the worker is remembered so that it can say so."""
 
 from __future__ import annotations
 
 import signal
 import socket
 import threading
+from collections.abc import Callable
 
 
 class SignalWakeup:
@@ -42,3 +44,18 @@ class SignalWakeup:
         signal.set_wakeup_fd(self._previous)
         self._rx.close()
         self._tx.close()
+
+
+class StopSignal:
+    """The handler of ``signum`` (SIGTERM): calls ``stop`` and remembers the signal, so that the worker
+    logs why it stopped once it has. The handler itself does not log: it runs between any two
+    bytecodes of the main thread, which may hold the logging module's lock at that moment."""
+
+    def __init__(self, stop: Callable[[], None], signum: int = signal.SIGTERM) -> None:
+        self.received: str | None = None  # the signal's name, once it came
+        self._stop = stop
+        signal.signal(signum, self)
+
+    def __call__(self, signum: int, frame: object) -> None:
+        self.received = signal.Signals(signum).name
+        self._stop()
