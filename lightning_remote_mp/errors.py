@@ -20,6 +20,12 @@ class ConfigurationError(LrmpError, ValueError):
     arguments and what to change."""
 
 
+class WeightsError(LrmpError, ValueError):
+    """Weights at rest cannot be used: a missing file or tensor, another shape, a checkpoint of another
+    model, a directory a worker cannot read (`lightning_remote_mp.model.weights`). Names the tensor and
+    the file."""
+
+
 class ProtocolError(LrmpError):
     """A message could not be encoded or decoded (malformed, truncated, over a limit)."""
 

@@ -112,6 +112,8 @@ class OptimizerMirror:
         self.grads_version = grads_version
         self._synced_version = grads_version()
         self.allreduced_bytes = 0  # gradient bytes each stage's replicas summed, over the session
+        #: Whether ``state_dict()`` brings the workers' state here (False: a sharded checkpoint).
+        self.gather = True
         self._handles: list[Any] = []
         self.cls = type(optimizer)
         self._create()
@@ -299,7 +301,14 @@ class OptimizerMirror:
                 k += 1
         return positions
 
+    def positions_by_id(self) -> dict[int, int]:
+        """Each remote parameter (by ``id``): its index in the local optimizer's packed state_dict."""
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        return {id(p): k for k, p in enumerate(params) if id(p) in self.remote}
+
     def _state_dict_post(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+        if not self.gather:  # a sharded checkpoint: the workers write their state themselves
+            return state_dict
         positions = self._positions()
         state = dict(state_dict["state"])
         for name, param_state in self._remote_state().items():

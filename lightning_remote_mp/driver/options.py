@@ -335,3 +335,30 @@ def _path(name: str, value: Any) -> str:
     if not isinstance(value, (str, os.PathLike)) or not os.fspath(value).strip():
         raise ConfigurationError(f"{name} must be a key file path, got {value!r}")
     return os.fspath(value)
+
+
+#: ``gather_limit``'s default: 1 GiB of placed weights come back to the driver at most.
+DEFAULT_GATHER_LIMIT = 1 << 30
+
+
+def check_pretrained(pretrained: Any, split: list[str]) -> dict[str, str]:
+    """``pretrained`` as a dict from split module names to weight paths (paths are read at setup)."""
+    if pretrained is None:
+        return {}
+    if isinstance(pretrained, (str, os.PathLike)):
+        if len(split) != 1:
+            raise ConfigurationError(
+                f"pretrained is one path, but split names {len(split)} modules ({split}); give a dict from "
+                "split module names to their weights' paths"
+            )
+        pretrained = {split[0]: pretrained}
+    if not isinstance(pretrained, dict) or not all(
+        isinstance(k, str) and isinstance(v, (str, os.PathLike)) and os.fspath(v).strip() for k, v in pretrained.items()
+    ):
+        raise ConfigurationError(
+            f"pretrained must be a path or a dict from split module names to paths, got {pretrained!r}"
+        )
+    unknown = sorted(set(pretrained) - set(split))
+    if unknown:
+        raise ConfigurationError(f"pretrained names {unknown}, which split does not name (split={split})")
+    return {k: os.fspath(v) for k, v in pretrained.items()}

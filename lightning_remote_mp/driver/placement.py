@@ -8,15 +8,18 @@ tensors go straight into the state dict), and loading one sends what was loaded 
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 
 from lightning_remote_mp.driver.pipeline import RemoteSpec
-from lightning_remote_mp.errors import SpecError
+from lightning_remote_mp.errors import SpecError, WeightsError
 from lightning_remote_mp.model import partition
 from lightning_remote_mp.model.spec import SpecSequential
+from lightning_remote_mp.model.weights import FileTensor, TensorFiles
 from lightning_remote_mp.wire import protocol
 from lightning_remote_mp.wire.requests import GetState, LoadState
 from lightning_remote_mp.wire.transport import broadcast, request_all
@@ -43,6 +46,71 @@ def meta_stage_state(module: SpecSequential, stage: partition.Stage) -> dict[str
     return mine
 
 
+def find_in(sources: Sequence[TensorFiles], names: Sequence[str]) -> FileTensor | None:
+    """The first of ``sources`` to hold one of ``names`` (a tensor's keys), and where."""
+    for files in sources:
+        for name in names:
+            found = files.find(name)
+            if found is not None:
+                return found
+    return None
+
+
+def stage_weights(
+    module: SpecSequential, stage: partition.Stage, sources: Sequence[TensorFiles], what: str
+) -> tuple[dict[str, torch.Tensor], dict[str, list[str]]]:
+    """A stage's tensors split by where its worker gets them: from files (``sources``: a sharded
+    checkpoint's, then a pretrained model's), by name, or from this driver's module (the rest: a
+    LoRA adapter, a new head). A tensor on the meta device must be in the files."""
+    keys = module.state_keys()
+    state: dict[str, torch.Tensor] = {}
+    files: dict[str, list[str]] = {}
+    for i in stage.layer_indices:
+        for name, t in module.layers[i].state_dict(keep_vars=True).items():
+            local = f"{i}.{name}"
+            names = keys.get(local, [])
+            found = find_in(sources, names)
+            if found is not None:
+                if tuple(found.shape) != tuple(t.shape):
+                    raise WeightsError(
+                        f"{what}: tensor {found.name!r} in {found.path} has shape {found.shape}, but the model's "
+                        f"{names[0]} has {tuple(t.shape)}: the files hold another model or configuration"
+                    )
+                files[local] = [found.path, found.name]
+            elif t.is_meta:
+                where = ", ".join(repr(f.root) for f in sources) or "no weights files (pretrained= names none)"
+                raise WeightsError(
+                    f"{what}: {names[0] if names else local} is on the meta device and not in {where}; give "
+                    "pretrained= the model's save_pretrained directory, or build that tensor with a value"
+                )
+            else:
+                state[local] = t.detach()
+    return state, files
+
+
+def placed_bytes(placements: Iterable[Placement]) -> int:
+    """The bytes of every weight and buffer of ``placements`` (one copy of each)."""
+    seen: dict[int, int] = {}
+    for pl in placements:
+        for layer in pl.module.layers:
+            for t in layer.state_dict(keep_vars=True).values():
+                seen[id(t)] = t.numel() * t.element_size()
+    return sum(seen.values())
+
+
+@contextlib.contextmanager
+def gathering(holders: Sequence[Any], gather: bool) -> Iterator[None]:
+    """Set ``gather`` on placements and optimizer mirrors while inside (see `Placement.gather`)."""
+    flags = [(x, x.gather) for x in holders]
+    for x, _ in flags:
+        x.gather = gather
+    try:
+        yield
+    finally:
+        for x, g in flags:
+            x.gather = g
+
+
 class Placement:
     """A placed SpecSequential (see the module docstring), by its key, module and pipeline front end."""
 
@@ -51,6 +119,9 @@ class Placement:
         self.module = module
         self.remote = remote
         self.meta = module.is_meta
+        #: Whether a ``state_dict()`` brings the workers' tensors here (a full checkpoint); while
+        #: False (a sharded one, `lightning_remote_mp.driver.checkpoint`), it leaves them out.
+        self.gather = True
         self._loaded: dict[str, torch.Tensor] = {}
         owner = module.state_owner  # whose state_dict keys hold the layers' tensors
         self.hooks = [
@@ -61,13 +132,20 @@ class Placement:
         ]
 
     def _before_state_dict(self, module: Any, prefix: str, keep_vars: bool) -> None:
-        if not self.meta:
+        if not self.meta and self.gather:
             self.pull()
 
     def _after_state_dict(self, module: Any, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+        if not self.gather:
+            for names in self.module.state_keys().values():
+                for name in names:
+                    state_dict.pop(prefix + name, None)
+            return
         if self.meta:
-            for name, t in self.fetch().items():
-                state_dict[f"{prefix}layers.{name}"] = t
+            keys = self.module.state_keys()
+            for local, t in self.fetch().items():
+                for name in keys.get(local, ()):
+                    state_dict[prefix + name] = t
 
     def _before_load_state_dict(self, module: Any, state_dict: Any, prefix: str, *args: Any) -> None:
         self._loaded = self.module.layer_state(state_dict, prefix)

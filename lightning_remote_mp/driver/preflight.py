@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -37,7 +37,15 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_remote_mp.errors import SpecError
-from lightning_remote_mp.model.spec import LayerEntry, SpecSequential, build_layer, nested_class_paths, refuse_main
+from lightning_remote_mp.model.spec import (
+    DEFAULT_ALLOWED_PREFIXES,
+    LayerEntry,
+    SpecSequential,
+    build_layer,
+    is_allowed,
+    nested_class_paths,
+    refuse_main,
+)
 from lightning_remote_mp.model.wiring import call_layer
 from lightning_remote_mp.wire import protocol
 
@@ -274,3 +282,29 @@ def _fallback_compute(entry: LayerEntry) -> float:
     except Exception:
         return float(rows)
     return 2.0 * rows * sum(p.numel() for p in layer.parameters()) + rows
+
+
+def checked_for_workers(module: SpecSequential, what: str) -> Preflight:
+    """`preflight` with errors that name the SpecSequential too."""
+    try:
+        return preflight(module)
+    except SpecError as err:
+        raise SpecError(f"{what}, {err}") from err.__cause__
+
+
+def allow_modules_for(
+    modules: Mapping[str, SpecSequential], optimizers: Sequence[torch.optim.Optimizer] = ()
+) -> list[str]:
+    """Module prefixes local workers need beyond their defaults to build these layers and optimizers."""
+    prefixes = []
+    for module in modules.values():
+        for entry in module.entries:
+            for path in [entry.path, *nested_class_paths(entry.kwargs)]:
+                mod = path.rsplit(".", 1)[0]
+                if not is_allowed(path, DEFAULT_ALLOWED_PREFIXES) and mod != "__main__":
+                    prefixes.append(mod)
+    for opt in optimizers:
+        mod = type(opt).__module__
+        if not is_allowed(mod, ("torch.optim",)) and mod != "__main__":
+            prefixes.append(mod)
+    return list(dict.fromkeys(prefixes))

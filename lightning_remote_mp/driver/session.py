@@ -16,6 +16,7 @@ True
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -34,8 +35,15 @@ from lightning_remote_mp.driver.groups import Groups
 from lightning_remote_mp.driver.optim import Holder, OptimizerMirror
 from lightning_remote_mp.driver.options import Topology, check_split_backward
 from lightning_remote_mp.driver.pipeline import RemoteSpec, RemoteStage, check_checkpoint_mode
-from lightning_remote_mp.driver.placement import Placement, meta_stage_state, placed_module_state
-from lightning_remote_mp.driver.preflight import Preflight, preflight
+from lightning_remote_mp.driver.placement import (
+    Placement,
+    gathering,
+    meta_stage_state,
+    placed_bytes,
+    placed_module_state,
+    stage_weights,
+)
+from lightning_remote_mp.driver.preflight import Preflight, checked_for_workers
 from lightning_remote_mp.errors import (
     ConfigurationError,
     LrmpError,
@@ -47,13 +55,11 @@ from lightning_remote_mp.errors import (
 from lightning_remote_mp.flow import SplitBackward
 from lightning_remote_mp.model import partition
 from lightning_remote_mp.model.spec import (
-    DEFAULT_ALLOWED_PREFIXES,
     SpecSequential,
-    is_allowed,
-    nested_class_paths,
     source_digest,
     user_code_modules,
 )
+from lightning_remote_mp.model.weights import TensorFiles
 from lightning_remote_mp.schedule import check_schedule
 from lightning_remote_mp.wire import protocol
 from lightning_remote_mp.wire.addresses import dial_name, normalize_address, relay_address, resolved, route_dialin
@@ -394,6 +400,7 @@ class DriverSession:
         deferred_batch_norm: bool = False,
         compression: str | None = None,
         schedule: str = "gpipe",
+        sources: Sequence[TensorFiles] = (),
     ) -> None:
         """Ship ``module``'s layers to the workers and make its forward run there, splitting each
         batch into ``microbatches`` that flow through the stages concurrently; with
@@ -405,7 +412,9 @@ class DriverSession:
         ``deferred_batch_norm``: batch norms update their running statistics once per mini-batch
         (`worker.deferred_bn`). ``compression``: how activations and their gradients travel
         (`wire.protocol.COMPRESSIONS`). ``schedule``: the order of each stage's actions
-        (`lightning_remote_mp.schedule`)."""
+        (`lightning_remote_mp.schedule`). ``sources``: safetensors files the workers read the
+        tensors they hold from, by name (a sharded checkpoint's, a pretrained model's); the
+        driver sends only the tensors none of them holds."""
         check_split_backward(split_backward)
         check_schedule(schedule)
         if key in self.placements:
@@ -423,7 +432,7 @@ class DriverSession:
                     f"at most {cap} per stage; start it with a larger --max-layers or balance differently"
                 )
         meta = module.is_meta
-        if meta and not module.pending_state and module.weights_left_on_workers:
+        if meta and not module.pending_state and not sources and module.weights_left_on_workers:
             raise SpecError(
                 f"{what} lives on the meta device and was trained by an earlier run whose workers held its only "
                 "weights; starting again from its seed would silently drop that training. Pass ckpt_path= "
@@ -437,6 +446,15 @@ class DriverSession:
         digests = {name: source_digest(name) for name in user_code_modules(module.entries)}
         shared, tied = ties.plan(module.shared(), stages, trains=lambda names: _trains(module, names))
         self.groups.check_plaintext(what, tied)
+        weights: dict[int, tuple[dict[str, torch.Tensor] | None, dict[str, list[str]]]] = {}
+        for stage in stages:
+            if sources or module.init_seed is None:  # a seeded spec: the state loaded, or its seed
+                weights[stage.index] = stage_weights(module, stage, sources, f"{what}, stage {stage.index}")
+            else:
+                weights[stage.index] = (
+                    meta_stage_state(module, stage) if meta else placed_module_state(module, stage),
+                    {},
+                )
         ids = []
         for r, row, stage in ((r, row, stage) for r, row in enumerate(self.grid) for stage in stages):
             conn = row[stage.index]
@@ -461,7 +479,8 @@ class DriverSession:
                     for k, _ in (*stage.sources, *stage.targets)
                     if k != partition.DRIVER and self.worker_keys is not None
                 },
-                state=meta_stage_state(module, stage) if meta else placed_module_state(module, stage),
+                state=weights[stage.index][0],
+                files=weights[stage.index][1],
                 init_seed=module.init_seed,
                 split_backward=split_backward,
                 code_digests={n: d for n, d in digests.items() if d is not None},
@@ -549,10 +568,22 @@ class DriverSession:
         self.mirrors.append(mirror)
         return mirror
 
+    def placed_bytes(self) -> int:
+        """The bytes of every placed weight and buffer (one copy of each)."""
+        return placed_bytes(self.placements.values())
+
+    def gathering(self, gather: bool) -> contextlib.AbstractContextManager[None]:
+        """While inside, ``state_dict()`` of the placed modules and their optimizers brings the
+        workers' tensors here (``True``) or leaves them out (``False``: a sharded checkpoint)."""
+        return gathering([*self.placements.values(), *self.mirrors], gather)
+
     # --- ending --------------------------------------------------------------------------
-    def restore(self) -> None:
-        """Bring weights and optimizer state back into the local objects and stop delegating."""
+    def restore(self, gather_limit: int | None = None) -> list[torch.nn.Module]:
+        """Bring weights and optimizer state back into the local objects and stop delegating. With
+        more than ``gather_limit`` bytes placed, nothing comes back: the placed modules go to the
+        meta device (their trained weights are in the checkpoints), and are returned."""
         failures: list[str] = []
+        gather = gather_limit is None or self.placed_bytes() <= gather_limit
         # A posted request that failed (the last optimizer step, say) is raised at the end, once
         # everything that can come back has.
         late: WorkerError | None = None
@@ -567,20 +598,22 @@ class DriverSession:
                     late = late or err
         for mirror in self.mirrors:
             try:
-                mirror.detach(restore_state=True)
+                mirror.detach(restore_state=gather)
             except (WorkerError, WorkerLostError) as err:
                 mirror.detach(restore_state=False)
                 failures.append(str(err))
         self.mirrors.clear()
+        left: list[torch.nn.Module] = []
         for key, pl in list(self.placements.items()):
             try:
                 pl.remote.materialize()  # outputs the last stages kept that something here may still read
-                if pl.meta:  # detach() below records that the weights were only on the workers
+                if pl.meta or not gather:  # detach() below records that the weights were only on the workers
                     log.info(
-                        "SpecSequential %r lives on the meta device here: its trained weights were only on "
-                        "the workers (and in the checkpoints written during the run)",
-                        key,
-                    )
+                        "%s %r: its trained weights stay on the workers and in the checkpoints (%.1f MB placed; "
+                        "gather_limit %s)", pl.module.kind, key, self.placed_bytes() / 1e6, gather_limit
+                    )  # fmt: skip
+                    left.append(pl.module.state_owner)
+                    pl.module.state_owner.to("meta")  # no stale weights here: a later run loads the trained ones
                 else:
                     pl.pull()
             except (WorkerError, WorkerLostError) as err:
@@ -595,6 +628,7 @@ class DriverSession:
             )
         if late is not None:
             raise late
+        return left
 
     def close(self) -> None:
         for c in self.conns:
@@ -662,29 +696,3 @@ def _wait_for_silent_session(conn: Connection, err: WorkerError, deadline: float
 
 def _gib(n: float) -> str:
     return f"{n / 2**30:.1f} GiB"
-
-
-def checked_for_workers(module: SpecSequential, what: str) -> Preflight:
-    """`preflight` with errors that name the SpecSequential too."""
-    try:
-        return preflight(module)
-    except SpecError as err:
-        raise SpecError(f"{what}, {err}") from err.__cause__
-
-
-def allow_modules_for(
-    modules: Mapping[str, SpecSequential], optimizers: Sequence[torch.optim.Optimizer] = ()
-) -> list[str]:
-    """Module prefixes local workers need beyond their defaults to build these layers and optimizers."""
-    prefixes = []
-    for module in modules.values():
-        for entry in module.entries:
-            for path in [entry.path, *nested_class_paths(entry.kwargs)]:
-                mod = path.rsplit(".", 1)[0]
-                if not is_allowed(path, DEFAULT_ALLOWED_PREFIXES) and mod != "__main__":
-                    prefixes.append(mod)
-    for opt in optimizers:
-        mod = type(opt).__module__
-        if not is_allowed(mod, ("torch.optim",)) and mod != "__main__":
-            prefixes.append(mod)
-    return list(dict.fromkeys(prefixes))

@@ -11,10 +11,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -23,8 +25,11 @@ import torch
 from lightning.pytorch.strategies import SingleDeviceStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 
+from lightning_remote_mp.driver import checkpoint as sharded
+from lightning_remote_mp.driver.checkpoint import ShardedCheckpoint
 from lightning_remote_mp.driver.launch import LocalWorkers
 from lightning_remote_mp.driver.options import (
+    DEFAULT_GATHER_LIMIT,
     CurveOptions,
     LocalWorkerOptions,
     Topology,
@@ -33,15 +38,16 @@ from lightning_remote_mp.driver.options import (
     check_curve,
     check_listen,
     check_optional_text,
+    check_pretrained,
     check_replicas,
     check_split,
     check_split_backward,
     check_timeout,
 )
 from lightning_remote_mp.driver.pipeline import check_checkpoint_mode
-from lightning_remote_mp.driver.preflight import Preflight
-from lightning_remote_mp.driver.session import DriverSession, allow_modules_for, checked_for_workers
-from lightning_remote_mp.errors import ConfigurationError, LrmpError, SpecError, TraceError
+from lightning_remote_mp.driver.preflight import Preflight, allow_modules_for, checked_for_workers
+from lightning_remote_mp.driver.session import DriverSession
+from lightning_remote_mp.errors import ConfigurationError, LrmpError, SpecError, TraceError, WeightsError
 from lightning_remote_mp.flow import SplitBackward
 from lightning_remote_mp.lightning import intercept
 from lightning_remote_mp.lightning.timeline import TimelineCallback
@@ -49,6 +55,7 @@ from lightning_remote_mp.logs import follow_lightning
 from lightning_remote_mp.model.spec import SpecSequential
 from lightning_remote_mp.model.trace import TracedForward, find_modules
 from lightning_remote_mp.model.traced import TracedSequential
+from lightning_remote_mp.model.weights import TensorFiles, fill_meta_buffers
 from lightning_remote_mp.schedule import check_schedule
 from lightning_remote_mp.wire import protocol
 from lightning_remote_mp.wire.keys import KeyPair, generate_keypair, load_keypair, load_public_key, write_public_key
@@ -157,6 +164,24 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
             cuts specs, or at given submodule names: ``{"model": ["transformer.h.6"]}`` starts
             stage 1 there. Default: none (every SpecSequential is split, as always).
         device: the driver's device for layers outside any SpecSequential (default: follows the accelerator).
+        pretrained: where the split modules' pretrained weights are: a ``save_pretrained`` directory
+            (``model.safetensors``, or shards with ``model.safetensors.index.json``) or a
+            ``.safetensors`` file; a dict by split module name with several. Each worker reads its own
+            stage's tensors from there, by name, instead of receiving them from the driver; tensors the
+            files lack (a LoRA adapter, a new head) come from the driver's module. Every worker must see
+            the files at that path (the same machine, a shared file system, or a copy). A split module
+            built on the meta device needs it (a HuggingFace model's own ``name_or_path``, when it is a
+            local directory, is the default then). See docs/big_models.md.
+        state_dict_type: how checkpoints hold the workers' weights and optimizer state: ``"full"``
+            (one file, gathered through the driver: loads anywhere, needs the whole model in the
+            driver's memory), ``"sharded"`` (a directory: each worker writes its own stage as
+            safetensors, in parallel, and the driver only Lightning's state; resumes onto any layout),
+            or ``"auto"`` (the default): sharded when the placed weights exceed ``gather_limit``.
+        gather_limit: the most bytes of placed weights the driver brings back from the workers: into a
+            full checkpoint under ``state_dict_type="auto"``, and at the end of a run, when the module
+            gets its trained weights back as after local training (default 1 GiB). A larger model's
+            trained weights stay in the checkpoints; its split modules are left on the meta device, and
+            a later ``validate``, ``test`` or ``predict`` needs ``ckpt_path=``.
 
     Every argument is checked here, before any file is read or worker started; a mistake raises
     `ConfigurationError` (a ``ValueError``) naming the argument.
@@ -187,6 +212,9 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
         max_message_bytes: int | None = None,
         split: list[str] | None = None,
         device: str | None = None,
+        pretrained: str | dict[str, str] | None = None,
+        state_dict_type: Literal["auto", "full", "sharded"] = "auto",
+        gather_limit: int = DEFAULT_GATHER_LIMIT,
         accelerator: pl.accelerators.Accelerator | None = None,
         checkpoint_io: Any = None,
         precision_plugin: Any = None,
@@ -218,6 +246,12 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
         check_optional_text("store_host", store_host)
         check_curve(curve, self.topology, self.replicas)
         self.split = check_split(split)
+        self.pretrained = check_pretrained(pretrained, self.split)
+        if state_dict_type not in ("auto", "full", "sharded"):
+            raise ConfigurationError(f"state_dict_type must be 'auto', 'full' or 'sharded', got {state_dict_type!r}")
+        self.state_dict_type = state_dict_type
+        check_count("gather_limit", gather_limit)
+        self.gather_limit = gather_limit
         super().__init__(
             device=device or "cpu",
             accelerator=accelerator,
@@ -246,6 +280,8 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
         self._session: DriverSession | None = None
         self._keys: KeyPair | None = None
         self._worker_keys: dict[str, bytes] | None = None
+        self._resume: ShardedCheckpoint | None = None  # a sharded checkpoint being loaded
+        self._dumping_sharded = False
 
     @property
     def hosts(self) -> list[str] | list[list[str]] | None:
@@ -343,8 +379,11 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
                     compression=self.compression,
                     checked=checks[key],
                     schedule=self.schedule,
+                    sources=self._sources(key, module),
                 )
             for key, sub in traced.items():
+                if _on_meta(sub):
+                    fill_meta_buffers(sub)  # rotary frequencies and the like: in no file
                 place = functools.partial(self._place_traced, key, balances[key], fitting)
                 self._traced.append(TracedForward(key, sub, place))
             if fitting:
@@ -384,9 +423,99 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
             compression=self.compression,
             checked=Preflight(compute=module.compute, checked=[True] * len(module.layers)),
             schedule=self.schedule,
+            sources=self._sources(key, module),
         )
+        vars(module.state_owner).pop(_TRAINED_ELSEWHERE, None)
         if fitting:
             self.optimizers = self.optimizers  # mirrors them over the newly remote parameters
+            if self._resume is not None:
+                self._resume.load_optimizers(session, self.lightning_module, key)
+
+    def _sources(self, key: str, module: SpecSequential) -> list[TensorFiles]:
+        """Where the workers read the tensors of the module placed as ``key`` from: a sharded checkpoint
+        being loaded, then its pretrained weights (`pretrained`)."""
+        owner = module.state_owner
+        sources = [self._resume.weights_for(key)] if self._resume is not None else []
+        if vars(owner).get(_TRAINED_ELSEWHERE) and not sources:
+            raise WeightsError(
+                f"module {key!r} was trained by an earlier run whose workers and checkpoints hold its trained weights "
+                "(it was larger than gather_limit, so they did not come back here); pass ckpt_path= with a "
+                "checkpoint of that run"
+            )
+        path = self.pretrained.get(key)
+        if path is None and module.is_meta:
+            # A HuggingFace model built on the meta device from a local directory's config.
+            name = getattr(owner, "name_or_path", None)
+            if isinstance(name, str) and name and Path(name).is_dir():
+                path = name
+        if path is not None:
+            sources.append(TensorFiles.of(path))
+        return sources
+
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        with _meta_kept(self.model, self.split):
+            self.model.to(self.root_device)
+
+    # --- checkpoints (lightning_remote_mp.driver.checkpoint) ------------------------------
+    def _sharded_checkpoints(self) -> bool:
+        session = self._session
+        if session is None or not session.placements or self.state_dict_type == "full":
+            return False
+        return self.state_dict_type == "sharded" or session.placed_bytes() > self.gather_limit
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        self._dumping_sharded = self._sharded_checkpoints()
+        if not self._dumping_sharded:
+            return super().lightning_module_state_dict()
+        assert self._session is not None
+        with self._session.gathering(False):
+            return super().lightning_module_state_dict()
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+        if not self._dumping_sharded or self._session is None:
+            return super().optimizer_state(optimizer)
+        with self._session.gathering(False):
+            return super().optimizer_state(optimizer)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        dumped, self._dumping_sharded = self._dumping_sharded, False
+        if not dumped or self._session is None:
+            return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        assert self.lightning_module is not None
+        sharded.save(
+            self._session,
+            self.lightning_module,
+            [getattr(o, "_optimizer", o) for o in self.optimizers],
+            checkpoint,
+            filepath,
+            lambda ckpt, path: self.checkpoint_io.save_checkpoint(ckpt, path, storage_options=storage_options),
+        )
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        if not sharded.is_sharded(checkpoint_path):
+            self._resume = None
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        self._resume = ShardedCheckpoint(checkpoint_path)
+        return super().load_checkpoint(self._resume.lightning_state_path(), weights_only=weights_only)
+
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        if self._resume is None:
+            return super().load_model_state_dict(checkpoint, strict=strict)
+        assert self.lightning_module is not None
+        missing, unexpected = self.lightning_module.load_state_dict(checkpoint["state_dict"], strict=False)
+        absent = [k for k in missing if self._resume.weights.find(k) is None]
+        if strict and (absent or unexpected):
+            raise WeightsError(
+                f"sharded checkpoint {self._resume.path} does not fit this model: it lacks {absent[:5]} and has "
+                f"{list(unexpected)[:5]} that the model does not; it is a checkpoint of another model"
+            )
+
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        super().load_optimizer_state_dict(checkpoint)
+        if self._resume is not None and self._session is not None:
+            for key in list(self._session.placements):
+                self._resume.load_optimizers(self._session, self.lightning_module, key)
 
     @property
     def num_stages(self) -> int:
@@ -458,7 +587,8 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
 
     def teardown(self) -> None:
         self._close()
-        super().teardown()
+        with _meta_kept(self.lightning_module, self.split):
+            super().teardown()
 
     def _close(self) -> None:
         intercept.unpatch_clipping(self.precision_plugin)
@@ -467,9 +597,13 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
         self._traced.clear()
         session, self._session = self._session, None
         try:
+            self._resume = None
             if session is not None:
                 try:
-                    session.restore()
+                    left = session.restore(self.gather_limit)
+                    for owner in left:
+                        if not isinstance(owner, SpecSequential):  # a spec records it itself (weights_left_on_workers)
+                            vars(owner)[_TRAINED_ELSEWHERE] = True
                 finally:
                     session.close()
         finally:
@@ -485,6 +619,42 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
         strategy_registry.register(
             cls.strategy_name, cls, description="layers of SpecSequential modules trained on remote lrmp-workers"
         )
+
+
+#: Marks a split module whose trained weights stayed with the workers and checkpoints of a run.
+_TRAINED_ELSEWHERE = "_lrmp_trained_elsewhere"
+
+
+def _split_modules(model: torch.nn.Module, split: list[str]) -> list[torch.nn.Module]:
+    out = []
+    for name in split:
+        try:
+            out.append(model.get_submodule(name))
+        except AttributeError:
+            pass  # setup names the mistake
+    return out
+
+
+def _on_meta(module: torch.nn.Module) -> bool:
+    return any(t.is_meta for t in (*module.parameters(), *module.buffers()))
+
+
+def _kept(module: torch.nn.Module, fn: Any, recurse: bool = True) -> torch.nn.Module:
+    return module
+
+
+@contextlib.contextmanager
+def _meta_kept(model: torch.nn.Module | None, split: list[str]) -> Iterator[None]:
+    """While inside, moving or casting ``model`` leaves its split modules on the meta device alone:
+    their weights only ever exist on the workers (Lightning moves the whole LightningModule)."""
+    meta = [m for m in _split_modules(model, split) if _on_meta(m)] if model is not None else []
+    for m in meta:
+        vars(m)["_apply"] = functools.partial(_kept, m)
+    try:
+        yield
+    finally:
+        for m in meta:
+            vars(m).pop("_apply", None)
 
 
 if RemoteModelParallelStrategy.strategy_name not in StrategyRegistry:

@@ -611,6 +611,15 @@ class SpecSequential(nn.Module):
                 names.setdefault(id(t), []).append(f"{i}.{name}")
         return [group for group in names.values() if len(group) > 1]
 
+    def state_keys(self) -> dict[str, list[str]]:
+        """Each layer tensor (``"<layer index>.<name>"``): its keys in ``state_owner``'s ``state_dict``,
+        the first one first (a tied weight has several; a spec's tensors have one each)."""
+        return {
+            f"{i}.{name}": [f"layers.{i}.{name}"]
+            for i, layer in enumerate(self.layers)
+            for name in layer.state_dict(keep_vars=True)
+        }
+
     def layer_state(self, state_dict: Mapping[str, Any], prefix: str) -> dict[str, Any]:
         """The entries of ``state_owner``'s ``state_dict`` (under ``prefix``) that belong to the layers,
         named ``"<layer index>.<name>"``."""

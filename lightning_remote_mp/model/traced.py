@@ -11,6 +11,7 @@ module's output (a tensor, tuple, dict or a HuggingFace ``ModelOutput``).
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -73,6 +74,16 @@ class TracedSequential(SpecSequential):
     def layer_state(self, state_dict: Mapping[str, Any], prefix: str) -> dict[str, Any]:
         return {wire: state_dict[prefix + key] for wire, key in self.state_names.items() if prefix + key in state_dict}
 
+    def state_keys(self) -> dict[str, list[str]]:
+        """Each unit tensor that is in the module's ``state_dict``: its keys there, the one the
+        program names first, then the other names of the same tensor (a tied weight's)."""
+        owner = self._owner
+        aliases: dict[int, list[str]] = {}
+        for key, t in (*owner.named_parameters(remove_duplicate=False), *owner.named_buffers(remove_duplicate=False)):
+            aliases.setdefault(id(t), []).append(key)
+        by_key = {key: names for names in aliases.values() for key in names}
+        return {wire: [key, *(a for a in by_key.get(key, ()) if a != key)] for wire, key in self.state_names.items()}
+
     def modes(self) -> Any:
         """Per unit, the train/eval flag of the modules it covers (all of them must agree)."""
         per_unit = []
@@ -118,6 +129,9 @@ class TracedSequential(SpecSequential):
         call: Interface = self.interface  # type: ignore[attr-defined]
         unjoinable = call.unjoinable()
         if unjoinable:
+            why = _why_no_batch(self, call, inputs)
+            if why is not None:
+                raise TraceError(f"{why} (outputs that cannot be joined: {', '.join(map(repr, unjoinable))})")
             raise TraceError(
                 f"module {self.traced_name!r} returns {', '.join(map(repr, unjoinable))}, which carries no batch "
                 "dimension and is no loss lrmp can join exactly (a mean-reduced loss, a sum), so the parts of a "
@@ -133,7 +147,7 @@ class TracedSequential(SpecSequential):
                 "microbatches=1 and a single replica."
             )
         rows = next((t.shape[0] for t, b in zip(inputs, call.batched_in) if b), 0)
-        if rows < 2:
+        if rows < 2 or self.is_meta:  # no weights here (the workers read them from files): nothing to run
             return
         take = min(rows, 4)
         sample = [t[:take] if b else t for t, b in zip(inputs, call.batched_in)]
@@ -428,3 +442,64 @@ def _ranges(val: torch.Tensor, constraints: Mapping[Any, Any]) -> dict[int, tupl
         if low > 0 or high < math.inf:
             out[d] = (low, high)
     return out
+
+
+def _why_no_batch(traced: TracedSequential, call: Interface, inputs: Sequence[torch.Tensor]) -> str | None:
+    """For outputs that carry no batch dimension (`Interface.unjoinable`), the two mistakes behind most
+    of them, named: a tensor of the module with the batch's rows in dim 0 that fixed the batch's size,
+    or an output with a multiple of the batch's rows (rows of two batches concatenated)."""
+    rows = next((int(t.shape[0]) for t in inputs if t.dim() > 0), 0)
+    name, stop = traced.traced_name, "; or use microbatches=1 and a single replica."
+    if rows < 2:
+        return None
+    if not any(call.batched_in):
+        if not any(dims.get(0) == rows for dims in call.static_dims):
+            return None
+        owner = traced.state_owner
+        try:
+            params = dict(inspect.signature(owner.forward).parameters)
+        except (TypeError, ValueError):
+            params = {}
+        candidates = [(f"the default value of forward's argument {n!r}", p.default) for n, p in params.items()]
+        candidates += [(f"its tensor {n!r}", t) for n, t in [*owner.named_parameters(), *owner.named_buffers()]]
+        found = [(what, t) for what, t in candidates if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == rows]
+        what = (
+            f"{found[0][0]} (shape {tuple(found[0][1].shape)}) has as many rows and the code combines the two"
+            if found
+            else "a size in the code (a tensor made at a fixed shape, a view to one) is as many"
+        )
+        return (
+            f"module {name!r}: the trace fixed the batch at {rows} rows, the size of this call's batch: {what}, so "
+            "torch.export took the batch's size for a constant and no output carries a batch dimension; a split "
+            "batch (micro-batches, replicas) cannot run. Let the code take the batch's size from its input (pass the "
+            "tensor in the call, where it is split with the batch, or build it as x.new_zeros(x.shape[0], ...))" + stop
+        )
+
+    def first(n: int) -> tuple:  # the outputs of the call's first n rows
+        return as_tuple(traced.run_locally(*(t[:n] if b else t for t, b in zip(inputs, call.batched_in))))
+
+    take = min(rows, 4)
+    flags = [m.training for m in traced.layers]
+    traced.train(False)
+    try:
+        with torch.no_grad():
+            whole, half = first(take), first(take // 2)
+    except Exception:  # for a better message only: without it, the plain one stands
+        return None
+    finally:
+        for m, f in zip(traced.layers, flags):
+            m.train(f)
+    names = call.output_names()
+    for i, leaf in enumerate(call.out_leaves):
+        if leaf[0] != "value" or call.joins_out[leaf[1]] != "whole":
+            continue
+        out, part = whole[leaf[1]], half[leaf[1]]
+        k = out.shape[0] // take if out.dim() else 0
+        if k > 1 and out.shape[0] == k * take and part.dim() and part.shape[0] == k * (take // 2):
+            return (
+                f"module {name!r} returns {names[i]!r} with {k} times the batch's rows in dim 0 ({k * rows} for a "
+                f"batch of {rows}), so the parts of a split batch (micro-batches, replicas) cannot be joined back into "
+                f"it. Return the {k} parts as outputs of their own, or stack them along a new dimension "
+                f"(torch.stack(parts, dim=1)) so that dim 0 is the batch" + stop
+            )
+    return None

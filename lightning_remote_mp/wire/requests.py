@@ -46,7 +46,6 @@ from lightning_remote_mp.wire.fields import (
     Body,
     anything,
     as_dict,
-    as_dict_of_dicts,
     as_list,
     as_list_of_dicts,
     choice,
@@ -65,10 +64,15 @@ from lightning_remote_mp.wire.fields import (
 from lightning_remote_mp.wire.grads import Grads
 from lightning_remote_mp.wire.keys import is_z85_key
 from lightning_remote_mp.wire.messages import Backward, Forward, is_scalar
-
-
-def _is_tensor_map(value: Any) -> bool:
-    return isinstance(value, dict) and all(isinstance(k, str) and is_tensor(v) for k, v in value.items())
+from lightning_remote_mp.wire.state import (
+    GetOptimState,
+    GetState,
+    LoadOptimState,
+    LoadState,
+    ReadOptim,
+    Save,
+    is_file_tensor,
+)
 
 
 def _is_z85(value: Any) -> bool:
@@ -135,6 +139,9 @@ class Setup(Body):
         peers: the worker address of every other stage on its routes (the driver is no peer).
         peer_keys: with CURVE, those peers' public keys (Z85), by stage.
         state: its weights and buffers, named ``"<layer index>.<name>"``; or ``None``, with ``init_seed``.
+        files: the weights and buffers the worker reads itself from safetensors files (a pretrained
+            model's, a sharded checkpoint's), by name: ``{"<layer index>.<name>": [path, name in the
+            file]}``; ``state`` then holds the rest (`lightning_remote_mp.model.weights`).
         init_seed: layer ``i`` starts from seed ``init_seed + i`` (`lightning_remote_mp.model.spec.build_layer`).
         split_backward: defer the weight gradients of linear layers: ``True``, ``False``, or ``"auto"``
             for the calls whose product is large enough (`lightning_remote_mp.worker.deferred_grads`).
@@ -165,6 +172,9 @@ class Setup(Body):
         map_of(is_str, is_tensor, "names to tensors"), default=None, write=as_dict
     )
     init_seed: int | None = field(INT, default=None)
+    files: Mapping[str, Sequence[str]] = field(
+        map_of(is_str, is_file_tensor, "names to [path, name] pairs"), default_factory=dict, write=as_dict
+    )
     split_backward: SplitBackward = field(_split_backward, default=False)
     code_digests: Mapping[str, str] = field(
         map_of(is_str, is_str, "module names to digests"), default_factory=dict, write=dict
@@ -183,8 +193,8 @@ class Setup(Body):
         strangers = [k for k in values["peer_keys"] if k not in values["peers"]]
         if strangers:
             raise refuse(cls.KIND, f"field 'peer_keys' must map {_PEER_KEYS}; entry {strangers[0]!r:.40} does not")
-        if values["state"] is None and values["init_seed"] is None:
-            raise refuse(cls.KIND, "needs the stage's 'state' or an 'init_seed'")
+        if values["state"] is None and values["init_seed"] is None and not values["files"]:
+            raise refuse(cls.KIND, "needs the stage's 'state', 'files' or an 'init_seed'")
 
 
 def _is_call_list(value: Any) -> bool:
@@ -273,30 +283,11 @@ class Loss(Body):
 
 
 @dataclasses.dataclass(frozen=True)
-class GetState(Body):
-    """GET_STATE: the weights and buffers of every stage on the worker. It carries nothing."""
-
-    KIND: ClassVar[str] = protocol.GET_STATE
-
-
-@dataclasses.dataclass(frozen=True)
 class Sync(Body):
     """SYNC: answered once every request sent before it has run, those answered only when they fail
     (`protocol.QUIET_KINDS`) included. It carries nothing."""
 
     KIND: ClassVar[str] = protocol.SYNC
-
-
-@dataclasses.dataclass(frozen=True)
-class LoadState(Body):
-    """LOAD_STATE: copy weights and buffers into stages. ``state``: by SpecSequential key, tensors
-    named ``"<layer index>.<name>"``."""
-
-    KIND: ClassVar[str] = protocol.LOAD_STATE
-
-    state: Mapping[str, Mapping[str, torch.Tensor]] = field(
-        map_of(is_str, _is_tensor_map, "keys to {name: tensor} dicts"), write=as_dict_of_dicts
-    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -533,28 +524,6 @@ class Carry(Body):
     )
 
 
-@dataclasses.dataclass(frozen=True)
-class GetOptimState(Body):
-    """GET_OPTIM_STATE: optimizer ``index``'s per-parameter state, by parameter name."""
-
-    KIND: ClassVar[str] = protocol.GET_OPTIM_STATE
-
-    index: int = _INDEX
-
-
-@dataclasses.dataclass(frozen=True)
-class LoadOptimState(Body):
-    """LOAD_OPTIM_STATE: set optimizer ``index``'s per-parameter ``state`` (by parameter name; each
-    a dict such as ``{"step": ..., "exp_avg": ...}``)."""
-
-    KIND: ClassVar[str] = protocol.LOAD_OPTIM_STATE
-
-    index: int = _INDEX
-    state: Mapping[str, Mapping[str, Any]] = field(
-        map_of(is_str, is_str_keyed, "parameter names to state dicts"), write=as_dict_of_dicts
-    )
-
-
 # --- observing and replicas -----------------------------------------------------------------
 
 TimelineOp = Literal["start", "stop", "fetch", "clock"]
@@ -691,5 +660,7 @@ REQUESTS: dict[str, type[Body]] = {
         Loss,
         Carry,
         LossGrad,
+        Save,
+        ReadOptim,
     )
 }

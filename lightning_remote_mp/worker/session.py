@@ -38,7 +38,9 @@ from lightning_remote_mp.wire.requests import (
     OptimCreate,
     OptimStep,
     Profile,
+    ReadOptim,
     Release,
+    Save,
     Setup,
     Sync,
     Timeline,
@@ -50,6 +52,7 @@ from lightning_remote_mp.worker.profile import profile_layers
 from lightning_remote_mp.worker.route import Outgoing, RoutedStage
 from lightning_remote_mp.worker.stage import StageExecutor
 from lightning_remote_mp.worker.timeline import EventLog
+from lightning_remote_mp.worker.weights import read_optimizer_state, read_stage_files, save_shard
 
 #: Returned by handlers whose answer travels as separate messages (pipelined forward/backward).
 NO_REPLY = object()
@@ -121,6 +124,8 @@ class WorkerSession:
             Backward: self.backward,
             Release: self.release,
             GetState: self.get_state,
+            Save: self.save,
+            ReadOptim: self.read_optim,
             LoadState: self.load_state,
             OptimCreate: self.optim_create,
             OptimStep: self.optim_step,
@@ -236,12 +241,14 @@ class WorkerSession:
             msg.exports,
             self.device,
             self.allowed_prefixes,
-            init_seed=msg.init_seed if msg.state is None else None,
+            init_seed=msg.init_seed if msg.state is None and not msg.files else None,
             split_backward=msg.split_backward,
             deferred_batch_norm=msg.deferred_batch_norm,
         )
-        if msg.state is not None:
-            stage.load_state_dict(msg.state, assign=True)
+        if msg.state is not None or msg.files:
+            state = dict(msg.state or {})
+            state.update(read_stage_files(stage, msg.files, self.id))
+            stage.load_state_dict(state, assign=True)
         stage.share(msg.shared)
         _check_code_versions(msg.code_digests)  # and modules first imported by this build: another copy?
         if msg.seed is not None:
@@ -413,6 +420,16 @@ class WorkerSession:
 
     def _named_parameters(self) -> dict[str, torch.nn.Parameter]:
         return {f"{key}/{name}": p for key, stage in self.stages.items() for name, p in stage.named_parameters()}
+
+    def save(self, msg: Save) -> Any:
+        """Write this worker's share of a sharded checkpoint (`Save`): one new safetensors file."""
+        self._settle_grads()
+        stages = {key: self.route(key).stage for key in msg.tensors}
+        return save_shard(msg, stages, self.optimizers, self._named_parameters(), self.id)
+
+    def read_optim(self, msg: ReadOptim) -> Any:
+        """Load optimizer ``msg.index``'s state from a sharded checkpoint's files (`ReadOptim`)."""
+        return self.load_optim_state(LoadOptimState(msg.index, read_optimizer_state(msg)))
 
     def get_state(self, msg: GetState) -> Any:
         return {key: stage.state_dict() for key, stage in self.stages.items()}

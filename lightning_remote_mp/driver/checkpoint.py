@@ -1,0 +1,222 @@
+"""Sharded checkpoints: every worker writes its own stage, the driver writes only Lightning's state.
+
+A sharded checkpoint is a directory (torchtitan's and Lightning's ``FSDPStrategy(state_dict_type=
+"sharded")`` layout, in safetensors):
+
+```text
+epoch=0-step=100.ckpt/
+  lrmp-checkpoint.json          the manifest: every file, which worker wrote it, every tensor's file
+  lightning.ckpt                Lightning's own state (loops, callbacks, schedulers, the driver's layers)
+  model-stage0.safetensors      stage 0's weights and its optimizer state, written by its worker
+  model-stage1.safetensors      ...
+```
+
+Tensors are keyed by the LightningModule's ``state_dict`` keys (``model.model.layers.3.mlp.up_proj.weight``)
+and optimizer state by ``optimizer.<index>.<key>.<state name>``, so a checkpoint loads onto any
+layout: other workers, another ``balance``, another number of stages. Each worker reads only the
+tensors of the stage it is given (`lightning_remote_mp.model.weights`).
+
+**Complete or absent.** Everything is written into a hidden directory beside the target, and only
+when every worker has written its file (each through a temporary name) and the manifest is in
+place does the directory take the target's name; a checkpoint being replaced (``last.ckpt``) is
+renamed aside first and removed after. A worker that fails or dies during a save leaves the
+previous checkpoint as it was and raises.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import shutil
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_remote_mp._version import __version__
+from lightning_remote_mp.errors import WeightsError
+from lightning_remote_mp.model.weights import SHARDED_MANIFEST, TensorFiles
+from lightning_remote_mp.wire import protocol
+from lightning_remote_mp.wire.requests import ReadOptim, Save
+from lightning_remote_mp.wire.transport import Connection, request_all
+
+log = logging.getLogger(__name__)
+
+#: Lightning's own part of a sharded checkpoint, written by the strategy's ``checkpoint_io``.
+LIGHTNING_STATE = "lightning.ckpt"
+FORMAT = "lrmp-sharded"
+
+
+def is_sharded(path: str | Path) -> bool:
+    """Whether ``path`` is a sharded checkpoint directory."""
+    return (Path(path) / SHARDED_MANIFEST).is_file()
+
+
+def _file_name(key: str, stage: int) -> str:
+    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", key) or "root"
+    return f"{safe}-stage{stage}.safetensors"
+
+
+def _prefix(key: str) -> str:
+    return "" if key == "<root>" else key + "."
+
+
+def save(
+    session: Any,
+    lightning_module: torch.nn.Module,
+    optimizers: list[torch.optim.Optimizer],
+    checkpoint: dict[str, Any],
+    path: str | Path,
+    write_lightning_state: Callable[[dict[str, Any], str], None],
+) -> dict[str, Any]:
+    """Write a sharded checkpoint of ``session``'s placed modules at ``path`` (see the module
+    docstring); ``checkpoint`` is Lightning's dict, without the workers' tensors. Returns the manifest."""
+    started = time.monotonic()
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.parent / f".{target.name}.lrmp-partial-{uuid.uuid4().hex[:8]}"
+    partial.mkdir()
+    try:
+        session.confirm_backwards()
+        manifest = _write_shards(session, lightning_module, optimizers, partial)
+        write_lightning_state(checkpoint, str(partial / LIGHTNING_STATE))
+        (partial / SHARDED_MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
+        _swap_in(partial, target)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    size = sum(f["bytes"] for f in manifest["files"])
+    log.info(
+        "sharded checkpoint %s: %d files, %.1f MB written by the workers in %.1f s",
+        target,
+        len(manifest["files"]),
+        size / 1e6,
+        time.monotonic() - started,
+    )
+    return manifest
+
+
+def _write_shards(
+    session: Any, lightning_module: torch.nn.Module, optimizers: list[torch.optim.Optimizer], directory: Path
+) -> dict[str, Any]:
+    names = {id(p): n for n, p in lightning_module.named_parameters()}
+    saved: dict[str, str] = {}  # state-dict key -> file
+    requests: list[tuple[Connection, str, Any]] = []
+    files: list[dict[str, Any]] = []
+    positions: dict[str, dict[str, int]] = {}
+    for pl in session.placements.values():
+        prefix = _prefix(pl.key)
+        keys = pl.module.state_keys()
+        for rs in pl.remote.replicas[0]:
+            file = _file_name(pl.key, rs.stage.index)
+            tensors: dict[str, str] = {}
+            for i in rs.stage.layer_indices:
+                for name in pl.module.layers[i].state_dict(keep_vars=True):
+                    local = f"{i}.{name}"
+                    full = prefix + keys[local][0] if local in keys else None
+                    if full is not None and full not in saved:
+                        saved[full] = file
+                        tensors[local] = full
+            optim: dict[int, dict[str, str]] = {}
+            for mirror in session.mirrors:
+                for pid, holders in mirror.remote.items():
+                    first = holders[0]
+                    if first.conns[0] is rs.conn and first.name.startswith(pl.key + "/") and pid in names:
+                        optim.setdefault(mirror.index, {})[first.name] = names[pid]
+            body = Save(str(directory), file, {pl.key: tensors}, optim).body()
+            requests.append((rs.conn, protocol.SAVE, body))
+            files.append({"file": file, "key": pl.key, "stage": rs.stage.index, "worker": rs.conn.address})
+    for mirror in session.mirrors:
+        positions[str(mirror.index)] = {names[pid]: k for pid, k in mirror.positions_by_id().items() if pid in names}
+    replies = request_all(requests, what="sharded checkpoint save", bounded=False)
+    for entry, reply in zip(files, replies):
+        entry["bytes"] = int(reply.get("bytes", 0)) if isinstance(reply, dict) else 0
+    return {
+        "format": FORMAT,
+        "version": 1,
+        "lrmp": __version__,
+        "wire_protocol": protocol.PROTOCOL_VERSION,
+        "lightning_state": LIGHTNING_STATE,
+        "files": files,
+        "tensors": saved,
+        "optimizers": positions,
+    }
+
+
+def _swap_in(partial: Path, target: Path) -> None:
+    """Give ``partial`` the name ``target``; a previous checkpoint there is moved aside, then removed."""
+    old = None
+    if target.exists() or target.is_symlink():
+        old = target.parent / f".{target.name}.lrmp-old-{uuid.uuid4().hex[:8]}"
+        target.rename(old)
+    partial.rename(target)
+    if old is not None:
+        if old.is_dir() and not old.is_symlink():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            old.unlink()
+
+
+class ShardedCheckpoint:
+    """A sharded checkpoint directory being loaded: its manifest, and its tensors by name."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        try:
+            self.manifest = json.loads((self.path / SHARDED_MANIFEST).read_text())
+        except (OSError, ValueError) as err:
+            raise WeightsError(f"{self.path}: unreadable checkpoint manifest {SHARDED_MANIFEST}: {err}") from None
+        if not isinstance(self.manifest, dict) or self.manifest.get("format") != FORMAT:
+            raise WeightsError(f"{self.path / SHARDED_MANIFEST} is not an lrmp sharded checkpoint manifest")
+        files = [f["file"] for f in self.manifest.get("files", [])]
+        missing = [f for f in files if not (self.path / f).is_file()]
+        if missing:
+            raise WeightsError(
+                f"sharded checkpoint {self.path} misses {missing[:3]} (written by "
+                f"{[f['worker'] for f in self.manifest['files'] if f['file'] in missing][:3]}): copy them from those "
+                "workers' disks into the directory, or use a shared path"
+            )
+        self.files = TensorFiles.of(self.path, files)
+        saved = self.manifest.get("tensors", {})
+        #: The weights alone (the files also hold optimizer state, as ``optimizer.<index>.<key>.<name>``).
+        self.weights = TensorFiles(self.files.root, {k: v for k, v in self.files.tensors.items() if k in saved})
+        self.loaded_optimizers: set[str] = set()
+
+    def lightning_state_path(self) -> Path:
+        return self.path / self.manifest.get("lightning_state", LIGHTNING_STATE)
+
+    def weights_for(self, key: str) -> TensorFiles:
+        """The checkpoint's tensors of the module placed as ``key``, named as in its state dict."""
+        return self.weights.under(_prefix(key))
+
+    def load_optimizers(self, session: Any, lightning_module: torch.nn.Module, key: str) -> None:
+        """Send each worker of the module placed as ``key`` its parameters' optimizer state."""
+        if key in self.loaded_optimizers or key not in session.placements:
+            return
+        names = {id(p): n for n, p in lightning_module.named_parameters()}
+        requests = []
+        for mirror in session.mirrors:
+            per_conn: dict[int, tuple[Connection, dict[str, list[str]]]] = {}
+            for pid, holders in mirror.remote.items():
+                full = names.get(pid)
+                if full is None:
+                    continue
+                found = self.files.tensors.get(full)
+                saved = self.manifest.get("tensors", {}).get(full)
+                if found is None or saved is None:
+                    continue
+                path = str(self.path / saved)
+                for h in holders:
+                    if not h.name.startswith(key + "/"):
+                        continue
+                    for conn in h.conns:
+                        per_conn.setdefault(id(conn), (conn, {}))[1][h.name] = [path, full]
+            for conn, params in per_conn.values():
+                requests.append((conn, protocol.READ_OPTIM, ReadOptim(mirror.index, params).body()))
+        if requests:
+            request_all(requests, what="optimizer state from a sharded checkpoint", bounded=False)
+        self.loaded_optimizers.add(key)

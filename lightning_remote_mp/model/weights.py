@@ -1,0 +1,249 @@
+"""A model's tensors at rest: safetensors files, read and written by tensor name.
+
+Two kinds of directory hold a model's tensors by name, and both are read the same way, one tensor
+at a time, by whoever needs it (torchtitan and Petals load this way; nothing is pickled):
+
+- a **pretrained model** as ``save_pretrained`` writes it: ``model.safetensors``, or shards listed by
+  ``model.safetensors.index.json``'s ``weight_map``;
+- a **sharded checkpoint** as lrmp writes it (`SHARDED_MANIFEST`): one file per stage, written by
+  the worker that holds the stage, plus the driver's small Lightning state.
+
+`TensorFiles` indexes such a directory by name from the files' headers alone (no tensor is read);
+`read_tensors` reads the named tensors a stage needs from it; `write_tensors` writes a stage's file.
+The driver indexes; the workers read and write.
+
+>>> import tempfile, torch
+>>> d = tempfile.mkdtemp()
+>>> write_tensors(d, "stage0.safetensors", {"w": torch.ones(2, 3)})
+24
+>>> files = TensorFiles.of(d)
+>>> files.find("w").shape
+(2, 3)
+>>> read_tensors({"w": (files.find("w").path, "w")}, {"w": (torch.Size([2, 3]), torch.float64)})["w"].dtype
+torch.float64
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_remote_mp.errors import WeightsError
+
+#: The manifest of a sharded checkpoint directory (`lightning_remote_mp.driver.checkpoint`).
+SHARDED_MANIFEST = "lrmp-checkpoint.json"
+#: The index ``save_pretrained`` writes beside sharded safetensors.
+HF_INDEX = "model.safetensors.index.json"
+HF_SINGLE = "model.safetensors"
+
+_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+@dataclass(frozen=True)
+class FileTensor:
+    """One tensor in a safetensors file: where it is (``path``, its ``name`` there), its shape and dtype."""
+
+    path: str
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+class TensorFiles:
+    """The tensors of a directory of safetensors files (or of one file), by name, read from the
+    files' headers only. ``find`` looks a name up, also as peft names a base model's tensors
+    (``base_model.model.`` before, ``.base_layer`` inside): a LoRA model finds its base weights in
+    the pretrained files."""
+
+    def __init__(self, root: str, tensors: Mapping[str, FileTensor]) -> None:
+        self.root = root
+        self.tensors = dict(tensors)
+
+    @classmethod
+    def of(cls, path: str | os.PathLike[str], files: list[str] | None = None) -> TensorFiles:
+        """Index ``path``: a ``.safetensors`` file, or a directory (``files`` in it, or those its
+        index names, or every ``*.safetensors`` in it)."""
+        root = Path(path)
+        if not root.exists():
+            raise WeightsError(f"weights path {str(root)!r} does not exist")
+        if root.is_file():
+            return cls(str(root.parent), dict(_headers(root)))
+        if not root.is_dir():
+            raise WeightsError(f"weights path {str(root)!r} is neither a safetensors file nor a directory")
+        if files is None:
+            index = root / HF_INDEX
+            if index.is_file():
+                try:
+                    weight_map = json.loads(index.read_text())["weight_map"]
+                except (ValueError, KeyError, TypeError) as err:
+                    raise WeightsError(f"{index}: not a safetensors index ({err})") from None
+                files = sorted(set(weight_map.values()))
+            else:
+                files = sorted(p.name for p in root.glob("*.safetensors"))
+        if not files:
+            raise WeightsError(
+                f"weights directory {str(root)!r} holds no safetensors files ({HF_SINGLE}, or shards with {HF_INDEX}); "
+                "save the model with save_pretrained(..., safe_serialization=True)"
+            )
+        tensors: dict[str, FileTensor] = {}
+        for name in files:
+            tensors.update(_headers(root / name))
+        return cls(str(root), tensors)
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+    def find(self, name: str) -> FileTensor | None:
+        for candidate in _candidates(name):
+            found = self.tensors.get(candidate)
+            if found is not None:
+                return found
+        return None
+
+    def under(self, prefix: str) -> TensorFiles:
+        """The tensors whose names start with ``prefix``, without it."""
+        n = len(prefix)
+        return TensorFiles(self.root, {k[n:]: v for k, v in self.tensors.items() if k.startswith(prefix)})
+
+
+def _candidates(name: str) -> Iterator[str]:
+    yield name
+    plain = name.replace(".base_layer.", ".")
+    for head in ("base_model.model.", ""):
+        if plain.startswith(head) and plain[len(head) :] != name:
+            yield plain[len(head) :]
+
+
+def _headers(path: Path) -> Iterator[tuple[str, FileTensor]]:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                sl = f.get_slice(name)
+                dtype = _DTYPES.get(sl.get_dtype())
+                if dtype is None:
+                    raise WeightsError(f"{path}: tensor {name!r} has dtype {sl.get_dtype()}, which lrmp does not read")
+                yield name, FileTensor(str(path), name, tuple(sl.get_shape()), dtype)
+    except FileNotFoundError:
+        raise WeightsError(f"weights file {str(path)!r} does not exist") from None
+    except WeightsError:
+        raise
+    except Exception as err:  # safetensors raises its own error types for a damaged header
+        raise WeightsError(f"weights file {str(path)!r} is not a readable safetensors file: {err}") from None
+
+
+def read_tensors(
+    wanted: Mapping[str, tuple[str, str]], expected: Mapping[str, tuple[torch.Size, torch.dtype]]
+) -> dict[str, torch.Tensor]:
+    """The tensors ``wanted`` (a local name: its file and its name there), each read alone and cast
+    to the dtype ``expected`` gives it; a missing file or tensor, or another shape, raises
+    `WeightsError` naming both."""
+    from safetensors import safe_open
+
+    by_file: dict[str, list[tuple[str, str]]] = {}
+    for local, (path, name) in wanted.items():
+        by_file.setdefault(path, []).append((local, name))
+    out: dict[str, torch.Tensor] = {}
+    for path, names in by_file.items():
+        try:
+            f = safe_open(path, framework="pt")
+        except FileNotFoundError:
+            raise WeightsError(
+                f"weights file {path!r} does not exist on this worker: give every worker the files at the same path "
+                "(a shared file system, or a copy)"
+            ) from None
+        except Exception as err:
+            raise WeightsError(f"weights file {path!r} cannot be read: {err}") from None
+        with f:
+            held = set(f.keys())
+            for local, name in names:
+                if name not in held:
+                    raise WeightsError(f"weights file {path!r} holds no tensor {name!r} (wanted for {local})")
+                tensor = f.get_tensor(name)
+                shape, dtype = expected[local]
+                if tuple(tensor.shape) != tuple(shape):
+                    raise WeightsError(
+                        f"tensor {name!r} in {path!r} has shape {tuple(tensor.shape)}, but the model's {local} "
+                        f"has {tuple(shape)}: the files are of another model or configuration"
+                    )
+                out[local] = tensor.to(dtype)
+    return out
+
+
+def write_tensors(
+    directory: str, file: str, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
+) -> int:
+    """Write ``tensors`` as ``directory/file`` (a new file: never over another), through a
+    temporary name, so the file is whole or absent. Returns its bytes."""
+    from safetensors.torch import save_file
+
+    if not file or "/" in file or "\\" in file or file.startswith("."):
+        raise WeightsError(f"{file!r} is not a plain file name")
+    target = Path(directory) / file
+    if target.exists():
+        raise WeightsError(f"{target} exists already; a checkpoint file is never written over")
+    partial = target.with_name(f".{file}.partial")
+    contiguous = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+    save_file(contiguous, str(partial), metadata=dict(metadata or {}))
+    os.replace(partial, target)
+    return target.stat().st_size
+
+
+def json_metadata(value: Any) -> dict[str, str]:
+    """A JSON value as safetensors metadata (strings only)."""
+    return {"lrmp": json.dumps(value, sort_keys=True)}
+
+
+def read_metadata(path: str) -> Any:
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt") as f:
+        meta = f.metadata() or {}
+    return json.loads(meta.get("lrmp", "null"))
+
+
+def fill_meta_buffers(module: torch.nn.Module) -> list[str]:
+    """Give a module built on the meta device values for its non-persistent buffers, which no file
+    holds (rotary frequencies, masks): allocated here and computed by the model's own
+    ``_init_weights``, as transformers does after loading onto the meta device. They are small.
+    Returns their names; a module without ``_init_weights`` gets none and its buffers stay on meta
+    (placement then names them)."""
+    owners = []
+    names = []
+    for path, m in module.named_modules():
+        for name in getattr(m, "_non_persistent_buffers_set", ()):
+            buf = m._buffers.get(name)
+            if buf is not None and buf.is_meta:
+                m._buffers[name] = torch.empty_like(buf, device="cpu")
+                owners.append(m)
+                names.append(f"{path}.{name}" if path else name)
+    if not owners:
+        return []
+    init = next((m._init_weights for m in module.modules() if hasattr(m, "_init_weights")), None)
+    if init is None:
+        raise WeightsError(
+            f"the meta-device module's non-persistent buffers {names[:3]} are in no weights file and it has no "
+            "_init_weights to compute them: build them with values (outside the meta device context)"
+        )
+    with torch.no_grad():
+        for m in dict.fromkeys(owners):
+            init(m)
+    return names

@@ -1,0 +1,98 @@
+"""A stage's tensors at rest, on the worker: read at setup from safetensors files by name (a
+pretrained model's, a sharded checkpoint's), and written as this worker's share of a sharded
+checkpoint, weights and optimizer state together (`lightning_remote_mp.driver.checkpoint`).
+The file format is `lightning_remote_mp.model.weights`'; the session's handlers call these."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from lightning_remote_mp.errors import SpecError
+from lightning_remote_mp.model.weights import json_metadata, read_metadata, read_tensors, write_tensors
+from lightning_remote_mp.wire.requests import ReadOptim, Save
+from lightning_remote_mp.worker.stage import StageExecutor
+
+log = logging.getLogger(__name__)
+
+
+def read_stage_files(stage: StageExecutor, files: Mapping[str, Sequence[str]], session: str) -> dict[str, torch.Tensor]:
+    """The stage's tensors named in ``files`` (`Setup.files`), read from their files, one at a time,
+    in the dtypes the stage's layers have."""
+    if not files:
+        return {}
+    started = time.monotonic()
+    held = {k: (v.shape, v.dtype) for k, v in stage.layers.state_dict(keep_vars=True).items()}
+    unknown = sorted(set(files) - set(held))
+    if unknown:
+        raise SpecError(f"stage {stage.index}: weights from files for tensors it does not hold: {unknown[:3]}")
+    tensors = read_tensors({k: (v[0], v[1]) for k, v in files.items()}, held)
+    size = sum(t.numel() * t.element_size() for t in tensors.values())
+    log.info(
+        "session %s: stage %d read %d tensors (%.1f MB) from %d files in %.1f s",
+        session,
+        stage.index,
+        len(tensors),
+        size / 1e6,
+        len({v[0] for v in files.values()}),
+        time.monotonic() - started,
+    )
+    return tensors
+
+
+def save_shard(
+    msg: Save,
+    stages: Mapping[str, StageExecutor],
+    optimizers: Mapping[int, torch.optim.Optimizer],
+    named: Mapping[str, torch.nn.Parameter],
+    session: str,
+) -> dict[str, Any]:
+    """Write the tensors and optimizer state ``msg`` names as one new safetensors file; optimizer
+    state that is no tensor (a step count kept as a number) goes in the file's metadata."""
+    started = time.monotonic()
+    tensors: dict[str, torch.Tensor] = {}
+    for key, names in msg.tensors.items():
+        state = stages[key].state_dict()
+        missing = sorted(set(names) - set(state))
+        if missing:
+            raise SpecError(f"checkpoint asks for tensors stage {stages[key].index} does not hold: {missing[:3]}")
+        tensors.update({full: state[local] for local, full in names.items()})
+    scalars: dict[str, Any] = {}
+    for index, params in msg.optim.items():
+        opt = optimizers.get(index)
+        if opt is None:
+            continue
+        for name, full in params.items():
+            param = named.get(name)
+            if param is None:
+                raise SpecError(f"checkpoint asks for the optimizer state of {name}, which this worker does not hold")
+            for k, v in opt.state.get(param, {}).items():
+                (tensors if isinstance(v, torch.Tensor) else scalars)[f"optimizer.{index}.{full}.{k}"] = v
+    size = write_tensors(msg.directory, msg.file, tensors, json_metadata({"scalars": scalars}))
+    seconds = time.monotonic() - started
+    log.info("session %s: wrote %s (%.1f MB) in %.1f s", session, msg.file, size / 1e6, seconds)
+    return {"bytes": size, "seconds": seconds}
+
+
+def read_optimizer_state(msg: ReadOptim) -> dict[str, dict[str, Any]]:
+    """Each parameter's optimizer state that ``msg`` points at in a sharded checkpoint's files."""
+    from safetensors import safe_open
+
+    state: dict[str, dict[str, Any]] = {}
+    by_file: dict[str, list[tuple[str, str]]] = {}
+    for name, (path, full) in msg.params.items():
+        by_file.setdefault(path, []).append((name, f"optimizer.{msg.index}.{full}."))
+    for path, wanted in by_file.items():
+        scalars = (read_metadata(path) or {}).get("scalars", {})
+        with safe_open(path, framework="pt") as f:
+            keys = list(f.keys())
+            for name, head in wanted:
+                entry: dict[str, Any] = {k[len(head) :]: f.get_tensor(k) for k in keys if k.startswith(head)}
+                entry.update({k[len(head) :]: v for k, v in scalars.items() if k.startswith(head)})
+                if entry:
+                    state[name] = entry
+    return state

@@ -1,0 +1,193 @@
+"""Models bigger than the driver (issue #35): pretrained weights read by the workers from the
+``save_pretrained`` files, sharded checkpoints written by the workers, trained weights that stay
+where they are, and the errors for weights that do not fit.
+
+Each test trains a tiny HuggingFace Llama (untied, its safetensors split over several shards, as a
+large model's are) through real workers and compares with the same model trained locally.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+pytest.importorskip("transformers")
+
+import lrmp_hf as H  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+from test_strategy import assert_same_losses, assert_same_weights, trainer  # noqa: E402
+from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
+
+from lightning_remote_mp import RemoteModelParallelStrategy  # noqa: E402
+from lightning_remote_mp.errors import LrmpError, WeightsError  # noqa: E402
+
+TOL = 2e-5
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory) -> str:
+    """A tiny untied Llama saved as sharded safetensors with an index, as ``save_pretrained`` writes a big one."""
+    path = tmp_path_factory.mktemp("llama")
+    torch.manual_seed(0)
+    H.llama(tie_word_embeddings=False).save_pretrained(path, max_shard_size="20KB")
+    assert (path / "model.safetensors.index.json").is_file()
+    return str(path)
+
+
+def loaded(path: str, meta: bool = False) -> H.FineTune:
+    """The LightningModule as users write it: ``from_pretrained``, or the model built on the meta device."""
+    if meta:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path)
+    model.train()
+    return H.FineTune(model, "lm", lr=0.01, optimizer="AdamW")
+
+
+def local_run(path: str, epochs: int) -> H.FineTune:
+    model = loaded(path)
+    trainer(None, epochs).fit(model, H.padded_data())
+    return model
+
+
+def shards(directory) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for name in os.listdir(directory):
+        if name.endswith(".safetensors"):
+            out.update(load_file(os.path.join(directory, name)))
+    return out
+
+
+def test_pretrained_weights_read_by_the_workers_train_as_locally(pretrained, pool):
+    """``from_pretrained`` unchanged, and ``pretrained=`` the same directory: each worker reads its
+    stage's tensors from the shards, and training equals local training step by step."""
+    local = local_run(pretrained, 2)
+    remote = loaded(pretrained)
+    strategy = RemoteModelParallelStrategy(hosts=pool[:2], split=["model"], microbatches=2, pretrained=pretrained)
+    trainer(strategy, 2).fit(remote, H.padded_data())
+    assert_same_losses(local.losses, remote.losses, TOL)
+    assert_same_weights(local, remote, 1e-4)  # a small model: its weights come back (gather_limit)
+
+
+def test_a_meta_model_trains_with_no_weights_on_the_driver_and_checkpoints_by_worker(pretrained, pool, tmp_path):
+    """The model built on the meta device: the workers read every weight, write every checkpoint,
+    and the trained weights in the checkpoint equal local training's; the driver never holds one."""
+    local = local_run(pretrained, 2)
+    remote = loaded(pretrained, meta=True)
+    strategy = RemoteModelParallelStrategy(
+        hosts=pool[:2], split=["model"], microbatches=2, pretrained=pretrained, state_dict_type="sharded"
+    )
+    checkpoints = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    trainer(strategy, 2, enable_checkpointing=True, callbacks=[checkpoints]).fit(remote, H.padded_data())
+    assert_same_losses(local.losses, remote.losses, TOL)
+    assert all(p.is_meta for p in remote.model.parameters())  # never materialised here
+    last = tmp_path / "last.ckpt"
+    manifest = json.loads((last / "lrmp-checkpoint.json").read_text())
+    assert sorted(f["stage"] for f in manifest["files"]) == [0, 1]
+    saved = shards(last)
+    for name, value in local.state_dict().items():
+        torch.testing.assert_close(saved[name], value, rtol=0, atol=1e-4)
+        # Adam's moments travelled too, keyed by the same name
+        assert f"optimizer.0.{name}.exp_avg" in saved
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".")]  # no partial directory left
+
+
+@pytest.mark.parametrize("stages", [3])
+def test_a_sharded_checkpoint_resumes_onto_another_number_of_stages(pretrained, pool, tmp_path, stages):
+    """Two epochs on two stages, saved sharded; two more resumed onto three stages: the losses and
+    weights of an uninterrupted four-epoch local run (Adam's state came back by parameter name)."""
+    local = local_run(pretrained, 4)
+    first = loaded(pretrained)
+    strategy = RemoteModelParallelStrategy(
+        hosts=pool[:2], split=["model"], microbatches=2, pretrained=pretrained, state_dict_type="sharded"
+    )
+    run = trainer(strategy, 2, enable_checkpointing=True, callbacks=[ModelCheckpoint(dirpath=tmp_path, save_last=True)])
+    run.fit(first, H.padded_data())
+    second = loaded(pretrained, meta=True)
+    strategy = RemoteModelParallelStrategy(
+        hosts=pool[:stages], split=["model"], microbatches=2, state_dict_type="sharded"
+    )
+    run = trainer(strategy, 4, enable_checkpointing=True, callbacks=[ModelCheckpoint(dirpath=tmp_path / "second")])
+    run.fit(second, H.padded_data(), ckpt_path=str(tmp_path / "last.ckpt"))
+    assert_same_losses(local.losses, first.losses + second.losses, TOL)
+    (last,) = (tmp_path / "second").iterdir()
+    saved = shards(last)
+    assert len(json.loads((last / "lrmp-checkpoint.json").read_text())["files"]) == stages
+    for name, value in local.state_dict().items():
+        torch.testing.assert_close(saved[name], value, rtol=0, atol=1e-4)
+
+
+def test_weights_over_the_gather_limit_stay_with_the_workers_and_a_later_run_needs_the_checkpoint(
+    pretrained, pool, tmp_path
+):
+    """Past ``gather_limit`` nothing comes back at the end of fit: the module goes to the meta device
+    (no stale pretrained weights to run by mistake), ``validate`` without a checkpoint is refused,
+    and with the sharded checkpoint it scores the trained weights, as the local model does."""
+    local = local_run(pretrained, 1)
+    remote = loaded(pretrained)
+
+    def strategy():
+        return RemoteModelParallelStrategy(hosts=pool[:2], split=["model"], pretrained=pretrained, gather_limit=1)
+
+    run = trainer(strategy(), 1, enable_checkpointing=True, callbacks=[ModelCheckpoint(dirpath=tmp_path)])
+    run.fit(remote, H.padded_data())
+    assert all(p.is_meta for p in remote.model.parameters())
+    (checkpoint,) = [p for p in os.listdir(tmp_path) if p.endswith(".ckpt")]
+    assert (tmp_path / checkpoint).is_dir()  # over the limit, "auto" checkpoints are sharded
+    with pytest.raises(WeightsError, match="ckpt_path"):
+        trainer(strategy(), 1).validate(remote, H.padded_data(seed=1))
+    trainer(None, 1).validate(local, H.padded_data(seed=1))
+    trainer(strategy(), 1).validate(remote, H.padded_data(seed=1), ckpt_path=str(tmp_path / checkpoint))
+    assert_same_losses(local.val_losses, remote.val_losses[-len(local.val_losses) :], TOL)
+
+
+class _KillAtEpoch(L.Callback):
+    """Kills one worker at the end of an epoch, before ``ModelCheckpoint`` saves (it runs last)."""
+
+    def __init__(self, pid: int, epoch: int) -> None:
+        self.pid, self.epoch = pid, epoch
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        if trainer.current_epoch == self.epoch:
+            os.kill(self.pid, signal.SIGKILL)
+
+
+def test_a_worker_lost_during_a_save_leaves_the_previous_checkpoint_whole(pretrained, start_workers, tmp_path):
+    workers = start_workers(2)
+    strategy = RemoteModelParallelStrategy(
+        hosts=workers.addresses, split=["model"], pretrained=pretrained, state_dict_type="sharded", heartbeat_timeout=3
+    )
+    callbacks = [_KillAtEpoch(workers.procs[1].pid, 1), ModelCheckpoint(dirpath=tmp_path, save_last=True)]
+    with pytest.raises(LrmpError):
+        trainer(strategy, 2, enable_checkpointing=True, callbacks=callbacks).fit(loaded(pretrained), H.padded_data())
+    last = tmp_path / "last.ckpt"
+    manifest = json.loads((last / "lrmp-checkpoint.json").read_text())
+    assert all((last / f["file"]).is_file() for f in manifest["files"])
+    assert torch.load(last / "lightning.ckpt", weights_only=False)["epoch"] == 0  # the first epoch's, whole
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".")]
+
+
+def test_weights_of_another_model_are_refused_naming_the_tensor_and_the_file(pretrained, pool, tmp_path):
+    other = tmp_path / "other"
+    H.llama(tie_word_embeddings=False, intermediate_size=48).save_pretrained(other)
+    strategy = RemoteModelParallelStrategy(hosts=pool[:2], split=["model"], pretrained=str(other))
+    with pytest.raises(WeightsError, match=r"mlp\.\w+_proj\.weight.*model\.safetensors.*shape"):
+        trainer(strategy, 1).fit(loaded(pretrained), H.padded_data())
+
+
+def test_a_meta_model_without_its_weights_is_refused_before_training(pretrained, pool, tmp_path):
+    strategy = RemoteModelParallelStrategy(hosts=pool[:2], split=["model"])
+    model = loaded(pretrained, meta=True)
+    model.model.name_or_path = ""  # built from a config alone: no directory to read
+    with pytest.raises(WeightsError, match="meta device.*pretrained="):
+        trainer(strategy, 1).fit(model, H.padded_data())
+    strategy = RemoteModelParallelStrategy(hosts=pool[:2], split=["model"], pretrained=str(tmp_path / "nowhere"))
+    with pytest.raises(WeightsError, match="nowhere.* does not exist"):
+        trainer(strategy, 1).fit(loaded(pretrained), H.padded_data())
