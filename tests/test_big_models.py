@@ -191,3 +191,60 @@ def test_a_meta_model_without_its_weights_is_refused_before_training(pretrained,
     strategy = RemoteModelParallelStrategy(hosts=pool[:2], split=["model"], pretrained=str(tmp_path / "nowhere"))
     with pytest.raises(WeightsError, match="nowhere.* does not exist"):
         trainer(strategy, 1).fit(loaded(pretrained), H.padded_data())
+
+
+def test_a_sharded_checkpoint_exports_to_transformers_and_consolidates_into_one_file(pretrained, pool, tmp_path):
+    """``lrmp-checkpoint export`` writes save_pretrained's layout that ``from_pretrained`` loads with
+    the trained values; ``consolidate`` writes the single file a full checkpoint would have been."""
+    from lightning_remote_mp.model.convert import consolidate, main
+
+    local = local_run(pretrained, 1)
+    remote = loaded(pretrained, meta=True)
+    strategy = RemoteModelParallelStrategy(
+        hosts=pool[:2], split=["model"], pretrained=pretrained, state_dict_type="sharded"
+    )
+    trainer(strategy, 1, enable_checkpointing=True, callbacks=[ModelCheckpoint(dirpath=tmp_path / "ckpt")]).fit(
+        remote, H.padded_data()
+    )
+    (checkpoint,) = (tmp_path / "ckpt").iterdir()
+    main(["export", str(checkpoint), str(tmp_path / "hf")])
+    assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    for name, value in local.model.state_dict().items():
+        torch.testing.assert_close(exported.state_dict()[name], value, rtol=0, atol=1e-4)
+    consolidate(checkpoint, tmp_path / "full.ckpt")
+    full = torch.load(tmp_path / "full.ckpt", weights_only=False)
+    fresh = loaded(pretrained)
+    fresh.load_state_dict(full["state_dict"])  # strict: every key is there
+    assert_same_weights(local, fresh, 1e-4)
+    adam = full["optimizer_states"][0]["state"]
+    assert len(adam) == len(list(local.parameters())) and all("exp_avg" in s for s in adam.values())
+
+
+def test_a_lora_adapter_exports_alone_and_peft_loads_it(pretrained, pool, tmp_path):
+    import peft
+
+    def lora() -> H.FineTune:
+        model = loaded(pretrained)
+        torch.manual_seed(1)
+        config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+        return H.FineTune(peft.get_peft_model(model.model, config), "lm", lr=0.01, optimizer="AdamW")
+
+    remote = lora()
+    strategy = RemoteModelParallelStrategy(
+        hosts=pool[:2], split=["model"], pretrained=pretrained, state_dict_type="sharded"
+    )
+    trainer(strategy, 1, enable_checkpointing=True, callbacks=[ModelCheckpoint(dirpath=tmp_path / "ckpt")]).fit(
+        remote, H.padded_data()
+    )
+    (checkpoint,) = (tmp_path / "ckpt").iterdir()
+    from lightning_remote_mp.model.convert import export_pretrained
+
+    written = export_pretrained(checkpoint, tmp_path / "adapter")
+    assert sorted(written) == ["adapter_config.json", "adapter_model.safetensors"]
+    base = AutoModelForCausalLM.from_pretrained(pretrained)
+    reloaded = peft.PeftModel.from_pretrained(base, tmp_path / "adapter")
+    trained = {k: v for k, v in remote.model.state_dict().items() if "lora_" in k}
+    assert trained and any(not torch.equal(v, torch.zeros_like(v)) for k, v in trained.items() if "lora_B" in k)
+    for name, value in trained.items():
+        torch.testing.assert_close(reloaded.state_dict()[name], value, rtol=0, atol=0)

@@ -144,3 +144,15 @@ def test_hf_gpt2_traced_unchanged_learns_on_two_workers(pool):
     assert type(module.model) is transformers.GPT2LMHeadModel and "forward" not in vars(module.model)
     assert "model.transformer.h.0.attn.c_attn.weight" in module.state_dict()
     assert sample.startswith(b"def ") and len(sample) == 4 + 8
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("lora", [False, True])
+def test_finetune_pretrained_exports_a_model_transformers_loads(pool, tmp_path, lora):
+    """The real workflow for a model bigger than the driver: weights read by the workers, sharded
+    checkpoints, an export that from_pretrained (or peft) loads."""
+    pytest.importorskip("transformers", reason="the example needs transformers: pip install -e '.[hf]'")
+    finetune = load_example("finetune_pretrained")
+    exported = finetune.main(hosts=pool[:2], lora=lora, epochs=1, workdir=str(tmp_path))
+    expected = ["adapter_config.json", "adapter_model.safetensors"] if lora else ["config.json"]
+    assert all(os.path.isfile(os.path.join(exported, name)) for name in expected)

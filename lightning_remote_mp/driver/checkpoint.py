@@ -39,6 +39,7 @@ import torch
 
 from lightning_remote_mp._version import __version__
 from lightning_remote_mp.errors import WeightsError
+from lightning_remote_mp.model.convert import ADAPTER_CONFIG, CONFIG
 from lightning_remote_mp.model.weights import SHARDED_MANIFEST, TensorFiles
 from lightning_remote_mp.wire import protocol
 from lightning_remote_mp.wire.requests import ReadOptim, Save
@@ -84,6 +85,8 @@ def save(
         session.confirm_backwards()
         manifest = _write_shards(session, lightning_module, optimizers, partial)
         write_lightning_state(checkpoint, str(partial / LIGHTNING_STATE))
+        for key, pl in session.placements.items():
+            _write_configs(pl.module.state_owner, key, partial)
         (partial / SHARDED_MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
         _swap_in(partial, target)
     except BaseException:
@@ -145,6 +148,20 @@ def _write_shards(
         "tensors": saved,
         "optimizers": positions,
     }
+
+
+def _write_configs(owner: torch.nn.Module, key: str, directory: Path) -> None:
+    """A HuggingFace model's config and a peft model's adapter config beside the shards, for
+    `lightning_remote_mp.model.convert.export_pretrained`."""
+    config: Any = getattr(owner, "config", None)
+    if hasattr(config, "to_json_file"):
+        config.to_json_file(str(directory / CONFIG.format(key=key)))
+    adapter = (getattr(owner, "peft_config", None) or {}).get("default")
+    if adapter is not None and hasattr(adapter, "to_dict"):
+        values = {k: sorted(v) if isinstance(v, set) else v for k, v in adapter.to_dict().items()}
+        (directory / ADAPTER_CONFIG.format(key=key)).write_text(
+            json.dumps(values, indent=2, sort_keys=True, default=str)
+        )
 
 
 def _swap_in(partial: Path, target: Path) -> None:

@@ -451,10 +451,12 @@ class DriverSession:
             if sources or module.init_seed is None:  # a seeded spec: the state loaded, or its seed
                 weights[stage.index] = stage_weights(module, stage, sources, f"{what}, stage {stage.index}")
             else:
-                weights[stage.index] = (
-                    meta_stage_state(module, stage) if meta else placed_module_state(module, stage),
-                    {},
-                )
+                state = meta_stage_state(module, stage) if meta else placed_module_state(module, stage)
+                weights[stage.index] = (state, {})
+        if sources:
+            read = sum(len(files) for _, files in weights.values())
+            sent = sum(len(given or {}) for given, _ in weights.values())
+            log.info("%s: the workers read %d tensors from %s; this driver sends %d", what, read, sources[0].root, sent)
         ids = []
         for r, row, stage in ((r, row, stage) for r, row in enumerate(self.grid) for stage in stages):
             conn = row[stage.index]

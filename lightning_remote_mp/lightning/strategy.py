@@ -428,7 +428,7 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
         vars(module.state_owner).pop(_TRAINED_ELSEWHERE, None)
         if fitting:
             self.optimizers = self.optimizers  # mirrors them over the newly remote parameters
-            if self._resume is not None:
+            if self._resume is not None and self.lightning_module is not None:
                 self._resume.load_optimizers(session, self.lightning_module, key)
 
     def _sources(self, key: str, module: SpecSequential) -> list[TensorFiles]:
@@ -513,7 +513,7 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
 
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         super().load_optimizer_state_dict(checkpoint)
-        if self._resume is not None and self._session is not None:
+        if self._resume is not None and self._session is not None and self.lightning_module is not None:
             for key in list(self._session.placements):
                 self._resume.load_optimizers(self._session, self.lightning_module, key)
 

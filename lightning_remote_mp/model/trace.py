@@ -25,11 +25,12 @@ True
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import operator
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -319,7 +320,8 @@ def _live(values: list[fx.Node], unit_of: dict[fx.Node, int], n_units: int) -> l
 
 def trace_module(module: nn.Module, args: tuple, kwargs: dict, name: str) -> TracedSequential:
     """Trace ``module`` called with ``args`` and ``kwargs`` and cut it into units (see the module docstring)."""
-    graphs = {"train": export(module, args, kwargs, name, True), "eval": export(module, args, kwargs, name, False)}
+    with _traced_on_meta(module):
+        graphs = {"train": export(module, args, kwargs, name, True), "eval": export(module, args, kwargs, name, False)}
     counts = {mode: split_means(gm) for mode, gm in graphs.items()}  # losses joined exactly across micro-batches
     if counts["train"] != counts["eval"]:
         raise TraceError(f"module {name!r} returns a mean-reduced loss in one of train and eval mode only")
@@ -403,6 +405,34 @@ def trace_module(module: nn.Module, args: tuple, kwargs: dict, name: str) -> Tra
     traced.interface = call  # type: ignore[attr-defined]
     traced.batched = (call.batched_in, call.joins_out)
     return traced
+
+
+@contextlib.contextmanager
+def _traced_on_meta(module: nn.Module) -> Iterator[None]:
+    """A module partly on the meta device (its pretrained weights, which the workers read from files)
+    and partly not (a LoRA adapter made on the driver) is traced all on meta: torch.export refuses
+    to mix devices. The module's own tensors are back in their places after."""
+    tensors = [*module.parameters(), *module.buffers()]
+    if not any(t.is_meta for t in tensors) or all(t.is_meta for t in tensors):
+        yield
+        return
+    stand_ins: dict[int, torch.Tensor] = {}
+    replaced = []
+    for m in module.modules():
+        for table in (m._parameters, m._buffers):
+            for name, t in table.items():
+                if t is None or t.is_meta:
+                    continue
+                if id(t) not in stand_ins:
+                    meta = torch.empty_like(t, device="meta")
+                    stand_ins[id(t)] = nn.Parameter(meta, t.requires_grad) if isinstance(t, nn.Parameter) else meta
+                replaced.append((table, name, t))
+                table[name] = stand_ins[id(t)]
+    try:
+        yield
+    finally:
+        for table, name, t in replaced:
+            table[name] = t
 
 
 def _step(node: fx.Node, name: str) -> list[Any]:

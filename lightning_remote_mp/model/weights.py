@@ -237,7 +237,7 @@ def fill_meta_buffers(module: torch.nn.Module) -> list[str]:
                 names.append(f"{path}.{name}" if path else name)
     if not owners:
         return []
-    init = next((m._init_weights for m in module.modules() if hasattr(m, "_init_weights")), None)
+    init: Any = next((m._init_weights for m in module.modules() if hasattr(m, "_init_weights")), None)
     if init is None:
         raise WeightsError(
             f"the meta-device module's non-persistent buffers {names[:3]} are in no weights file and it has no "

@@ -1,0 +1,156 @@
+"""A sharded checkpoint turned into the layouts other tools load, one file at a time.
+
+- `export_pretrained`: ``save_pretrained``'s layout (safetensors shards, their index, ``config.json``),
+  which ``AutoModel*.from_pretrained`` loads; for a peft model, the adapter alone
+  (``adapter_model.safetensors``, ``adapter_config.json``), which ``PeftModel.from_pretrained`` loads.
+- `consolidate`: today's single-file Lightning checkpoint, for a small model or a move to a local run.
+
+Both read the checkpoint's files one at a time (`export_pretrained` never holds more than one
+stage's file; `consolidate` gathers everything by definition). The command line::
+
+    lrmp-checkpoint export checkpoints/last.ckpt exported/ --module model
+    lrmp-checkpoint consolidate checkpoints/last.ckpt last-full.ckpt
+
+The sharded layout is `lightning_remote_mp.driver.checkpoint`'s; its manifest names the files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_remote_mp.errors import WeightsError
+from lightning_remote_mp.model.weights import HF_INDEX, SHARDED_MANIFEST, write_tensors
+
+log = logging.getLogger(__name__)
+
+#: Beside the shards, a split module's HuggingFace config and peft adapter config, by its key.
+CONFIG = "{key}.config.json"
+ADAPTER_CONFIG = "{key}.adapter_config.json"
+_PEFT_HEAD = "base_model.model."
+
+
+def _manifest(checkpoint: Path) -> dict[str, Any]:
+    try:
+        return json.loads((checkpoint / SHARDED_MANIFEST).read_text())
+    except (OSError, ValueError) as err:
+        raise WeightsError(f"{checkpoint} is not an lrmp sharded checkpoint ({SHARDED_MANIFEST}: {err})") from None
+
+
+def _load(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+def export_pretrained(
+    checkpoint: str | Path, output: str | Path, module: str = "model", adapter_only: bool | None = None
+) -> list[str]:
+    """Write the split module ``module`` of sharded checkpoint ``checkpoint`` as ``save_pretrained``
+    writes it, into ``output``; a peft model's adapter alone unless ``adapter_only=False`` (then its
+    base model, under its pretrained names). Returns the files written."""
+    started = time.monotonic()
+    checkpoint, output = Path(checkpoint), Path(output)
+    manifest = _manifest(checkpoint)
+    head = "" if module == "<root>" else module + "."
+    files = [f for f in manifest["files"] if f["key"] == module]
+    if not files:
+        keys = sorted({f["key"] for f in manifest["files"]})
+        raise WeightsError(f"{checkpoint} holds no split module {module!r}; it holds {keys}")
+    peft = (checkpoint / ADAPTER_CONFIG.format(key=module)).is_file()
+    adapter = peft if adapter_only is None else adapter_only and peft
+    output.mkdir(parents=True, exist_ok=True)
+    written: list[str] = []
+    weight_map: dict[str, str] = {}
+    adapter_tensors: dict[str, torch.Tensor] = {}
+    count = len(files)
+    for n, entry in enumerate(sorted(files, key=lambda f: f["stage"])):
+        tensors = {
+            k[len(head) :]: v
+            for k, v in _load(checkpoint / entry["file"]).items()
+            if k.startswith(head) and manifest["tensors"].get(k) == entry["file"]
+        }
+        if adapter:
+            adapter_tensors.update({k.replace(".default.", "."): v for k, v in tensors.items() if "lora_" in k})
+            continue
+        if peft:
+            tensors = {
+                k.replace(".base_layer.", ".").removeprefix(_PEFT_HEAD): v
+                for k, v in tensors.items()
+                if "lora_" not in k
+            }
+        name = f"model-{n + 1:05d}-of-{count:05d}.safetensors"
+        write_tensors(str(output), name, tensors, {"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, name))
+        written.append(name)
+        del tensors  # one stage's file at a time
+    if adapter:
+        write_tensors(str(output), "adapter_model.safetensors", adapter_tensors, {"format": "pt"})
+        shutil.copyfile(checkpoint / ADAPTER_CONFIG.format(key=module), output / "adapter_config.json")
+        written += ["adapter_model.safetensors", "adapter_config.json"]
+    else:
+        size = sum((output / f).stat().st_size for f in written)
+        index = {"metadata": {"total_size": size}, "weight_map": dict(sorted(weight_map.items()))}
+        (output / HF_INDEX).write_text(json.dumps(index, indent=2))
+        written.append(HF_INDEX)
+        config = checkpoint / CONFIG.format(key=module)
+        if config.is_file():
+            shutil.copyfile(config, output / "config.json")
+            written.append("config.json")
+    log.info("exported %r of %s to %s in %.1f s: %s", module, checkpoint, output, time.monotonic() - started, written)
+    return written
+
+
+def consolidate(checkpoint: str | Path, output: str | Path) -> None:
+    """Write sharded checkpoint ``checkpoint`` as one ordinary Lightning checkpoint file ``output``
+    (every weight under its ``state_dict`` key, the workers' optimizer state under the local
+    optimizer's parameter positions), as a full checkpoint would have been written."""
+    checkpoint = Path(checkpoint)
+    manifest = _manifest(checkpoint)
+    state = torch.load(checkpoint / manifest["lightning_state"], map_location="cpu", weights_only=False)
+    optimizers = state.get("optimizer_states", [])
+    positions = manifest.get("optimizers", {})
+    for entry in manifest["files"]:
+        for key, value in _load(checkpoint / entry["file"]).items():
+            if key.startswith("optimizer."):
+                _, index, rest = key.split(".", 2)
+                name, _, field = rest.rpartition(".")
+                at = positions.get(index, {}).get(name)
+                if at is not None and int(index) < len(optimizers):
+                    optimizers[int(index)]["state"].setdefault(at, {})[field] = value
+            elif manifest["tensors"].get(key) == entry["file"]:
+                state["state_dict"][key] = value
+    torch.save(state, output)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="lrmp-checkpoint", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    export = sub.add_parser("export", help="write a split module as save_pretrained does (a peft model: its adapter)")
+    export.add_argument("checkpoint")
+    export.add_argument("output")
+    export.add_argument("--module", default="model", help="the split module's name (default: model)")
+    export.add_argument("--with-base", action="store_true", help="a peft model: its base weights, not the adapter")
+    merge = sub.add_parser("consolidate", help="write one single-file Lightning checkpoint")
+    merge.add_argument("checkpoint")
+    merge.add_argument("output")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        if args.command == "export":
+            export_pretrained(args.checkpoint, args.output, args.module, adapter_only=False if args.with_base else None)
+        else:
+            consolidate(args.checkpoint, args.output)
+    except WeightsError as err:
+        parser.exit(2, f"lrmp-checkpoint: {err}\n")
+
+
+if __name__ == "__main__":
+    main()
