@@ -74,6 +74,11 @@ def test_pretrained_weights_read_by_the_workers_train_as_locally(pretrained, poo
     trainer(strategy, 2).fit(remote, H.padded_data())
     assert_same_losses(local.losses, remote.losses, TOL)
     assert_same_weights(local, remote, 1e-4)  # a small model: its weights come back (gather_limit)
+    # A later run sends the trained weights here, not the pretrained files' again.
+    strategy = RemoteModelParallelStrategy(hosts=pool[:2], split=["model"], pretrained=pretrained)
+    trainer(strategy, 1).validate(remote, H.padded_data(seed=1))
+    trainer(None, 1).validate(local, H.padded_data(seed=1))
+    assert_same_losses(local.val_losses, remote.val_losses, TOL)
 
 
 def test_a_meta_model_trains_with_no_weights_on_the_driver_and_checkpoints_by_worker(pretrained, pool, tmp_path):
@@ -248,3 +253,33 @@ def test_a_lora_adapter_exports_alone_and_peft_loads_it(pretrained, pool, tmp_pa
     assert trained and any(not torch.equal(v, torch.zeros_like(v)) for k, v in trained.items() if "lora_B" in k)
     for name, value in trained.items():
         torch.testing.assert_close(reloaded.state_dict()[name], value, rtol=0, atol=0)
+
+
+def test_a_tied_model_resumes_from_a_sharded_checkpoint_and_consolidates(pool, tmp_path):
+    """Llama with tied embeddings: the tie is saved once and found again under either name, on
+    another number of stages, and in the consolidated file."""
+    from lightning_remote_mp.model.convert import consolidate
+
+    torch.manual_seed(0)
+    local = H.FineTune(H.llama(), "lm", lr=0.01, optimizer="AdamW")
+    first, second = (H.FineTune(H.llama(), "lm", lr=0.01, optimizer="AdamW") for _ in range(2))
+    first.load_state_dict(local.state_dict())
+    trainer(None, 4).fit(local, H.padded_data())
+    strategy = RemoteModelParallelStrategy(hosts=pool[:3], split=["model"], state_dict_type="sharded")
+    checkpoints = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    trainer(strategy, 2, enable_checkpointing=True, callbacks=[checkpoints]).fit(first, H.padded_data())
+    strategy = RemoteModelParallelStrategy(hosts=pool[:2], split=["model"])
+    trainer(strategy, 4).fit(second, H.padded_data(), ckpt_path=str(tmp_path / "last.ckpt"))
+    assert_same_losses(local.losses, first.losses + second.losses, TOL)
+    assert_same_weights(local, second, 1e-4)
+    consolidate(tmp_path / "last.ckpt", tmp_path / "full.ckpt")
+    full = torch.load(tmp_path / "full.ckpt", weights_only=False)["state_dict"]
+    assert full.keys() == first.state_dict().keys()
+    assert full["model.lm_head.weight"] is full["model.model.embed_tokens.weight"]
+
+
+def test_weights_that_do_not_come_back_are_saved_by_the_workers_if_no_checkpoint_has_them(pretrained, pool, tmp_path):
+    strategy = RemoteModelParallelStrategy(hosts=pool[:2], split=["model"], pretrained=pretrained, gather_limit=1)
+    trainer(strategy, 1, default_root_dir=str(tmp_path)).fit(loaded(pretrained), H.padded_data())
+    (saved,) = [p for p in os.listdir(tmp_path) if p.startswith("lrmp-last-step=")]
+    assert (tmp_path / saved / "lrmp-checkpoint.json").is_file()

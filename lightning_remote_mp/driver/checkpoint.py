@@ -40,7 +40,7 @@ import torch
 from lightning_remote_mp._version import __version__
 from lightning_remote_mp.errors import WeightsError
 from lightning_remote_mp.model.convert import ADAPTER_CONFIG, CONFIG
-from lightning_remote_mp.model.weights import SHARDED_MANIFEST, TensorFiles
+from lightning_remote_mp.model.weights import PARTIAL, SHARDED_MANIFEST, TensorFiles
 from lightning_remote_mp.wire import protocol
 from lightning_remote_mp.wire.requests import ReadOptim, Save
 from lightning_remote_mp.wire.transport import Connection, request_all
@@ -69,7 +69,6 @@ def _prefix(key: str) -> str:
 def save(
     session: Any,
     lightning_module: torch.nn.Module,
-    optimizers: list[torch.optim.Optimizer],
     checkpoint: dict[str, Any],
     path: str | Path,
     write_lightning_state: Callable[[dict[str, Any], str], None],
@@ -77,13 +76,15 @@ def save(
     """Write a sharded checkpoint of ``session``'s placed modules at ``path`` (see the module
     docstring); ``checkpoint`` is Lightning's dict, without the workers' tensors. Returns the manifest."""
     started = time.monotonic()
-    target = Path(path)
+    if "://" in str(path):
+        raise WeightsError(f"sharded checkpoints go to a file system path every worker sees, not {str(path)!r}")
+    target = Path(path).absolute()  # the workers resolve it, from their own working directories
     target.parent.mkdir(parents=True, exist_ok=True)
-    partial = target.parent / f".{target.name}.lrmp-partial-{uuid.uuid4().hex[:8]}"
+    partial = target.parent / f".{target.name}{PARTIAL}{uuid.uuid4().hex[:8]}"
     partial.mkdir()
     try:
         session.confirm_backwards()
-        manifest = _write_shards(session, lightning_module, optimizers, partial)
+        manifest = _write_shards(session, lightning_module, partial, "optimizer_states" in checkpoint)
         write_lightning_state(checkpoint, str(partial / LIGHTNING_STATE))
         for key, pl in session.placements.items():
             _write_configs(pl.module.state_owner, key, partial)
@@ -104,10 +105,12 @@ def save(
 
 
 def _write_shards(
-    session: Any, lightning_module: torch.nn.Module, optimizers: list[torch.optim.Optimizer], directory: Path
+    session: Any, lightning_module: torch.nn.Module, directory: Path, with_optimizers: bool
 ) -> dict[str, Any]:
     names = {id(p): n for n, p in lightning_module.named_parameters()}
     saved: dict[str, str] = {}  # state-dict key -> file
+    aliases: dict[str, str] = {}  # another key of a tied weight -> the key it is saved under
+    optim_files: dict[str, str] = {}  # state-dict key -> the file holding its optimizer state
     requests: list[tuple[Connection, str, Any]] = []
     files: list[dict[str, Any]] = []
     positions: dict[str, dict[str, int]] = {}
@@ -124,12 +127,14 @@ def _write_shards(
                     if full is not None and full not in saved:
                         saved[full] = file
                         tensors[local] = full
+                        aliases.update({prefix + other: full for other in keys[local][1:]})
             optim: dict[int, dict[str, str]] = {}
-            for mirror in session.mirrors:
+            for mirror in session.mirrors if with_optimizers else ():
                 for pid, holders in mirror.remote.items():
                     first = holders[0]
                     if first.conns[0] is rs.conn and first.name.startswith(pl.key + "/") and pid in names:
                         optim.setdefault(mirror.index, {})[first.name] = names[pid]
+                        optim_files[names[pid]] = file
             body = Save(str(directory), file, {pl.key: tensors}, optim).body()
             requests.append((rs.conn, protocol.SAVE, body))
             files.append({"file": file, "key": pl.key, "stage": rs.stage.index, "worker": rs.conn.address})
@@ -146,7 +151,9 @@ def _write_shards(
         "lightning_state": LIGHTNING_STATE,
         "files": files,
         "tensors": saved,
+        "aliases": aliases,
         "optimizers": positions,
+        "optimizer_files": optim_files,
     }
 
 
@@ -167,6 +174,10 @@ def _write_configs(owner: torch.nn.Module, key: str, directory: Path) -> None:
 def _swap_in(partial: Path, target: Path) -> None:
     """Give ``partial`` the name ``target``; a previous checkpoint there is moved aside, then removed."""
     old = None
+    if target.is_dir() and not is_sharded(target):
+        raise WeightsError(
+            f"{target} is a directory but no lrmp checkpoint: a checkpoint never replaces it; choose another path"
+        )
     if target.exists() or target.is_symlink():
         old = target.parent / f".{target.name}.lrmp-old-{uuid.uuid4().hex[:8]}"
         target.rename(old)
@@ -203,6 +214,10 @@ class ShardedCheckpoint:
         self.weights = TensorFiles(self.files.root, {k: v for k, v in self.files.tensors.items() if k in saved})
         self.loaded_optimizers: set[str] = set()
 
+    def holds(self, key: str) -> bool:
+        """Whether the checkpoint's files hold the weight ``key`` (or the tied weight it names)."""
+        return self.weights.find(self.manifest.get("aliases", {}).get(key, key)) is not None
+
     def lightning_state_path(self) -> Path:
         return self.path / self.manifest.get("lightning_state", LIGHTNING_STATE)
 
@@ -222,10 +237,9 @@ class ShardedCheckpoint:
                 full = names.get(pid)
                 if full is None:
                     continue
-                found = self.files.tensors.get(full)
-                saved = self.manifest.get("tensors", {}).get(full)
-                if found is None or saved is None:
-                    continue
+                saved = self.manifest.get("optimizer_files", {}).get(full)
+                if saved is None:
+                    continue  # never stepped, or saved without its optimizer state
                 path = str(self.path / saved)
                 for h in holders:
                     if not h.name.startswith(key + "/"):

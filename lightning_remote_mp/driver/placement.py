@@ -9,8 +9,10 @@ tensors go straight into the state dict), and loading one sends what was loaded 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
-from collections.abc import Iterable, Iterator, Sequence
+import logging
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -23,6 +25,8 @@ from lightning_remote_mp.model.weights import FileTensor, TensorFiles
 from lightning_remote_mp.wire import protocol
 from lightning_remote_mp.wire.requests import GetState, LoadState
 from lightning_remote_mp.wire.transport import broadcast, request_all
+
+log = logging.getLogger(__name__)
 
 
 def placed_module_state(module: SpecSequential, stage: partition.Stage) -> dict[str, torch.Tensor]:
@@ -46,42 +50,77 @@ def meta_stage_state(module: SpecSequential, stage: partition.Stage) -> dict[str
     return mine
 
 
-def find_in(sources: Sequence[TensorFiles], names: Sequence[str]) -> FileTensor | None:
-    """The first of ``sources`` to hold one of ``names`` (a tensor's keys), and where."""
-    for files in sources:
-        for name in names:
-            found = files.find(name)
-            if found is not None:
-                return found
+@dataclasses.dataclass
+class WeightSources:
+    """Where the tensors of a module being placed come from; the first that has a tensor wins:
+
+    - ``loaded``: values loaded into the module while it had no storage for them (a full checkpoint
+      into a module on the meta device), by ``state_dict`` key;
+    - ``checkpoint``: a sharded checkpoint's files, being resumed from;
+    - ``pretrained``: a pretrained model's files: for every tensor they hold when ``pretrained_first``
+      (the module's first placement, nothing loaded since), otherwise only for the tensors on the
+      meta device, whose copy here has no value (later runs send the driver's trained values);
+    - the driver's own tensor.
+    """
+
+    loaded: Mapping[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    checkpoint: TensorFiles | None = None
+    pretrained: TensorFiles | None = None
+    pretrained_first: bool = True
+
+    def __bool__(self) -> bool:
+        return bool(self.loaded) or self.checkpoint is not None or self.pretrained is not None
+
+    def roots(self) -> str:
+        roots = [f.root for f in (self.checkpoint, self.pretrained) if f is not None]
+        return ", ".join(map(repr, roots)) or "no weights files (pretrained= names none)"
+
+
+def _find(files: TensorFiles | None, names: Sequence[str]) -> FileTensor | None:
+    for name in names if files is not None else ():
+        found = files.find(name)  # type: ignore[union-attr]
+        if found is not None:
+            return found
     return None
 
 
 def stage_weights(
-    module: SpecSequential, stage: partition.Stage, sources: Sequence[TensorFiles], what: str
+    module: SpecSequential, stage: partition.Stage, sources: WeightSources, what: str
 ) -> tuple[dict[str, torch.Tensor], dict[str, list[str]]]:
-    """A stage's tensors split by where its worker gets them: from files (``sources``: a sharded
-    checkpoint's, then a pretrained model's), by name, or from this driver's module (the rest: a
-    LoRA adapter, a new head). A tensor on the meta device must be in the files."""
+    """A stage's tensors split by where its worker gets them (`WeightSources`): the files it reads
+    by name, and what this driver sends (a LoRA adapter, a new head, trained values). A tensor on
+    the meta device must be in the files."""
     keys = module.state_keys()
+    pending = module.pending_state  # a spec's: loaded while on meta, by "<layer index>.<name>"
     state: dict[str, torch.Tensor] = {}
     files: dict[str, list[str]] = {}
     for i in stage.layer_indices:
         for name, t in module.layers[i].state_dict(keep_vars=True).items():
             local = f"{i}.{name}"
             names = keys.get(local, [])
-            found = find_in(sources, names)
-            if found is not None:
-                if tuple(found.shape) != tuple(t.shape):
+            given = pending.get(local, next((sources.loaded[n] for n in names if n in sources.loaded), None))
+            if given is not None:
+                state[local] = given
+                continue
+            found = _find(sources.checkpoint, names)
+            if found is None and (t.is_meta or sources.pretrained_first):
+                found = _find(sources.pretrained, names)
+            if found is not None and tuple(found.shape) != tuple(t.shape):
+                resized = len(found.shape) == t.dim() and tuple(found.shape[1:]) == tuple(t.shape[1:])
+                in_checkpoint = sources.checkpoint is not None and found.path.startswith(sources.checkpoint.root)
+                if t.is_meta or not resized or in_checkpoint:
                     raise WeightsError(
                         f"{what}: tensor {found.name!r} in {found.path} has shape {found.shape}, but the model's "
                         f"{names[0]} has {tuple(t.shape)}: the files hold another model or configuration"
                     )
+                log.info("%s: %s has other rows than in %s (resized): sent from here", what, names[0], found.path)
+                found = None
+            if found is not None:
                 files[local] = [found.path, found.name]
             elif t.is_meta:
-                where = ", ".join(repr(f.root) for f in sources) or "no weights files (pretrained= names none)"
                 raise WeightsError(
-                    f"{what}: {names[0] if names else local} is on the meta device and not in {where}; give "
-                    "pretrained= the model's save_pretrained directory, or build that tensor with a value"
+                    f"{what}: {names[0] if names else local} is on the meta device and not in {sources.roots()}; "
+                    "give pretrained= the model's save_pretrained directory, or build that tensor with a value"
                 )
             else:
                 state[local] = t.detach()
@@ -167,7 +206,9 @@ class Placement:
         with torch.no_grad():
             for name, t in self.fetch().items():
                 index, _, rest = name.partition(".")
-                self.module.layers[int(index)].state_dict(keep_vars=True)[rest].copy_(t)
+                local = self.module.layers[int(index)].state_dict(keep_vars=True)[rest]
+                if not local.is_meta:  # a tensor on meta keeps no value here (its files or checkpoints do)
+                    local.copy_(t)
 
     def push(self, state: dict[str, torch.Tensor]) -> None:
         """Send weights and buffers (named ``"<layer index>.<name>"``) to the workers holding them."""

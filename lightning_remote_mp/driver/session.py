@@ -37,6 +37,7 @@ from lightning_remote_mp.driver.options import Topology, check_split_backward
 from lightning_remote_mp.driver.pipeline import RemoteSpec, RemoteStage, check_checkpoint_mode
 from lightning_remote_mp.driver.placement import (
     Placement,
+    WeightSources,
     gathering,
     meta_stage_state,
     placed_bytes,
@@ -59,7 +60,6 @@ from lightning_remote_mp.model.spec import (
     source_digest,
     user_code_modules,
 )
-from lightning_remote_mp.model.weights import TensorFiles
 from lightning_remote_mp.schedule import check_schedule
 from lightning_remote_mp.wire import protocol
 from lightning_remote_mp.wire.addresses import dial_name, normalize_address, relay_address, resolved, route_dialin
@@ -400,7 +400,7 @@ class DriverSession:
         deferred_batch_norm: bool = False,
         compression: str | None = None,
         schedule: str = "gpipe",
-        sources: Sequence[TensorFiles] = (),
+        sources: WeightSources | None = None,
     ) -> None:
         """Ship ``module``'s layers to the workers and make its forward run there, splitting each
         batch into ``microbatches`` that flow through the stages concurrently; with
@@ -449,14 +449,14 @@ class DriverSession:
         weights: dict[int, tuple[dict[str, torch.Tensor] | None, dict[str, list[str]]]] = {}
         for stage in stages:
             if sources or module.init_seed is None:  # a seeded spec: the state loaded, or its seed
-                weights[stage.index] = stage_weights(module, stage, sources, f"{what}, stage {stage.index}")
+                where = f"{what}, stage {stage.index}"
+                weights[stage.index] = stage_weights(module, stage, sources or WeightSources(), where)
             else:
                 state = meta_stage_state(module, stage) if meta else placed_module_state(module, stage)
                 weights[stage.index] = (state, {})
         if sources:
-            read = sum(len(files) for _, files in weights.values())
-            sent = sum(len(given or {}) for given, _ in weights.values())
-            log.info("%s: the workers read %d tensors from %s; this driver sends %d", what, read, sources[0].root, sent)
+            read, sent = (sum(len(w[k] or {}) for w in weights.values()) for k in (1, 0))
+            log.info("%s: the workers read %d tensors from %s; this driver sends %d", what, read, sources.roots(), sent)
         ids = []
         for r, row, stage in ((r, row, stage) for r, row in enumerate(self.grid) for stage in stages):
             conn = row[stage.index]
@@ -570,8 +570,7 @@ class DriverSession:
         self.mirrors.append(mirror)
         return mirror
 
-    def placed_bytes(self) -> int:
-        """The bytes of every placed weight and buffer (one copy of each)."""
+    def placed_bytes(self) -> int:  # every placed weight and buffer, one copy of each
         return placed_bytes(self.placements.values())
 
     def gathering(self, gather: bool) -> contextlib.AbstractContextManager[None]:
@@ -580,10 +579,11 @@ class DriverSession:
         return gathering([*self.placements.values(), *self.mirrors], gather)
 
     # --- ending --------------------------------------------------------------------------
-    def restore(self, gather_limit: int | None = None) -> list[torch.nn.Module]:
-        """Bring weights and optimizer state back into the local objects and stop delegating. With
-        more than ``gather_limit`` bytes placed, nothing comes back: the placed modules go to the
-        meta device (their trained weights are in the checkpoints), and are returned."""
+    def restore(self, gather_limit: int | None = None, trained: bool = True) -> list[torch.nn.Module]:
+        """Bring weights and optimizer state back into the local objects and stop delegating. Past
+        ``gather_limit`` bytes placed nothing comes back, and modules the run ``trained`` go to the meta
+        device (their trained weights are in the checkpoints). Returns the modules whose trained
+        weights are not here (those, and trained tensors that were on the meta device)."""
         failures: list[str] = []
         gather = gather_limit is None or self.placed_bytes() <= gather_limit
         # A posted request that failed (the last optimizer step, say) is raised at the end, once
@@ -609,15 +609,15 @@ class DriverSession:
         for key, pl in list(self.placements.items()):
             try:
                 pl.remote.materialize()  # outputs the last stages kept that something here may still read
-                if pl.meta or not gather:  # detach() below records that the weights were only on the workers
-                    log.info(
-                        "%s %r: its trained weights stay on the workers and in the checkpoints (%.1f MB placed; "
-                        "gather_limit %s)", pl.module.kind, key, self.placed_bytes() / 1e6, gather_limit
-                    )  # fmt: skip
-                    left.append(pl.module.state_owner)
-                    pl.module.state_owner.to("meta")  # no stale weights here: a later run loads the trained ones
-                else:
+                tensors = [t for layer in pl.module.layers for t in layer.state_dict(keep_vars=True).values()]
+                if gather and not all(t.is_meta for t in tensors):
                     pl.pull()
+                stale = trained and (not gather or any(t.is_meta and t.requires_grad for t in tensors))
+                if stale:
+                    log.info("%s %r: its trained weights stay in the workers' checkpoints", pl.module.kind, key)
+                    left.append(pl.module.state_owner)
+                    if not gather:
+                        pl.module.state_owner.to("meta")  # no stale weights here: a later run loads the trained ones
             except (WorkerError, WorkerLostError) as err:
                 failures.append(f"{key}: {err}")
             pl.detach()

@@ -14,8 +14,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 import shutil
 import tempfile
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
@@ -45,6 +47,7 @@ from lightning_remote_mp.driver.options import (
     check_timeout,
 )
 from lightning_remote_mp.driver.pipeline import check_checkpoint_mode
+from lightning_remote_mp.driver.placement import WeightSources
 from lightning_remote_mp.driver.preflight import Preflight, allow_modules_for, checked_for_workers
 from lightning_remote_mp.driver.session import DriverSession
 from lightning_remote_mp.errors import ConfigurationError, LrmpError, SpecError, TraceError, WeightsError
@@ -281,7 +284,10 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
         self._keys: KeyPair | None = None
         self._worker_keys: dict[str, bytes] | None = None
         self._resume: ShardedCheckpoint | None = None  # a sharded checkpoint being loaded
+        self._loaded: dict[str, dict[str, torch.Tensor]] = {}  # a full checkpoint's values for meta modules
+        self._loaded_full = False  # a full checkpoint was loaded into the modules (they are its values)
         self._dumping_sharded = False
+        self._fitting = False
 
     @property
     def hosts(self) -> list[str] | list[list[str]] | None:
@@ -346,7 +352,7 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
                 "submodule; nothing runs remotely"
             )
             return
-        fitting = trainer.state.fn == TrainerFn.FITTING
+        fitting = self._fitting = trainer.state.fn == TrainerFn.FITTING
         # Fail before any worker is started or contacted.
         balances = {key: self._balance_for(key, {**modules, **traced}) for key in {**modules, **traced}}
         checks = {key: self._check_before_workers(key, module) for key, module in modules.items()}
@@ -381,6 +387,7 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
                     schedule=self.schedule,
                     sources=self._sources(key, module),
                 )
+                vars(module)[_PLACED] = True
             for key, sub in traced.items():
                 if _on_meta(sub):
                     fill_meta_buffers(sub)  # rotary frequencies and the like: in no file
@@ -426,21 +433,24 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
             sources=self._sources(key, module),
         )
         vars(module.state_owner).pop(_TRAINED_ELSEWHERE, None)
+        vars(module.state_owner)[_PLACED] = True
         if fitting:
             self.optimizers = self.optimizers  # mirrors them over the newly remote parameters
             if self._resume is not None and self.lightning_module is not None:
                 self._resume.load_optimizers(session, self.lightning_module, key)
 
-    def _sources(self, key: str, module: SpecSequential) -> list[TensorFiles]:
-        """Where the workers read the tensors of the module placed as ``key`` from: a sharded checkpoint
-        being loaded, then its pretrained weights (`pretrained`)."""
+    def _sources(self, key: str, module: SpecSequential) -> WeightSources:
+        """Where the tensors of the module placed as ``key`` come from (`WeightSources`): values a
+        full checkpoint loaded while it had no storage, a sharded checkpoint being resumed, its
+        pretrained files (for every tensor at its first placement, then only for those on meta)."""
         owner = module.state_owner
-        sources = [self._resume.weights_for(key)] if self._resume is not None else []
-        if vars(owner).get(_TRAINED_ELSEWHERE) and not sources:
+        checkpoint = self._resume.weights_for(key) if self._resume is not None else None
+        loaded = self._loaded.pop(key, {})
+        if vars(owner).get(_TRAINED_ELSEWHERE) and checkpoint is None and not loaded:
             raise WeightsError(
                 f"module {key!r} was trained by an earlier run whose workers and checkpoints hold its trained weights "
-                "(it was larger than gather_limit, so they did not come back here); pass ckpt_path= with a "
-                "checkpoint of that run"
+                "(they did not come back here: it is larger than gather_limit, or on the meta device); pass "
+                "ckpt_path= with a checkpoint of that run"
             )
         path = self.pretrained.get(key)
         if path is None and module.is_meta:
@@ -448,14 +458,33 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
             name = getattr(owner, "name_or_path", None)
             if isinstance(name, str) and name and Path(name).is_dir():
                 path = name
-        if path is not None:
-            sources.append(TensorFiles.of(path))
-        return sources
+        first = not vars(owner).get(_PLACED) and not self._loaded_full
+        return WeightSources(
+            loaded=loaded,
+            checkpoint=checkpoint,
+            pretrained=TensorFiles.of(path) if path is not None else None,
+            pretrained_first=first,
+        )
 
     def model_to_device(self) -> None:
         assert self.model is not None
         with _meta_kept(self.model, self.split):
             self.model.to(self.root_device)
+
+    def on_train_end(self) -> None:
+        # Weights that will not come back here (past gather_limit) must be somewhere: a checkpoint of
+        # the last step, written by the workers, unless a ModelCheckpoint saved that step already.
+        super().on_train_end()
+        session, trainer = self._session, self.lightning_module.trainer if self.lightning_module else None
+        if session is None or trainer is None or session.placed_bytes() <= self.gather_limit:
+            return
+        if any(
+            getattr(cb, "_last_global_step_saved", -1) == trainer.global_step for cb in trainer.checkpoint_callbacks
+        ):
+            return
+        path = os.path.join(trainer.default_root_dir, f"lrmp-last-step={trainer.global_step}.ckpt")
+        trainer.save_checkpoint(path)
+        log.warning("the trained weights do not come back here (past gather_limit): saved them as %s", path)
 
     # --- checkpoints (lightning_remote_mp.driver.checkpoint) ------------------------------
     def _sharded_checkpoints(self) -> bool:
@@ -486,7 +515,6 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
         sharded.save(
             self._session,
             self.lightning_module,
-            [getattr(o, "_optimizer", o) for o in self.optimizers],
             checkpoint,
             filepath,
             lambda ckpt, path: self.checkpoint_io.save_checkpoint(ckpt, path, storage_options=storage_options),
@@ -500,11 +528,20 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
         return super().load_checkpoint(self._resume.lightning_state_path(), weights_only=weights_only)
 
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        if self._resume is None:
-            return super().load_model_state_dict(checkpoint, strict=strict)
         assert self.lightning_module is not None
-        missing, unexpected = self.lightning_module.load_state_dict(checkpoint["state_dict"], strict=False)
-        absent = [k for k in missing if self._resume.weights.find(k) is None]
+        state = checkpoint["state_dict"]
+        # A split module on the meta device keeps nothing loaded into it: its values wait for placement.
+        for key, module in zip(self.split, _split_modules(self.lightning_module, self.split)):
+            if _on_meta(module):
+                head = key + "."
+                self._loaded[key] = {k[len(head) :]: v for k, v in state.items() if k.startswith(head)}
+        with warnings.catch_warnings():  # loading into meta tensors "is a no-op": their values are kept above
+            warnings.filterwarnings("ignore", message=".*copying from a non-meta parameter.*")
+            if self._resume is None:
+                self._loaded_full = True  # the driver's values are the checkpoint's now, not the pretrained files'
+                return super().load_model_state_dict(checkpoint, strict=strict)
+            missing, unexpected = self.lightning_module.load_state_dict(state, strict=False)
+        absent = [k for k in missing if not self._resume.holds(k)]
         if strict and (absent or unexpected):
             raise WeightsError(
                 f"sharded checkpoint {self._resume.path} does not fit this model: it lacks {absent[:5]} and has "
@@ -597,10 +634,10 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
         self._traced.clear()
         session, self._session = self._session, None
         try:
-            self._resume = None
+            self._resume, self._loaded, self._loaded_full = None, {}, False
             if session is not None:
                 try:
-                    left = session.restore(self.gather_limit)
+                    left = session.restore(self.gather_limit, trained=self._fitting)
                     for owner in left:
                         if not isinstance(owner, SpecSequential):  # a spec records it itself (weights_left_on_workers)
                             vars(owner)[_TRAINED_ELSEWHERE] = True
@@ -623,6 +660,8 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
 
 #: Marks a split module whose trained weights stayed with the workers and checkpoints of a run.
 _TRAINED_ELSEWHERE = "_lrmp_trained_elsewhere"
+#: Marks a module placed before: its values here are the trained ones, not the pretrained files'.
+_PLACED = "_lrmp_placed"
 
 
 def _split_modules(model: torch.nn.Module, split: list[str]) -> list[torch.nn.Module]:

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from lightning_remote_mp.errors import WeightsError
-from lightning_remote_mp.model.weights import HF_INDEX, SHARDED_MANIFEST, write_tensors
+from lightning_remote_mp.model.weights import HF_INDEX, SHARDED_MANIFEST, read_metadata, write_tensors
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +118,8 @@ def consolidate(checkpoint: str | Path, output: str | Path) -> None:
     optimizers = state.get("optimizer_states", [])
     positions = manifest.get("optimizers", {})
     for entry in manifest["files"]:
-        for key, value in _load(checkpoint / entry["file"]).items():
+        scalars = (read_metadata(str(checkpoint / entry["file"])) or {}).get("scalars", {})
+        for key, value in [*_load(checkpoint / entry["file"]).items(), *scalars.items()]:
             if key.startswith("optimizer."):
                 _, index, rest = key.split(".", 2)
                 name, _, field = rest.rpartition(".")
@@ -127,6 +128,8 @@ def consolidate(checkpoint: str | Path, output: str | Path) -> None:
                     optimizers[int(index)]["state"].setdefault(at, {})[field] = value
             elif manifest["tensors"].get(key) == entry["file"]:
                 state["state_dict"][key] = value
+    for alias, key in manifest.get("aliases", {}).items():  # a tied weight, under each of its names
+        state["state_dict"][alias] = state["state_dict"][key]
     torch.save(state, output)
 
 

@@ -14,8 +14,8 @@ The driver indexes; the workers read and write.
 
 >>> import tempfile, torch
 >>> d = tempfile.mkdtemp()
->>> write_tensors(d, "stage0.safetensors", {"w": torch.ones(2, 3)})
-24
+>>> write_tensors(d, "stage0.safetensors", {"w": torch.ones(2, 3)}) > 24  # bytes: a header, then the data
+True
 >>> files = TensorFiles.of(d)
 >>> files.find("w").shape
 (2, 3)
@@ -38,6 +38,9 @@ from lightning_remote_mp.errors import WeightsError
 
 #: The manifest of a sharded checkpoint directory (`lightning_remote_mp.driver.checkpoint`).
 SHARDED_MANIFEST = "lrmp-checkpoint.json"
+#: In the name of the directory a sharded checkpoint is written into before it takes its own: the
+#: only kind of directory a worker writes in (`write_tensors`).
+PARTIAL = ".lrmp-partial-"
 #: The index ``save_pretrained`` writes beside sharded safetensors.
 HF_INDEX = "model.safetensors.index.json"
 HF_SINGLE = "model.safetensors"
@@ -195,21 +198,42 @@ def write_tensors(
     temporary name, so the file is whole or absent. Returns its bytes."""
     from safetensors.torch import save_file
 
-    if not file or "/" in file or "\\" in file or file.startswith("."):
-        raise WeightsError(f"{file!r} is not a plain file name")
+    if not file.endswith(".safetensors") or "/" in file or "\\" in file or file.startswith("."):
+        raise WeightsError(f"{file!r} is not a plain .safetensors file name")
     target = Path(directory) / file
     if target.exists():
         raise WeightsError(f"{target} exists already; a checkpoint file is never written over")
     partial = target.with_name(f".{file}.partial")
+    # Created here, new (never through a link, never over a file), then filled.
+    try:
+        os.close(os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644))
+    except FileNotFoundError:
+        raise WeightsError(
+            f"directory {directory!r} does not exist on this worker: sharded checkpoints need a path every worker "
+            "sees (the same machine, or a shared file system)"
+        ) from None
     contiguous = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
     save_file(contiguous, str(partial), metadata=dict(metadata or {}))
     os.replace(partial, target)
     return target.stat().st_size
 
 
+def check_writable(directory: str) -> None:
+    """A worker writes only into the hidden directory a sharded checkpoint is being written into
+    (`PARTIAL`): a driver cannot make it write anywhere else."""
+    if PARTIAL not in Path(directory).name or not Path(directory).name.startswith("."):
+        raise WeightsError(f"{directory!r} is not a checkpoint being written; a worker writes nowhere else")
+
+
+def check_readable(path: str) -> None:
+    """A worker reads only safetensors files, by name, for weights (no other file is opened)."""
+    if not path.endswith(".safetensors") or not Path(path).is_file():
+        raise WeightsError(f"{path!r} is no safetensors file this worker can read")
+
+
 def json_metadata(value: Any) -> dict[str, str]:
-    """A JSON value as safetensors metadata (strings only)."""
-    return {"lrmp": json.dumps(value, sort_keys=True)}
+    """A JSON value as safetensors metadata (strings only); numbers of other types (numpy's) as numbers."""
+    return {"lrmp": json.dumps(value, sort_keys=True, default=lambda v: v.item() if hasattr(v, "item") else str(v))}
 
 
 def read_metadata(path: str) -> Any:
@@ -243,7 +267,27 @@ def fill_meta_buffers(module: torch.nn.Module) -> list[str]:
             f"the meta-device module's non-persistent buffers {names[:3]} are in no weights file and it has no "
             "_init_weights to compute them: build them with values (outside the meta device context)"
         )
+    filled = [(m, name) for m in dict.fromkeys(owners) for name in m._non_persistent_buffers_set if name in m._buffers]
+    filled = [(m, name) for m, name in filled if m._buffers[name] is not None and not m._buffers[name].is_meta]
+
+    def unset_value(t: torch.Tensor) -> float | int:
+        return float("nan") if t.is_floating_point() else torch.iinfo(t.dtype).min if t.dtype != torch.bool else 0
+
     with torch.no_grad():
+        for m, name in filled:  # a value no init writes, to tell which buffers init left alone
+            m._buffers[name].fill_(unset_value(m._buffers[name]))  # type: ignore[union-attr]
         for m in dict.fromkeys(owners):
             init(m)
+    unset = []
+    for m, name in filled:
+        t = m._buffers[name]
+        assert t is not None
+        marker = unset_value(t)
+        if t.dtype != torch.bool and bool((t.isnan() if t.is_floating_point() else t == marker).any()):
+            unset.append(name)
+    if unset:
+        raise WeightsError(
+            f"the meta-device module's non-persistent buffers {unset[:3]} are in no weights file and its _init_weights "
+            "does not compute them: build them with values (outside the meta device context)"
+        )
     return names

@@ -429,7 +429,12 @@ class WorkerSession:
 
     def read_optim(self, msg: ReadOptim) -> Any:
         """Load optimizer ``msg.index``'s state from a sharded checkpoint's files (`ReadOptim`)."""
-        return self.load_optim_state(LoadOptimState(msg.index, read_optimizer_state(msg)))
+        read = read_optimizer_state(msg)
+        opt = self.optimizers.get(msg.index)
+        if opt is not None:  # merged: another module's stages here keep their state
+            names = self._optim_params[msg.index]
+            read = {**{names[k]: s for k, s in opt.state_dict()["state"].items()}, **read}
+        return self.load_optim_state(LoadOptimState(msg.index, read))
 
     def get_state(self, msg: GetState) -> Any:
         return {key: stage.state_dict() for key, stage in self.stages.items()}

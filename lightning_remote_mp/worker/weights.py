@@ -13,7 +13,14 @@ from typing import Any
 import torch
 
 from lightning_remote_mp.errors import SpecError
-from lightning_remote_mp.model.weights import json_metadata, read_metadata, read_tensors, write_tensors
+from lightning_remote_mp.model.weights import (
+    check_readable,
+    check_writable,
+    json_metadata,
+    read_metadata,
+    read_tensors,
+    write_tensors,
+)
 from lightning_remote_mp.wire.requests import ReadOptim, Save
 from lightning_remote_mp.worker.stage import StageExecutor
 
@@ -30,6 +37,8 @@ def read_stage_files(stage: StageExecutor, files: Mapping[str, Sequence[str]], s
     unknown = sorted(set(files) - set(held))
     if unknown:
         raise SpecError(f"stage {stage.index}: weights from files for tensors it does not hold: {unknown[:3]}")
+    for path in {v[0] for v in files.values()}:
+        check_readable(path)
     tensors = read_tensors({k: (v[0], v[1]) for k, v in files.items()}, held)
     size = sum(t.numel() * t.element_size() for t in tensors.values())
     log.info(
@@ -54,6 +63,7 @@ def save_shard(
     """Write the tensors and optimizer state ``msg`` names as one new safetensors file; optimizer
     state that is no tensor (a step count kept as a number) goes in the file's metadata."""
     started = time.monotonic()
+    check_writable(msg.directory)
     tensors: dict[str, torch.Tensor] = {}
     for key, names in msg.tensors.items():
         state = stages[key].state_dict()
@@ -87,6 +97,7 @@ def read_optimizer_state(msg: ReadOptim) -> dict[str, dict[str, Any]]:
     for name, (path, full) in msg.params.items():
         by_file.setdefault(path, []).append((name, f"optimizer.{msg.index}.{full}."))
     for path, wanted in by_file.items():
+        check_readable(path)
         scalars = (read_metadata(path) or {}).get("scalars", {})
         with safe_open(path, framework="pt") as f:
             keys = list(f.keys())
