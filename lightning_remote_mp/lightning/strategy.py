@@ -11,14 +11,12 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import os
 import shutil
 import tempfile
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -55,10 +53,11 @@ from lightning_remote_mp.flow import SplitBackward
 from lightning_remote_mp.lightning import intercept
 from lightning_remote_mp.lightning.timeline import TimelineCallback
 from lightning_remote_mp.logs import follow_lightning
+from lightning_remote_mp.model.meta import fill_meta_buffers, kept_on_meta, on_meta, split_modules
 from lightning_remote_mp.model.spec import SpecSequential
 from lightning_remote_mp.model.trace import TracedForward, find_modules
 from lightning_remote_mp.model.traced import TracedSequential
-from lightning_remote_mp.model.weights import TensorFiles, fill_meta_buffers
+from lightning_remote_mp.model.weights import TensorFiles
 from lightning_remote_mp.schedule import check_schedule
 from lightning_remote_mp.wire import protocol
 from lightning_remote_mp.wire.keys import KeyPair, generate_keypair, load_keypair, load_public_key, write_public_key
@@ -389,7 +388,7 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
                 )
                 vars(module)[_PLACED] = True
             for key, sub in traced.items():
-                if _on_meta(sub):
+                if on_meta(sub):
                     fill_meta_buffers(sub)  # rotary frequencies and the like: in no file
                 place = functools.partial(self._place_traced, key, balances[key], fitting)
                 self._traced.append(TracedForward(key, sub, place))
@@ -468,7 +467,7 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
 
     def model_to_device(self) -> None:
         assert self.model is not None
-        with _meta_kept(self.model, self.split):
+        with kept_on_meta(self.model, self.split):
             self.model.to(self.root_device)
 
     def on_train_end(self) -> None:
@@ -531,8 +530,8 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
         assert self.lightning_module is not None
         state = checkpoint["state_dict"]
         # A split module on the meta device keeps nothing loaded into it: its values wait for placement.
-        for key, module in zip(self.split, _split_modules(self.lightning_module, self.split)):
-            if _on_meta(module):
+        for key, module in zip(self.split, split_modules(self.lightning_module, self.split)):
+            if on_meta(module):
                 head = key + "."
                 self._loaded[key] = {k[len(head) :]: v for k, v in state.items() if k.startswith(head)}
         with warnings.catch_warnings():  # loading into meta tensors "is a no-op": their values are kept above
@@ -624,7 +623,7 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
 
     def teardown(self) -> None:
         self._close()
-        with _meta_kept(self.lightning_module, self.split):
+        with kept_on_meta(self.lightning_module, self.split):
             super().teardown()
 
     def _close(self) -> None:
@@ -662,38 +661,6 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
 _TRAINED_ELSEWHERE = "_lrmp_trained_elsewhere"
 #: Marks a module placed before: its values here are the trained ones, not the pretrained files'.
 _PLACED = "_lrmp_placed"
-
-
-def _split_modules(model: torch.nn.Module, split: list[str]) -> list[torch.nn.Module]:
-    out = []
-    for name in split:
-        try:
-            out.append(model.get_submodule(name))
-        except AttributeError:
-            pass  # setup names the mistake
-    return out
-
-
-def _on_meta(module: torch.nn.Module) -> bool:
-    return any(t.is_meta for t in (*module.parameters(), *module.buffers()))
-
-
-def _kept(module: torch.nn.Module, fn: Any, recurse: bool = True) -> torch.nn.Module:
-    return module
-
-
-@contextlib.contextmanager
-def _meta_kept(model: torch.nn.Module | None, split: list[str]) -> Iterator[None]:
-    """While inside, moving or casting ``model`` leaves its split modules on the meta device alone:
-    their weights only ever exist on the workers (Lightning moves the whole LightningModule)."""
-    meta = [m for m in _split_modules(model, split) if _on_meta(m)] if model is not None else []
-    for m in meta:
-        vars(m)["_apply"] = functools.partial(_kept, m)
-    try:
-        yield
-    finally:
-        for m in meta:
-            vars(m).pop("_apply", None)
 
 
 if RemoteModelParallelStrategy.strategy_name not in StrategyRegistry:
