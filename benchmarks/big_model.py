@@ -6,14 +6,16 @@ child process of its own whose memory this script samples every 0.1 s (``RssAnon
 ``/proc/PID/status``: anonymous memory, memory-mapped files apart):
 
 - ``lrmp``: ``from_pretrained`` unchanged, ``pretrained=`` the directory (the workers read their
-  stages' tensors), ``state_dict_type="sharded"`` (the workers write the checkpoint);
+  stages' tensors), ``state_dict_type="sharded"`` (the workers write the checkpoint), and
+  ``gather_limit=1``: nothing comes back at the end, as for a model past the default 1 GiB;
 - ``lrmp-gather``: the path before #35: the driver sends every weight and gathers every checkpoint
   (``state_dict_type="full"``, ``gather_limit`` above the model);
 - ``local``: the same model in one plain Lightning process.
 
 Each run trains 3 steps (batch 4 x 32, 2 micro-batches), saves a checkpoint after step 2, ends
 ``fit``, then resumes from the checkpoint in a new Trainer for 1 more step. The table gives the
-driver's peak growth over its memory before ``from_pretrained``, at each phase and in all; each
+driver's peak growth over its memory before ``from_pretrained``, in each phase (load, train,
+checkpoint, the end of ``fit``, the resume after the first model is dropped) and in all; each
 worker's peak; and the seconds to the first step, to save, to resume and to end ``fit``.
 
     python benchmarks/big_model.py                  # sizes 0.2, 0.8 and 2.4 GB (fp32); ~15 min on 2 cores
@@ -23,6 +25,7 @@ worker's peak; and the seconds to the first step, to save, to resume and to end 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import shutil
@@ -99,6 +102,9 @@ def child(mode: str, path: str, work: str) -> None:
             return torch.optim.AdamW(self.parameters(), lr=1e-5)
 
     class SaveAt(L.Callback):
+        def on_train_end(self, trainer, pl_module):
+            mark("phase", name="end")  # what the end of fit brings back
+
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             if trainer.global_step == 2:
                 mark("phase", name="checkpoint")
@@ -108,9 +114,13 @@ def child(mode: str, path: str, work: str) -> None:
                 mark("phase", name="train")
 
     def strategy():
-        if mode == "lrmp":
-            return RemoteModelParallelStrategy(split=["model"], microbatches=2, pretrained=path, state_dict_type="sharded")
-        return RemoteModelParallelStrategy(split=["model"], microbatches=2, state_dict_type="full", gather_limit=1 << 40)
+        if mode == "lrmp":  # as a model past the default gather_limit (1 GiB) runs: nothing comes back
+            return RemoteModelParallelStrategy(
+                split=["model"], microbatches=2, pretrained=path, state_dict_type="sharded", gather_limit=1
+            )
+        return RemoteModelParallelStrategy(
+            split=["model"], microbatches=2, state_dict_type="full", gather_limit=1 << 40
+        )
 
     def trainer(steps: int):
         return L.Trainer(
@@ -122,6 +132,7 @@ def child(mode: str, path: str, work: str) -> None:
             enable_model_summary=False,
             enable_checkpointing=False,
             callbacks=[SaveAt()],
+            default_root_dir=work,
         )
 
     loader = DataLoader(Tokens(), batch_size=4)
@@ -132,6 +143,8 @@ def child(mode: str, path: str, work: str) -> None:
     run = trainer(3)
     run.fit(model, loader)
     mark("fit", seconds=time.monotonic() - started)
+    del model, run
+    gc.collect()
     mark("phase", name="resume")
     started = time.monotonic()
     resumed = FineTune()
@@ -253,6 +266,7 @@ def main() -> None:
                         f"{p.get('load', 0) / mb:,.0f}",
                         f"{p.get('train', 0) / mb:,.0f}",
                         f"{p.get('checkpoint', 0) / mb:,.0f}",
+                        f"{p.get('end', 0) / mb:,.0f}",
                         f"{p.get('resume', 0) / mb:,.0f}",
                         f"{worst / mb:,.0f} ({worst / nbytes:.2f}x)",
                         ", ".join(f"{w / mb:,.0f}" for w in r["workers"]) or "-",
@@ -271,6 +285,7 @@ def main() -> None:
         "driver +MB load",
         "+MB train",
         "+MB checkpoint",
+        "+MB end of fit",
         "+MB resume",
         "driver peak (x model)",
         "workers' peak MB",
