@@ -42,7 +42,7 @@ from lightning_remote_mp.errors import WeightsError
 from lightning_remote_mp.model.convert import ADAPTER_CONFIG, CONFIG
 from lightning_remote_mp.model.weights import PARTIAL, SHARDED_MANIFEST, TensorFiles
 from lightning_remote_mp.wire import protocol
-from lightning_remote_mp.wire.requests import ReadOptim, Save
+from lightning_remote_mp.wire.state import ReadOptim, Save
 from lightning_remote_mp.wire.transport import Connection, request_all
 
 log = logging.getLogger(__name__)
@@ -208,10 +208,10 @@ class ShardedCheckpoint:
                 f"{[f['worker'] for f in self.manifest['files'] if f['file'] in missing][:3]}): copy them from those "
                 "workers' disks into the directory, or use a shared path"
             )
-        self.files = TensorFiles.of(self.path, files)
+        every = TensorFiles.of(self.path, files)
         saved = self.manifest.get("tensors", {})
         #: The weights alone (the files also hold optimizer state, as ``optimizer.<index>.<key>.<name>``).
-        self.weights = TensorFiles(self.files.root, {k: v for k, v in self.files.tensors.items() if k in saved})
+        self.weights = TensorFiles(every.root, {k: v for k, v in every.tensors.items() if k in saved})
         self.loaded_optimizers: set[str] = set()
 
     def holds(self, key: str) -> bool:

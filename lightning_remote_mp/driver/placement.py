@@ -77,11 +77,10 @@ class WeightSources:
 
 
 def _find(files: TensorFiles | None, names: Sequence[str]) -> FileTensor | None:
-    for name in names if files is not None else ():
-        found = files.find(name)  # type: ignore[union-attr]
-        if found is not None:
-            return found
-    return None
+    """Where ``files`` hold a tensor of one of ``names`` (a tied weight has several)."""
+    if files is None:
+        return None
+    return next((found for found in map(files.find, names) if found is not None), None)
 
 
 def stage_weights(

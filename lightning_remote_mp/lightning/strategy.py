@@ -530,7 +530,7 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
         assert self.lightning_module is not None
         state = checkpoint["state_dict"]
         # A split module on the meta device keeps nothing loaded into it: its values wait for placement.
-        for key, module in zip(self.split, split_modules(self.lightning_module, self.split)):
+        for key, module in split_modules(self.lightning_module, self.split).items():
             if on_meta(module):
                 head = key + "."
                 self._loaded[key] = {k[len(head) :]: v for k, v in state.items() if k.startswith(head)}

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import pickle
 import shutil
 import time
 from pathlib import Path
@@ -108,13 +109,21 @@ def export_pretrained(
     return written
 
 
-def consolidate(checkpoint: str | Path, output: str | Path) -> None:
+def consolidate(checkpoint: str | Path, output: str | Path, trust_pickle: bool = False) -> None:
     """Write sharded checkpoint ``checkpoint`` as one ordinary Lightning checkpoint file ``output``
     (every weight under its ``state_dict`` key, the workers' optimizer state under the local
-    optimizer's parameter positions), as a full checkpoint would have been written."""
+    optimizer's parameter positions), as a full checkpoint would have been written. Lightning's part
+    is loaded with ``weights_only``; ``trust_pickle`` loads one that holds other Python objects."""
     checkpoint = Path(checkpoint)
     manifest = _manifest(checkpoint)
-    state = torch.load(checkpoint / manifest["lightning_state"], map_location="cpu", weights_only=False)
+    lightning_state = checkpoint / manifest["lightning_state"]
+    try:  # Lightning's own state: tensors and plain values, unless the user's hyperparameters hold objects
+        state = torch.load(lightning_state, map_location="cpu", weights_only=not trust_pickle)
+    except pickle.UnpicklingError as err:
+        raise WeightsError(
+            f"{lightning_state} holds Python objects besides tensors and plain values (hyperparameters?), which "
+            f"loading would run as code: if you trust it, pass trust_pickle=True (--trust-pickle). {err}"
+        ) from None
     optimizers = state.get("optimizer_states", [])
     positions = manifest.get("optimizers", {})
     for entry in manifest["files"]:
@@ -144,13 +153,14 @@ def main(argv: list[str] | None = None) -> None:
     merge = sub.add_parser("consolidate", help="write one single-file Lightning checkpoint")
     merge.add_argument("checkpoint")
     merge.add_argument("output")
+    merge.add_argument("--trust-pickle", action="store_true", help="load Lightning's state even if it holds objects")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         if args.command == "export":
             export_pretrained(args.checkpoint, args.output, args.module, adapter_only=False if args.with_base else None)
         else:
-            consolidate(args.checkpoint, args.output)
+            consolidate(args.checkpoint, args.output, trust_pickle=args.trust_pickle)
     except WeightsError as err:
         parser.exit(2, f"lrmp-checkpoint: {err}\n")
 

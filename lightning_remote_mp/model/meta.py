@@ -15,13 +15,14 @@ import torch
 from lightning_remote_mp.errors import WeightsError
 
 
-def split_modules(model: torch.nn.Module, split: list[str]) -> list[torch.nn.Module]:
-    out = []
+def split_modules(model: torch.nn.Module, split: list[str]) -> dict[str, torch.nn.Module]:
+    """The submodules ``split`` names, by name; a name the model lacks is left out (setup names it)."""
+    out = {}
     for name in split:
         try:
-            out.append(model.get_submodule(name))
+            out[name] = model.get_submodule(name)
         except AttributeError:
-            pass  # setup names the mistake
+            pass
     return out
 
 
@@ -37,7 +38,7 @@ def _kept(module: torch.nn.Module, fn: Any, recurse: bool = True) -> torch.nn.Mo
 def kept_on_meta(model: torch.nn.Module | None, split: list[str]) -> Iterator[None]:
     """While inside, moving or casting ``model`` leaves its split modules on the meta device alone:
     their weights only ever exist on the workers (Lightning moves the whole LightningModule)."""
-    meta = [m for m in split_modules(model, split) if on_meta(m)] if model is not None else []
+    meta = [m for m in split_modules(model, split).values() if on_meta(m)] if model is not None else []
     for m in meta:
         vars(m)["_apply"] = functools.partial(_kept, m)
     try:

@@ -237,8 +237,13 @@ def json_metadata(value: Any) -> dict[str, str]:
 
 
 def read_metadata(path: str) -> Any:
+    """The JSON value `json_metadata` stored in the file at ``path`` (``None`` without one)."""
     from safetensors import safe_open
 
     with safe_open(path, framework="pt") as f:
-        meta = f.metadata() or {}
-    return json.loads(meta.get("lrmp", "null"))
+        return file_metadata(f)
+
+
+def file_metadata(f: Any) -> Any:
+    """The JSON value `json_metadata` stored in an open safetensors file ``f`` (``None`` without one)."""
+    return json.loads((f.metadata() or {}).get("lrmp", "null"))

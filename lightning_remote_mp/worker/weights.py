@@ -16,12 +16,12 @@ from lightning_remote_mp.errors import SpecError
 from lightning_remote_mp.model.weights import (
     check_readable,
     check_writable,
+    file_metadata,
     json_metadata,
-    read_metadata,
     read_tensors,
     write_tensors,
 )
-from lightning_remote_mp.wire.requests import ReadOptim, Save
+from lightning_remote_mp.wire.state import ReadOptim, Save
 from lightning_remote_mp.worker.stage import StageExecutor
 
 log = logging.getLogger(__name__)
@@ -98,8 +98,8 @@ def read_optimizer_state(msg: ReadOptim) -> dict[str, dict[str, Any]]:
         by_file.setdefault(path, []).append((name, f"optimizer.{msg.index}.{full}."))
     for path, wanted in by_file.items():
         check_readable(path)
-        scalars = (read_metadata(path) or {}).get("scalars", {})
         with safe_open(path, framework="pt") as f:
+            scalars = (file_metadata(f) or {}).get("scalars", {})
             keys = list(f.keys())
             for name, head in wanted:
                 entry: dict[str, Any] = {k[len(head) :]: f.get_tensor(k) for k in keys if k.startswith(head)}
