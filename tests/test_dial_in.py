@@ -127,7 +127,7 @@ def _keys(tmp_path, *names: str):
     return driver_secret, authorized, {n: generate_keypair(tmp_path, n) for n in names}
 
 
-def test_curve_authenticates_both_directions(dial_in, twin, tmp_path):
+def test_curve_authenticates_both_directions(dial_in, twin, tmp_path, capfd):
     driver_secret, authorized, pairs = _keys(tmp_path, "a", "b")
     port = free_port()
     for name, (_, secret) in pairs.items():
@@ -143,13 +143,17 @@ def test_curve_authenticates_both_directions(dial_in, twin, tmp_path):
     dial_in(port, "d", "--secret-key", str(stranger), "--authorized-keys", str(authorized))
     curve = CurveOptions(str(driver_secret), [str(pairs["b"][0]), str(pairs["a"][0])])
     strategy = RemoteModelParallelStrategy(
-        hosts=["c", "d"], listen=f"tcp://127.0.0.1:{port}", curve=curve, connect_timeout=4
+        hosts=["c", "d"], listen=f"tcp://127.0.0.1:{port}", curve=curve, connect_timeout=60
     )
+    started = time.monotonic()
     with pytest.raises(WorkerLostError) as info:
         trainer(strategy, epochs=1).fit(Net(residual_spec()), data())
+    assert time.monotonic() - started < 20, "a refused worker must end setup without waiting out connect_timeout"
     message = str(info.value)
     assert "c, d have not dialed in" in message and "refused: c (its key is not the one given for it)" in message
     assert "1 connection key that none of the workers has" in message, message
+    assert "until one was refused" in message, message
+    assert "refused this worker's key" in capfd.readouterr().err  # the refused worker says so in its log
 
 
 def test_a_peer_relayed_by_the_driver_may_send_only_its_pipeline(dial_in):

@@ -190,7 +190,7 @@ def test_hung_worker_during_optimizer_step(victim, pool):
         # The driver waits neither for the backward (nothing flows back to it) nor for the step: the
         # next forward finds the worker silent, or, stopped before its backward was done, the
         # confirmation of that backward before the next forward goes.
-        during=r"(forward|backward \(of call \d+, [^)]*\)) \(",
+        during=r"(forward|backward of call \d+) \(",
         name="SIGSTOP during optimizer step",
     )
     # The step is answered only if it fails, and the heartbeat that would have said it ran never came
@@ -268,7 +268,7 @@ def test_a_failed_backward_the_driver_did_not_wait_for_is_raised_and_the_step_af
     with pytest.raises(WorkerError) as info:
         trainer(strategy, epochs=1).fit(remote, data())
     text = str(info.value)
-    assert "backward 2 failed on purpose" in text and "during backward (of call 2," in text, text
+    assert "backward 2 failed on purpose" in text and "during backward of call 2" in text, text
     assert info.value.address == pool[1] and info.value.stage == 1, text
     assert len(local.losses) == len(remote.losses) == 2
     assert_same_losses(local.losses, remote.losses)

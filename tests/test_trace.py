@@ -230,10 +230,30 @@ def test_calls_must_match_the_traced_call(traced_lm):
     call = traced.interface
     ids = torch.randint(0, 32, (5, 7))  # another batch size and length: fine
     assert torch.equal(traced.run_locally(*call.inputs((ids,), {})), model(ids))
-    with pytest.raises(TraceError, match="the same positional and keyword arguments"):
+    with pytest.raises(TraceError, match=r"this call passes 'ids' \(traced without it\), passes 0 positional"):
         call.inputs((), {"ids": torch.zeros(2, 16, dtype=torch.long)})
     with pytest.raises(TraceError, match="dimension 1 of input 0 must be at most 16"):  # the learned positions' length
         call.inputs((torch.zeros(2, 17, dtype=torch.long),), {})
+
+
+class _WithLabels(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> dict:
+        logits = self.lin(x)
+        loss = None if labels is None else nn.functional.cross_entropy(logits, labels)
+        return {"logits": logits} if loss is None else {"loss": loss, "logits": logits}
+
+
+def test_a_call_without_the_traced_labels_names_them_and_the_fix():
+    """Trained with labels=, validated without: the HuggingFace pattern. The error names the argument."""
+    traced = trace_module(_WithLabels(), (torch.randn(4, 4),), {"labels": torch.tensor([0, 1, 2, 0])}, "model")
+    with pytest.raises(TraceError) as info:
+        traced.interface.inputs((torch.randn(4, 4),), {})
+    assert "this call passes no 'labels' (traced with it)" in str(info.value)
+    assert "pass labels= in validation_step too" in str(info.value)
 
 
 BAD_PROGRAMS = {

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from lightning_remote_mp._version import __version__
+from lightning_remote_mp.driver.progress import shown
 from lightning_remote_mp.errors import WeightsError
 from lightning_remote_mp.model.convert import ADAPTER_CONFIG, CONFIG
 from lightning_remote_mp.model.weights import PARTIAL, SHARDED_MANIFEST, TensorFiles
@@ -140,7 +141,8 @@ def _write_shards(
             files.append({"file": file, "key": pl.key, "stage": rs.stage.index, "worker": rs.conn.address})
     for mirror in session.mirrors:
         positions[str(mirror.index)] = {names[pid]: k for pid, k in mirror.positions_by_id().items() if pid in names}
-    replies = request_all(requests, what="sharded checkpoint save", bounded=False)
+    with shown(session.heartbeat, [conn for conn, _, _ in requests], f"writing checkpoint {directory.name}"):
+        replies = request_all(requests, what="sharded checkpoint save", bounded=False)
     for entry, reply in zip(files, replies):
         entry["bytes"] = int(reply.get("bytes", 0)) if isinstance(reply, dict) else 0
     return {

@@ -266,7 +266,7 @@ def _say_read(func: Any, kept: Kept) -> None:
         name = f"torch.Tensor.{short}"
     else:
         name = f"{module}.{short}" if module else short
-    if name in _SAID:
+    if name in _SAID or not torch.is_grad_enabled():  # predict, say: fetching the output is the point
         return
     _SAID.add(name)
     log.info(

@@ -538,8 +538,7 @@ class RemoteSpec:
                     0,
                     call,
                     sizes,
-                    f"backward (of call {call}, which the driver confirms before its next message to the "
-                    "workers: it does not wait for a backward that returns no gradient)",
+                    f"backward of call {call}",
                     fences,
                 )
             except BaseException:

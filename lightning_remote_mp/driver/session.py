@@ -55,11 +55,8 @@ from lightning_remote_mp.errors import (
 )
 from lightning_remote_mp.flow import SplitBackward
 from lightning_remote_mp.model import partition
-from lightning_remote_mp.model.spec import (
-    SpecSequential,
-    source_digest,
-    user_code_modules,
-)
+from lightning_remote_mp.driver.progress import shown
+from lightning_remote_mp.model.spec import SpecSequential, source_digest, user_code_modules
 from lightning_remote_mp.schedule import check_schedule
 from lightning_remote_mp.wire import protocol
 from lightning_remote_mp.wire.addresses import dial_name, normalize_address, relay_address, resolved, route_dialin
@@ -183,10 +180,9 @@ class DriverSession:
         self.predicted_stage_seconds: dict[str, list[float]] = {}  # from balance="time"
         self.mirrors: list[OptimizerMirror] = []
         try:
+            # Pinging from the start keeps the sessions of the workers that answer alive while a late one is awaited.
+            self.heartbeat = Heartbeat(self.addresses, self.id, min(1.0, heartbeat_timeout / 4), curves or None)
             self.workers = self._hello(connect_timeout)
-            self.heartbeat = Heartbeat(
-                self.addresses, self.id, interval=min(1.0, heartbeat_timeout / 4), curve=curves or None
-            )
             for c in self.conns:
                 c.heartbeat = self.heartbeat
             if replicated:
@@ -301,7 +297,8 @@ class DriverSession:
                     __version__,
                     torch.__version__,
                 )
-            log.info("%s: %s, %.1f GiB free", c.where(), info.get("device_name"), info.get("free_memory", 0) / 2**30)
+            free, curve = info.get("free_memory", 0) / 2**30, ", CURVE: encrypted, keys checked" if c.curve else ""
+            log.info("%s: %s, %.1f GiB free%s", c.where(), info.get("device_name"), free, curve)
         return infos
 
     # --- placing stages --------------------------------------------------------------
@@ -506,8 +503,9 @@ class DriverSession:
                 raise SpecError(
                     f"{what}, stage {stage.index}: a layer's kwargs cannot be sent to a worker: {err}"
                 ) from None
-        for conn, i in zip((row[stage.index] for row in self.grid for stage in stages), ids):
-            conn.recv(i, what="setup", bounded=False)
+        with shown(self.heartbeat, [row[s.index] for row in self.grid for s in stages], f"{what}: reading weights"):
+            for conn, i in zip((row[stage.index] for row in self.grid for stage in stages), ids):
+                conn.recv(i, what="setup", bounded=False)
         if tied:
             self.groups.form_tie_groups(key, tied)
         remote = RemoteSpec(
@@ -584,7 +582,8 @@ class DriverSession:
         ``gather_limit`` bytes placed nothing comes back, and modules the run ``trained`` go to the meta
         device (their trained weights are in the checkpoints). Returns the modules whose trained
         weights are not here (those, and trained tensors that were on the meta device)."""
-        failures: list[str] = []
+        failures: list[WorkerError | WorkerLostError] = []
+        lost = {c.lost_reason for c in self.conns if c.lost_reason}  # the run raises these: named once, there
         gather = gather_limit is None or self.placed_bytes() <= gather_limit
         # A posted request that failed (the last optimizer step, say) is raised at the end, once
         # everything that can come back has.
@@ -595,7 +594,7 @@ class DriverSession:
                     conn.settle()
                     break
                 except WorkerLostError as err:
-                    failures.append(str(err))
+                    failures.append(err)
                 except WorkerError as err:  # one failed reply read; go on with the rest
                     late = late or err
         for mirror in self.mirrors:
@@ -603,7 +602,7 @@ class DriverSession:
                 mirror.detach(restore_state=gather)
             except (WorkerError, WorkerLostError) as err:
                 mirror.detach(restore_state=False)
-                failures.append(str(err))
+                failures.append(err)
         self.mirrors.clear()
         left: list[torch.nn.Module] = []
         for key, pl in list(self.placements.items()):
@@ -619,14 +618,13 @@ class DriverSession:
                     if not gather:
                         pl.module.state_owner.to("meta")  # no stale weights here: a later run loads the trained ones
             except (WorkerError, WorkerLostError) as err:
-                failures.append(f"{key}: {err}")
+                failures.append(err)
             pl.detach()
         self.placements.clear()
         if failures:
             log.warning(
-                "could not bring everything back from the workers; the local copies of those layers "
-                "keep the weights they had when they were last synced:\n  %s",
-                "\n  ".join(failures),
+                "could not bring everything back; those layers here keep the weights of their last sync:\n  %s",
+                "\n  ".join(dict.fromkeys(f"{f.where} is lost" if str(f) in lost else str(f) for f in failures)),
             )
         if late is not None:
             raise late

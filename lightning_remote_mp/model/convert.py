@@ -88,7 +88,8 @@ def export_pretrained(
                 if "lora_" not in k
             }
         name = f"model-{n + 1:05d}-of-{count:05d}.safetensors"
-        write_tensors(str(output), name, tensors, {"format": "pt"})
+        size = write_tensors(str(output), name, tensors, {"format": "pt"})
+        log.info("%s (%.1f MB, stage %d of %d): %.1f s", name, size / 1e6, n + 1, count, time.monotonic() - started)
         weight_map.update(dict.fromkeys(tensors, name))
         written.append(name)
         del tensors  # one stage's file at a time

@@ -317,8 +317,10 @@ class Interface:
         leaves, spec = pytree.tree_flatten((args, kwargs))
         if spec != self.in_spec:
             raise TraceError(
-                f"module {self.name!r} was traced at its first call with arguments shaped {self.in_spec}; this call "
-                f"passes {spec}. Call it the same way every time (the same positional and keyword arguments)."
+                f"module {self.name!r} was traced at its first call; this call {_difference(self.in_spec, spec)}. A "
+                "traced module runs the program of its first call, so call it with the same arguments every time: "
+                "pass labels= in validation_step too (the loss is then computed on the last stage as in training), "
+                "or compute the loss in training_step from the output and never pass labels="
             )
         for i, (leaf, traced) in enumerate(zip(leaves, self.constants)):
             if traced is not None and (isinstance(leaf, torch.Tensor) or leaf != traced):
@@ -402,6 +404,23 @@ class Keep:
             return list(self.outputs)
         flags = [c and rows * n >= KEEP_BYTES for c, n in zip(self.outputs, self.row_bytes)]
         return flags if any(flags) else None
+
+
+def _difference(traced: Any, now: Any) -> str:
+    """How the call shaped ``now`` (a pytree spec of ``(args, kwargs)``) differs from the ``traced`` one,
+    by argument name: ``"passes no 'labels' (traced with it)"``."""
+    (targs, tkwargs), (nargs, nkwargs) = (pytree.tree_unflatten([0] * s.num_leaves, s) for s in (traced, now))
+    said = [f"passes no {k!r} (traced with it)" for k in tkwargs if k not in nkwargs]
+    said += [f"passes {k!r} (traced without it)" for k in nkwargs if k not in tkwargs]
+    if len(targs) != len(nargs):
+        said.append(f"passes {len(nargs)} positional arguments (traced with {len(targs)})")
+    for i, (t, n) in enumerate(zip(targs, nargs)):
+        if pytree.tree_structure(t) != pytree.tree_structure(n):
+            said.append(f"passes positional argument {i} shaped {pytree.tree_structure(n)} (traced with {t!r})")
+    for k in tkwargs.keys() & nkwargs.keys():
+        if pytree.tree_structure(tkwargs[k]) != pytree.tree_structure(nkwargs[k]):
+            said.append(f"passes {k!r} shaped otherwise (traced as {pytree.tree_structure(tkwargs[k])})")
+    return ", ".join(said) or f"passes arguments shaped {now} (traced with {traced})"
 
 
 def _row_bytes(val: Any) -> int:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -154,11 +154,13 @@ def _headers(path: Path) -> Iterator[tuple[str, FileTensor]]:
 
 
 def read_tensors(
-    wanted: Mapping[str, tuple[str, str]], expected: Mapping[str, tuple[torch.Size, torch.dtype]]
+    wanted: Mapping[str, tuple[str, str]],
+    expected: Mapping[str, tuple[torch.Size, torch.dtype]],
+    progress: Callable[[int], None] | None = None,
 ) -> dict[str, torch.Tensor]:
     """The tensors ``wanted`` (a local name: its file and its name there), each read alone and cast
     to the dtype ``expected`` gives it; a missing file or tensor, or another shape, raises
-    `WeightsError` naming both."""
+    `WeightsError` naming both. ``progress`` is told each tensor's bytes once it is read."""
     from safetensors import safe_open
 
     by_file: dict[str, list[tuple[str, str]]] = {}
@@ -188,6 +190,8 @@ def read_tensors(
                         f"has {tuple(shape)}: the files are of another model or configuration"
                     )
                 out[local] = tensor.to(dtype)
+                if progress is not None:
+                    progress(out[local].numel() * out[local].element_size())
     return out
 
 
@@ -203,7 +207,7 @@ def write_tensors(
     target = Path(directory) / file
     if target.exists():
         raise WeightsError(f"{target} exists already; a checkpoint file is never written over")
-    partial = target.with_name(f".{file}.partial")
+    partial = partial_file(directory, file)
     # Created here, new (never through a link, never over a file), then filled.
     try:
         os.close(os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644))
@@ -216,6 +220,11 @@ def write_tensors(
     save_file(contiguous, str(partial), metadata=dict(metadata or {}))
     os.replace(partial, target)
     return target.stat().st_size
+
+
+def partial_file(directory: str, file: str) -> Path:
+    """Where `write_tensors` writes ``file`` until it is whole."""
+    return Path(directory) / f".{file}.partial"
 
 
 def check_writable(directory: str) -> None:

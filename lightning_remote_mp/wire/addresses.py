@@ -14,6 +14,7 @@ routing id that tells the switchboard which worker it is for (`route`).
 
 from __future__ import annotations
 
+import errno
 import re
 import socket
 import uuid
@@ -123,6 +124,33 @@ def address_towards(address: str) -> str:
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.connect((host, 9))
         return str(s.getsockname()[0])
+
+
+def why_unreachable(address: str, timeout: float = 1.0) -> str | None:
+    """Why a TCP connection to ``address`` fails, for a worker that cannot be reached: one attempt
+    of this process's own, to read the error ZeroMQ's retries hide (``None``: it connects, or the
+    attempt stays silent, as behind a firewall that drops it). A name that does not resolve is a
+    `ConfigurationError`."""
+    if not address.startswith("tcp://"):
+        return None
+    host, _, port = address[len("tcp://") :].rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+        return None
+    except socket.gaierror as err:
+        raise ConfigurationError(
+            f"worker address {address!r}: this machine cannot resolve {host!r} ({err.strerror}); check the name in hosts"
+        ) from None
+    except OSError as err:
+        if err.errno == errno.ECONNREFUSED:
+            return (
+                f"{host} refuses connections on port {port}: nothing listens there. Is lrmp-worker running on that "
+                "machine with that port? A worker started without --bind listens on 127.0.0.1 only, which no other "
+                "machine reaches: start it with --bind tcp://0.0.0.0:PORT"
+            )
+        if err.errno in (errno.EHOSTUNREACH, errno.ENETUNREACH):
+            return f"there is no route from this machine to {host} ({err.strerror}): is the address right?"
+        return None
 
 
 def is_loopback(address: str) -> bool:

@@ -24,7 +24,9 @@ class Heartbeat:
     """Pings every worker each ``interval`` seconds from a background thread.
 
     ``silent_for(address)`` says how long a worker has not answered; a worker that reports it
-    no longer knows the session (it restarted) is marked ``lost``. ``moved_for()`` says how long
+    no longer knows the session (it restarted) is marked ``lost``. It starts before the workers are
+    greeted, so that a worker that answered keeps its session while setup waits for a late one: a
+    worker that has not yet said it knows the session is not lost. ``moved_for()`` says how long
     since any worker's connections, or this process's, last moved a transfer's worth of bytes
     (`lightning_remote_mp.wire.traffic`).
     """
@@ -47,7 +49,10 @@ class Heartbeat:
         self.held_back: dict[str, tuple[int, int]] = {}
         # From the last heartbeat: the id of the last driver request each worker has run.
         self.ran: dict[str, int] = {}
+        #: From the last heartbeat: a worker's long work, ``(what, bytes done, bytes in all)``.
+        self.progress: dict[str, tuple[str, int, int]] = {}
         self.lost: dict[str, str] = {}
+        self._knew: set[str] = set()  # workers that have answered that they serve this session
         self._moved: dict[str, int] = {}  # by worker address, and "" for this process: bytes at the last progress
         self._last_moved = now  # when bytes last moved anywhere
         self.blind = False  # a side whose kernel does not tell what its connections move
@@ -123,6 +128,11 @@ class Heartbeat:
                             self._last_busy[address] = time.monotonic()
                         if msg.kind == protocol.OK and "moved" in body:
                             self._count_traffic(address, body["moved"])
+                        progress = body.get("progress")
+                        if isinstance(progress, list) and [type(v) for v in progress] == [str, int, int]:
+                            self.progress[address] = (progress[0][:80], progress[1], progress[2])
+                        else:
+                            self.progress.pop(address, None)
                         if type(body.get("ran")) is int:
                             self.ran[address] = body["ran"]
                         held, waits_for = body.get("held_back"), body.get("waits_for")
@@ -130,7 +140,9 @@ class Heartbeat:
                             self.held_back[address] = (held, waits_for)
                         else:
                             self.held_back.pop(address, None)
-                        if msg.kind == protocol.OK and not (msg.body or {}).get("session_alive", True):
+                        if msg.kind == protocol.OK and body.get("session_alive", True):
+                            self._knew.add(address)
+                        elif msg.kind == protocol.OK and address in self._knew:
                             self.lost.setdefault(address, "the worker no longer knows this session (it restarted?)")
         finally:
             for s in socks.values():

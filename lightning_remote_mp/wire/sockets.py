@@ -123,6 +123,7 @@ def dealer(
 #: The socket monitor events a `lightning_remote_mp.wire.transport.Connection` watches for.
 HANDSHAKE_EVENTS = (
     zmq.EVENT_CONNECTED
+    | zmq.EVENT_CONNECT_RETRIED
     | zmq.EVENT_HANDSHAKE_SUCCEEDED
     | zmq.EVENT_HANDSHAKE_FAILED_AUTH
     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL

@@ -50,6 +50,9 @@ ANNOUNCE = b""
 HELLO = b"lrmp-uplink"
 WELCOME = b"welcome"
 ANNOUNCE_INTERVAL = 1.0
+#: Seconds setup still waits for the missing workers after one was refused (a wrong key, a name not
+#: in hosts): the refused one is most likely a missing worker, whose setup cannot succeed.
+REFUSAL_GRACE = 2.0
 _ZAP_DOMAIN = "lrmp-driver"
 
 
@@ -91,6 +94,7 @@ class Switchboard:
         self.links: dict[str, Link] = {}
         self.strangers: dict[str, str] = {}  # names that announced without being expected: name -> why refused
         self.refused_keys: set[bytes] = set()  # keys that are none of the workers', refused at the handshake
+        self._refused_at: float | None = None  # when a worker was first refused
         self._changed = threading.Condition()
         self._auth: ThreadAuthenticator | None = None
         # The listening socket has a context of its own, so that its ZAP handler cannot clash with
@@ -133,6 +137,7 @@ class Switchboard:
         """The ZAP handler's question: may the client with this public key connect?"""
         if key in self.worker_keys.values():
             return True
+        self._refused_at = self._refused_at or time.monotonic()
         if key not in self.refused_keys:
             self.refused_keys.add(key)
             log.warning("refused a worker dialling in with public key %s: not among the workers' keys", key.decode())
@@ -140,15 +145,20 @@ class Switchboard:
 
     # --- what the driver asks -----------------------------------------------------------------
     def wait_for(self, names: Iterable[str], timeout: float) -> None:
-        """Block until every worker in ``names`` has dialed in; after ``timeout`` seconds raise
-        `WorkerLostError` naming those missing (and who dialed in instead)."""
+        """Block until every worker in ``names`` has dialed in; after ``timeout`` seconds, or
+        `REFUSAL_GRACE` after a worker was refused, raise `WorkerLostError` naming those missing
+        (and who dialed in instead)."""
         names = list(names)
-        deadline = time.monotonic() + timeout
+        start = time.monotonic()
+        deadline = start + timeout
         with self._changed:
             while (missing := [n for n in names if n not in self.links]) and (left := deadline - time.monotonic()) > 0:
+                if self._refused_at is not None and time.monotonic() - self._refused_at > REFUSAL_GRACE:
+                    break
                 self._changed.wait(min(left, 0.5))
         if missing:
-            raise WorkerLostError(self._missing_message(names, missing, timeout), address=DIAL + missing[0])
+            waited = time.monotonic() - start
+            raise WorkerLostError(self._missing_message(names, missing, waited), address=DIAL + missing[0])
         for name in names:
             link = self.links[name]
             if link.protocol_version != protocol.PROTOCOL_VERSION:
@@ -162,14 +172,16 @@ class Switchboard:
                     address=DIAL + name,
                 )
 
-    def _missing_message(self, names: list[str], missing: list[str], timeout: float) -> str:
+    def _missing_message(self, names: list[str], missing: list[str], waited: float) -> str:
         arrived = [f"{n} (from {self.links[n].peer_address})" for n in names if n in self.links]
         others = [f"{n} ({why})" for n, why in self.strangers.items()]
         if self.refused_keys:
             count = len(self.refused_keys)
             others.append(f"{count} connection key{'s' if count > 1 else ''} that none of the workers has")
         return (
-            f"waited {timeout:.0f} s (connect_timeout) for the workers that dial in to {self.endpoint}: "
+            f"waited {waited:.0f} s for the workers that dial in to {self.endpoint}"
+            + (" (connect_timeout)" if self._refused_at is None else ", until one was refused")
+            + ": "
             f"{', '.join(missing)} {'has' if len(missing) == 1 else 'have'} not dialed in"
             + (f"; dialed in: {', '.join(arrived)}" if arrived else "")
             + (f"; refused: {', '.join(others)}" if others else "")
@@ -265,6 +277,7 @@ class Switchboard:
         expected = self.worker_keys.get(name)
         if expected is not None and user_id == expected.decode("ascii"):
             return True
+        self._refused_at = self._refused_at or time.monotonic()
         if name not in self.strangers:
             why = "not a worker in hosts" if expected is None else "its key is not the one given for it"
             self.strangers[name] = why

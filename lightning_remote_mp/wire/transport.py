@@ -31,7 +31,7 @@ from lightning_remote_mp.errors import (
     worker_location,
 )
 from lightning_remote_mp.wire import protocol
-from lightning_remote_mp.wire.addresses import dial_name, endpoint_of
+from lightning_remote_mp.wire.addresses import dial_name, endpoint_of, why_unreachable
 from lightning_remote_mp.wire.requests import SEAL_KEY_BYTES, Carried
 from lightning_remote_mp.wire.sockets import HANDSHAKE_EVENTS, Curve, dealer, handshake_failure
 
@@ -96,6 +96,7 @@ class Connection:
         self._tcp_connected_at: float | None = None
         self._vague_failure: tuple[float, dict[str, Any]] | None = None
         self._heard = False
+        self._unreachable: str | None = None  # why connecting failed ("": not known), until the worker is heard
         self._next_id = 0
         self._unanswered: dict[int, str] = {}  # posted requests whose reply has not been read: id -> what
         self._inbox: collections.deque[protocol.Message] = collections.deque()  # the rest of a bundle read
@@ -437,6 +438,8 @@ class Connection:
             if event["event"] == zmq.EVENT_CONNECTED:
                 if self._tcp_connected_at is None:
                     self._tcp_connected_at = time.monotonic()
+            elif event["event"] == zmq.EVENT_CONNECT_RETRIED:
+                self._connect_failed()
             elif event["event"] == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
                 # Also seen just before the telling event of a mechanism mismatch: wait briefly for that.
                 if self._vague_failure is None:
@@ -445,6 +448,15 @@ class Connection:
                 self._refused(why)
         if self._vague_failure is not None and time.monotonic() - self._vague_failure[0] > _VAGUE_FAILURE_WAIT:
             self._refused(handshake_failure(self._vague_failure[1], self.curve) or "the handshake failed")
+
+    def _connect_failed(self) -> None:
+        """A TCP connection attempt failed before the worker was ever heard: say why at once (the
+        worker may yet start, within ``connect_timeout``), and keep the reason for the final error."""
+        if self._heard or self._unreachable is not None:
+            return
+        self._unreachable = why_unreachable(self.address) or ""
+        if self._unreachable:
+            log.warning("%s: %s. Waiting for it to start (connect_timeout)", self.where(), self._unreachable)
 
     def _refused(self, why: str) -> None:
         self.lost_reason = f"{self.where()}: {why}"
@@ -510,10 +522,13 @@ class Connection:
                     "(stopped), or is something other than lrmp-worker listening on that port?"
                 )
         if timeout is not None and time.monotonic() - start > timeout:
-            self._lost(
-                f"{self.where()} did not answer{self._doing(what)} within {timeout:.0f} s. "
-                "Is lrmp-worker running at that address, and is the port reachable from this machine?"
+            if not self._heard and self._unreachable is not None:
+                self._unreachable = why_unreachable(self.address) or self._unreachable  # it may have changed
+            cause = (
+                self._unreachable
+                or "Is lrmp-worker running at that address, and is the port reachable from this machine?"
             )
+            self._lost(f"{self.where()} did not answer{self._doing(what)} within {timeout:.0f} s. {cause}")
 
     def _lost(self, message: str) -> None:
         self.lost_reason = message

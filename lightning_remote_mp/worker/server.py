@@ -425,8 +425,7 @@ class WorkerServer:
             answer = {"session_alive": alive, "busy": self._computing(), "moved": self._moved}
             session = self._session
             if alive and session is not None and session.id == request.session:
-                answer.update(session.order.held_back())  # what waits for the driver: named when the pipeline stalls
-                answer["ran"] = session.order.driver_ran  # the driver's requests up to this one have run
+                answer.update(session.beat())
             self._reply(peer, protocol.OK, request.id, answer)
             return
         if isinstance(request.message, Hello):

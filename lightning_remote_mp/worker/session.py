@@ -52,7 +52,7 @@ from lightning_remote_mp.worker.profile import profile_layers
 from lightning_remote_mp.worker.route import Outgoing, RoutedStage
 from lightning_remote_mp.worker.stage import StageExecutor
 from lightning_remote_mp.worker.timeline import EventLog
-from lightning_remote_mp.worker.weights import read_optimizer_state, read_stage_files, save_shard
+from lightning_remote_mp.worker.weights import PROGRESS, read_optimizer_state, read_stage_files, save_shard
 
 #: Returned by handlers whose answer travels as separate messages (pipelined forward/backward).
 NO_REPLY = object()
@@ -155,6 +155,12 @@ class WorkerSession:
         self._answers: dict[tuple[str, int, str], list[tuple[Any, Any, dict[str, Any] | None]]] = {}
 
     # --- order between the driver's requests and the micro-batches from peers (`order`) ------
+    def beat(self) -> dict[str, Any]:
+        """What a heartbeat answer tells the driver of this session (read by the main thread): the
+        micro-batches that wait for it (named when the pipeline stalls), the last of its requests
+        run, and how far a long piece of work has come (`PROGRESS`)."""
+        return {**self.order.held_back(), "ran": self.order.driver_ran, **PROGRESS.answer()}
+
     def hold_back(self, message: Forward | Backward, task: Any) -> bool:
         """Keep ``task`` (a peer's pipelined ``message``) for later if the driver sent it after a
         request to this worker that has not run here yet: its `messages._Pipelined.fence`. Returns

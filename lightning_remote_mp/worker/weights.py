@@ -6,8 +6,11 @@ The file format is `lightning_remote_mp.model.weights`'; the session's handlers 
 from __future__ import annotations
 
 import logging
+import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -18,6 +21,7 @@ from lightning_remote_mp.model.weights import (
     check_writable,
     file_metadata,
     json_metadata,
+    partial_file,
     read_tensors,
     write_tensors,
 )
@@ -25,6 +29,46 @@ from lightning_remote_mp.wire.state import ReadOptim, Save
 from lightning_remote_mp.worker.stage import StageExecutor
 
 log = logging.getLogger(__name__)
+
+
+class Progress:
+    """How far the long work of this worker has come (reading a stage's weights, writing its share of
+    a checkpoint): bytes done out of the total, as its heartbeat answers say (``progress``), so that
+    the driver can show it. Set by the serving thread; read by the main thread."""
+
+    def __init__(self) -> None:
+        self.what = ""
+        self.total = 0
+        self.done = 0
+        self.writing: Path | None = None  # a file being written: its size on disk is what is done
+
+    @contextmanager
+    def of(self, what: str, total: int, writing: Path | None = None) -> Iterator[Progress]:
+        self.what, self.total, self.done, self.writing = what, total, 0, writing
+        try:
+            yield self
+        finally:
+            self.what, self.writing = "", None
+
+    def add(self, nbytes: int) -> None:
+        self.done += nbytes
+
+    def answer(self) -> dict[str, Any]:
+        """What a heartbeat answer says of it: ``{"progress": [what, done, total]}``, or nothing."""
+        what, writing = self.what, self.writing
+        if not what:
+            return {}
+        done = self.done
+        if writing is not None:
+            try:
+                done = os.stat(writing).st_size
+            except OSError:
+                pass
+        return {"progress": [what, min(done, self.total), self.total]}
+
+
+#: This worker's one piece of long work at a time (a worker serves one session).
+PROGRESS = Progress()
 
 
 def read_stage_files(stage: StageExecutor, files: Mapping[str, Sequence[str]], session: str) -> dict[str, torch.Tensor]:
@@ -39,7 +83,9 @@ def read_stage_files(stage: StageExecutor, files: Mapping[str, Sequence[str]], s
         raise SpecError(f"stage {stage.index}: weights from files for tensors it does not hold: {unknown[:3]}")
     for path in {v[0] for v in files.values()}:
         check_readable(path)
-    tensors = read_tensors({k: (v[0], v[1]) for k, v in files.items()}, held)
+    total = sum(held[k][0].numel() * held[k][1].itemsize for k in files)
+    with PROGRESS.of("reading weights", total):
+        tensors = read_tensors({k: (v[0], v[1]) for k, v in files.items()}, held, progress=PROGRESS.add)
     size = sum(t.numel() * t.element_size() for t in tensors.values())
     log.info(
         "session %s: stage %d read %d tensors (%.1f MB) from %d files in %.1f s",
@@ -82,7 +128,9 @@ def save_shard(
                 raise SpecError(f"checkpoint asks for the optimizer state of {name}, which this worker does not hold")
             for k, v in opt.state.get(param, {}).items():
                 (tensors if isinstance(v, torch.Tensor) else scalars)[f"optimizer.{index}.{full}.{k}"] = v
-    size = write_tensors(msg.directory, msg.file, tensors, json_metadata({"scalars": scalars}))
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    with PROGRESS.of("writing a checkpoint", total, writing=partial_file(msg.directory, msg.file)):
+        size = write_tensors(msg.directory, msg.file, tensors, json_metadata({"scalars": scalars}))
     seconds = time.monotonic() - started
     log.info("session %s: wrote %s (%.1f MB) in %.1f s", session, msg.file, size / 1e6, seconds)
     return {"bytes": size, "seconds": seconds}
