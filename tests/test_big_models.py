@@ -283,3 +283,40 @@ def test_weights_that_do_not_come_back_are_saved_by_the_workers_if_no_checkpoint
     trainer(strategy, 1, default_root_dir=str(tmp_path)).fit(loaded(pretrained), H.padded_data())
     (saved,) = [p for p in os.listdir(tmp_path) if p.startswith("lrmp-last-step=")]
     assert (tmp_path / saved / "lrmp-checkpoint.json").is_file()
+
+
+def test_a_worker_that_cannot_see_the_files_gets_its_tensors_from_the_driver_a_window_at_a_time(
+    pretrained, pool, monkeypatch, caplog
+):
+    """One worker runs in a mount namespace where the pretrained directory is an empty tmpfs (as on
+    a machine without the files): the driver sends that stage's tensors from its memory-mapped
+    files, a few KB at a time here, and training still equals local training."""
+    import subprocess
+    import time
+
+    from lrmp_lan import WORKER_OUTPUT, free_port, worker_command
+
+    from lightning_remote_mp.driver import placement
+    from lightning_remote_mp.driver.launch import WorkerOutput
+
+    if subprocess.run(["unshare", "--mount", "true"], capture_output=True).returncode != 0:
+        pytest.skip("mount namespaces cannot be made here (unshare --mount)")
+    port = free_port()
+    argv = worker_command("--bind", f"tcp://127.0.0.1:{port}", "--allow-module", "lrmp_testlayers")
+    script = f'mount -t tmpfs none "{pretrained}" && exec "$@"'
+    proc = subprocess.Popen(["unshare", "--mount", "sh", "-c", script, "sh", *argv], **WORKER_OUTPUT)
+    try:
+        blind = WorkerOutput(proc).wait_ready(time.monotonic() + 120)
+        monkeypatch.setattr(placement, "STREAM_WINDOW", 8192)
+        local = local_run(pretrained, 1)
+        remote = loaded(pretrained, meta=True)
+        strategy = RemoteModelParallelStrategy(
+            hosts=[pool[0], blind], split=["model"], microbatches=2, pretrained=pretrained
+        )
+        trainer(strategy, 1).fit(remote, H.padded_data())
+        assert_same_losses(local.losses, remote.losses, TOL)
+        said = [r.getMessage() for r in caplog.records if "this driver sends its" in r.getMessage()]
+        assert len(said) == 1 and "(stage 1)" in said[0] and pretrained in said[0], said
+    finally:
+        proc.kill()
+        proc.wait(10)

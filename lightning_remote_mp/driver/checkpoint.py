@@ -141,7 +141,8 @@ def _write_shards(
             files.append({"file": file, "key": pl.key, "stage": rs.stage.index, "worker": rs.conn.address})
     for mirror in session.mirrors:
         positions[str(mirror.index)] = {names[pid]: k for pid, k in mirror.positions_by_id().items() if pid in names}
-    with shown(session.heartbeat, [conn for conn, _, _ in requests], f"writing checkpoint {directory.name}"):
+    name = directory.name[1:].partition(PARTIAL)[0].rstrip(".")  # .NAME.lrmp-partial-...: NAME
+    with shown(session.heartbeat, [conn for conn, _, _ in requests], f"writing checkpoint {name}"):
         replies = request_all(requests, what="sharded checkpoint save", bounded=False)
     for entry, reply in zip(files, replies):
         entry["bytes"] = int(reply.get("bytes", 0)) if isinstance(reply, dict) else 0

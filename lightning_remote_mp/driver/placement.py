@@ -24,7 +24,7 @@ from lightning_remote_mp.model.spec import SpecSequential
 from lightning_remote_mp.model.weights import FileTensor, TensorFiles
 from lightning_remote_mp.wire import protocol
 from lightning_remote_mp.wire.requests import GetState, LoadState
-from lightning_remote_mp.wire.transport import broadcast, request_all
+from lightning_remote_mp.wire.transport import Connection, broadcast, request_all
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +124,43 @@ def stage_weights(
             else:
                 state[local] = t.detach()
     return state, files
+
+
+#: The most bytes of weights this driver reads from its files and has on the way to a worker that
+#: cannot see them (`send_unread`): the next window is read once the worker has the last.
+STREAM_WINDOW = 64 * 2**20
+
+
+def send_unread(conn: Connection, key: str, reply: Any, files: Mapping[str, Sequence[str]], what: str) -> None:
+    """Send the worker of ``conn`` the tensors its SETUP ``reply`` says it could not read, because
+    it does not see their files (not on its machine, no shared file system): read here from the
+    memory-mapped files, `STREAM_WINDOW` bytes at a time, each window acknowledged before the next."""
+    unread = [n for n in (reply.get("unread") or []) if n in files] if isinstance(reply, dict) else []
+    if not unread:
+        return
+    from safetensors import safe_open
+
+    paths = sorted({files[n][0] for n in unread})
+    log.warning(
+        "%s, %s: does not see %s%s; this driver sends its %d tensors from those files, %d MB at a time. Give the "
+        "worker the files at the same path (a shared file system, or a copy) to load faster",
+        what,
+        conn.where(),
+        paths[0],
+        f" and {len(paths) - 1} other files" if len(paths) > 1 else "",
+        len(unread),
+        STREAM_WINDOW >> 20,
+    )
+    window: dict[str, torch.Tensor] = {}
+    for path in paths:
+        with safe_open(path, framework="pt") as f:
+            for name in (n for n in unread if files[n][0] == path):
+                window[name] = f.get_tensor(files[name][1])
+                if sum(t.nbytes for t in window.values()) >= STREAM_WINDOW:
+                    conn.recv(conn.send(protocol.LOAD_STATE, LoadState({key: window}).body()), bounded=False)
+                    window = {}
+    if window:
+        conn.recv(conn.send(protocol.LOAD_STATE, LoadState({key: window}).body()), bounded=False)
 
 
 def placed_bytes(placements: Iterable[Placement]) -> int:

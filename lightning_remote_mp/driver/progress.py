@@ -44,6 +44,8 @@ def shown(heartbeat: Heartbeat | None, conns: Sequence[Connection], what: str) -
             for address in workers:
                 if (p := heartbeat.progress.get(address)) is not None:
                     seen[address] = (p[1], p[2])
+                elif address in seen:  # its work ended (a checkpoint file counts once written)
+                    seen[address] = (seen[address][1], seen[address][1])
             if seen and seen != said:
                 said = dict(seen)
                 done, total = (sum(v[i] for v in said.values()) for i in (0, 1))

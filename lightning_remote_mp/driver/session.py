@@ -42,6 +42,7 @@ from lightning_remote_mp.driver.placement import (
     meta_stage_state,
     placed_bytes,
     placed_module_state,
+    send_unread,
     stage_weights,
 )
 from lightning_remote_mp.driver.preflight import Preflight, checked_for_workers
@@ -504,8 +505,8 @@ class DriverSession:
                     f"{what}, stage {stage.index}: a layer's kwargs cannot be sent to a worker: {err}"
                 ) from None
         with shown(self.heartbeat, [row[s.index] for row in self.grid for s in stages], f"{what}: reading weights"):
-            for conn, i in zip((row[stage.index] for row in self.grid for stage in stages), ids):
-                conn.recv(i, what="setup", bounded=False)
+            for (conn, stage), i in zip(((row[stage.index], stage) for row in self.grid for stage in stages), ids):
+                send_unread(conn, key, conn.recv(i, what="setup", bounded=False), weights[stage.index][1], what)
         if tied:
             self.groups.form_tie_groups(key, tied)
         remote = RemoteSpec(

@@ -207,7 +207,7 @@ def write_tensors(
     target = Path(directory) / file
     if target.exists():
         raise WeightsError(f"{target} exists already; a checkpoint file is never written over")
-    partial = partial_file(directory, file)
+    partial = target.with_name(f".{file}.partial")
     # Created here, new (never through a link, never over a file), then filled.
     try:
         os.close(os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644))
@@ -220,11 +220,6 @@ def write_tensors(
     save_file(contiguous, str(partial), metadata=dict(metadata or {}))
     os.replace(partial, target)
     return target.stat().st_size
-
-
-def partial_file(directory: str, file: str) -> Path:
-    """Where `write_tensors` writes ``file`` until it is whole."""
-    return Path(directory) / f".{file}.partial"
 
 
 def check_writable(directory: str) -> None:

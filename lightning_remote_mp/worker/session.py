@@ -251,9 +251,12 @@ class WorkerSession:
             split_backward=msg.split_backward,
             deferred_batch_norm=msg.deferred_batch_norm,
         )
+        unread: list[str] = []
         if msg.state is not None or msg.files:
             state = dict(msg.state or {})
-            state.update(read_stage_files(stage, msg.files, self.id))
+            read, unread = read_stage_files(stage, msg.files, self.id)
+            state.update(read)
+            state.update({k: v for k, v in stage.layers.state_dict().items() if k in unread})  # sent next
             stage.load_state_dict(state, assign=True)
         stage.share(msg.shared)
         _check_code_versions(msg.code_digests)  # and modules first imported by this build: another copy?
@@ -286,7 +289,7 @@ class WorkerSession:
             f"{params:,}",
             self.device,
         )
-        return {"parameters": params}
+        return {"parameters": params, **({"unread": unread} if unread else {})}
 
     def _check_layer_count(self, count: int) -> None:
         if count > self.limits.max_layers:

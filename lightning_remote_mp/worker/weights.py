@@ -10,7 +10,6 @@ import os
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,7 +20,6 @@ from lightning_remote_mp.model.weights import (
     check_writable,
     file_metadata,
     json_metadata,
-    partial_file,
     read_tensors,
     write_tensors,
 )
@@ -32,71 +30,68 @@ log = logging.getLogger(__name__)
 
 
 class Progress:
-    """How far the long work of this worker has come (reading a stage's weights, writing its share of
-    a checkpoint): bytes done out of the total, as its heartbeat answers say (``progress``), so that
-    the driver can show it. Set by the serving thread; read by the main thread."""
+    """How far the long work of this worker has come (reading a stage's weights; writing its share
+    of a checkpoint, which counts once its file is written): bytes done out of the total, as its
+    heartbeat answers say (``progress``), so that the driver can show it. Set by the serving thread;
+    read by the main thread."""
 
     def __init__(self) -> None:
         self.what = ""
         self.total = 0
         self.done = 0
-        self.writing: Path | None = None  # a file being written: its size on disk is what is done
 
     @contextmanager
-    def of(self, what: str, total: int, writing: Path | None = None) -> Iterator[Progress]:
-        self.what, self.total, self.done, self.writing = what, total, 0, writing
+    def of(self, what: str, total: int) -> Iterator[Progress]:
+        self.what, self.total, self.done = what, total, 0
         try:
             yield self
         finally:
-            self.what, self.writing = "", None
+            self.what = ""
 
     def add(self, nbytes: int) -> None:
         self.done += nbytes
 
     def answer(self) -> dict[str, Any]:
         """What a heartbeat answer says of it: ``{"progress": [what, done, total]}``, or nothing."""
-        what, writing = self.what, self.writing
-        if not what:
-            return {}
-        done = self.done
-        if writing is not None:
-            try:
-                done = os.stat(writing).st_size
-            except OSError:
-                pass
-        return {"progress": [what, min(done, self.total), self.total]}
+        what = self.what
+        return {"progress": [what, min(self.done, self.total), self.total]} if what else {}
 
 
 #: This worker's one piece of long work at a time (a worker serves one session).
 PROGRESS = Progress()
 
 
-def read_stage_files(stage: StageExecutor, files: Mapping[str, Sequence[str]], session: str) -> dict[str, torch.Tensor]:
+def read_stage_files(
+    stage: StageExecutor, files: Mapping[str, Sequence[str]], session: str
+) -> tuple[dict[str, torch.Tensor], list[str]]:
     """The stage's tensors named in ``files`` (`Setup.files`), read from their files, one at a time,
-    in the dtypes the stage's layers have."""
+    in the dtypes the stage's layers have; and the names of those in files this worker does not
+    see (the driver sends them, `lightning_remote_mp.driver.placement.send_unread`)."""
     if not files:
-        return {}
+        return {}, []
     started = time.monotonic()
     held = {k: (v.shape, v.dtype) for k, v in stage.layers.state_dict(keep_vars=True).items()}
     unknown = sorted(set(files) - set(held))
     if unknown:
         raise SpecError(f"stage {stage.index}: weights from files for tensors it does not hold: {unknown[:3]}")
-    for path in {v[0] for v in files.values()}:
+    unseen = {path for path in {v[0] for v in files.values()} if not os.path.exists(path)}
+    for path in {v[0] for v in files.values()} - unseen:
         check_readable(path)
-    total = sum(held[k][0].numel() * held[k][1].itemsize for k in files)
+    wanted = {k: (v[0], v[1]) for k, v in files.items() if v[0] not in unseen}
+    total = sum(held[k][0].numel() * held[k][1].itemsize for k in wanted)
     with PROGRESS.of("reading weights", total):
-        tensors = read_tensors({k: (v[0], v[1]) for k, v in files.items()}, held, progress=PROGRESS.add)
-    size = sum(t.numel() * t.element_size() for t in tensors.values())
+        tensors = read_tensors(wanted, held, progress=PROGRESS.add)
     log.info(
-        "session %s: stage %d read %d tensors (%.1f MB) from %d files in %.1f s",
+        "session %s: stage %d read %d tensors (%.1f MB) from %d files in %.1f s%s",
         session,
         stage.index,
         len(tensors),
-        size / 1e6,
-        len({v[0] for v in files.values()}),
+        total / 1e6,
+        len({v[0] for v in wanted.values()}),
         time.monotonic() - started,
+        f"; {len(unseen)} files are not on this machine, the driver sends their tensors" if unseen else "",
     )
-    return tensors
+    return tensors, sorted(set(files) - set(wanted))
 
 
 def save_shard(
@@ -129,7 +124,7 @@ def save_shard(
             for k, v in opt.state.get(param, {}).items():
                 (tensors if isinstance(v, torch.Tensor) else scalars)[f"optimizer.{index}.{full}.{k}"] = v
     total = sum(t.numel() * t.element_size() for t in tensors.values())
-    with PROGRESS.of("writing a checkpoint", total, writing=partial_file(msg.directory, msg.file)):
+    with PROGRESS.of("writing a checkpoint", total):
         size = write_tensors(msg.directory, msg.file, tensors, json_metadata({"scalars": scalars}))
     seconds = time.monotonic() - started
     log.info("session %s: wrote %s (%.1f MB) in %.1f s", session, msg.file, size / 1e6, seconds)
