@@ -10,7 +10,7 @@ import time
 import torch
 
 from lightning_remote_mp.driver import progress
-from lightning_remote_mp.model.weights import read_tensors, write_tensors
+from lightning_remote_mp.model.weights import iter_tensors, write_tensors
 from lightning_remote_mp.wire.transport import Connection
 from lightning_remote_mp.worker.weights import PROGRESS, Progress
 
@@ -24,11 +24,12 @@ def test_a_worker_counts_the_bytes_it_reads(tmp_path):
     path = str(directory / "s.safetensors")
     seen = []
     with tracker.of("reading weights", 5200):
-        read_tensors(
+        for _, tensor in iter_tensors(
             {"x": (path, "a"), "y": (path, "b")},
             {"x": (torch.Size([1000]), torch.float32), "y": (torch.Size([3, 100]), torch.float32)},
-            progress=lambda n: (tracker.add(n), seen.append(tracker.answer())),
-        )
+        ):
+            tracker.add(tensor.nbytes)  # as the worker counts what it reads (`read_stage_files`)
+            seen.append(tracker.answer())
     assert seen == [{"progress": ["reading weights", 4000, 5200]}, {"progress": ["reading weights", 5200, 5200]}]
     assert tracker.answer() == {}  # nothing under way
     assert size > 5200 and PROGRESS.answer() == {}

@@ -21,7 +21,7 @@ from lightning_remote_mp.driver.pipeline import RemoteSpec
 from lightning_remote_mp.errors import SpecError, WeightsError
 from lightning_remote_mp.model import partition
 from lightning_remote_mp.model.spec import SpecSequential
-from lightning_remote_mp.model.weights import FileTensor, TensorFiles
+from lightning_remote_mp.model.weights import FileTensor, TensorFiles, iter_tensors
 from lightning_remote_mp.wire import protocol
 from lightning_remote_mp.wire.requests import GetState, LoadState
 from lightning_remote_mp.wire.transport import Connection, broadcast, request_all
@@ -138,8 +138,6 @@ def send_unread(conn: Connection, key: str, reply: Any, files: Mapping[str, Sequ
     unread = [n for n in (reply.get("unread") or []) if n in files] if isinstance(reply, dict) else []
     if not unread:
         return
-    from safetensors import safe_open
-
     paths = sorted({files[n][0] for n in unread})
     log.warning(
         "%s, %s: does not see %s%s; this driver sends its %d tensors from those files, %d MB at a time. Give the "
@@ -152,15 +150,12 @@ def send_unread(conn: Connection, key: str, reply: Any, files: Mapping[str, Sequ
         STREAM_WINDOW >> 20,
     )
     window: dict[str, torch.Tensor] = {}
-    for path in paths:
-        with safe_open(path, framework="pt") as f:
-            for name in (n for n in unread if files[n][0] == path):
-                window[name] = f.get_tensor(files[name][1])
-                if sum(t.nbytes for t in window.values()) >= STREAM_WINDOW:
-                    conn.recv(conn.send(protocol.LOAD_STATE, LoadState({key: window}).body()), bounded=False)
-                    window = {}
-    if window:
-        conn.recv(conn.send(protocol.LOAD_STATE, LoadState({key: window}).body()), bounded=False)
+    size = 0
+    for i, (name, tensor) in enumerate(iter_tensors({n: (files[n][0], files[n][1]) for n in unread}), 1):
+        window[name], size = tensor, size + tensor.nbytes
+        if size >= STREAM_WINDOW or i == len(unread):  # the worker casts to its dtypes as it copies them in
+            conn.recv(conn.send(protocol.LOAD_STATE, LoadState({key: window}).body()), bounded=False)
+            window, size = {}, 0
 
 
 def placed_bytes(placements: Iterable[Placement]) -> int:

@@ -9,7 +9,7 @@ at a time, by whoever needs it (torchtitan and Petals load this way; nothing is 
   the worker that holds the stage, plus the driver's small Lightning state.
 
 `TensorFiles` indexes such a directory by name from the files' headers alone (no tensor is read);
-`read_tensors` reads the named tensors a stage needs from it; `write_tensors` writes a stage's file.
+`iter_tensors` reads the named tensors a stage needs from it, one at a time; `write_tensors` writes a stage's file.
 The driver indexes; the workers read and write.
 
 >>> import tempfile, torch
@@ -19,7 +19,7 @@ True
 >>> files = TensorFiles.of(d)
 >>> files.find("w").shape
 (2, 3)
->>> read_tensors({"w": (files.find("w").path, "w")}, {"w": (torch.Size([2, 3]), torch.float64)})["w"].dtype
+>>> dict(iter_tensors({"w": (files.find("w").path, "w")}, {"w": (torch.Size([2, 3]), torch.float64)}))["w"].dtype
 torch.float64
 """
 
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -153,26 +153,23 @@ def _headers(path: Path) -> Iterator[tuple[str, FileTensor]]:
         raise WeightsError(f"weights file {str(path)!r} is not a readable safetensors file: {err}") from None
 
 
-def read_tensors(
-    wanted: Mapping[str, tuple[str, str]],
-    expected: Mapping[str, tuple[torch.Size, torch.dtype]],
-    progress: Callable[[int], None] | None = None,
-) -> dict[str, torch.Tensor]:
-    """The tensors ``wanted`` (a local name: its file and its name there), each read alone and cast
-    to the dtype ``expected`` gives it; a missing file or tensor, or another shape, raises
-    `WeightsError` naming both. ``progress`` is told each tensor's bytes once it is read."""
+def iter_tensors(
+    wanted: Mapping[str, tuple[str, str]], expected: Mapping[str, tuple[torch.Size, torch.dtype]] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors ``wanted`` (a local name: its file and its name there), read one at a time, file
+    by file, as ``(local name, tensor)``; with ``expected``, checked against its shape and cast to its
+    dtype. A missing file or tensor, or another shape, raises `WeightsError` naming both."""
     from safetensors import safe_open
 
     by_file: dict[str, list[tuple[str, str]]] = {}
     for local, (path, name) in wanted.items():
         by_file.setdefault(path, []).append((local, name))
-    out: dict[str, torch.Tensor] = {}
     for path, names in by_file.items():
         try:
             f = safe_open(path, framework="pt")
         except FileNotFoundError:
             raise WeightsError(
-                f"weights file {path!r} does not exist on this worker: give every worker the files at the same path "
+                f"weights file {path!r} does not exist on this machine: give every worker the files at the same path "
                 "(a shared file system, or a copy)"
             ) from None
         except Exception as err:
@@ -183,16 +180,16 @@ def read_tensors(
                 if name not in held:
                     raise WeightsError(f"weights file {path!r} holds no tensor {name!r} (wanted for {local})")
                 tensor = f.get_tensor(name)
+                if expected is None:
+                    yield local, tensor
+                    continue
                 shape, dtype = expected[local]
                 if tuple(tensor.shape) != tuple(shape):
                     raise WeightsError(
                         f"tensor {name!r} in {path!r} has shape {tuple(tensor.shape)}, but the model's {local} "
                         f"has {tuple(shape)}: the files are of another model or configuration"
                     )
-                out[local] = tensor.to(dtype)
-                if progress is not None:
-                    progress(out[local].numel() * out[local].element_size())
-    return out
+                yield local, tensor.to(dtype)
 
 
 def write_tensors(

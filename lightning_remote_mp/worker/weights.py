@@ -19,8 +19,8 @@ from lightning_remote_mp.model.weights import (
     check_readable,
     check_writable,
     file_metadata,
+    iter_tensors,
     json_metadata,
-    read_tensors,
     write_tensors,
 )
 from lightning_remote_mp.wire.state import ReadOptim, Save
@@ -74,13 +74,17 @@ def read_stage_files(
     unknown = sorted(set(files) - set(held))
     if unknown:
         raise SpecError(f"stage {stage.index}: weights from files for tensors it does not hold: {unknown[:3]}")
-    unseen = {path for path in {v[0] for v in files.values()} if not os.path.exists(path)}
-    for path in {v[0] for v in files.values()} - unseen:
+    paths = {v[0] for v in files.values()}
+    unseen = {path for path in paths if not os.path.exists(path)}
+    for path in paths - unseen:
         check_readable(path)
     wanted = {k: (v[0], v[1]) for k, v in files.items() if v[0] not in unseen}
     total = sum(held[k][0].numel() * held[k][1].itemsize for k in wanted)
+    tensors: dict[str, torch.Tensor] = {}
     with PROGRESS.of("reading weights", total):
-        tensors = read_tensors(wanted, held, progress=PROGRESS.add)
+        for local, tensor in iter_tensors(wanted, held):
+            tensors[local] = tensor
+            PROGRESS.add(tensor.nbytes)
     log.info(
         "session %s: stage %d read %d tensors (%.1f MB) from %d files in %.1f s%s",
         session,
