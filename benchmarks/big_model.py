@@ -8,6 +8,8 @@ child process of its own whose memory this script samples every 0.1 s (``RssAnon
 - ``lrmp``: ``from_pretrained`` unchanged, ``pretrained=`` the directory (the workers read their
   stages' tensors), ``state_dict_type="sharded"`` (the workers write the checkpoint), and
   ``gather_limit=1``: nothing comes back at the end, as for a model past the default 1 GiB;
+- ``lrmp-async``: ``lrmp`` with Lightning's ``AsyncCheckpointIO``: a save blocks training only while
+  the workers copy their tensors to host memory, and they write their files while training goes on;
 - ``lrmp-gather``: the path before #35: the driver sends every weight and gathers every checkpoint
   (``state_dict_type="full"``, ``gather_limit`` above the model);
 - ``local``: the same model in one plain Lightning process.
@@ -40,7 +42,7 @@ from _common import environment, markdown_table, python  # noqa: E402
 
 #: fp32 GB -> (hidden, layers): vocab 32000, intermediate 2.75 x hidden, untied embeddings.
 SHAPES = {0.2: (512, 5), 0.8: (1024, 10), 2.4: (1536, 18)}
-MODES = ("lrmp", "lrmp-gather", "local")
+MODES = ("lrmp", "lrmp-async", "lrmp-gather", "local")
 
 
 def rss_anon(pid: int) -> int:
@@ -73,6 +75,7 @@ def child(mode: str, path: str, work: str) -> None:
         print(json.dumps({"event": event, "t": time.monotonic(), **kw}), flush=True)
 
     import lightning as L
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO
     import torch
     from torch.utils.data import DataLoader
     from transformers import AutoModelForCausalLM
@@ -114,7 +117,7 @@ def child(mode: str, path: str, work: str) -> None:
                 mark("phase", name="train")
 
     def strategy():
-        if mode == "lrmp":  # as a model past the default gather_limit (1 GiB) runs: nothing comes back
+        if mode.startswith("lrmp") and mode != "lrmp-gather":  # as a model past the default gather_limit (1 GiB) runs: nothing comes back
             return RemoteModelParallelStrategy(
                 split=["model"], microbatches=2, pretrained=path, state_dict_type="sharded", gather_limit=1
             )
@@ -132,6 +135,7 @@ def child(mode: str, path: str, work: str) -> None:
             enable_model_summary=False,
             enable_checkpointing=False,
             callbacks=[SaveAt()],
+            plugins=[AsyncCheckpointIO()] if mode == "lrmp-async" else None,
             default_root_dir=work,
         )
 

@@ -16,6 +16,7 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.plugins.io import AsyncCheckpointIO
 
 pytest.importorskip("transformers")
 
@@ -102,6 +103,37 @@ def test_a_meta_model_trains_with_no_weights_on_the_driver_and_checkpoints_by_wo
         # Adam's moments travelled too, keyed by the same name
         assert f"optimizer.0.{name}.exp_avg" in saved
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".")]  # no partial directory left
+
+
+class _SeesPendingSave(L.Callback):
+    def __init__(self) -> None:
+        self.pending: list[bool] = []
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        self.pending.append(trainer.strategy._saves.pending is not None)
+
+
+def test_with_async_checkpoint_io_the_workers_write_while_training_goes_on(pretrained, pool, tmp_path):
+    """Lightning's ``AsyncCheckpointIO``: each save blocks only while the workers copy their tensors;
+    the directory is named once their files are written, the top-k checkpoint it replaces is removed
+    only then, and every checkpoint holds what local training had at its epoch."""
+    local = local_run(pretrained, 3)
+    remote = loaded(pretrained)
+    strategy = RemoteModelParallelStrategy(
+        hosts=pool[:2], split=["model"], microbatches=2, pretrained=pretrained, state_dict_type="sharded"
+    )
+    seen = _SeesPendingSave()
+    checkpoints = ModelCheckpoint(dirpath=tmp_path, save_last=True, save_top_k=1)  # the latest, and last
+    run = trainer(strategy, 3, enable_checkpointing=True, callbacks=[seen, checkpoints], plugins=[AsyncCheckpointIO()])
+    run.fit(remote, H.padded_data())
+    assert seen.pending == [False, True, True]  # a save from the epoch before was still being named
+    assert_same_losses(local.losses, remote.losses, TOL)
+    names = sorted(os.listdir(tmp_path))
+    assert len(names) == 2 and names[0].startswith("epoch=2-") and names[1] == "last.ckpt", names
+    for name in names:
+        saved = shards(tmp_path / name)
+        for key, value in local.state_dict().items():
+            torch.testing.assert_close(saved[key], value, rtol=0, atol=1e-4)
 
 
 @pytest.mark.parametrize("stages", [3])

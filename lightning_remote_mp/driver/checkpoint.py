@@ -25,6 +25,7 @@ previous checkpoint as it was and raises.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import re
@@ -43,7 +44,7 @@ from lightning_remote_mp.errors import WeightsError
 from lightning_remote_mp.model.convert import ADAPTER_CONFIG, CONFIG
 from lightning_remote_mp.model.weights import PARTIAL, SHARDED_MANIFEST, TensorFiles
 from lightning_remote_mp.wire import protocol
-from lightning_remote_mp.wire.state import ReadOptim, Save
+from lightning_remote_mp.wire.state import ReadOptim, Save, Saved
 from lightning_remote_mp.wire.transport import Connection, request_all
 
 log = logging.getLogger(__name__)
@@ -73,9 +74,12 @@ def save(
     checkpoint: dict[str, Any],
     path: str | Path,
     write_lightning_state: Callable[[dict[str, Any], str], None],
-) -> dict[str, Any]:
-    """Write a sharded checkpoint of ``session``'s placed modules at ``path`` (see the module
-    docstring); ``checkpoint`` is Lightning's dict, without the workers' tensors. Returns the manifest."""
+    background: bool = False,
+) -> PendingSave:
+    """Start a sharded checkpoint of ``session``'s placed modules at ``path`` (see the module
+    docstring); ``checkpoint`` is Lightning's dict, without the workers' tensors. The workers have
+    written their files when this returns, or, with ``background``, copied their tensors to host
+    memory and write them while training goes on; `PendingSave.finish` names the directory."""
     started = time.monotonic()
     if "://" in str(path):
         raise WeightsError(f"sharded checkpoints go to a file system path every worker sees, not {str(path)!r}")
@@ -85,29 +89,68 @@ def save(
     partial.mkdir()
     try:
         session.confirm_backwards()
-        manifest = _write_shards(session, lightning_module, partial, "optimizer_states" in checkpoint)
+        manifest, conns = _write_shards(
+            session, lightning_module, partial, "optimizer_states" in checkpoint, background
+        )
         write_lightning_state(checkpoint, str(partial / LIGHTNING_STATE))
         for key, pl in session.placements.items():
             _write_configs(pl.module.state_owner, key, partial)
-        (partial / SHARDED_MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
-        _swap_in(partial, target)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
-    size = sum(f["bytes"] for f in manifest["files"])
-    log.info(
-        "sharded checkpoint %s: %d files, %.1f MB written by the workers in %.1f s",
-        target,
-        len(manifest["files"]),
-        size / 1e6,
-        time.monotonic() - started,
-    )
-    return manifest
+    return PendingSave(session, partial, target, manifest, conns, started, time.monotonic() - started)
+
+
+@dataclasses.dataclass
+class PendingSave:
+    """A sharded checkpoint whose workers may still be writing their files: `finish` gives its
+    directory the target's name, with the manifest, once every file is written."""
+
+    session: Any
+    partial: Path
+    target: Path
+    manifest: dict[str, Any]
+    conns: list[Connection]
+    started: float
+    blocked: float  # seconds training waited for the save
+
+    def finish(self, wait: bool = True) -> bool:
+        """Whether the checkpoint is in place now; ``wait`` waits for the workers' files. A worker
+        that fails or is lost raises, and the previous checkpoint stays."""
+        files = self.manifest["files"]
+        requests = [(conn, protocol.SAVED, Saved(f["file"], wait).body()) for conn, f in zip(self.conns, files)]
+        try:
+            if wait:
+                with shown(self.session.heartbeat, self.conns, f"writing checkpoint {self.target.name}"):
+                    replies = request_all(requests, what="sharded checkpoint save", bounded=False)
+            else:
+                replies = request_all(requests, what="sharded checkpoint save")
+            if not all(isinstance(r, dict) and r.get("done") for r in replies):
+                return False
+            for entry, reply in zip(files, replies):
+                entry["bytes"] = int(reply.get("bytes", 0))
+            (self.partial / SHARDED_MANIFEST).write_text(json.dumps(self.manifest, indent=1, sort_keys=True))
+            _swap_in(self.partial, self.target)
+        except BaseException:
+            self.discard()
+            raise
+        log.info(
+            "sharded checkpoint %s: %d files, %.1f MB written by the workers in %.1f s; training waited %.1f s",
+            self.target,
+            len(files),
+            sum(f["bytes"] for f in files) / 1e6,
+            time.monotonic() - self.started,
+            self.blocked,
+        )
+        return True
+
+    def discard(self) -> None:
+        shutil.rmtree(self.partial, ignore_errors=True)
 
 
 def _write_shards(
-    session: Any, lightning_module: torch.nn.Module, directory: Path, with_optimizers: bool
-) -> dict[str, Any]:
+    session: Any, lightning_module: torch.nn.Module, directory: Path, with_optimizers: bool, background: bool
+) -> tuple[dict[str, Any], list[Connection]]:
     names = {id(p): n for n, p in lightning_module.named_parameters()}
     saved: dict[str, str] = {}  # state-dict key -> file
     aliases: dict[str, str] = {}  # another key of a tied weight -> the key it is saved under
@@ -136,17 +179,16 @@ def _write_shards(
                     if first.conns[0] is rs.conn and first.name.startswith(pl.key + "/") and pid in names:
                         optim.setdefault(mirror.index, {})[first.name] = names[pid]
                         optim_files[names[pid]] = file
-            body = Save(str(directory), file, {pl.key: tensors}, optim).body()
+            body = Save(str(directory), file, {pl.key: tensors}, optim, background).body()
             requests.append((rs.conn, protocol.SAVE, body))
             files.append({"file": file, "key": pl.key, "stage": rs.stage.index, "worker": rs.conn.address})
     for mirror in session.mirrors:
         positions[str(mirror.index)] = {names[pid]: k for pid, k in mirror.positions_by_id().items() if pid in names}
     name = directory.name[1:].partition(PARTIAL)[0].rstrip(".")  # .NAME.lrmp-partial-...: NAME
-    with shown(session.heartbeat, [conn for conn, _, _ in requests], f"writing checkpoint {name}"):
-        replies = request_all(requests, what="sharded checkpoint save", bounded=False)
-    for entry, reply in zip(files, replies):
-        entry["bytes"] = int(reply.get("bytes", 0)) if isinstance(reply, dict) else 0
-    return {
+    what = f"copying checkpoint {name} to host memory" if background else f"writing checkpoint {name}"
+    with shown(session.heartbeat, [conn for conn, _, _ in requests], what):
+        request_all(requests, what="sharded checkpoint save", bounded=False)
+    manifest = {
         "format": FORMAT,
         "version": 1,
         "lrmp": __version__,
@@ -158,6 +200,7 @@ def _write_shards(
         "optimizers": positions,
         "optimizer_files": optim_files,
     }
+    return manifest, [conn for conn, _, _ in requests]
 
 
 def _write_configs(owner: torch.nn.Module, key: str, directory: Path) -> None:
@@ -254,3 +297,56 @@ class ShardedCheckpoint:
         if requests:
             request_all(requests, what="optimizer state from a sharded checkpoint", bounded=False)
         self.loaded_optimizers.add(key)
+
+
+class Saves:
+    """A strategy's sharded checkpoint being written in the background (at most one, as with
+    Lightning's ``AsyncCheckpointIO``), and the checkpoint removals that wait for it: a
+    ``ModelCheckpoint`` removes the checkpoint a new one replaces only once the new one is whole."""
+
+    def __init__(self) -> None:
+        self.pending: PendingSave | None = None
+        self.removals: list[Callable[[], None]] = []
+
+    def start(self, pending: PendingSave, background: bool) -> None:
+        self.wait()
+        if background:
+            self.pending = pending
+        else:
+            pending.finish()
+
+    def poll(self) -> None:
+        """Between steps: name the checkpoint if its files are written (one short request per worker)."""
+        if self.pending is None:
+            return
+        try:
+            done = self.pending.finish(wait=False)
+        except BaseException:
+            self.pending = None
+            self.removals.clear()  # the checkpoints it was to replace are all that is left
+            raise
+        if done:
+            self.pending = None
+            self._done()
+
+    def wait(self) -> None:
+        """Wait for the checkpoint being written (before another save, a load, the end of a run)."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            try:
+                pending.finish()
+            except BaseException:
+                self.removals.clear()  # the checkpoints it was to replace are all that is left
+                raise
+            self._done()
+
+    def remove(self, remove: Callable[[], None]) -> None:
+        if self.pending is None:
+            remove()
+        else:
+            self.removals.append(remove)
+
+    def _done(self) -> None:
+        removals, self.removals = self.removals, []
+        for remove in removals:
+            remove()

@@ -46,6 +46,7 @@ from lightning_remote_mp.driver.placement import (
     stage_weights,
 )
 from lightning_remote_mp.driver.preflight import Preflight, checked_for_workers
+from lightning_remote_mp.driver.progress import shown
 from lightning_remote_mp.errors import (
     ConfigurationError,
     LrmpError,
@@ -56,7 +57,6 @@ from lightning_remote_mp.errors import (
 )
 from lightning_remote_mp.flow import SplitBackward
 from lightning_remote_mp.model import partition
-from lightning_remote_mp.driver.progress import shown
 from lightning_remote_mp.model.spec import SpecSequential, source_digest, user_code_modules
 from lightning_remote_mp.schedule import check_schedule
 from lightning_remote_mp.wire import protocol

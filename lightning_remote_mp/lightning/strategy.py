@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from lightning.pytorch.strategies import SingleDeviceStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 
@@ -286,6 +287,7 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
         self._loaded: dict[str, dict[str, torch.Tensor]] = {}  # a full checkpoint's values for meta modules
         self._loaded_full = False  # a full checkpoint was loaded into the modules (they are its values)
         self._dumping_sharded = False
+        self._saves = sharded.Saves()  # a sharded checkpoint written in the background (AsyncCheckpointIO)
         self._fitting = False
 
     @property
@@ -511,15 +513,30 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
         if not dumped or self._session is None:
             return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
         assert self.lightning_module is not None
-        sharded.save(
+        # With Lightning's AsyncCheckpointIO, the workers write in the background; the small
+        # Lightning state is written at once, by the plugin it wraps, before the directory is named.
+        background = isinstance(self.checkpoint_io, AsyncCheckpointIO)
+        io = self.checkpoint_io.checkpoint_io if background else self.checkpoint_io
+        self._saves.wait()
+        pending = sharded.save(
             self._session,
             self.lightning_module,
             checkpoint,
             filepath,
-            lambda ckpt, path: self.checkpoint_io.save_checkpoint(ckpt, path, storage_options=storage_options),
+            lambda ckpt, path: io.save_checkpoint(ckpt, path, storage_options=storage_options),
+            background,
         )
+        self._saves.start(pending, background)
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        self._saves.remove(functools.partial(super().remove_checkpoint, filepath))
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._saves.poll()
+        return super().training_step(*args, **kwargs)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        self._saves.wait()
         if not sharded.is_sharded(checkpoint_path):
             self._resume = None
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
@@ -636,6 +653,7 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
             self._resume, self._loaded, self._loaded_full = None, {}, False
             if session is not None:
                 try:
+                    self._saves.wait()
                     left = session.restore(self.gather_limit, trained=self._fitting)
                     for owner in left:
                         if not isinstance(owner, SpecSequential):  # a spec records it itself (weights_left_on_workers)

@@ -139,7 +139,8 @@ def why_unreachable(address: str, timeout: float = 1.0) -> str | None:
         return None
     except socket.gaierror as err:
         raise ConfigurationError(
-            f"worker address {address!r}: this machine cannot resolve {host!r} ({err.strerror}); check the name in hosts"
+            f"worker address {address!r}: this machine cannot resolve {host!r} ({err.strerror}); "
+            "check the name in hosts"
         ) from None
     except OSError as err:
         if err.errno == errno.ECONNREFUSED:

@@ -42,7 +42,7 @@ from lightning_remote_mp._version import __version__
 # LimitExceeded lives with the other errors; ``protocol.LimitExceeded`` stays its name here too.
 from lightning_remote_mp.errors import ConfigurationError, LimitExceeded, ProtocolError, ProtocolVersionError
 
-PROTOCOL_VERSION = 12
+PROTOCOL_VERSION = 13
 
 
 class Kind(str, enum.Enum):
@@ -72,6 +72,7 @@ class Kind(str, enum.Enum):
     CARRY = "carry"  # quiet requests for the stages down (or up) the pipeline, passed stage to stage
     LOSS_GRAD = "loss_grad"  # the driver's gradient of a call's loss, whose backward the stages ran on their own
     SAVE = "save"  # write this worker's share of a sharded checkpoint (safetensors)
+    SAVED = "saved"  # whether a sharded checkpoint's file written in the background is done
     READ_OPTIM = "read_optim"  # load an optimizer's state from a sharded checkpoint's files
     RESULT = "result"  # worker -> driver: the last stage's output of one micro-batch
     DONE = "done"  # worker -> driver: stage 0 finished one micro-batch's backward
@@ -93,7 +94,7 @@ GET_STATE, LOAD_STATE = Kind.GET_STATE, Kind.LOAD_STATE
 GET_OPTIM_STATE, LOAD_OPTIM_STATE = Kind.GET_OPTIM_STATE, Kind.LOAD_OPTIM_STATE
 GRADS, PROFILE, TIMELINE, GROUP, SYNC = Kind.GRADS, Kind.PROFILE, Kind.TIMELINE, Kind.GROUP, Kind.SYNC
 FETCH, LOSS, CARRY, LOSS_GRAD = Kind.FETCH, Kind.LOSS, Kind.CARRY, Kind.LOSS_GRAD
-SAVE, READ_OPTIM = Kind.SAVE, Kind.READ_OPTIM
+SAVE, SAVED, READ_OPTIM = Kind.SAVE, Kind.SAVED, Kind.READ_OPTIM
 RESULT, DONE, BYE, PING, OK, ERROR = Kind.RESULT, Kind.DONE, Kind.BYE, Kind.PING, Kind.OK, Kind.ERROR
 
 

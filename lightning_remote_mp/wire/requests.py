@@ -71,6 +71,7 @@ from lightning_remote_mp.wire.state import (
     LoadState,
     ReadOptim,
     Save,
+    Saved,
     is_file_tensor,
 )
 
@@ -661,6 +662,7 @@ REQUESTS: dict[str, type[Body]] = {
         Carry,
         LossGrad,
         Save,
+        Saved,
         ReadOptim,
     )
 }

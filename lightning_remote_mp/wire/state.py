@@ -1,6 +1,6 @@
 """The driver's requests that move a stage's tensors: weights and buffers (`GetState`,
 `LoadState`), optimizer state (`GetOptimState`, `LoadOptimState`), and a sharded checkpoint's
-files, written and read by the workers themselves (`Save`, `ReadOptim`; the files' format is
+files, written and read by the workers themselves (`Save`, `Saved`, `ReadOptim`; the files' format is
 `lightning_remote_mp.model.weights`). Checked as every request is (`lightning_remote_mp.wire.requests`).
 """
 
@@ -14,6 +14,7 @@ import torch
 
 from lightning_remote_mp.wire import protocol
 from lightning_remote_mp.wire.fields import (
+    BOOL,
     INT,
     STR,
     Body,
@@ -60,6 +61,20 @@ class Save(Body):
     optim: Mapping[int, Mapping[str, str]] = field(
         map_of(is_int, _is_names, "optimizer indices to {name: name} dicts"), default_factory=dict, write=dict
     )
+    #: Answer once the tensors are copied to host memory and write the file in the background
+    #: (`Saved` says when it is written): a save then blocks training only for the copy.
+    background: bool = field(BOOL, default=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class Saved(Body):
+    """SAVED: whether this worker's file ``file`` of a sharded checkpoint (`Save`) is written:
+    ``{"done": bool, "bytes": int}``, or the error its writing raised. ``wait`` waits for it."""
+
+    KIND: ClassVar[str] = protocol.SAVED
+
+    file: str = field(STR)
+    wait: bool = field(BOOL, default=False)
 
 
 @dataclasses.dataclass(frozen=True)

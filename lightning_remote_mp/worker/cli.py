@@ -61,7 +61,7 @@ def _positive_int(text: str) -> int:
 
 
 def version_line() -> str:
-    """``lrmp-worker 0.12.0 (wire protocol 12, torch 2.13.0+cpu)``: what ``--version`` prints."""
+    """``lrmp-worker 0.13.0 (wire protocol 13, torch 2.13.0+cpu)``: what ``--version`` prints."""
     import torch
 
     return f"lrmp-worker {__version__} (wire protocol {protocol.PROTOCOL_VERSION}, torch {torch.__version__})"

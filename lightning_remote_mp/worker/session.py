@@ -13,6 +13,7 @@ import logging
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
 from typing import Any, Protocol
 
 import torch
@@ -41,6 +42,7 @@ from lightning_remote_mp.wire.requests import (
     ReadOptim,
     Release,
     Save,
+    Saved,
     Setup,
     Sync,
     Timeline,
@@ -52,7 +54,7 @@ from lightning_remote_mp.worker.profile import profile_layers
 from lightning_remote_mp.worker.route import Outgoing, RoutedStage
 from lightning_remote_mp.worker.stage import StageExecutor
 from lightning_remote_mp.worker.timeline import EventLog
-from lightning_remote_mp.worker.weights import PROGRESS, read_optimizer_state, read_stage_files, save_shard
+from lightning_remote_mp.worker.weights import PROGRESS, read_optimizer_state, read_stage_files, save_shard, saved
 
 #: Returned by handlers whose answer travels as separate messages (pipelined forward/backward).
 NO_REPLY = object()
@@ -116,6 +118,7 @@ class WorkerSession:
         self.stages: dict[str, StageExecutor] = {}
         self.optimizers: dict[int, torch.optim.Optimizer] = {}
         self._optim_params: dict[int, list[str]] = {}
+        self._writes: dict[str, Future[dict[str, Any]]] = {}  # checkpoint files, by name (`Save`)
         self._optim_copies: dict[int, frozenset[str]] = {}  # copies of tied weights, by optimizer (OptimCreate)
         # The handler of each typed request (`lightning_remote_mp.wire.requests.REQUESTS` reads them).
         self._handlers: dict[type[Body], Callable[[Any], Any]] = {
@@ -125,6 +128,7 @@ class WorkerSession:
             Release: self.release,
             GetState: self.get_state,
             Save: self.save,
+            Saved: lambda msg: saved(msg, self._writes),
             ReadOptim: self.read_optim,
             LoadState: self.load_state,
             OptimCreate: self.optim_create,
@@ -431,10 +435,12 @@ class WorkerSession:
         return {f"{key}/{name}": p for key, stage in self.stages.items() for name, p in stage.named_parameters()}
 
     def save(self, msg: Save) -> Any:
-        """Write this worker's share of a sharded checkpoint (`Save`): one new safetensors file."""
+        """Write this worker's share of a sharded checkpoint (`Save`): one new safetensors file,
+        written by the time the answer comes, or in the background (`Saved` says when)."""
         self._settle_grads()
         stages = {key: self.route(key).stage for key in msg.tensors}
-        return save_shard(msg, stages, self.optimizers, self._named_parameters(), self.id)
+        self._writes[msg.file] = save_shard(msg, stages, self.optimizers, self._named_parameters(), self.id)
+        return {} if msg.background else self._writes[msg.file].result()
 
     def read_optim(self, msg: ReadOptim) -> Any:
         """Load optimizer ``msg.index``'s state from a sharded checkpoint's files (`ReadOptim`)."""

@@ -9,6 +9,7 @@ import logging
 import os
 import time
 from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
 
@@ -23,7 +24,7 @@ from lightning_remote_mp.model.weights import (
     json_metadata,
     write_tensors,
 )
-from lightning_remote_mp.wire.state import ReadOptim, Save
+from lightning_remote_mp.wire.state import ReadOptim, Save, Saved
 from lightning_remote_mp.worker.stage import StageExecutor
 
 log = logging.getLogger(__name__)
@@ -104,9 +105,11 @@ def save_shard(
     optimizers: Mapping[int, torch.optim.Optimizer],
     named: Mapping[str, torch.nn.Parameter],
     session: str,
-) -> dict[str, Any]:
+) -> Future[dict[str, Any]]:
     """Write the tensors and optimizer state ``msg`` names as one new safetensors file; optimizer
-    state that is no tensor (a step count kept as a number) goes in the file's metadata."""
+    state that is no tensor (a step count kept as a number) goes in the file's metadata. With
+    ``msg.background``, the tensors are copied to host memory here and the file is written by a
+    thread while training goes on; the future says when it is written."""
     started = time.monotonic()
     check_writable(msg.directory)
     tensors: dict[str, torch.Tensor] = {}
@@ -127,12 +130,37 @@ def save_shard(
                 raise SpecError(f"checkpoint asks for the optimizer state of {name}, which this worker does not hold")
             for k, v in opt.state.get(param, {}).items():
                 (tensors if isinstance(v, torch.Tensor) else scalars)[f"optimizer.{index}.{full}.{k}"] = v
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    with PROGRESS.of("writing a checkpoint", total):
-        size = write_tensors(msg.directory, msg.file, tensors, json_metadata({"scalars": scalars}))
-    seconds = time.monotonic() - started
-    log.info("session %s: wrote %s (%.1f MB) in %.1f s", session, msg.file, size / 1e6, seconds)
-    return {"bytes": size, "seconds": seconds}
+    metadata = json_metadata({"scalars": scalars})
+
+    def write() -> dict[str, Any]:
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        with PROGRESS.of("writing a checkpoint", total):
+            size = write_tensors(msg.directory, msg.file, tensors, metadata)
+        seconds = time.monotonic() - started
+        log.info("session %s: wrote %s (%.1f MB) in %.1f s", session, msg.file, size / 1e6, seconds)
+        return {"bytes": size, "seconds": seconds}
+
+    if not msg.background:
+        done: Future[dict[str, Any]] = Future()
+        done.set_result(write())
+        return done
+    tensors = {k: v.detach().to("cpu", copy=True) for k, v in tensors.items()}  # what the step changes next
+    log.info("session %s: copied %s's tensors in %.2f s", session, msg.file, time.monotonic() - started)
+    return _WRITER.submit(write)
+
+
+#: Writes this worker's checkpoint files in the background (`Save.background`), one at a time.
+_WRITER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lrmp-checkpoint")
+
+
+def saved(msg: Saved, writes: Mapping[str, Future[dict[str, Any]]]) -> dict[str, Any]:
+    """Whether the file ``msg`` names is written (`Saved`): its bytes, or the error writing it raised."""
+    future = writes.get(msg.file)
+    if future is None:
+        raise SpecError(f"this worker writes no checkpoint file {msg.file!r} in this session")
+    if not msg.wait and not future.done():
+        return {"done": False}
+    return {"done": True, **future.result()}
 
 
 def read_optimizer_state(msg: ReadOptim) -> dict[str, dict[str, Any]]:
