@@ -317,12 +317,15 @@ def test_weights_that_do_not_come_back_are_saved_by_the_workers_if_no_checkpoint
     assert (tmp_path / saved / "lrmp-checkpoint.json").is_file()
 
 
+@pytest.mark.parametrize("copy", [False, True], ids=["streamed", "own-copy"])
 def test_a_worker_that_cannot_see_the_files_gets_its_tensors_from_the_driver_a_window_at_a_time(
-    pretrained, pool, monkeypatch, caplog
+    pretrained, pool, monkeypatch, caplog, tmp_path, copy
 ):
     """One worker runs in a mount namespace where the pretrained directory is an empty tmpfs (as on
     a machine without the files): the driver sends that stage's tensors from its memory-mapped
-    files, a few KB at a time here, and training still equals local training."""
+    files, a few KB at a time here, and training still equals local training. With its own copy
+    elsewhere (``--weights-root``) the worker reads that, and the driver sends nothing."""
+    import shutil
     import subprocess
     import time
 
@@ -335,6 +338,9 @@ def test_a_worker_that_cannot_see_the_files_gets_its_tensors_from_the_driver_a_w
         pytest.skip("mount namespaces cannot be made here (unshare --mount)")
     port = free_port()
     argv = worker_command("--bind", f"tcp://127.0.0.1:{port}", "--allow-module", "lrmp_testlayers")
+    if copy:
+        shutil.copytree(pretrained, tmp_path / "copy")
+        argv += ["--weights-root", f"{pretrained}={tmp_path / 'copy'}"]
     script = f'mount -t tmpfs none "{pretrained}" && exec "$@"'
     proc = subprocess.Popen(["unshare", "--mount", "sh", "-c", script, "sh", *argv], **WORKER_OUTPUT)
     try:
@@ -348,7 +354,24 @@ def test_a_worker_that_cannot_see_the_files_gets_its_tensors_from_the_driver_a_w
         trainer(strategy, 1).fit(remote, H.padded_data())
         assert_same_losses(local.losses, remote.losses, TOL)
         said = [r.getMessage() for r in caplog.records if "this driver sends its" in r.getMessage()]
-        assert len(said) == 1 and "(stage 1)" in said[0] and pretrained in said[0], said
+        if copy:
+            assert not said
+        else:
+            assert len(said) == 1 and "(stage 1)" in said[0] and pretrained in said[0], said
     finally:
         proc.kill()
         proc.wait(10)
+
+
+def test_a_weights_root_that_cannot_work_stops_the_worker_naming_it(tmp_path):
+    import subprocess
+    import sys
+
+    def run(value: str) -> subprocess.CompletedProcess:
+        argv = [sys.executable, "-m", "lightning_remote_mp.worker", "--weights-root", value]
+        return subprocess.run(argv, capture_output=True, text=True, timeout=120)
+
+    plain = run("/models")
+    assert plain.returncode == 2 and "give DRIVER_DIR=LOCAL_DIR, both absolute" in plain.stderr
+    absent = run(f"/models={tmp_path / 'absent'}")
+    assert absent.returncode == 2 and f"{tmp_path / 'absent'} is no directory on this machine" in absent.stderr

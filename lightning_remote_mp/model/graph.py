@@ -531,6 +531,10 @@ def _dtype(value: Any, where: str) -> torch.dtype:
     raise SpecError(f"{where}: {value!r:.60} is not a dtype")
 
 
+#: The dotted path a `GraphLayer` travels under in a spec entry (`lightning_remote_mp.graph`).
+LAYER_PATH = "lightning_remote_mp.graph.GraphLayer"
+
+
 class GraphLayer(nn.Module):
     """A piece of a traced model: runs a program (one for train mode, one for eval) on a tuple of
     values and returns a tuple of values.

@@ -39,7 +39,7 @@ from torch.utils import _pytree as pytree
 
 from lightning_remote_mp.errors import TraceError
 from lightning_remote_mp.model.export import export
-from lightning_remote_mp.model.graph import TRACED_PYTHON_NAMES, GraphLayer, allowed_operator
+from lightning_remote_mp.model.graph import LAYER_PATH, TRACED_PYTHON_NAMES, GraphLayer, allowed_operator
 from lightning_remote_mp.model.joins import split_means
 from lightning_remote_mp.model.spec import SpecSequential
 from lightning_remote_mp.model.traced import Ends, Interface, TracedEntry, TracedSequential, as_tuple
@@ -56,7 +56,6 @@ _MARKER_NAMES = {
 _CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 _MATMULS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "conv1d", "conv2d", "conv3d", "convolution"}
 #: The name a traced unit's layer travels under (`lightning_remote_mp.graph`).
-LAYER_PATH = "lightning_remote_mp.graph.GraphLayer"
 
 
 # --- exporting ------------------------------------------------------------------------------

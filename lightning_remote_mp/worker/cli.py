@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from lightning_remote_mp._version import __version__
 from lightning_remote_mp.errors import ConfigurationError
 from lightning_remote_mp.wire import addresses, protocol
-from lightning_remote_mp.worker import allocator
+from lightning_remote_mp.worker import allocator, weights
 from lightning_remote_mp.worker.server import DEFAULT_SESSION_TIMEOUT, WorkerServer
 from lightning_remote_mp.worker.signals import StopSignal
 
@@ -119,6 +119,15 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PREFIX",
         help="also build layer/optimizer classes under this module prefix (repeatable); "
         "torch.nn, torch.optim and lightning_remote_mp.layers are always allowed",
+    )
+    p.add_argument(
+        "--weights-root",
+        action="append",
+        default=[],
+        metavar="DRIVER_DIR=LOCAL_DIR",
+        help="this machine's own copy of weights files: read a file the driver names under DRIVER_DIR (pretrained=, "
+        "a checkpoint) from LOCAL_DIR instead (repeatable); without it, files not at the driver's path come from "
+        "the driver",
     )
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     p.add_argument(
@@ -257,6 +266,21 @@ def keygen(argv: Sequence[str]) -> int:
     return 0
 
 
+def weights_roots(values: Sequence[str]) -> dict[str, str]:
+    """``--weights-root DRIVER_DIR=LOCAL_DIR`` values as a dict, each an absolute directory pair."""
+    roots = {}
+    for value in values:
+        remote, sep, local = value.partition("=")
+        if not sep or not os.path.isabs(remote) or not os.path.isabs(local):
+            raise ConfigurationError(
+                f"--weights-root {value!r}: give DRIVER_DIR=LOCAL_DIR, both absolute, e.g. /models=/data/models"
+            )
+        if not os.path.isdir(local):
+            raise ConfigurationError(f"--weights-root {value!r}: {local} is no directory on this machine")
+        roots[remote] = local
+    return roots
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["keygen"]:
@@ -285,6 +309,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         auto_min_macs(torch.device("cpu"))  # a malformed LRMP_SPLIT_BACKWARD_MIN_MACS fails here, not at setup
         limits = protocol.Limits(**{name: getattr(args, name) for name in protocol.LIMIT_FLAGS})
+        weights.ROOTS.update(weights_roots(args.weights_root))
         connect, name, driver_key = dial_in(args, keys is not None)
         bind = addresses.normalize_address(args.bind or DEFAULT_BIND)
         server = WorkerServer(

@@ -254,14 +254,16 @@ class WorkerSession:
             init_seed=msg.init_seed if msg.state is None and not msg.files else None,
             split_backward=msg.split_backward,
             deferred_batch_norm=msg.deferred_batch_norm,
+            state_arrives=msg.state is not None or bool(msg.files),
         )
         unread: list[str] = []
         if msg.state is not None or msg.files:
             state = dict(msg.state or {})
             read, unread = read_stage_files(stage, msg.files, self.id)
             state.update(read)
-            state.update({k: v for k, v in stage.layers.state_dict().items() if k in unread})  # sent next
-            stage.load_state_dict(state, assign=True)
+            held = stage.layers.state_dict()
+            state.update({k: torch.zeros_like(held[k], device=self.device) for k in unread})  # sent next
+            stage.load_state_dict(state, assign=True, owned=[*read, *unread])
         stage.share(msg.shared)
         _check_code_versions(msg.code_digests)  # and modules first imported by this build: another copy?
         if msg.seed is not None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -16,6 +16,7 @@ from torch import nn
 
 from lightning_remote_mp.errors import SpecError
 from lightning_remote_mp.flow import Main, SplitBackward, is_floating, is_main
+from lightning_remote_mp.model.graph import LAYER_PATH
 from lightning_remote_mp.model.spec import LayerEntry, apply_modes, build_layer, normalize_entry
 from lightning_remote_mp.model.wiring import run_layers
 from lightning_remote_mp.worker.deferred_bn import DeferredStatistics
@@ -70,6 +71,12 @@ class _Recompute:
     autocast: Mapping[str, Any] | None
 
 
+def _adopted(tensor: torch.Tensor, device: torch.device, owned: bool) -> torch.Tensor:
+    """``tensor`` on ``device``, as the stage's own: a copy unless it is ``owned`` or moved anyway."""
+    moved = tensor.to(device)
+    return moved if owned or moved is not tensor else moved.clone()
+
+
 def _well_formed_modes(modes: Any, layers: int) -> bool:
     """A `lightning_remote_mp.model.spec.Modes` value: a bool, or one bool or list of bools per layer."""
     if isinstance(modes, bool):
@@ -93,6 +100,7 @@ class StageExecutor:
         device: where the layers live.
         allowed_prefixes: module prefixes classes may be built from.
         init_seed: build the layers from this seed (the driver sends no weights).
+        state_arrives: every weight and buffer is given at setup (`load_state_dict` with ``assign``).
         split_backward: defer linear layers' weight gradients to `flush_weight_grads` (see
             `deferred_grads`), so input gradients leave sooner; ``"auto"``: only calls whose
             weight-gradient product is large enough to repay it (`deferred_grads.auto_min_macs`).
@@ -114,6 +122,7 @@ class StageExecutor:
         init_seed: int | None = None,
         split_backward: SplitBackward = False,
         deferred_batch_norm: bool = False,
+        state_arrives: bool = False,
     ) -> None:
         self.key = key
         self.index = index
@@ -127,12 +136,15 @@ class StageExecutor:
         self.names = [e.name for e in normalized]
         # Layers are built on CPU, seeded per layer when the driver asks (then the driver sends no
         # weights: it has none), else with their default init that the driver's weights replace.
-        self.layers = nn.ModuleDict(
-            {
+        # Traced units whose every tensor arrives at setup (``state_arrives``) are built on the meta
+        # device: a stage's weights are then allocated once, as they are read, not twice.
+        on_meta = state_arrives and all(e.layer == LAYER_PATH for e in normalized)
+        with torch.device("meta") if on_meta else contextlib.nullcontext():
+            layers = {
                 str(start + i): build_layer(e, start + i, allowed_prefixes, init_seed=init_seed)
                 for i, e in enumerate(normalized)
             }
-        ).to(device)
+        self.layers = nn.ModuleDict(layers) if on_meta else nn.ModuleDict(layers).to(device)
         self._saved: dict[tuple[int, int], _Saved] = {}  # by (call, micro-batch)
         # Per call whose backward runs early: each trainable parameter's own gradient, by id.
         self._early: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
@@ -157,9 +169,12 @@ class StageExecutor:
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach() for k, v in self.layers.state_dict().items()}
 
-    def load_state_dict(self, state: Mapping[str, torch.Tensor], assign: bool = False) -> None:
+    def load_state_dict(
+        self, state: Mapping[str, torch.Tensor], assign: bool = False, owned: Collection[str] = ()
+    ) -> None:
         """Copy ``state`` into the layers; with ``assign`` (at setup) also adopt its dtypes, so a
-        driver's bf16 module stays bf16 here."""
+        driver's bf16 module stays bf16 here, and adopt the tensors named in ``owned`` (read from
+        files here: nothing else holds them) without a copy."""
         expected = set(self.layers.state_dict())
         got = set(state)
         if (assign and got != expected) or not got <= expected:
@@ -168,7 +183,8 @@ class StageExecutor:
                 f"unexpected {sorted(got - expected)[:5]}"
             )
         if assign:
-            self.layers.load_state_dict({k: v.to(self.device).clone() for k, v in state.items()}, assign=True)
+            adopted = {k: _adopted(v, self.device, k in owned) for k, v in state.items()}
+            self.layers.load_state_dict(adopted, assign=True)
             if self.deferred is not None:
                 self.deferred.parameters_replaced()
             return

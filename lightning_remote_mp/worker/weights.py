@@ -61,6 +61,19 @@ class Progress:
 #: This worker's one piece of long work at a time (a worker serves one session).
 PROGRESS = Progress()
 
+#: This worker's own copies of weights files (``lrmp-worker --weights-root DRIVER_DIR=LOCAL_DIR``):
+#: a file the driver names under DRIVER_DIR is read from the same place under LOCAL_DIR.
+ROOTS: dict[str, str] = {}
+
+
+def local_path(path: str) -> str:
+    """Where this worker reads the file the driver names ``path`` (`ROOTS`)."""
+    for remote, local in ROOTS.items():
+        head = remote.rstrip("/")
+        if path == head or path.startswith(head + "/"):
+            return local.rstrip("/") + path[len(head) :]
+    return path
+
 
 def read_stage_files(
     stage: StageExecutor, files: Mapping[str, Sequence[str]], session: str
@@ -75,11 +88,12 @@ def read_stage_files(
     unknown = sorted(set(files) - set(held))
     if unknown:
         raise SpecError(f"stage {stage.index}: weights from files for tensors it does not hold: {unknown[:3]}")
+    files = {k: (local_path(v[0]), v[1]) for k, v in files.items()}
     paths = {v[0] for v in files.values()}
     unseen = {path for path in paths if not os.path.exists(path)}
     for path in paths - unseen:
         check_readable(path)
-    wanted = {k: (v[0], v[1]) for k, v in files.items() if v[0] not in unseen}
+    wanted = {k: v for k, v in files.items() if v[0] not in unseen}
     total = sum(held[k][0].numel() * held[k][1].itemsize for k in wanted)
     tensors: dict[str, torch.Tensor] = {}
     with PROGRESS.of("reading weights", total):
@@ -170,7 +184,7 @@ def read_optimizer_state(msg: ReadOptim) -> dict[str, dict[str, Any]]:
     state: dict[str, dict[str, Any]] = {}
     by_file: dict[str, list[tuple[str, str]]] = {}
     for name, (path, full) in msg.params.items():
-        by_file.setdefault(path, []).append((name, f"optimizer.{msg.index}.{full}."))
+        by_file.setdefault(local_path(path), []).append((name, f"optimizer.{msg.index}.{full}."))
     for path, wanted in by_file.items():
         check_readable(path)
         with safe_open(path, framework="pt") as f:
