@@ -264,7 +264,9 @@ def test_a_lora_adapter_exports_alone_and_peft_loads_it(pretrained, pool, tmp_pa
     def lora() -> H.FineTune:
         model = loaded(pretrained)
         torch.manual_seed(1)
-        config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+        config = peft.LoraConfig(
+            r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, modules_to_save=["lm_head"]
+        )
         return H.FineTune(peft.get_peft_model(model.model, config), "lm", lr=0.01, optimizer="AdamW")
 
     remote = lora()
@@ -279,10 +281,18 @@ def test_a_lora_adapter_exports_alone_and_peft_loads_it(pretrained, pool, tmp_pa
 
     written = export_pretrained(checkpoint, tmp_path / "adapter")
     assert sorted(written) == ["adapter_config.json", "adapter_model.safetensors"]
+    # The same tensors, under the same names, as peft's own save_pretrained writes
+    remote.model.save_pretrained(tmp_path / "peft")
+    ours, peft_own = (
+        load_file(tmp_path / "adapter" / "adapter_model.safetensors"),
+        load_file(tmp_path / "peft" / "adapter_model.safetensors"),
+    )
+    assert sorted(ours) == sorted(peft_own) and any("lm_head" in k for k in ours), sorted(ours)
     base = AutoModelForCausalLM.from_pretrained(pretrained)
     reloaded = peft.PeftModel.from_pretrained(base, tmp_path / "adapter")
-    trained = {k: v for k, v in remote.model.state_dict().items() if "lora_" in k}
-    assert trained and any(not torch.equal(v, torch.zeros_like(v)) for k, v in trained.items() if "lora_B" in k)
+    trained = {k: v for k, v in remote.model.named_parameters() if v.requires_grad}
+    assert any("lora_B" in k and v.abs().sum() > 0 for k, v in trained.items())
+    assert any("modules_to_save" in k for k in trained)
     for name, value in trained.items():
         torch.testing.assert_close(reloaded.state_dict()[name], value, rtol=0, atol=0)
 

@@ -72,6 +72,7 @@ def export_pretrained(
     weight_map: dict[str, str] = {}
     adapter_tensors: dict[str, torch.Tensor] = {}
     count = len(files)
+    adapter_names = _adapter_names(checkpoint, module) if adapter else {}
     for n, entry in enumerate(sorted(files, key=lambda f: f["stage"])):
         tensors = {
             k[len(head) :]: v
@@ -79,7 +80,7 @@ def export_pretrained(
             if k.startswith(head) and manifest["tensors"].get(k) == entry["file"]
         }
         if adapter:
-            adapter_tensors.update({k.replace(".default.", "."): v for k, v in tensors.items() if "lora_" in k})
+            adapter_tensors.update({out: tensors[k] for k, out in adapter_names.items() if k in tensors})
             continue
         if peft:
             tensors = {
@@ -108,6 +109,37 @@ def export_pretrained(
             written.append("config.json")
     log.info("exported %r of %s to %s in %.1f s: %s", module, checkpoint, output, time.monotonic() - started, written)
     return written
+
+
+def _adapter_names(checkpoint: Path, module: str) -> dict[str, str]:
+    """The tensors of the split peft model ``module`` of ``checkpoint`` that peft's own
+    ``save_pretrained`` writes (LoRA's, ``modules_to_save``, resized embeddings), by state-dict key,
+    to the names it writes them under: asked of peft, over the model built on the meta device from
+    the configs beside the shards."""
+    import peft
+    import transformers
+    from peft.utils import get_peft_model_state_dict
+
+    config = transformers.AutoConfig.from_pretrained(checkpoint / CONFIG.format(key=module))
+    adapter = json.loads((checkpoint / ADAPTER_CONFIG.format(key=module)).read_text())
+    architecture = getattr(transformers, (config.architectures or [""])[0], None)
+    if architecture is None:
+        raise WeightsError(
+            f"{checkpoint}: the config of {module!r} names no transformers architecture ({config.architectures}), "
+            "which exporting its adapter needs; export the whole model with adapter_only=False (--with-base)"
+        )
+    base = str(adapter.get("base_model_name_or_path") or "")
+    config._name_or_path = base  # not the config file's path, which peft would record and look at
+    peft_config = peft.PeftConfig.from_peft_type(**adapter)
+    with torch.device("meta"):
+        model = peft.get_peft_model(architecture(config), peft_config)
+    state = model.state_dict()
+    keys = {id(v): k for k, v in state.items()}
+    # peft saves a resized embedding ("auto"), which it sees against the base model's config: here
+    # only when that is a local directory (a hub name would be looked up over the network).
+    embeddings = "auto" if Path(base).is_dir() else False
+    adapter_state = get_peft_model_state_dict(model, state_dict=state, save_embedding_layers=embeddings)
+    return {keys[id(v)]: out for out, v in adapter_state.items()}
 
 
 def consolidate(checkpoint: str | Path, output: str | Path, trust_pickle: bool = False) -> None:
