@@ -385,3 +385,21 @@ def test_a_weights_root_that_cannot_work_stops_the_worker_naming_it(tmp_path):
     assert plain.returncode == 2 and "give DRIVER_DIR=LOCAL_DIR, both absolute" in plain.stderr
     absent = run(f"/models={tmp_path / 'absent'}")
     assert absent.returncode == 2 and f"{tmp_path / 'absent'} is no directory on this machine" in absent.stderr
+
+
+class _SavesAtStart(L.Callback):
+    def __init__(self, path) -> None:
+        self.path = path
+
+    def on_train_start(self, trainer, pl_module):
+        trainer.save_checkpoint(self.path)
+
+
+def test_a_checkpoint_of_a_meta_model_before_its_first_call_is_refused(pretrained, pool, tmp_path):
+    """Before its first call a traced meta module is on no worker, so no process holds its weights:
+    a checkpoint then (the Tuner saves one) is refused, naming the module and what to do."""
+    strategy = RemoteModelParallelStrategy(hosts=pool[:2], split=["model"], pretrained=pretrained)
+    run = trainer(strategy, 1, callbacks=[_SavesAtStart(tmp_path / "early.ckpt")])
+    with pytest.raises(WeightsError, match="would hold no weights of 'model': it is on the meta device"):
+        run.fit(loaded(pretrained, meta=True), H.padded_data())
+    assert not (tmp_path / "early.ckpt").exists()

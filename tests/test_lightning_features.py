@@ -146,13 +146,17 @@ class FindsLR(Net):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 
-def test_lr_find_restores_the_model_and_training_continues(twin, pool):
+@pytest.mark.parametrize("state_dict_type", ["full", "sharded"])
+def test_lr_find_restores_the_model_and_training_continues(twin, pool, tmp_path, state_dict_type):
+    """The Tuner saves a checkpoint, tries rates, and restores it into the placed workers: a sharded
+    one is sent to them from its files."""
     from lightning.pytorch.tuner import Tuner
 
     torch.manual_seed(12)
     model = FindsLR(residual_spec())
     before = twin(model)
-    t = trainer(RemoteModelParallelStrategy(hosts=pool[:2]), epochs=1)
+    strategy = RemoteModelParallelStrategy(hosts=pool[:2], state_dict_type=state_dict_type)
+    t = trainer(strategy, epochs=1, default_root_dir=tmp_path)
     finder = Tuner(t).lr_find(
         model,
         train_dataloaders=data(n=640),

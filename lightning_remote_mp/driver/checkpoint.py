@@ -39,9 +39,11 @@ from typing import Any
 import torch
 
 from lightning_remote_mp._version import __version__
+from lightning_remote_mp.driver.placement import WeightSources, stage_weights, stream_files
 from lightning_remote_mp.driver.progress import shown
 from lightning_remote_mp.errors import WeightsError
 from lightning_remote_mp.model.convert import ADAPTER_CONFIG, CONFIG
+from lightning_remote_mp.model.meta import on_meta
 from lightning_remote_mp.model.weights import PARTIAL, SHARDED_MANIFEST, TensorFiles
 from lightning_remote_mp.wire import protocol
 from lightning_remote_mp.wire.state import ReadOptim, Save, Saved
@@ -235,6 +237,20 @@ def _swap_in(partial: Path, target: Path) -> None:
             old.unlink()
 
 
+def check_savable(modules: dict[str, torch.nn.Module], session: Any) -> None:
+    """Refuse a checkpoint that would hold no weights of a split module on the meta device that is
+    not placed yet (a traced module is placed at its first call)."""
+    placed = session.placements if session is not None else {}
+    for key, module in modules.items():
+        if on_meta(module) and key not in placed:
+            raise WeightsError(
+                f"a checkpoint now would hold no weights of {key!r}: it is on the meta device and not placed on "
+                "the workers yet (a traced module is placed at its first call). Save after the first step; the "
+                "Tuner (lr_find, scale_batch_size), which saves before it, needs the model built with weights "
+                "(from_pretrained) instead"
+            )
+
+
 class ShardedCheckpoint:
     """A sharded checkpoint directory being loaded: its manifest, and its tensors by name."""
 
@@ -259,6 +275,18 @@ class ShardedCheckpoint:
         #: The weights alone (the files also hold optimizer state, as ``optimizer.<index>.<key>.<name>``).
         self.weights = TensorFiles(every.root, {k: v for k, v in every.tensors.items() if k in saved})
         self.loaded_optimizers: set[str] = set()
+
+    def load_into_placed(self, session: Any) -> None:
+        """Send the weights of the modules placed already (the Tuner restoring its checkpoint
+        mid-run) to every worker holding them, from the files through this driver, a window at a
+        time; a resume with ``fit(ckpt_path=...)`` has the workers read them as they are set up."""
+        for key, pl in session.placements.items():
+            sources = WeightSources(checkpoint=self.weights_for(key), pretrained_first=False)
+            for replica in pl.remote.replicas:
+                for rs in replica:
+                    what = f"sharded checkpoint {self.path}, {key!r} stage {rs.stage.index}"
+                    _, files = stage_weights(pl.module, rs.stage, sources, what)
+                    stream_files(rs.conn, key, files)
 
     def holds(self, key: str) -> bool:
         """Whether the checkpoint's files hold the weight ``key`` (or the tied weight it names)."""

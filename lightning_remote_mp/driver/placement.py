@@ -149,11 +149,18 @@ def send_unread(conn: Connection, key: str, reply: Any, files: Mapping[str, Sequ
         len(unread),
         STREAM_WINDOW >> 20,
     )
+    stream_files(conn, key, {n: files[n] for n in unread})
+
+
+def stream_files(conn: Connection, key: str, files: Mapping[str, Sequence[str]]) -> None:
+    """Send the worker of ``conn`` the tensors ``files`` names (its stage's name to a file and the
+    tensor's name there) as its module ``key``'s state: read here from the memory-mapped files,
+    `STREAM_WINDOW` bytes at a time, each window acknowledged before the next is read."""
     window: dict[str, torch.Tensor] = {}
     size = 0
-    for i, (name, tensor) in enumerate(iter_tensors({n: (files[n][0], files[n][1]) for n in unread}), 1):
+    for i, (name, tensor) in enumerate(iter_tensors({n: (f[0], f[1]) for n, f in files.items()}), 1):
         window[name], size = tensor, size + tensor.nbytes
-        if size >= STREAM_WINDOW or i == len(unread):  # the worker casts to its dtypes as it copies them in
+        if size >= STREAM_WINDOW or i == len(files):  # the worker casts to its dtypes as it copies them in
             conn.recv(conn.send(protocol.LOAD_STATE, LoadState({key: window}).body()), bounded=False)
             window, size = {}, 0
 

@@ -495,6 +495,8 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
         return self.state_dict_type == "sharded" or session.placed_bytes() > self.gather_limit
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
+        assert self.lightning_module is not None
+        sharded.check_savable(split_modules(self.lightning_module, self.split), self._session)
         self._dumping_sharded = self._sharded_checkpoints()
         if not self._dumping_sharded:
             return super().lightning_module_state_dict()
@@ -563,6 +565,8 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
                 f"sharded checkpoint {self._resume.path} does not fit this model: it lacks {absent[:5]} and has "
                 f"{list(unexpected)[:5]} that the model does not; it is a checkpoint of another model"
             )
+        if self._session is not None:
+            self._resume.load_into_placed(self._session)
 
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         super().load_optimizer_state_dict(checkpoint)
