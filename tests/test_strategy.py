@@ -369,6 +369,8 @@ TWO_HOSTS = ["127.0.0.1:5555", "127.0.0.1:5556"]
     [
         (lambda: dict(local_workers=LocalWorkerOptions(count=0)), "local_workers.count must be at least 1, got 0"),
         (lambda: dict(local_workers=LocalWorkerOptions(devices=["cpu"])), "local_workers.devices names 1 device"),
+        (lambda: dict(local_workers={"device": ["cpu"]}), "local_workers: no option 'device'; give count, devices"),
+        (lambda: dict(local_workers={"count": 0}), "local_workers.count must be at least 1, got 0"),
         (lambda: dict(hosts=TWO_HOSTS, local_workers=LocalWorkerOptions()), "local_workers is for the workers"),
         (lambda: dict(hosts=TWO_HOSTS, curve=CurveOptions("driver.key_secret")), "curve.worker_public_keys is empty"),
         (lambda: dict(curve=CurveOptions("d.key_secret", ["w.key"])), "curve.worker_public_keys is for workers given"),

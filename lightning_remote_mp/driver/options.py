@@ -48,6 +48,16 @@ class LocalWorkerOptions:
     devices: list[str] | None = None
     threads: int | None = None
 
+    @classmethod
+    def of(cls, values: dict[str, Any]) -> LocalWorkerOptions:
+        """From a dict of its fields (a YAML config's), naming a key that is none of them."""
+        unknown = sorted(set(values) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise ConfigurationError(
+                f"local_workers: no option {unknown[0]!r}; give count, devices and/or threads (LocalWorkerOptions)"
+            )
+        return cls(**values)
+
     def __post_init__(self) -> None:
         check_count("local_workers.count", self.count)
         if self.devices is not None:

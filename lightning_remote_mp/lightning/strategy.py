@@ -204,7 +204,7 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
         deferred_batch_norm: bool = False,
         compression: Literal["bf16", "int8"] | None = None,
         replicas: int = 1,
-        local_workers: LocalWorkerOptions | None = None,
+        local_workers: LocalWorkerOptions | dict[str, Any] | None = None,
         timeline: str | None = None,
         heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT,
         connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
@@ -230,6 +230,8 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
                 "local_workers is for the workers the strategy starts itself (hosts=None); with hosts, start "
                 "lrmp-worker on each host and leave local_workers out"
             )
+        if isinstance(local_workers, dict):  # from a YAML config: LocalWorkerOptions' fields
+            local_workers = LocalWorkerOptions.of(local_workers)
         self.local_workers = (local_workers or LocalWorkerOptions()) if self.topology is None else None
         self.replicas = check_replicas(replicas, self.topology, self.local_workers)
         check_balance(balance, self.num_stages)
