@@ -75,8 +75,8 @@ def child(mode: str, path: str, work: str) -> None:
         print(json.dumps({"event": event, "t": time.monotonic(), **kw}), flush=True)
 
     import lightning as L
-    from lightning.pytorch.plugins.io import AsyncCheckpointIO
     import torch
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO
     from torch.utils.data import DataLoader
     from transformers import AutoModelForCausalLM
 
@@ -117,7 +117,9 @@ def child(mode: str, path: str, work: str) -> None:
                 mark("phase", name="train")
 
     def strategy():
-        if mode.startswith("lrmp") and mode != "lrmp-gather":  # as a model past the default gather_limit (1 GiB) runs: nothing comes back
+        if (
+            mode.startswith("lrmp") and mode != "lrmp-gather"
+        ):  # as a model past the default gather_limit (1 GiB) runs: nothing comes back
             return RemoteModelParallelStrategy(
                 split=["model"], microbatches=2, pretrained=path, state_dict_type="sharded", gather_limit=1
             )

@@ -371,6 +371,15 @@ class Fuzzer:
                 ["aten", "new_empty_strided", "default"],  # allowed, an allocator: hostile sizes and strides
                 ["aten", "_unsafe_view", "default"],  # refused: a view that autograd does not track
                 ["aten", "resize_as_", "default"],  # refused
+                # the denylist (lightning_remote_mp.model.operators.DENIED), whatever the schema allows
+                ["aten", "sparse_coo_tensor", "indices"],
+                ["aten", "pin_memory", "default"],
+                ["aten", "bincount", "default"],
+                ["aten", "empty_permuted", "default"],
+                ["aten", "fbgemm_pack_quantized_matrix", "default"],
+                ["aten", "set_", "source_Tensor"],
+                ["aten", "vstack", "default"],  # allowed, derived from its schema
+                ["aten", "_foreach_add", "List"],  # refused: private
                 ["python", "pow"],
                 ["mylib", "evil", "default"],
                 ["python", "eval"],

@@ -197,7 +197,7 @@ def test_worker_flags_table_matches_the_parser():
     effective = {"--bind": cli.DEFAULT_BIND}  # None there means "not given": --bind and --connect exclude each other
     documented = {}
     for row in rows:
-        m = re.fullmatch(r"`(--[a-z-]+)(?: [A-Z_=]+)?`", row[0])
+        m = re.fullmatch(r"`(--[a-z-]+)(?: [A-Za-z_=:]+)?`", row[0])
         assert m, f"docs/worker.md: a row names {row[0]!r}, not one `--flag [VALUE]`"
         documented[m.group(1)] = row[1]
     assert not (missing := sorted(options.keys() - documented.keys())), f"docs/worker.md: no row for {missing}"

@@ -13,6 +13,7 @@ from torch import nn
 
 from lightning_remote_mp import RemoteModelParallelStrategy
 from lightning_remote_mp.errors import RefusedOperatorError, TraceError
+from lightning_remote_mp.model import operators
 from lightning_remote_mp.model.graph import GraphLayer, load_program
 from lightning_remote_mp.model.trace import trace_module
 
@@ -136,10 +137,79 @@ def test_resize_keeps_a_tensors_elements_and_zeroes_what_it_grows_by():
     assert _run(["r", ["aten", "resize_", "default"], [X, [5]], {}]).tolist() == [1.0, 1.0, 1.0, 0.0, 0.0]
 
 
-@pytest.mark.parametrize("target", [["aten", "_unsafe_view", "default"], ["aten", "resize_as_", "default"]])
-def test_operators_beside_the_new_ones_stay_refused(target):
-    with pytest.raises(RefusedOperatorError, match="allowlist"):
+@pytest.mark.parametrize(
+    ("target", "match"),
+    [
+        (["aten", "_unsafe_view", "default"], "not on this worker's operator allowlist.*--allow-op aten::_unsafe_view"),
+        (["aten", "resize_as_", "default"], "never run from the wire: it changes or allocates a tensor's memory"),
+    ],
+)
+def test_operators_beside_the_new_ones_stay_refused(target, match):
+    with pytest.raises(RefusedOperatorError, match=match):
         load_program({"inputs": ["x"], "steps": [["y", target, [X, X], {}]], "outputs": ["y"]}, "here")
+
+
+def _denied() -> list[str]:
+    """Every overload of this torch's ATen operators that the denylist names."""
+    out = []
+    for full in sorted(torch._C._dispatch_get_all_op_names()):
+        namespace, _, rest = full.partition("::")
+        name, _, overload = rest.partition(".")
+        if (
+            namespace == "aten"
+            and operators.refused_why(name)
+            and not operators.allowed_operator(getattr(getattr(torch.ops.aten, name), overload or "default"))
+        ):
+            out.append(f"{name}.{overload or 'default'}")
+    return out
+
+
+def test_every_operator_the_denylist_names_is_refused_by_the_worker_saying_why():
+    denied = _denied()
+    assert {"from_file.default", "pin_memory.default", "bincount.default", "empty_permuted.default"} <= set(denied)
+    assert any(d.startswith("sparse_coo_tensor") for d in denied) and any(d.startswith("fbgemm_") for d in denied)
+    for target in denied:
+        name, overload = target.split(".")
+        program = {"inputs": ["x"], "steps": [["y", ["aten", name, overload], [X], {}]], "outputs": ["y"]}
+        with pytest.raises(RefusedOperatorError, match=f"aten.{name}.{overload} is never run from the wire: it "):
+            load_program(program, "here")
+
+
+def test_operators_are_derived_from_torch_schemas_and_the_owner_can_allow_more():
+    # Public ATen operators that take and return only tensors, numbers and the like run: these were
+    # refused when the list was written by hand.
+    x = torch.arange(6.0).reshape(2, 3)
+    for name, args, expected in [
+        ("vstack", [[x, x]], torch.vstack([x, x])),
+        ("logcumsumexp", [x, 1], torch.logcumsumexp(x, 1)),
+        ("special_expm1", [x], torch.special.expm1(x)),
+        ("column_stack", [[x, x]], torch.column_stack([x, x])),
+    ]:
+        assert operators.allowed_operator(getattr(torch.ops.aten, name).default), name
+        program = {"inputs": ["x"], "steps": [["y", ["aten", name, "default"], _refs(args), {}]], "outputs": ["y"]}
+        torch.testing.assert_close(GraphLayer({"train": program}, {})((x,))[0], expected)
+    # A private one runs only when the worker's owner allows it (lrmp-worker --allow-op).
+    view = torch.ops.aten._unsafe_view.default
+    assert not operators.allowed_operator(view)
+    try:
+        assert operators.allow(["aten::_unsafe_view"]) == {"_unsafe_view"}
+        assert operators.allowed_operator(view)
+    finally:
+        operators.EXTRA.discard("_unsafe_view")
+    with pytest.raises(ValueError, match="aten::from_file is never run from the wire: it reads a file"):
+        operators.allow(["aten::from_file"])
+
+
+def _refs(args: list) -> list:
+    """``args`` with the input tensor as a reference to the program's input."""
+    return [
+        [X if isinstance(a, torch.Tensor) else a for a in v]
+        if isinstance(v, list)
+        else X
+        if isinstance(v, torch.Tensor)
+        else v
+        for v in args
+    ]
 
 
 class Shift(nn.Module):
@@ -233,4 +303,29 @@ def test_gpt_j_fine_tunes_remotely_as_it_does_locally(pool):
 
     hf_remote_equals_local(
         lambda: H.FineTune(gpt_j(), "lm"), RemoteModelParallelStrategy(hosts=pool[:2], microbatches=2, split=["model"])
+    )
+
+
+class Derived(nn.Module):
+    """Operators admitted by their schemas, not by name: ``logcumsumexp``, ``special_expm1`` and
+    ``vstack``, between two Linears."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.out = nn.Linear(DIM, DIM), nn.Linear(DIM, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.logcumsumexp(self.inp(x), dim=1) * 0.1
+        h = torch.special.expm1(h.tanh())
+        h = torch.vstack([h, h])[: x.shape[0]]
+        return self.out(h)
+
+
+def test_a_model_with_operators_derived_from_their_schemas_trains_as_locally(twin, pool):
+    assert {"logcumsumexp.default", "special_expm1.default", "vstack.default"} <= _operators(Derived())
+    remote_equals_local(
+        lambda: Trained(Derived()),
+        _sequences,
+        twin,
+        RemoteModelParallelStrategy(hosts=pool[:2], microbatches=2, split=["model"]),
     )

@@ -7,8 +7,9 @@ checkpointed, pipelined and mirrored exactly like layers of a spec; the worker n
 
 What a worker accepts, checked before anything runs (`load_program`):
 
-- ATen operators (``torch.ops.aten.*``) by namespace, name and overload, those of `allowed_operator`
-  (none reaches outside the process: ``from_file``, which reads files, is refused);
+- ATen operators (``torch.ops.aten.*``) by namespace, name and overload, those of
+  `lightning_remote_mp.model.operators.allowed_operator` (none reaches outside the process:
+  ``from_file``, which reads files, is refused);
 - a few Python operators on shapes and tuples (`PYTHON_OPERATORS`: ``getitem``, integer arithmetic);
 - argument values that are numbers, strings, dtypes, lists and tuples of them, references to earlier
   steps, and a device/layout/memory-format marker. Nothing names a class, a module or a function
@@ -31,14 +32,13 @@ What a worker accepts, checked before anything runs (`load_program`):
 >>> load_program({**program, "steps": [["y", ["aten", "from_file", "default"], ["/etc/passwd"], {}]]}, "unit 0")
 Traceback (most recent call last):
 ...
-lightning_remote_mp.errors.RefusedOperatorError: unit 0, step 'y': operator aten.from_file.default is not ...
+lightning_remote_mp.errors.RefusedOperatorError: unit 0, step 'y': operator aten.from_file.default is never run ...
 """  # noqa: E501
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import operator
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -47,62 +47,12 @@ import torch
 from torch import nn
 
 from lightning_remote_mp.errors import RefusedOperatorError, SpecError
+from lightning_remote_mp.model.operators import ALLOWED_NAMESPACES, DROPPED_OPERATORS, allowed_operator, refused_why
 
-#: Operator namespaces whose operators a traced program may call.
-ALLOWED_NAMESPACES = ("aten",)
-#: ATen operators a program may call besides those tagged ``core`` (ATen's core IR, ~160 functional
-#: operators): the composite ones that traced training graphs keep (torch.export's default IR is
-#: pre-dispatch: ``linear``, ``batch_norm``, ``dropout``... stay whole). Reviewed by name: each reads
-#: and writes only within its tensors' bounds. Backward operators are never needed and never allowed.
-#: The last line came from auditing what torch.export emits for Llama, Qwen2, Qwen2-MoE, Mixtral, GPT-2,
-#: BERT, T5, ViT and a peft LoRA model (docs/tracing.md, "Operators"): ``histc`` counts a tensor's
-#: values into the bins the program names (a mixture of experts' tokens per expert); ``index_put``
-#: writes values at indices that ATen bounds-checks; ``empty_like`` runs zero-filled like ``empty``;
-#: ``_grouped_mm`` is the grouped matrix product of a mixture of experts in bfloat16. The line after
-#: it holds the losses of ``torch.nn.functional`` that `lightning_remote_mp.driver.losses` computes
-#: on the last stage, and ``broadcast_tensors`` (views of its inputs at one shape) that some of them
-#: trace to. The line after that came from the models of issue #38 (Cohere, GPT-J, CodeGen, GLM4 and
-#: Ernie 4.5 interleave rotary embeddings with ``stack``, Mamba's scan loop stacks its states, Falcon
-#: takes ``weight.T``, DeepSeek-V3 ``new_empty``) and the spellings of the same that a user reaches
-#: next: ``stack`` and ``hstack`` are ``cat`` of their inputs, ``numpy_T``, ``mT``, ``moveaxis`` and
-#: ``swapdims`` views of one (``permute`` and ``transpose``), ``new_empty`` and ``new_empty_strided``
-#: allocators like ``new_zeros`` (run zero-filled, `_ZERO_FILLED`). None does I/O, calls back into
-#: Python or reaches beyond its tensors.
-COMPOSITE_OPERATORS = frozenset(
-    """
-    linear bilinear conv1d conv2d conv3d conv_transpose1d conv_transpose2d conv_transpose3d batch_norm
-    instance_norm group_norm layer_norm rms_norm dropout feature_dropout alpha_dropout
-    feature_alpha_dropout scaled_dot_product_attention softmax log_softmax matmul einsum reshape
-    flatten unflatten transpose t contiguous view_as reshape_as expand_as type_as to chunk split
-    unbind tensor_split narrow movedim swapaxes repeat_interleave tile masked_fill silu relu6 hardswish
-    hardsigmoid mish softplus selu celu glu logsigmoid sigmoid_ tanh_ relu_ square exp2 erfinv
-    clamp_min clamp_max clip norm linalg_vector_norm frobenius_norm std var_mean std_mean
-    cumprod logsumexp argsort zeros ones zeros_like ones_like new_zeros new_ones new_full rand_like
-    randn_like randint tril triu diff outer adaptive_avg_pool1d adaptive_avg_pool2d adaptive_avg_pool3d
-    adaptive_max_pool1d adaptive_max_pool2d avg_pool1d max_pool1d max_pool2d max_pool3d pad
-    upsample_nearest1d upsample_nearest3d upsample_linear1d upsample_bicubic2d pixel_shuffle
-    pixel_unshuffle one_hot cross_entropy_loss nll_loss mse_loss l1_loss smooth_l1_loss
-    binary_cross_entropy_with_logits __and__ __or__ __xor__ __lshift__ __rshift__ __iand__ __ior__
-    bitwise_left_shift bitwise_right_shift floor_divide true_divide cosine_similarity pairwise_distance
-    add_ sub_ mul_ div_ copy_ fill_ zero_ clamp_ masked_fill_ index_copy index_add index_fill
-    masked_select detach item lift_fresh_copy all isfinite nan_to_num sgn expand_copy
-    view_as_real view_as_complex polar complex real imag angle rsub addcmul addcdiv baddbmm addmv
-    addbmm lerp hypot logaddexp xlogy frac heaviside dot vdot mv kron cross diag diag_embed
-    diagonal_scatter take_along_dim flip fliplr flipud roll rot90 meshgrid broadcast_to
-    histc index_put index_put_ empty_like _grouped_mm
-    binary_cross_entropy huber_loss soft_margin_loss nll_loss2d nll_loss_nd broadcast_tensors
-    stack hstack numpy_T mT moveaxis swapdims new_empty new_empty_strided
-    """.split()
-)
 #: Operators that leave memory uninitialised: allocators, and ``resize_`` where it grows a tensor.
 #: They run zero-filled (`_zero_filled`), so a program never reads memory the worker freed (weights
 #: of another session, keys).
 _ZERO_FILLED = frozenset({"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "resize_"})
-#: Steps dropped on load: shape and metadata assertions the tracer inserts, which would pin the
-#: trace's device (a CUDA worker runs a program traced on a CPU driver) or re-check its guards.
-DROPPED_OPERATORS = frozenset(
-    {"_assert_tensor_metadata", "_assert_scalar", "sym_constrain_range_for_size", "sym_constrain_range"}
-)
 #: The most a Python operator's integer operand or result may be, and a power's exponent: they
 #: compute sizes, and unbounded Python integers would hold the interpreter lock for ever.
 _MAX_INT = 2**63
@@ -249,36 +199,17 @@ def resolve_operator(target: Any, where: str) -> Callable[..., Any] | None:
     if not isinstance(op, torch._ops.OpOverload):
         raise RefusedOperatorError(f"{where}: {shown} is not an operator")
     if not allowed_operator(op):
+        why = refused_why(name)
         raise RefusedOperatorError(
-            f"{where}: operator {shown} is not on this worker's operator allowlist (ATen's core operators "
-            "and the composite ones traced models use, see lightning_remote_mp.model.graph.COMPOSITE_OPERATORS)"
+            f"{where}: operator {shown} is never run from the wire: it {why}"
+            if why is not None
+            else f"{where}: operator {shown} is not on this worker's operator allowlist "
+            "(lightning_remote_mp.model.operators); its owner can allow it with lrmp-worker --allow-op "
+            f"aten::{name}"
         )
     if name in _ZERO_FILLED:
         return _zero_filled(op)
     return _PYTHON_ENTRY.get(op, op)
-
-
-def allowed_operator(op: torch._ops.OpOverload) -> bool:
-    """Whether a worker runs ``op``: an ATen operator tagged core or listed in `COMPOSITE_OPERATORS`,
-    or the in-place variant of one (``scatter_add_`` of ``scatter_add``: the same computation, written
-    into its first argument, a value of the program), and no backward operator."""
-    namespace, _, name = op._schema.name.partition("::")
-    if namespace not in ALLOWED_NAMESPACES or name.endswith("_backward"):
-        return False
-    if name in COMPOSITE_OPERATORS or name in DROPPED_OPERATORS or _core(op.overloadpacket):
-        return True
-    if name.endswith("_") and not name.startswith("_"):
-        functional = getattr(torch.ops.aten, name[:-1], None)
-        return isinstance(functional, torch._ops.OpOverloadPacket) and (
-            name[:-1] in COMPOSITE_OPERATORS or _core(functional)
-        )
-    return False
-
-
-@functools.cache
-def _core(packet: torch._ops.OpOverloadPacket) -> bool:
-    # Core is tagged per overload (arange.start_step, not arange.default); the name is what counts.
-    return any(torch.Tag.core in getattr(packet, overload).tags for overload in packet.overloads())
 
 
 def _zero_filled(op: torch._ops.OpOverload) -> Callable[..., Any]:

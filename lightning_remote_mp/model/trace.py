@@ -39,8 +39,9 @@ from torch.utils import _pytree as pytree
 
 from lightning_remote_mp.errors import TraceError
 from lightning_remote_mp.model.export import export
-from lightning_remote_mp.model.graph import LAYER_PATH, TRACED_PYTHON_NAMES, GraphLayer, allowed_operator
+from lightning_remote_mp.model.graph import LAYER_PATH, TRACED_PYTHON_NAMES, GraphLayer
 from lightning_remote_mp.model.joins import split_means
+from lightning_remote_mp.model.operators import allowed_operator, refused_why
 from lightning_remote_mp.model.spec import SpecSequential
 from lightning_remote_mp.model.traced import Ends, Interface, TracedEntry, TracedSequential, as_tuple
 
@@ -206,11 +207,21 @@ def _target(node: fx.Node, name: str) -> list[str]:
     elif target in TRACED_PYTHON_NAMES:
         return ["python", TRACED_PYTHON_NAMES[target]]
     shown = target._schema.name if isinstance(target, torch._ops.OpOverload) else getattr(target, "__name__", target)
+    op = str(shown).removeprefix("aten::")
+    why = refused_why(op) if str(shown).startswith("aten::") else None
+    allow = (
+        f"it is never run from the wire: it {why}; "
+        if why is not None
+        else f"if it is safe on your workers, allow it: lrmp-worker --allow-op {shown} on each, and "
+        f"LRMP_ALLOW_OPERATORS={shown} where the driver runs; or "
+        if str(shown).startswith("aten::")
+        else "custom operators (Python code registered as an operator) and control-flow operators (torch.cond, "
+        "torch.while_loop) are not supported; "
+    )
     raise TraceError(
         f"module {name!r}: the traced graph calls {shown!s}{_where(node)}, which workers do not run: they run the "
-        "ATen operators on their allowlist (lightning_remote_mp.model.graph: core ATen and COMPOSITE_OPERATORS), "
-        "and torch.no_grad() and torch.autocast blocks. Custom operators (Python code registered as an operator) "
-        "and control-flow operators (torch.cond, torch.while_loop) are not supported; "
+        "ATen operators of lightning_remote_mp.model.operators, and torch.no_grad() and torch.autocast blocks; "
+        + allow
         + _KNOWN_WAYS_AROUND.get(str(shown), "")
         + "split around that module (split= takes dotted names) or describe it as a layer spec."
     )

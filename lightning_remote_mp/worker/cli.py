@@ -23,6 +23,7 @@ from collections.abc import Sequence
 
 from lightning_remote_mp._version import __version__
 from lightning_remote_mp.errors import ConfigurationError
+from lightning_remote_mp.model import operators
 from lightning_remote_mp.wire import addresses, protocol
 from lightning_remote_mp.worker import allocator, weights
 from lightning_remote_mp.worker.server import DEFAULT_SESSION_TIMEOUT, WorkerServer
@@ -119,6 +120,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PREFIX",
         help="also build layer/optimizer classes under this module prefix (repeatable); "
         "torch.nn, torch.optim and lightning_remote_mp.layers are always allowed",
+    )
+    p.add_argument(
+        "--allow-op",
+        action="append",
+        default=[],
+        metavar="aten::NAME",
+        help="also run this ATen operator in traced programs (repeatable), beyond those derived from torch's "
+        "operator schemas (lightning_remote_mp.model.operators); never one the denylist names",
     )
     p.add_argument(
         "--weights-root",
@@ -310,6 +319,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         auto_min_macs(torch.device("cpu"))  # a malformed LRMP_SPLIT_BACKWARD_MIN_MACS fails here, not at setup
         limits = protocol.Limits(**{name: getattr(args, name) for name in protocol.LIMIT_FLAGS})
         weights.ROOTS.update(weights_roots(args.weights_root))
+        try:
+            operators.allow(args.allow_op)
+        except ValueError as err:
+            raise ConfigurationError(f"--allow-op: {err}") from None
         connect, name, driver_key = dial_in(args, keys is not None)
         bind = addresses.normalize_address(args.bind or DEFAULT_BIND)
         server = WorkerServer(
