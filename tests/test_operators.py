@@ -329,3 +329,34 @@ def test_a_model_with_operators_derived_from_their_schemas_trains_as_locally(twi
         twin,
         RemoteModelParallelStrategy(hosts=pool[:2], microbatches=2, split=["model"]),
     )
+
+
+def _counts(x: torch.Tensor) -> torch.Tensor:
+    return torch.bincount(x.long().flatten().clamp(0, 3), minlength=4).float()  # the refused call
+
+
+class Counts(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + _counts(x).sum()
+
+
+class CountsInside(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.counts = nn.Linear(DIM, DIM), Counts()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.counts(self.inp(x))
+
+
+def test_a_refused_operator_is_named_at_the_users_line_and_module_with_advice_that_can_work():
+    """torch.export records a step's source only down to its module's forward; the error names the
+    helper function's own line, the module path, and why the operator is refused."""
+    import inspect
+
+    line = inspect.getsourcelines(_counts)[1] + 1
+    with pytest.raises(TraceError) as refused:
+        trace_module(CountsInside(), (torch.randn(4, SEQ, DIM),), {}, "model")
+    message = str(refused.value)
+    assert f"calls aten::bincount in model.counts (Counts) (at {__file__}:{line})" in message, message
+    assert "never run from the wire: it allocates as many bins as the largest value in its input" in message

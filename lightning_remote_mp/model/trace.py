@@ -41,7 +41,8 @@ from lightning_remote_mp.errors import TraceError
 from lightning_remote_mp.model.export import export
 from lightning_remote_mp.model.graph import LAYER_PATH, TRACED_PYTHON_NAMES, GraphLayer
 from lightning_remote_mp.model.joins import split_means
-from lightning_remote_mp.model.operators import allowed_operator, refused_why
+from lightning_remote_mp.model.operators import allowed_operator
+from lightning_remote_mp.model.refusals import refused, with_user_line
 from lightning_remote_mp.model.spec import SpecSequential
 from lightning_remote_mp.model.traced import Ends, Interface, TracedEntry, TracedSequential, as_tuple
 
@@ -206,42 +207,7 @@ def _target(node: fx.Node, name: str) -> list[str]:
             return [ns, op, target._overloadname or "default"]
     elif target in TRACED_PYTHON_NAMES:
         return ["python", TRACED_PYTHON_NAMES[target]]
-    shown = target._schema.name if isinstance(target, torch._ops.OpOverload) else getattr(target, "__name__", target)
-    op = str(shown).removeprefix("aten::")
-    why = refused_why(op) if str(shown).startswith("aten::") else None
-    allow = (
-        f"it is never run from the wire: it {why}; "
-        if why is not None
-        else f"if it is safe on your workers, allow it: lrmp-worker --allow-op {shown} on each, and "
-        f"LRMP_ALLOW_OPERATORS={shown} where the driver runs; or "
-        if str(shown).startswith("aten::")
-        else "custom operators (Python code registered as an operator) and control-flow operators (torch.cond, "
-        "torch.while_loop) are not supported; "
-    )
-    raise TraceError(
-        f"module {name!r}: the traced graph calls {shown!s}{_where(node)}, which workers do not run: they run the "
-        "ATen operators of lightning_remote_mp.model.operators, and torch.no_grad() and torch.autocast blocks; "
-        + allow
-        + _KNOWN_WAYS_AROUND.get(str(shown), "")
-        + "split around that module (split= takes dotted names) or describe it as a layer spec."
-    )
-
-
-#: Operators of well-known libraries that a worker does not run, and the traced alternative.
-_KNOWN_WAYS_AROUND = {
-    "transformers::grouped_mm_fallback": (
-        "this is transformers' mixture-of-experts path experts_implementation='grouped_mm' (the default) in "
-        "float32, whose grouped matrix product is such an operator: give the model's config "
-        "experts_implementation='batched_mm', which traces to ATen operators, or "
-    ),
-}
-
-
-def _where(node: fx.Node) -> str:
-    """The user's source line a step came from (the innermost frame outside torch), if recorded."""
-    trace = node.meta.get("stack_trace") or ""
-    lines = [f for f in re.findall(r'File "([^"]+)", line (\d+)', trace) if "/torch/" not in f[0] and "<" not in f[0]]
-    return f" (at {lines[-1][0]}:{lines[-1][1]})" if lines else ""
+    raise refused(node, name)
 
 
 def _encode(value: Any, name: str) -> Any:
@@ -351,34 +317,35 @@ def trace_module(module: nn.Module, args: tuple, kwargs: dict, name: str) -> Tra
     examples: list[list[dict[str, Any]]] = []
     interfaces: dict[str, Ends] = {}
     crossings: dict[str, list[list[Any]]] = {}
-    for mode, gm in graphs.items():
-        units = unit_nodes[mode]
-        unit_of: dict[fx.Node, int] = {n: k for k, nodes in enumerate(units) for n in nodes}
-        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        unit_of.update({p: -1 for p in placeholders})
-        values = placeholders + [n for nodes in units for n in nodes]
-        live = _live(values, unit_of, len(units))
-        output = next(n for n in gm.graph.nodes if n.op == "output")
-        for v in output.all_input_nodes:
-            if v.op == "get_attr":
-                raise TraceError(f"module {name!r} returns a weight as an output; workers cannot send that back")
-        for k, nodes in enumerate(units):
-            crossing = [v for v in live[k] + live[k + 1] if _is_tuple_valued(v)]
-            if crossing:
-                raise TraceError(f"module {name!r}: the value {crossing[0].name} crosses units but is not a tensor")
-            programs[k][mode] = {
-                "inputs": [v.name for v in live[k]],
-                "scalar_inputs": [v.name for v in live[k] if _is_scalar(v)],
-                "tensors": {a.name: local_names[a.target] for a in _attr_nodes(nodes)},
-                "steps": [_step(n, name) for n in nodes],
-                "outputs": [v.name for v in live[k + 1]],
-                "scalar_outputs": [v.name for v in live[k + 1] if _is_scalar(v)],
-            }
-        if mode == "train":
-            shapes = [[_shape(v) for v in live[k]] for k in range(len(units))]
-            examples = [[_example(v) for v in live[k]] for k in range(len(units))]
-        interfaces[mode] = Ends([v.name for v in live[0]], [v.name for v in live[-1]])
-        crossings[mode] = [[_kind(v) for v in boundary] for boundary in live]
+    with with_user_line(module, args, kwargs):  # a refused operator: the user's line that calls it
+        for mode, gm in graphs.items():
+            units = unit_nodes[mode]
+            unit_of: dict[fx.Node, int] = {n: k for k, nodes in enumerate(units) for n in nodes}
+            placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+            unit_of.update({p: -1 for p in placeholders})
+            values = placeholders + [n for nodes in units for n in nodes]
+            live = _live(values, unit_of, len(units))
+            output = next(n for n in gm.graph.nodes if n.op == "output")
+            for v in output.all_input_nodes:
+                if v.op == "get_attr":
+                    raise TraceError(f"module {name!r} returns a weight as an output; workers cannot send that back")
+            for k, nodes in enumerate(units):
+                crossing = [v for v in live[k] + live[k + 1] if _is_tuple_valued(v)]
+                if crossing:
+                    raise TraceError(f"module {name!r}: the value {crossing[0].name} crosses units but is not a tensor")
+                programs[k][mode] = {
+                    "inputs": [v.name for v in live[k]],
+                    "scalar_inputs": [v.name for v in live[k] if _is_scalar(v)],
+                    "tensors": {a.name: local_names[a.target] for a in _attr_nodes(nodes)},
+                    "steps": [_step(n, name) for n in nodes],
+                    "outputs": [v.name for v in live[k + 1]],
+                    "scalar_outputs": [v.name for v in live[k + 1] if _is_scalar(v)],
+                }
+            if mode == "train":
+                shapes = [[_shape(v) for v in live[k]] for k in range(len(units))]
+                examples = [[_example(v) for v in live[k]] for k in range(len(units))]
+            interfaces[mode] = Ends([v.name for v in live[0]], [v.name for v in live[-1]])
+            crossings[mode] = [[_kind(v) for v in boundary] for boundary in live]
     _check_same_interface(name, crossings, interfaces)
     layers, entries, state_names, covered = [], [], {}, []
     for k, group in enumerate(groups):
