@@ -125,10 +125,14 @@ def test_lora_trains_only_the_adapters_and_checkpoints_like_peft(pool, tmp_path)
     assert len(state) == len(trainable)  # optimizer state for the adapters only, none for frozen weights
 
 
-def test_the_mixture_of_experts_default_path_is_refused_naming_the_traced_alternative(pool):
-    model = H.FineTune(H.mixtral(experts_implementation="grouped_mm"), "lm")
-    with pytest.raises(TraceError, match="batched_mm"):
-        fit(model, RemoteModelParallelStrategy(hosts=pool[:2], split=["model"], microbatches=2), epochs=1)
+def test_the_mixture_of_experts_default_path_trains_as_locally(pool):
+    """transformers' default experts implementation (``grouped_mm``, a custom operator in float32)
+    is traced as ``batched_mm``, the same products in ATen operators; the config is left as it was."""
+    local, remote = remote_equals_local(
+        lambda: H.FineTune(H.mixtral(experts_implementation="grouped_mm"), "lm"),
+        RemoteModelParallelStrategy(hosts=pool[:2], split=["model"], microbatches=2),
+    )
+    assert remote.model.config._experts_implementation == "grouped_mm"
 
 
 def test_an_output_that_cannot_be_joined_is_refused_naming_it(pool):

@@ -360,3 +360,72 @@ def test_a_refused_operator_is_named_at_the_users_line_and_module_with_advice_th
     message = str(refused.value)
     assert f"calls aten::bincount in model.counts (Counts) (at {__file__}:{line})" in message, message
     assert "never run from the wire: it allocates as many bins as the largest value in its input" in message
+
+
+class ExampleCode(nn.Module):
+    """torch.distributed.pipelining's ``ExampleCode`` (test/distributed/pipelining/model_registry.py):
+    raw parameters multiplied in plain code, a buffer that crosses the cut, and a ``pipe_split()``
+    where torch cuts it."""
+
+    def __init__(self, d: int = DIM) -> None:
+        super().__init__()
+        self.mm_param0 = nn.Parameter(torch.randn(d, d) * 0.3)
+        self.mm_param1 = nn.Parameter(torch.randn(d, d) * 0.3)
+        self.cval = nn.Buffer(torch.randn(d))
+        self.lin0, self.lin1 = nn.Linear(d, d), nn.Linear(d, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.pipelining import pipe_split
+
+        x = torch.relu(torch.mm(x, self.mm_param0))
+        a_constant = self.cval.clone()
+        x = self.lin0(x)
+        pipe_split()
+        x = torch.relu(x) + a_constant
+        x = torch.mm(x, self.mm_param1)
+        return self.lin1(torch.relu(x))
+
+
+class RawCode(nn.Module):
+    """Plain code on raw parameters only, with two ``pipe_split()`` markers, then a Linear: without
+    the markers it would be one unit (its code is glue that joins the Linear)."""
+
+    def __init__(self, d: int = DIM) -> None:
+        super().__init__()
+        self.p0 = nn.Parameter(torch.randn(d, d) * 0.3)
+        self.p1 = nn.Parameter(torch.randn(d, d) * 0.3)
+        self.lin = nn.Linear(d, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.pipelining import pipe_split
+
+        x = torch.mm(x, self.p0).tanh()
+        pipe_split()
+        x = torch.mm(x, self.p1).tanh() + x
+        pipe_split()
+        return self.lin(x)
+
+
+def _flat(n: int = 24, batch: int = 8, seed: int = 0) -> torch.utils.data.DataLoader:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, DIM, generator=g)
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, (x[:, 0] > 0).long()), batch_size=batch)
+
+
+@pytest.mark.parametrize(
+    ("model", "units"),
+    [
+        (ExampleCode, ["lin0", "lin1"]),
+        (RawCode, ["(code before the first pipe_split)", "(code after pipe_split 1)", "lin"]),
+    ],
+)
+@pytest.mark.parametrize("microbatches", [1, 4])
+def test_code_cut_where_torch_pipe_split_marks_it_trains_as_locally(twin, pool, model, units, microbatches):
+    traced = trace_module(model(), (torch.randn(4, DIM),), {}, "model")
+    assert [e.name for e in traced.entries] == units
+    remote_equals_local(
+        lambda: Trained(model()),
+        _flat,
+        twin,
+        RemoteModelParallelStrategy(hosts=pool[:2], microbatches=microbatches, split=["model"]),
+    )

@@ -414,8 +414,9 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
             raise TraceError(
                 f"module {key!r} was cut into {len(module.layers)} units ({', '.join(e.name for e in module.entries)})"
                 ", "
-                f"fewer than the {self.num_stages} stages: use fewer workers or split a larger module (a module whose "
-                "running statistics are used in several places keeps every unit between its uses in one)"
+                f"fewer than the {self.num_stages} stages: use fewer workers, split a larger module, or mark where "
+                "plain code may be cut with torch.distributed.pipelining.pipe_split() (a module whose running "
+                "statistics are used in several places keeps every unit between its uses in one)"
             )
         if isinstance(balance, list) and all(isinstance(b, str) for b in balance):
             balance = module.counts_at(balance, self.num_stages)

@@ -95,13 +95,15 @@ def export(module: nn.Module, args: tuple, kwargs: dict, name: str, training: bo
     unclassified = False
     try:
         try:
-            ep = _export(module, args, kwargs, rows)
+            with _traceable_experts(module):
+                ep = _export(module, args, kwargs, rows)
         except Exception as err:
             if rows is None or rows < 2 or "batch" not in str(err):
                 raise
             # An argument with the batch's rows that the code does not treat as the batch (a table
             # whose length equals the batch size): every dimension on its own, that argument unclassified.
-            ep, unclassified = _export(module, args, kwargs, None), True
+            with _traceable_experts(module):
+                ep, unclassified = _export(module, args, kwargs, None), True
     except Exception as err:  # torch.export raises many types; all mean "cannot trace this"
         raise TraceError(_export_failure(name, err)) from err
     finally:
@@ -114,6 +116,28 @@ def export(module: nn.Module, args: tuple, kwargs: dict, name: str, training: bo
     _inline_blocks(gm, name)
     gm.lrmp_out_spec = ep.call_spec.out_spec  # type: ignore[assignment]
     return gm
+
+
+@contextlib.contextmanager
+def _traceable_experts(module: nn.Module) -> Iterator[None]:
+    """transformers' default mixture-of-experts path (``experts_implementation="grouped_mm"``) calls
+    a custom operator of transformers' for weights that are not bfloat16, which no worker runs;
+    while tracing, such a model's experts use ``"batched_mm"``, the same products in ATen operators
+    (a bfloat16 model keeps ``grouped_mm``: ATen's ``_grouped_mm``)."""
+    configs = {id(c): c for m in module.modules() if (c := getattr(m, "config", None)) is not None}
+    switched = [
+        c
+        for c in configs.values()
+        if getattr(c, "_experts_implementation", None) == "grouped_mm"
+        and any(p.dtype != torch.bfloat16 for p in module.parameters())
+    ]
+    for config in switched:
+        config._experts_implementation = "batched_mm"
+    try:
+        yield
+    finally:
+        for config in switched:
+            config._experts_implementation = "grouped_mm"
 
 
 def _export(module: nn.Module, args: tuple, kwargs: dict, rows: int | None) -> Any:

@@ -85,9 +85,23 @@ def _is_tuple_valued(node: fx.Node) -> bool:
     return isinstance(node.meta.get("val"), (tuple, list))
 
 
+def _is_pipe_split(node: fx.Node) -> bool:
+    """A ``torch.distributed.pipelining.pipe_split()`` marker: the code may be cut here."""
+    target = node.target
+    return isinstance(target, torch._ops.OpOverload) and target._schema.name == "pippy::_pipe_split"
+
+
 def _runs(gm: fx.GraphModule, root: nn.Module) -> list[tuple[str, list[fx.Node]]]:
-    """Consecutive steps of one owner, in graph order."""
-    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+    """Consecutive steps of one owner, in graph order. A ``pipe_split()`` (torch.distributed.
+    pipelining's marker) ends every run, so code between two of them, plain functions on raw
+    parameters included, is a unit of its own (its owners get ``@k``, the k-th segment)."""
+    every = [n for n in gm.graph.nodes if n.op == "call_function"]
+    segment, segments = 0, []
+    for n in every:
+        segment += _is_pipe_split(n)
+        segments.append(segment)
+    nodes = [n for n in every if not _is_pipe_split(n)]
+    segments = [k for n, k in zip(every, segments) if not _is_pipe_split(n)]
     owners = [_owner(n, root) for n in nodes]
     for i, n in enumerate(nodes):  # a multi-output op's getitems stay with it
         if n.target is operator.getitem and isinstance(n.args[0], fx.Node) and _is_tuple_valued(n.args[0]):
@@ -105,6 +119,14 @@ def _runs(gm: fx.GraphModule, root: nn.Module) -> list[tuple[str, list[fx.Node]]
         if owners[i] is None:
             owners[i] = last if last is not None else ""
         last = owners[i]
+    if segment:  # glue joins blocks of its own segment only
+        owners = [_owner_in_segment(n, root, k) for n, k in zip(nodes, segments)]
+        for i in reversed(range(len(nodes) - 1)):
+            if owners[i] is None and segments[i] == segments[i + 1]:
+                owners[i] = owners[i + 1]
+        for i in range(len(nodes)):
+            if owners[i] is None:
+                owners[i] = owners[i - 1] if i and segments[i - 1] == segments[i] else f"@{segments[i]}"
     runs: list[tuple[str, list[fx.Node]]] = []
     for node, owner in zip(nodes, owners):
         if runs and runs[-1][0] == owner:
@@ -452,10 +474,18 @@ def _check_same_interface(name: str, crossings: dict[str, list[list[Any]]], inte
         )
 
 
+def _owner_in_segment(node: fx.Node, root: nn.Module, segment: int) -> str | None:
+    owner = _owner(node, root)
+    return None if owner is None else f"{owner}@{segment}"
+
+
 def _label(owners: Sequence[str]) -> str:
-    named = [o for o in owners if o]
+    named = [m for m in (o.partition("@")[0] for o in owners) if m]
     if not named:
-        return "(glue)"
+        segments = [o.partition("@")[2] for o in owners if "@" in o]
+        if not segments:
+            return "(glue)"
+        return "(code before the first pipe_split)" if segments[0] == "0" else f"(code after pipe_split {segments[0]})"
     return named[0] if len(set(named)) == 1 else f"{named[0]}..{named[-1]}"
 
 
@@ -495,7 +525,7 @@ def _tensor_of(module: nn.Module, gm: fx.GraphModule, target: str) -> torch.Tens
 
 def _covered(root: nn.Module, owners: Sequence[str]) -> list[nn.Module]:
     modules = [root]
-    for o in dict.fromkeys(owners):
+    for o in dict.fromkeys(owner.partition("@")[0] for owner in owners):
         if o:
             modules.extend(root.get_submodule(o).modules())
     return modules
