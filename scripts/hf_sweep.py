@@ -93,7 +93,7 @@ def shrink(config: Any) -> Any:
         if type(getattr(config, name, None)) is int:
             _set(config, name, value)
     for name, value in config.to_dict().items():
-        if type(value) is float and ("dropout" in name or "pdrop" in name or "layerdrop" in name):
+        if type(value) is float and any(k in name for k in ("dropout", "pdrop", "layerdrop", "jitter")):
             _set(config, name, 0.0)
     for name in ("text_config", "decoder", "encoder"):
         sub = getattr(config, name, None)
@@ -104,6 +104,8 @@ def shrink(config: Any) -> Any:
     for name in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id"):
         if hasattr(config, name):
             _set(config, name, 0 if name == "pad_token_id" else 1)
+    if getattr(config, "is_encoder_decoder", False):  # labels= are shifted right behind it
+        _set(config, "decoder_start_token_id", 1)
     _set(config, "use_cache", False)
     config.num_labels = LABELS
     return config
@@ -189,6 +191,7 @@ def run_case(model_type: str, task: str, hosts: list[str], ms: list[int]) -> dic
             return {"result": "SKIP", "note": "the tiny config's loss is not a number locally"}
     except Exception as err:  # noqa: BLE001 - any failure here is the tiny config's
         return {"result": "SKIP", "note": f"local: {type(err).__name__}: {_first_line(err)}"}
+    print("LOCAL DONE", flush=True)  # what follows is lrmp's
     outcome: dict[str, Any] = {"result": "PASS", "note": "", "m": {}}
     for m in ms:
         remote = copy.deepcopy(start)
@@ -254,11 +257,17 @@ def main(argv: list[str] | None = None) -> int:
                     line = next((ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")), None)
                     if line is None:
                         tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
-                        result = {"result": "CRASH", "note": f"exit {done.returncode}: {tail[:300]}"}
+                        local = "LOCAL DONE" in done.stdout  # else the tiny config's own run died (memory)
+                        result = {
+                            "result": "CRASH" if local else "SKIP",
+                            "note": f"exit {done.returncode}: {tail[:300]}",
+                        }
                     else:
                         result = json.loads(line[len("RESULT ") :])
-                except subprocess.TimeoutExpired:
-                    result = {"result": "CRASH", "note": f"no result within {args.timeout:.0f} s (a hang?)"}
+                except subprocess.TimeoutExpired as late:
+                    local = "LOCAL DONE" in (late.stdout or b"").decode(errors="replace")
+                    what = "lrmp gave no result" if local else "the local run did not end"
+                    result = {"result": "CRASH" if local else "SKIP", "note": f"{what} within {args.timeout:.0f} s"}
                 if not all(p.poll() is None for p in workers.procs):  # a case took a worker down
                     workers.stop()
                     workers = LocalWorkers(2, devices=["cpu", "cpu"], threads=1)
