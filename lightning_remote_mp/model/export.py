@@ -124,13 +124,11 @@ def _traceable_experts(module: nn.Module) -> Iterator[None]:
     a custom operator of transformers' for weights that are not bfloat16, which no worker runs;
     while tracing, such a model's experts use ``"batched_mm"``, the same products in ATen operators
     (a bfloat16 model keeps ``grouped_mm``: ATen's ``_grouped_mm``)."""
+    if all(p.dtype == torch.bfloat16 for p in module.parameters()):
+        yield
+        return
     configs = {id(c): c for m in module.modules() if (c := getattr(m, "config", None)) is not None}
-    switched = [
-        c
-        for c in configs.values()
-        if getattr(c, "_experts_implementation", None) == "grouped_mm"
-        and any(p.dtype != torch.bfloat16 for p in module.parameters())
-    ]
+    switched = [c for c in configs.values() if getattr(c, "_experts_implementation", None) == "grouped_mm"]
     for config in switched:
         config._experts_implementation = "batched_mm"
     try:

@@ -103,30 +103,20 @@ def _runs(gm: fx.GraphModule, root: nn.Module) -> list[tuple[str, list[fx.Node]]
     nodes = [n for n in every if not _is_pipe_split(n)]
     segments = [k for n, k in zip(every, segments) if not _is_pipe_split(n)]
     owners = [_owner(n, root) for n in nodes]
+    if segment:  # a block's steps in different segments are different runs
+        owners = [None if o is None else f"{o}@{k}" for o, k in zip(owners, segments)]
     for i, n in enumerate(nodes):  # a multi-output op's getitems stay with it
         if n.target is operator.getitem and isinstance(n.args[0], fx.Node) and _is_tuple_valued(n.args[0]):
             src = n.args[0]
             if src in nodes:
                 owners[i] = owners[nodes.index(src)]
-    following = None
-    for i in reversed(range(len(nodes))):  # glue joins the next block...
+    for i in reversed(range(len(nodes) - 1)):  # glue joins the next block of its segment...
+        if owners[i] is None and segments[i] == segments[i + 1]:
+            owners[i] = owners[i + 1]
+    for i in range(len(nodes)):  # ...else the last one, or is a run of its own
         if owners[i] is None:
-            owners[i] = following
-        else:
-            following = owners[i]
-    last = None
-    for i in range(len(nodes)):  # ...and trailing glue the last one
-        if owners[i] is None:
-            owners[i] = last if last is not None else ""
-        last = owners[i]
-    if segment:  # glue joins blocks of its own segment only
-        owners = [_owner_in_segment(n, root, k) for n, k in zip(nodes, segments)]
-        for i in reversed(range(len(nodes) - 1)):
-            if owners[i] is None and segments[i] == segments[i + 1]:
-                owners[i] = owners[i + 1]
-        for i in range(len(nodes)):
-            if owners[i] is None:
-                owners[i] = owners[i - 1] if i and segments[i - 1] == segments[i] else f"@{segments[i]}"
+            alone = f"@{segments[i]}" if segment else ""
+            owners[i] = owners[i - 1] if i and segments[i - 1] == segments[i] else alone
     runs: list[tuple[str, list[fx.Node]]] = []
     for node, owner in zip(nodes, owners):
         if runs and runs[-1][0] == owner:
@@ -472,11 +462,6 @@ def _check_same_interface(name: str, crossings: dict[str, list[list[Any]]], inte
             f"module {name!r} uses inputs {interfaces['train'].inputs} in train mode but "
             f"{interfaces['eval'].inputs} in eval mode; a traced module must use the same inputs in both"
         )
-
-
-def _owner_in_segment(node: fx.Node, root: nn.Module, segment: int) -> str | None:
-    owner = _owner(node, root)
-    return None if owner is None else f"{owner}@{segment}"
 
 
 def _label(owners: Sequence[str]) -> str:
