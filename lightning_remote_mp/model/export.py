@@ -23,6 +23,7 @@ from torch import fx, nn
 from torch.utils import _pytree as pytree
 
 from lightning_remote_mp.errors import TraceError
+from lightning_remote_mp.model import functions
 
 
 def batch_rows(args: tuple, kwargs: dict) -> int | None:
@@ -79,6 +80,16 @@ def _explicit_signature(module: nn.Module, args: tuple, kwargs: dict) -> Iterato
             module.forward = own  # type: ignore[method-assign]
 
 
+def _restore_modes(module: nn.Module, flags: dict[nn.Module, bool]) -> None:
+    """Each module's train/eval flag as it was before the export; a module the forward made (BigBird
+    swaps its attention for one that fits short sequences) takes its parent's."""
+    parents = [(module, flags.get(module, module.training))]
+    while parents:
+        parent, flag = parents.pop()
+        parent.training = flags.get(parent, flag)
+        parents.extend((child, parent.training) for child in parent.children())
+
+
 def export(module: nn.Module, args: tuple, kwargs: dict, name: str, training: bool) -> fx.GraphModule:
     """``module`` called with ``args`` and ``kwargs``, exported in train or eval mode (see the module
     docstring). The graph records the limits torch.export found on dynamic dimensions
@@ -95,21 +106,21 @@ def export(module: nn.Module, args: tuple, kwargs: dict, name: str, training: bo
     unclassified = False
     try:
         try:
-            with _traceable_experts(module):
+            with _traceable_experts(module), functions.recording() as seen:
                 ep = _export(module, args, kwargs, rows)
         except Exception as err:
             if rows is None or rows < 2 or "batch" not in str(err):
                 raise
             # An argument with the batch's rows that the code does not treat as the batch (a table
             # whose length equals the batch size): every dimension on its own, that argument unclassified.
-            with _traceable_experts(module):
+            with _traceable_experts(module), functions.recording() as seen:
                 ep, unclassified = _export(module, args, kwargs, None), True
     except Exception as err:  # torch.export raises many types; all mean "cannot trace this"
         raise TraceError(_export_failure(name, err)) from err
     finally:
         quiet.setLevel(level)
-        for m, f in flags:
-            m.training = f
+        _restore_modes(module, dict(flags))
+    functions.check(seen, name)
     gm = ep.module()
     gm.lrmp_ranges = dict(ep.range_constraints)  # type: ignore[assignment]
     gm.lrmp_unclassified = _rows_like_the_batch(gm, rows)[1:] if unclassified else []  # type: ignore[assignment]
@@ -138,9 +149,35 @@ def _traceable_experts(module: nn.Module) -> Iterator[None]:
             config._experts_implementation = "grouped_mm"
 
 
+@contextlib.contextmanager
+def _unchanging_to() -> Iterator[None]:
+    """While exporting, ``module.to(dtype)`` that changes nothing returns the module, as it does
+    eagerly, without converting its parameters: Switch Transformers' router calls
+    ``self.classifier.to(self.dtype)`` in its forward, and converting the parameters torch.export
+    lifted fails ("Couldn't swap Linear.weight")."""
+    to = nn.Module.to
+
+    def unchanging(self: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
+        device, dtype, _, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+        tensors = [*self.parameters(), *self.buffers()]
+        if memory_format is None and all(
+            (device is None or t.device == torch.device(device))
+            and (dtype is None or not (t.is_floating_point() or t.is_complex()) or t.dtype == dtype)
+            for t in tensors
+        ):
+            return self
+        return to(self, *args, **kwargs)
+
+    nn.Module.to = unchanging  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        nn.Module.to = to  # type: ignore[method-assign]
+
+
 def _export(module: nn.Module, args: tuple, kwargs: dict, rows: int | None) -> Any:
     with torch.inference_mode(False), torch.enable_grad(), torch.random.fork_rng(devices=[]):
-        with _explicit_signature(module, args, kwargs):
+        with _explicit_signature(module, args, kwargs), _unchanging_to():
             return torch.export.export(module, args, kwargs, dynamic_shapes=_dynamic_shapes(module, args, kwargs, rows))
 
 
