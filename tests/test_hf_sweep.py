@@ -28,6 +28,8 @@ SUBSET = {
     "learned positions, tied": ("gpt2", "causal"),
     "encoder-decoder": ("t5", "seq2seq"),
     "classification head": ("llama", "seqcls"),
+    "attention swapped inside forward": ("big_bird", "seqcls"),
+    "latent cross-attention": ("perceiver", "seqcls"),
 }
 
 

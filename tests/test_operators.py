@@ -429,3 +429,22 @@ def test_code_cut_where_torch_pipe_split_marks_it_trains_as_locally(twin, pool, 
         twin,
         RemoteModelParallelStrategy(hosts=pool[:2], microbatches=microbatches, split=["model"]),
     )
+
+
+class Recasts(nn.Module):
+    """Casts a submodule to the dtype it has inside ``forward``, as Switch Transformers' router does
+    (``self.classifier = self.classifier.to(self.dtype)``): eagerly a no-op."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.head = nn.Linear(DIM, DIM), nn.Linear(DIM, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.head = self.head.to(torch.float32)
+        return self.head(torch.tanh(self.first(x)))
+
+
+def test_a_module_cast_to_its_own_dtype_inside_forward_trains_as_locally(twin, pool):
+    remote_equals_local(
+        lambda: Trained(Recasts()), _flat, twin, RemoteModelParallelStrategy(hosts=pool[:2], split=["model"])
+    )
