@@ -178,6 +178,7 @@ class DriverSession:
         self.groups = Groups(self)  # where workers sum gradients: replicas, stages holding tied weights
         self.heartbeat: Heartbeat | None = None
         self.placements: dict[str, Placement] = {}
+        self.views: dict[str, RemoteSpec] = {}  # modules placed on others' tensors (`place`'s ``borrows``)
         self.predicted_stage_seconds: dict[str, list[float]] = {}  # from balance="time"
         self.mirrors: list[OptimizerMirror] = []
         try:
@@ -240,7 +241,7 @@ class DriverSession:
 
     def grads_version(self) -> int:
         """How many backward passes ran through remote stages: gradients changed if this moved."""
-        return sum(pl.remote.backwards for pl in self.placements.values())
+        return sum(r.backwards for r in [*(pl.remote for pl in self.placements.values()), *self.views.values()])
 
     @property
     def addresses(self) -> list[str]:
@@ -399,29 +400,30 @@ class DriverSession:
         compression: str | None = None,
         schedule: str = "gpipe",
         sources: WeightSources | None = None,
+        borrows: str | None = None,
     ) -> None:
-        """Ship ``module``'s layers to the workers and make its forward run there, splitting each
-        batch into ``microbatches`` that flow through the stages concurrently; with
-        ``split_backward`` the workers defer linear layers' weight gradients (`worker.deferred_grads`;
-        ``"auto"``: where the product is large enough to repay it).
-        ``training``: the stages must fit their workers with gradients and optimizer state.
-        ``checkpoint``: activation recomputation (`pipeline.CHECKPOINT_MODES`). ``checked``: what
-        `preflight` found for ``module`` if the caller ran it already (it runs here otherwise).
-        ``deferred_batch_norm``: batch norms update their running statistics once per mini-batch
-        (`worker.deferred_bn`). ``compression``: how activations and their gradients travel
-        (`wire.protocol.COMPRESSIONS`). ``schedule``: the order of each stage's actions
-        (`lightning_remote_mp.schedule`). ``sources``: safetensors files the workers read the
-        tensors they hold from, by name (a sharded checkpoint's, a pretrained model's); the
-        driver sends only the tensors none of them holds."""
+        """Ship ``module``'s layers to the workers and make its forward run there, each batch split
+        into ``microbatches`` flowing through the stages. ``split_backward``: defer linear layers'
+        weight gradients (`worker.deferred_grads`). ``training``: the stages must fit their workers
+        with gradients and optimizer state. ``checkpoint``: `pipeline.CHECKPOINT_MODES`. ``checked``:
+        what `preflight` found, if run already. ``deferred_batch_norm``: `worker.deferred_bn`.
+        ``compression``: `wire.protocol.COMPRESSIONS`. ``schedule``: `lightning_remote_mp.schedule`.
+        ``sources``: safetensors files the workers read tensors from (`WeightSources`); the driver
+        sends only the rest. ``borrows``: a placed module's key whose units and tensors ``module``'s
+        are (another call signature of a traced module; kept in ``views``)."""
         check_split_backward(split_backward)
         check_schedule(schedule)
-        if key in self.placements:
+        if key in self.placements or key in self.views:
             raise LrmpError(f"{module.kind} {key!r} is already placed")
+        lender = self.placements[borrows] if borrows is not None else None
         check_checkpoint_mode(checkpoint)
         what = f"{module.kind} {key!r}"
         if checked is None:
             checked = checked_for_workers(module, what)
-        stages = self.plan(module, balance, what, compute=checked.compute, training=training)
+        if lender is None:
+            stages = self.plan(module, balance, what, compute=checked.compute, training=training)
+        else:  # the lender's cut: each stage holds the same units, so the same tensors
+            stages = partition.plan_stages([len(rs.stage.layer_indices) for rs in lender.remote.stages], module.wiring)
         for stage, conn in ((stage, row[stage.index]) for row in self.grid for stage in stages):
             cap = (conn.remote_limits or protocol.DEFAULT_LIMITS).max_layers
             if len(stage.layer_indices) > cap:
@@ -430,7 +432,7 @@ class DriverSession:
                     f"at most {cap} per stage; start it with a larger --max-layers or balance differently"
                 )
         meta = module.is_meta
-        if meta and not module.pending_state and not sources and module.weights_left_on_workers:
+        if lender is None and meta and not module.pending_state and not sources and module.weights_left_on_workers:
             raise SpecError(
                 f"{what} lives on the meta device and was trained by an earlier run whose workers held its only "
                 "weights; starting again from its seed would silently drop that training. Pass ckpt_path= "
@@ -442,11 +444,13 @@ class DriverSession:
             partition.describe(stages, module.entries, module.layers, list(self.topology.rows[0])),
         )
         digests = {name: source_digest(name) for name in user_code_modules(module.entries)}
-        shared, tied = ties.plan(module.shared(), stages, trains=lambda names: _trains(module, names))
+        shared, tied = ties.plan(module.shared(), stages, trains=ties.trainable(module))
         self.groups.check_plaintext(what, tied)
         weights: dict[int, tuple[dict[str, torch.Tensor] | None, dict[str, list[str]]]] = {}
         for stage in stages:
-            if sources or module.init_seed is None:  # a seeded spec: the state loaded, or its seed
+            if lender is not None:
+                weights[stage.index], shared[stage.index], tied = (None, {}), [], []
+            elif sources or module.init_seed is None:  # a seeded spec: the state loaded, or its seed
                 where = f"{what}, stage {stage.index}"
                 weights[stage.index] = stage_weights(module, stage, sources or WeightSources(), where)
             else:
@@ -495,6 +499,7 @@ class DriverSession:
                 deferred_batch_norm=deferred_batch_norm,
                 compression=compression,
                 stages=len(stages) if schedule != "gpipe" else None,
+                borrows=borrows,
             )
             try:
                 ids.append(conn.send(protocol.SETUP, setup.body()))
@@ -525,14 +530,17 @@ class DriverSession:
         for other in self.placements.values():
             other.remote.loss_grads.enabled = False
         module.attach(remote)
-        self.placements[key] = Placement(key, module, remote)
+        if lender is None:
+            self.placements[key] = Placement(key, module, remote)
+        else:
+            self.views[key] = remote
 
     def confirm_backwards(self) -> None:
         """Before any message to a worker: the backwards sent without waiting are done
         (`RemoteSpec.confirm`). If one failed, the requests posted since (the step on its gradients,
         zero_grad) are dropped unsent, and the failure is raised."""
-        for pl in list(self.placements.values()):
-            pl.remote.confirm()
+        for remote in [*(pl.remote for pl in self.placements.values()), *self.views.values()]:
+            remote.confirm()
 
     def placed_stages(self, key: str) -> list[list[RemoteStage]]:
         """The stages of the module placed as ``key``: one row per replica, in stage order; each
@@ -605,6 +613,8 @@ class DriverSession:
                 mirror.detach(restore_state=False)
                 failures.append(err)
         self.mirrors.clear()
+        while self.views:
+            self.views.popitem()[1].materialize()  # outputs kept on the last stages, as below
         left: list[torch.nn.Module] = []
         for key, pl in list(self.placements.items()):
             try:
@@ -655,15 +665,6 @@ class DriverSession:
             c.close()
         self._close_switchboard()
         self.groups.store = None
-
-
-def _trains(module: SpecSequential, names: Sequence[str]) -> bool:
-    """Whether the tensor a layer holds under ``names[0]`` (``"<layer index>.<name>"``) takes a gradient."""
-    index, _, name = names[0].partition(".")
-    try:
-        return module.layers[int(index)].get_parameter(name).requires_grad
-    except AttributeError:
-        return False  # a buffer
 
 
 #: A session whose driver has been silent this long (seconds) is taken for one whose driver is gone:

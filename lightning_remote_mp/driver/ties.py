@@ -24,6 +24,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 
 from lightning_remote_mp.model.partition import Stage
+from lightning_remote_mp.model.spec import SpecSequential
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,3 +69,17 @@ def groups(ties: Sequence[Tie]) -> list[tuple[tuple[int, ...], list[Tie]]]:
     for tie in ties:
         by_stages.setdefault(tie.stages, []).append(tie)
     return sorted(by_stages.items())
+
+
+def trainable(module: SpecSequential) -> Callable[[Sequence[str]], bool]:
+    """`plan`'s ``trains`` for ``module``: whether the tensor a layer holds under ``names[0]``
+    (``"<layer index>.<name>"``) takes a gradient."""
+
+    def trains(names: Sequence[str]) -> bool:
+        index, _, name = names[0].partition(".")
+        try:
+            return module.layers[int(index)].get_parameter(name).requires_grad
+        except AttributeError:
+            return False  # a buffer
+
+    return trains

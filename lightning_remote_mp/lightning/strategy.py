@@ -405,8 +405,9 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
             self._close()
             raise
 
-    def _place_traced(self, key: str, balance: Any, fitting: bool, module: TracedSequential) -> None:
-        """Ship a module traced at its first call; its optimizers are mirrored from then on."""
+    def _place_traced(self, key: str, balance: Any, fitting: bool, module: TracedSequential, view: str = "") -> None:
+        """Ship a module traced at its first call; its optimizers are mirrored from then on. A ``view``:
+        another call signature's units, placed as that key on the stages and tensors of ``key``'s."""
         session = self._session
         if session is None:
             raise LrmpError(f"module {key!r} was first called outside a session with the workers")
@@ -423,7 +424,7 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
         if self.microbatches > 1 or self.replicas > 1:
             module.check_batch_split(module.example)
         session.place(
-            key,
+            view or key,
             module,
             balance,
             self.microbatches,
@@ -434,8 +435,11 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
             compression=self.compression,
             checked=Preflight(compute=module.compute, checked=[True] * len(module.layers)),
             schedule=self.schedule,
-            sources=self._sources(key, module),
+            sources=None if view else self._sources(key, module),
+            borrows=key if view else None,
         )
+        if view:
+            return
         vars(module.state_owner).pop(_TRAINED_ELSEWHERE, None)
         vars(module.state_owner)[_PLACED] = True
         if fitting:

@@ -44,7 +44,7 @@ from lightning_remote_mp.model.joins import split_means
 from lightning_remote_mp.model.operators import allowed_operator
 from lightning_remote_mp.model.refusals import refused, with_user_line
 from lightning_remote_mp.model.spec import SpecSequential
-from lightning_remote_mp.model.traced import Ends, Interface, TracedEntry, TracedSequential, as_tuple
+from lightning_remote_mp.model.traced import Ends, Interface, TracedEntry, TracedSequential, call_difference, as_tuple
 
 log = logging.getLogger(__name__)
 _MARKER_NAMES = {
@@ -519,6 +519,10 @@ def _covered(root: nn.Module, owners: Sequence[str]) -> list[nn.Module]:
 # --- calling ----------------------------------------------------------------------------------
 
 
+#: The most ways a traced module may be called in one run (sets of arguments, `TracedForward._signature`).
+SIGNATURES = 4
+
+
 class TracedForward:
     """Stands in for a traced module's ``forward``: traces and places at the first call, then runs
     every call through the workers.
@@ -534,11 +538,12 @@ class TracedForward:
         place: called with the `TracedSequential` once traced; it ships the units to workers.
     """
 
-    def __init__(self, name: str, module: nn.Module, place: Callable[[TracedSequential], None]) -> None:
+    def __init__(self, name: str, module: nn.Module, place: Callable[..., None]) -> None:
         self.name = name
         self.module = module
         self.place = place
         self.traced: TracedSequential | None = None
+        self.signatures: list[TracedSequential] = []  # the traces of other ways of calling it (`_signature`)
         self._had_forward = "forward" in vars(module)
         self._own_forward = vars(module).get("forward")
         module.forward = self  # type: ignore[method-assign]
@@ -554,13 +559,49 @@ class TracedForward:
         log.info("module %r: using its trace from an earlier run", self.name)
         return kept[1]
 
-    def _trace(self, args: tuple, kwargs: dict) -> TracedSequential:
+    def _trace(self, args: tuple, kwargs: dict, keep: bool = True) -> TracedSequential:
         self.detach()  # torch.export calls the module's own forward
         try:
             traced = trace_module(self.module, args, kwargs, self.name)
         finally:
             self.module.forward = self  # type: ignore[method-assign]
-        vars(self.module)["_lrmp_trace"] = (_weights_key(self.module), traced)
+        if keep:
+            vars(self.module)["_lrmp_trace"] = (_weights_key(self.module), traced)
+        return traced
+
+    def _signature(self, args: tuple, kwargs: dict) -> TracedSequential:
+        """The trace of another way of calling the module (``labels=`` in training, none in
+        validation): traced at its first call and placed on the stages and tensors of the first
+        call's trace, which it trains; up to `SIGNATURES` ways in all."""
+        spec = pytree.tree_structure((args, kwargs))
+        for traced in self.signatures:
+            if traced.interface.in_spec == spec:  # type: ignore[attr-defined]
+                return traced
+        first: Any = self.traced
+        differs = f"module {self.name!r} was traced at its first call; this call {call_difference(first.interface.in_spec, spec)}"
+        if len(self.signatures) + 1 >= SIGNATURES:
+            raise TraceError(
+                f"{differs}, and it is already called in {SIGNATURES} ways, each a program of its own on the "
+                f"workers (at most {SIGNATURES}): call it in fewer ways (the same arguments at every call)"
+            )
+        with torch.inference_mode(False):
+            args, kwargs = pytree.tree_map_only(torch.Tensor, _plain, (args, kwargs))
+            traced = self._trace(args, kwargs, keep=False)
+            if [e.name for e in traced.entries] != [e.name for e in first.entries] or (
+                traced.state_names != first.state_names
+            ):
+                raise TraceError(
+                    f"{differs}; called this way it is cut into other units ({', '.join(e.name for e in traced.entries)}"
+                    ") than at its first call, so it cannot run on the stages placed then. Call it with the same "
+                    "arguments every time: pass labels= in validation_step too (the loss is then computed on the "
+                    "last stage as in training), or compute the loss in training_step and never pass labels="
+                )
+            traced.example = traced.interface.inputs(args, kwargs)  # type: ignore[attr-defined]
+            try:
+                self.place(traced, f"{self.name}@{len(self.signatures) + 2}")  # type: ignore[call-arg]
+            finally:
+                traced.example = None  # type: ignore[attr-defined]
+        self.signatures.append(traced)
         return traced
 
     def detach(self) -> None:
@@ -584,12 +625,14 @@ class TracedForward:
                 finally:
                     traced.example = None  # type: ignore[attr-defined]  # the first batch, no longer needed
                 self.traced = traced
-        interface: Interface = self.traced.interface  # type: ignore[attr-defined]
+        traced = self.traced
+        if traced.interface.in_spec != pytree.tree_structure((args, kwargs)):  # type: ignore[attr-defined]
+            traced = self._signature(args, kwargs)
+        interface: Interface = traced.interface  # type: ignore[attr-defined]
         inputs = interface.inputs(args, kwargs)
-        remote = self.traced.remote
-        if remote is None:
-            return interface.outputs(list(as_tuple(self.traced.run_locally(*inputs))))
-        return interface.outputs(list(remote(inputs)))
+        if traced.remote is None:
+            return interface.outputs(list(as_tuple(traced.run_locally(*inputs))))
+        return interface.outputs(list(traced.remote(inputs)))
 
 
 def _without_cache(module: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -317,7 +317,7 @@ class Interface:
         leaves, spec = pytree.tree_flatten((args, kwargs))
         if spec != self.in_spec:
             raise TraceError(
-                f"module {self.name!r} was traced at its first call; this call {_difference(self.in_spec, spec)}. A "
+                f"module {self.name!r} was traced at its first call; this call {call_difference(self.in_spec, spec)}. A "
                 "traced module runs the program of its first call, so call it with the same arguments every time: "
                 "pass labels= in validation_step too (the loss is then computed on the last stage as in training), "
                 "or compute the loss in training_step from the output and never pass labels="
@@ -406,7 +406,7 @@ class Keep:
         return flags if any(flags) else None
 
 
-def _difference(traced: Any, now: Any) -> str:
+def call_difference(traced: Any, now: Any) -> str:
     """How the call shaped ``now`` (a pytree spec of ``(args, kwargs)``) differs from the ``traced`` one,
     by argument name: ``"passes no 'labels' (traced with it)"``."""
     (targs, tkwargs), (nargs, nkwargs) = (pytree.tree_unflatten([0] * s.num_leaves, s) for s in (traced, now))

@@ -156,6 +156,9 @@ class Setup(Body):
         compression: how the stage's pipelined messages carry floating tensors (`protocol.COMPRESSIONS`).
         stages: how many stages the pipeline has (each stage builds its list of a schedule's actions
             from it, `lightning_remote_mp.schedule`); ``None``: the stage runs no schedule.
+        borrows: the key of a stage on this worker whose tensors this one holds, by the same names
+            and as the same tensors (``state`` and ``files`` are then empty): another call signature
+            of a traced module (`lightning_remote_mp.model.trace.TracedForward`), training its weights.
     """
 
     KIND: ClassVar[str] = protocol.SETUP
@@ -188,14 +191,18 @@ class Setup(Body):
     deferred_batch_norm: bool = field(BOOL, default=False)
     compression: str | None = field(choice(("bf16", "int8")), default=None, omit_none=True)
     stages: int | None = field(INT, default=None, omit_none=True)
+    borrows: str | None = field(STR, default=None, omit_none=True)
 
     @classmethod
     def _check(cls, values: dict[str, Any]) -> None:
         strangers = [k for k in values["peer_keys"] if k not in values["peers"]]
         if strangers:
             raise refuse(cls.KIND, f"field 'peer_keys' must map {_PEER_KEYS}; entry {strangers[0]!r:.40} does not")
-        if values["state"] is None and values["init_seed"] is None and not values["files"]:
-            raise refuse(cls.KIND, "needs the stage's 'state', 'files' or an 'init_seed'")
+        given = [values["state"] is not None or bool(values["files"]), values["init_seed"] is not None]
+        if values["borrows"] is not None and any(given):
+            raise refuse(cls.KIND, "borrows another stage's tensors: it takes no 'state', 'files' or 'init_seed'")
+        if values["borrows"] is None and not any(given):
+            raise refuse(cls.KIND, "needs the stage's 'state', 'files', an 'init_seed', or the stage it 'borrows'")
 
 
 def _is_call_list(value: Any) -> bool:

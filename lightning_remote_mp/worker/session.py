@@ -254,10 +254,12 @@ class WorkerSession:
             init_seed=msg.init_seed if msg.state is None and not msg.files else None,
             split_backward=msg.split_backward,
             deferred_batch_norm=msg.deferred_batch_norm,
-            state_arrives=msg.state is not None or bool(msg.files),
+            state_arrives=msg.state is not None or bool(msg.files) or msg.borrows is not None,
         )
         unread: list[str] = []
-        if msg.state is not None or msg.files:
+        if msg.borrows is not None:
+            stage.borrow(self.route(msg.borrows).stage)
+        elif msg.state is not None or msg.files:
             state = dict(msg.state or {})
             read, unread = read_stage_files(stage, msg.files, self.id)
             state.update(read)
@@ -454,7 +456,7 @@ class WorkerSession:
         return self.load_optim_state(LoadOptimState(msg.index, read))
 
     def get_state(self, msg: GetState) -> Any:
-        return {key: stage.state_dict() for key, stage in self.stages.items()}
+        return {key: stage.state_dict() for key, stage in self.stages.items() if stage.borrowed is None}
 
     def load_state(self, msg: LoadState) -> Any:
         for key, state in msg.state.items():

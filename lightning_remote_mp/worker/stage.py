@@ -126,6 +126,7 @@ class StageExecutor:
     ) -> None:
         self.key = key
         self.index = index
+        self.borrowed: str | None = None  # the key of the stage whose tensors this one holds (`borrow`)
         self.start = start
         self.device = device
         self.exports = list(exports)
@@ -192,6 +193,25 @@ class StageExecutor:
             for name, tensor in self.layers.state_dict(keep_vars=True).items():
                 if name in state:
                     tensor.copy_(state[name])
+
+    def borrow(self, other: StageExecutor) -> None:
+        """Hold ``other``'s tensors under the same names, as the same tensors: this stage runs another
+        call signature's program over the weights ``other`` trains (`Setup.borrows`); their
+        gradients add up in the same ``.grad``, which ``other``'s optimizer steps."""
+        theirs = other.layers.state_dict(keep_vars=True)
+        for name, mine in self.layers.state_dict(keep_vars=True).items():
+            if name not in theirs or theirs[name].shape != mine.shape:
+                raise SpecError(
+                    f"stage {self.index} of {self.key!r}: stage {other.index} of {other.key!r} holds no tensor "
+                    f"{name!r} of shape {tuple(mine.shape)} to share"
+                )
+            index, _, path = name.partition(".")
+            owner_path, _, leaf = path.rpartition(".")
+            owner = self.layers[index].get_submodule(owner_path)
+            (owner._parameters if leaf in owner._parameters else owner._buffers)[leaf] = theirs[name]
+        self.borrowed = other.key
+        if self.deferred is not None:
+            self.deferred.parameters_replaced()
 
     def share(self, groups: Sequence[Sequence[str]]) -> None:
         """Make each group of names (``"<layer index>.<name>"``) one tensor, the first name's: a tied
