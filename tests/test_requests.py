@@ -169,7 +169,7 @@ GOOD_SETUP = SETUP.body()
         (Setup, {**GOOD_SETUP, "peer_keys": {5: PEER_KEY}}, "field 'peer_keys' must map stages in 'peers'"),
         (Setup, {**GOOD_SETUP, "peer_keys": {0: "short"}}, "field 'peer_keys' must map stages in 'peers' to 40-char"),
         (Setup, {**GOOD_SETUP, "state": {"3.weight": b"\x80"}}, "field 'state' must map names to tensors"),
-        (Setup, {**GOOD_SETUP, "state": None}, "setup message: needs the stage's 'state', 'files', an 'init_seed', or the stage it 'borrows'"),
+        (Setup, {**GOOD_SETUP, "state": None}, "'files', an 'init_seed', or the stage it 'borrows'"),
         (Setup, {**GOOD_SETUP, "seed": -1}, "setup message: field 'seed' must be in \\[0, 2\\*\\*63\\)"),
         (Setup, {**GOOD_SETUP, "split_backward": 1}, "field 'split_backward' must be a bool or 'auto', got 1"),
         (Setup, {**GOOD_SETUP, "split_backward": "always"}, "field 'split_backward' must be a bool or 'auto', got 'a"),

@@ -44,7 +44,7 @@ from lightning_remote_mp.model.joins import split_means
 from lightning_remote_mp.model.operators import allowed_operator
 from lightning_remote_mp.model.refusals import refused, with_user_line
 from lightning_remote_mp.model.spec import SpecSequential
-from lightning_remote_mp.model.traced import Ends, Interface, TracedEntry, TracedSequential, call_difference, as_tuple
+from lightning_remote_mp.model.traced import Ends, Interface, TracedEntry, TracedSequential, as_tuple, call_difference
 
 log = logging.getLogger(__name__)
 _MARKER_NAMES = {
@@ -578,7 +578,10 @@ class TracedForward:
             if traced.interface.in_spec == spec:  # type: ignore[attr-defined]
                 return traced
         first: Any = self.traced
-        differs = f"module {self.name!r} was traced at its first call; this call {call_difference(first.interface.in_spec, spec)}"
+        differs = (
+            f"module {self.name!r} was traced at its first call; this call "
+            f"{call_difference(first.interface.in_spec, spec)}"
+        )
         if len(self.signatures) + 1 >= SIGNATURES:
             raise TraceError(
                 f"{differs}, and it is already called in {SIGNATURES} ways, each a program of its own on the "
@@ -591,10 +594,11 @@ class TracedForward:
                 traced.state_names != first.state_names
             ):
                 raise TraceError(
-                    f"{differs}; called this way it is cut into other units ({', '.join(e.name for e in traced.entries)}"
-                    ") than at its first call, so it cannot run on the stages placed then. Call it with the same "
-                    "arguments every time: pass labels= in validation_step too (the loss is then computed on the "
-                    "last stage as in training), or compute the loss in training_step and never pass labels="
+                    f"{differs}; called this way it is cut into other units "
+                    f"({', '.join(e.name for e in traced.entries)}) than at its first call, so it cannot run on "
+                    "the stages placed then. Call it with the same arguments every time: pass labels= in "
+                    "validation_step too (the loss is then computed on the last stage as in training), or "
+                    "compute the loss in training_step and never pass labels="
                 )
             traced.example = traced.interface.inputs(args, kwargs)  # type: ignore[attr-defined]
             try:

@@ -317,10 +317,11 @@ class Interface:
         leaves, spec = pytree.tree_flatten((args, kwargs))
         if spec != self.in_spec:
             raise TraceError(
-                f"module {self.name!r} was traced at its first call; this call {call_difference(self.in_spec, spec)}. A "
-                "traced module runs the program of its first call, so call it with the same arguments every time: "
-                "pass labels= in validation_step too (the loss is then computed on the last stage as in training), "
-                "or compute the loss in training_step from the output and never pass labels="
+                f"module {self.name!r} was traced at its first call; this call "
+                f"{call_difference(self.in_spec, spec)}. A traced module runs the program of its first call, "
+                "so call it with the same arguments every time: pass labels= in validation_step too (the loss "
+                "is then computed on the last stage as in training), or compute the loss in training_step from "
+                "the output and never pass labels="
             )
         for i, (leaf, traced) in enumerate(zip(leaves, self.constants)):
             if traced is not None and (isinstance(leaf, torch.Tensor) or leaf != traced):
