@@ -195,6 +195,8 @@ class Placement:
         self.key = key
         self.module = module
         self.remote = remote
+        #: Other call signatures of a traced module, placed on this one's stages and tensors (`DriverSession.place`).
+        self.views: list[RemoteSpec] = []
         self.meta = module.is_meta
         #: Whether a ``state_dict()`` brings the workers' tensors here (a full checkpoint); while
         #: False (a sharded one, `lightning_remote_mp.driver.checkpoint`), it leaves them out.

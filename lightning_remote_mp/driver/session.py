@@ -178,7 +178,6 @@ class DriverSession:
         self.groups = Groups(self)  # where workers sum gradients: replicas, stages holding tied weights
         self.heartbeat: Heartbeat | None = None
         self.placements: dict[str, Placement] = {}
-        self.views: dict[str, RemoteSpec] = {}  # modules placed on others' tensors (`place`'s ``borrows``)
         self.predicted_stage_seconds: dict[str, list[float]] = {}  # from balance="time"
         self.mirrors: list[OptimizerMirror] = []
         try:
@@ -241,7 +240,7 @@ class DriverSession:
 
     def grads_version(self) -> int:
         """How many backward passes ran through remote stages: gradients changed if this moved."""
-        return sum(r.backwards for r in [*(pl.remote for pl in self.placements.values()), *self.views.values()])
+        return sum(r.backwards for pl in self.placements.values() for r in (pl.remote, *pl.views))
 
     @property
     def addresses(self) -> list[str]:
@@ -410,10 +409,10 @@ class DriverSession:
         ``compression``: `wire.protocol.COMPRESSIONS`. ``schedule``: `lightning_remote_mp.schedule`.
         ``sources``: safetensors files the workers read tensors from (`WeightSources`); the driver
         sends only the rest. ``borrows``: a placed module's key whose units and tensors ``module``'s
-        are (another call signature of a traced module; kept in ``views``)."""
+        are (another call signature of a traced module; kept in that placement's ``views``)."""
         check_split_backward(split_backward)
         check_schedule(schedule)
-        if key in self.placements or key in self.views:
+        if key in self.placements:
             raise LrmpError(f"{module.kind} {key!r} is already placed")
         lender = self.placements[borrows] if borrows is not None else None
         check_checkpoint_mode(checkpoint)
@@ -533,13 +532,13 @@ class DriverSession:
         if lender is None:
             self.placements[key] = Placement(key, module, remote)
         else:
-            self.views[key] = remote
+            lender.views.append(remote)
 
     def confirm_backwards(self) -> None:
         """Before any message to a worker: the backwards sent without waiting are done
         (`RemoteSpec.confirm`). If one failed, the requests posted since (the step on its gradients,
         zero_grad) are dropped unsent, and the failure is raised."""
-        for remote in [*(pl.remote for pl in self.placements.values()), *self.views.values()]:
+        for remote in [r for pl in self.placements.values() for r in (pl.remote, *pl.views)]:
             remote.confirm()
 
     def placed_stages(self, key: str) -> list[list[RemoteStage]]:
@@ -613,12 +612,11 @@ class DriverSession:
                 mirror.detach(restore_state=False)
                 failures.append(err)
         self.mirrors.clear()
-        while self.views:
-            self.views.popitem()[1].materialize()  # outputs kept on the last stages, as below
         left: list[torch.nn.Module] = []
         for key, pl in list(self.placements.items()):
             try:
-                pl.remote.materialize()  # outputs the last stages kept that something here may still read
+                for remote in (pl.remote, *pl.views):
+                    remote.materialize()  # outputs the last stages kept that something here may still read
                 tensors = [t for layer in pl.module.layers for t in layer.state_dict(keep_vars=True).values()]
                 if gather and not all(t.is_meta for t in tensors):
                     pl.pull()
