@@ -101,3 +101,69 @@ def test_a_function_whose_backward_the_workers_cannot_reproduce_is_refused_at_th
     assert f"the autograd.Function {__name__}.{function} ({__file__}:" in message, message
     assert "has a backward that is not the derivative of its forward" in message
     assert "x + (torch.round(x) - x).detach()" in message
+
+
+class Gelu(torch.autograd.Function):
+    """BLOOM's GELU: the tanh approximation, with its derivative written by hand."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * 0.5 * (1.0 + torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x)))
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        t = torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x))
+        return grad * (0.5 * x * ((1 - t * t) * (0.79788456 + 0.1070322243 * x * x)) + 0.5 * (1 + t))
+
+
+class WithIndex(torch.autograd.Function):
+    """Two outputs, the second marked non-differentiable (an index, as a float)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        index = x.argmax(-1).to(x.dtype)
+        ctx.mark_non_differentiable(index)
+        return x * 2, index
+
+    @staticmethod
+    def backward(ctx, grad, _):
+        return grad * 2
+
+
+class Kept(nn.Module):
+    def __init__(self, how: str, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.how, self.lin = how, nn.Linear(DIM, DIM).to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        if self.how == "gelu":
+            return Gelu.apply(h)
+        if self.how == "no_grad":  # no backward to run: the workers run the same forward
+            with torch.no_grad():
+                target = StraightThrough.apply(h)
+            return h - target
+        if self.how == "index":
+            y, index = WithIndex.apply(h)
+            return y + index[:, None]
+        rows = h[h[:, 0] > 0]  # a size the data decides
+        return Scaled.apply(rows, torch.ones(DIM)).sum(0, keepdim=True).expand_as(h)
+
+
+@pytest.mark.parametrize(
+    ("how", "dtype"),
+    [
+        ("gelu", torch.bfloat16),
+        ("gelu", torch.float16),
+        ("no_grad", torch.float32),
+        ("index", torch.float32),
+        ("rows", torch.float32),
+    ],
+)
+def test_functions_whose_backward_the_workers_reproduce_are_kept(how, dtype):
+    """In half precision (checked in float32), applied without grad, with an output marked
+    non-differentiable, with inputs whose size the data decides: none is refused."""
+    traced = trace_module(Kept(how, dtype), (torch.randn(4, DIM, dtype=dtype),), {}, "model")
+    assert traced.entries

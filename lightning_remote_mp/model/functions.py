@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -36,18 +37,24 @@ log = logging.getLogger(__name__)
 
 #: The most elements a Function's random inputs may have for `check` to run it.
 CHECK_ELEMENTS = 1 << 24
+#: What a size the data decides stands in as, in `check`'s random inputs.
+DATA_SIZE = 3
 
 
 class _Tensor:
-    """A tensor argument as traced: what a random stand-in needs."""
+    """A tensor argument as traced: what a random stand-in needs. Its size is the traced call's; a
+    size the data decides (rows picked by a mask) has none, and stands in as `DATA_SIZE`.
+    Half-precision inputs are checked in float32, whose rounding the comparison's tolerance fits."""
 
     def __init__(self, t: torch.Tensor) -> None:
-        self.shape = [int(s.node.hint) if isinstance(s, torch.SymInt) and s.node.hint else int(s) for s in t.shape]
+        sizes = [s.node.hint if isinstance(s, torch.SymInt) else s for s in t.shape]
+        self.shape = [DATA_SIZE if s is None else int(s) for s in sizes]
         self.dtype, self.requires_grad = t.dtype, t.requires_grad
 
     def make(self, g: torch.Generator) -> torch.Tensor:
         if self.dtype.is_floating_point or self.dtype.is_complex:
-            return torch.randn(self.shape, generator=g, dtype=self.dtype).requires_grad_(self.requires_grad)
+            dtype = torch.float32 if self.dtype.is_floating_point and self.dtype.itemsize < 4 else self.dtype
+            return torch.randn(self.shape, generator=g, dtype=dtype).requires_grad_(self.requires_grad)
         if self.dtype == torch.bool:
             return torch.rand(self.shape, generator=g) > 0.5
         return torch.zeros(self.shape, dtype=self.dtype)  # indices: 0 is valid for any size
@@ -61,7 +68,8 @@ def recording() -> Iterator[dict[type, tuple[tuple, dict]]]:
     apply = torch.autograd.Function.apply.__func__  # type: ignore[attr-defined]
 
     def noting(cls: type, *args: Any, **kwargs: Any) -> Any:
-        if cls not in seen and not cls.__module__.startswith("torch."):
+        # One applied without grad has no backward to run: the workers run its forward, as here.
+        if cls not in seen and not cls.__module__.startswith("torch.") and torch.is_grad_enabled():
             seen[cls] = pytree.tree_map_only(torch.Tensor, _Tensor, (args, kwargs))
         return apply(cls, *args, **kwargs)
 
@@ -87,14 +95,19 @@ class _Context:
     def set_materialize_grads(self, value: bool) -> None: ...
 
 
-def _gradients(cls: type, args: tuple, kwargs: dict, own_backward: bool) -> list[torch.Tensor]:
+def _gradients(
+    cls: type, args: tuple, kwargs: dict, differentiable: list[bool] | None
+) -> tuple[list[torch.Tensor], list[bool]]:
     """The gradients of a random weighting of ``cls``'s floating outputs with respect to its inputs
-    that need one: through its ``backward``, or differentiating the operators of its ``forward``."""
+    that need one: through its ``backward`` (``differentiable`` None), or differentiating the
+    operators of its ``forward`` (over the outputs its ``backward`` took as ``differentiable``: not
+    those it marks non-differentiable). Returns them and which outputs took a gradient."""
+    own_backward = differentiable is None
     g = torch.Generator().manual_seed(0)
     a, k = pytree.tree_map_only(_Tensor, lambda t: t.make(g), (args, kwargs))
     wanted = [t for t in pytree.tree_leaves((a, k)) if isinstance(t, torch.Tensor) and t.requires_grad]
     with torch.random.fork_rng(devices=[]), torch.enable_grad():
-        torch.manual_seed(0)  # a forward that draws random numbers draws the same ones both ways
+        torch.default_generator.manual_seed(0)  # a forward drawing random numbers draws the same ones both ways
         if own_backward:
             out = cls.apply(*a, **k)  # type: ignore[attr-defined]
         elif _has_setup_context(cls):  # a forward without ctx
@@ -104,13 +117,14 @@ def _gradients(cls: type, args: tuple, kwargs: dict, own_backward: bool) -> list
             out = cls.forward(_Context(needs), *a, **k)  # type: ignore[attr-defined]
     outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point()]
     weights = [torch.randn(t.shape, generator=g, dtype=t.dtype) for t in outs]
-    live = [(o, w) for o, w in zip(outs, weights) if o.requires_grad]
+    taken = [o.requires_grad for o in outs] if differentiable is None else differentiable
+    live = [(o, w) for o, w, t in zip(outs, weights, taken) if t and o.requires_grad]
     grads = (
         torch.autograd.grad([o for o, _ in live], wanted, [w for _, w in live], allow_unused=True)
         if live and wanted
         else [None] * len(wanted)
     )
-    return [torch.zeros_like(x) if d is None else d for d, x in zip(grads, wanted)]
+    return [torch.zeros_like(x) if d is None else d for d, x in zip(grads, wanted)], taken
 
 
 def _has_setup_context(cls: type) -> bool:
@@ -128,14 +142,12 @@ def check(seen: dict[type, tuple[tuple, dict]], name: str) -> None:
     """Refuse a Function among ``seen`` whose backward is not its forward's derivative (module ``name``)."""
     for cls, (args, kwargs) in seen.items():
         what = f"the autograd.Function {cls.__module__}.{cls.__qualname__} ({_where(cls)})"
-        size = sum(
-            int(torch.Size(t.shape).numel()) for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, _Tensor)
-        )
+        size = sum(math.prod(t.shape) for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, _Tensor))
         try:
             if size > CHECK_ELEMENTS:
                 raise ValueError(f"its inputs have {size:,} elements")
-            own = _gradients(cls, args, kwargs, own_backward=True)
-            derived = _gradients(cls, args, kwargs, own_backward=False)
+            own, taken = _gradients(cls, args, kwargs, None)
+            derived, _ = _gradients(cls, args, kwargs, taken)
         except Exception as err:  # noqa: BLE001 - any failure means: not checked
             log.warning(
                 "module %r: the workers differentiate the operators of %s's forward, never its own backward; "
