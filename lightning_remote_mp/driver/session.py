@@ -487,7 +487,8 @@ class DriverSession:
                 init_seed=module.init_seed,
                 split_backward=split_backward,
                 code_digests={n: d for n, d in digests.items() if d is not None},
-                seed=(self.seed + 1_000_003 * (r * self.topology.stages + stage.index)) % 2**62,
+                # A view leaves the worker's random stream where it is: reseeding would replay it.
+                seed=None if lender else (self.seed + 1_000_003 * (r * self.topology.stages + stage.index)) % 2**62,
                 frozen=[
                     f"{i}.{name}"
                     for i in stage.layer_indices

@@ -54,9 +54,10 @@ from lightning_remote_mp.flow import SplitBackward
 from lightning_remote_mp.lightning import intercept
 from lightning_remote_mp.lightning.timeline import TimelineCallback
 from lightning_remote_mp.logs import follow_lightning
+from lightning_remote_mp.model.calls import TracedForward
 from lightning_remote_mp.model.meta import fill_meta_buffers, kept_on_meta, on_meta, split_modules
 from lightning_remote_mp.model.spec import SpecSequential
-from lightning_remote_mp.model.trace import TracedForward, find_modules
+from lightning_remote_mp.model.trace import find_modules
 from lightning_remote_mp.model.traced import TracedSequential
 from lightning_remote_mp.model.weights import TensorFiles
 from lightning_remote_mp.schedule import check_schedule

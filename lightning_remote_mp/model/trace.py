@@ -10,9 +10,9 @@ into pieces that workers run as `lightning_remote_mp.model.graph.GraphLayer` lay
    (produced earlier, used here or later) and returns those live at its end; pipeline stages are
    contiguous runs of units, chosen by the strategy's ``balance`` as for a spec.
 4. On the driver the module keeps its weights (a copy, refreshed from the workers whenever its
-   ``state_dict()`` is taken) and its own ``state_dict`` keys; `TracedForward` stands in for its
-   ``forward``: it flattens the call's arguments, runs the pipeline and rebuilds the output
-   (`lightning_remote_mp.model.traced`).
+   ``state_dict()`` is taken) and its own ``state_dict`` keys; `lightning_remote_mp.model.calls`
+   stands in for its ``forward``: it flattens the call's arguments, runs the pipeline and rebuilds
+   the output (`lightning_remote_mp.model.traced`).
 
 >>> import torch
 >>> net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
@@ -26,16 +26,14 @@ True
 from __future__ import annotations
 
 import contextlib
-import inspect
 import logging
 import operator
 import re
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import fx, nn
-from torch.utils import _pytree as pytree
 
 from lightning_remote_mp.errors import TraceError
 from lightning_remote_mp.model.export import export
@@ -44,7 +42,7 @@ from lightning_remote_mp.model.joins import split_means
 from lightning_remote_mp.model.operators import allowed_operator
 from lightning_remote_mp.model.refusals import refused, with_user_line
 from lightning_remote_mp.model.spec import SpecSequential
-from lightning_remote_mp.model.traced import Ends, Interface, TracedEntry, TracedSequential, as_tuple, call_difference
+from lightning_remote_mp.model.traced import Ends, Interface, TracedEntry, TracedSequential
 
 log = logging.getLogger(__name__)
 _MARKER_NAMES = {
@@ -514,153 +512,6 @@ def _covered(root: nn.Module, owners: Sequence[str]) -> list[nn.Module]:
         if o:
             modules.extend(root.get_submodule(o).modules())
     return modules
-
-
-# --- calling ----------------------------------------------------------------------------------
-
-
-#: The most ways a traced module may be called in one run (sets of arguments, `TracedForward._signature`).
-SIGNATURES = 4
-
-
-class TracedForward:
-    """Stands in for a traced module's ``forward``: traces and places at the first call, then runs
-    every call through the workers.
-
-    The trace is kept on the module (``_lrmp_trace``) and reused by a later run (``validate`` or
-    ``test`` after ``fit``) while the module holds the same weight tensors and is called the same
-    way: tracing costs seconds per export. Delete the attribute to trace again after changing
-    the module's code or settings.
-
-    Args:
-        name: the module's name in the LightningModule.
-        module: the module.
-        place: called with the `TracedSequential` once traced; it ships the units to workers.
-    """
-
-    def __init__(self, name: str, module: nn.Module, place: Callable[..., None]) -> None:
-        self.name = name
-        self.module = module
-        self.place = place
-        self.traced: TracedSequential | None = None
-        self.signatures: list[TracedSequential] = []  # the traces of other ways of calling it (`_signature`)
-        self._had_forward = "forward" in vars(module)
-        self._own_forward = vars(module).get("forward")
-        module.forward = self  # type: ignore[method-assign]
-
-    def _earlier_trace(self, args: tuple, kwargs: dict) -> TracedSequential | None:
-        kept = vars(self.module).get("_lrmp_trace")
-        if kept is None or kept[0] != _weights_key(self.module):
-            return None
-        try:
-            kept[1].interface.inputs(args, kwargs)
-        except TraceError:
-            return None
-        log.info("module %r: using its trace from an earlier run", self.name)
-        return kept[1]
-
-    def _trace(self, args: tuple, kwargs: dict, keep: bool = True) -> TracedSequential:
-        self.detach()  # torch.export calls the module's own forward
-        try:
-            traced = trace_module(self.module, args, kwargs, self.name)
-        finally:
-            self.module.forward = self  # type: ignore[method-assign]
-        if keep:
-            vars(self.module)["_lrmp_trace"] = (_weights_key(self.module), traced)
-        return traced
-
-    def _signature(self, args: tuple, kwargs: dict) -> TracedSequential:
-        """The trace of another way of calling the module (``labels=`` in training, none in
-        validation): traced at its first call and placed on the stages and tensors of the first
-        call's trace, which it trains; up to `SIGNATURES` ways in all."""
-        spec = pytree.tree_structure((args, kwargs))
-        for traced in self.signatures:
-            if traced.interface.in_spec == spec:  # type: ignore[attr-defined]
-                return traced
-        first: Any = self.traced
-        differs = (
-            f"module {self.name!r} was traced at its first call; this call "
-            f"{call_difference(first.interface.in_spec, spec)}"
-        )
-        if len(self.signatures) + 1 >= SIGNATURES:
-            raise TraceError(
-                f"{differs}, and it is already called in {SIGNATURES} ways, each a program of its own on the "
-                f"workers (at most {SIGNATURES}): call it in fewer ways (the same arguments at every call)"
-            )
-        with torch.inference_mode(False):
-            args, kwargs = pytree.tree_map_only(torch.Tensor, _plain, (args, kwargs))
-            traced = self._trace(args, kwargs, keep=False)
-            if [e.name for e in traced.entries] != [e.name for e in first.entries] or (
-                traced.state_names != first.state_names
-            ):
-                raise TraceError(
-                    f"{differs}; called this way it is cut into other units "
-                    f"({', '.join(e.name for e in traced.entries)}) than at its first call, so it cannot run on "
-                    "the stages placed then. Call it with the same arguments every time: pass labels= in "
-                    "validation_step too (the loss is then computed on the last stage as in training), or "
-                    "compute the loss in training_step and never pass labels="
-                )
-            traced.example = traced.interface.inputs(args, kwargs)  # type: ignore[attr-defined]
-            try:
-                self.place(traced, f"{self.name}@{len(self.signatures) + 2}")  # type: ignore[call-arg]
-            finally:
-                traced.example = None  # type: ignore[attr-defined]
-        self.signatures.append(traced)
-        return traced
-
-    def detach(self) -> None:
-        """Give the module its own ``forward`` back."""
-        if self._had_forward:
-            self.module.forward = self._own_forward  # type: ignore[method-assign]
-        else:
-            vars(self.module).pop("forward", None)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        kwargs = _without_cache(self.module, kwargs)
-        if self.traced is None:
-            with torch.inference_mode(False):
-                args, kwargs = pytree.tree_map_only(torch.Tensor, _plain, (args, kwargs))
-                traced = self._earlier_trace(args, kwargs)
-                if traced is None:
-                    traced = self._trace(args, kwargs)
-                traced.example = traced.interface.inputs(args, kwargs)  # type: ignore[attr-defined]
-                try:
-                    self.place(traced)
-                finally:
-                    traced.example = None  # type: ignore[attr-defined]  # the first batch, no longer needed
-                self.traced = traced
-        traced = self.traced
-        if traced.interface.in_spec != pytree.tree_structure((args, kwargs)):  # type: ignore[attr-defined]
-            traced = self._signature(args, kwargs)
-        interface: Interface = traced.interface  # type: ignore[attr-defined]
-        inputs = interface.inputs(args, kwargs)
-        if traced.remote is None:
-            return interface.outputs(list(as_tuple(traced.run_locally(*inputs))))
-        return interface.outputs(list(traced.remote(inputs)))
-
-
-def _without_cache(module: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The call's keyword arguments with ``use_cache=False`` where the module takes ``use_cache`` and the
-    call does not say: transformers' configs turn the key/value cache on by default, a training or
-    evaluation forward never reads it, and it could neither be traced nor travel. The cache is never
-    built, and the output's ``past_key_values`` is ``None``."""
-    if "use_cache" in kwargs:
-        return kwargs
-    params = inspect.signature(type(module).forward).parameters
-    variadic = any(p.kind is p.VAR_KEYWORD for p in params.values())
-    config = getattr(module, "config", None)
-    if "use_cache" in params or (variadic and getattr(config, "use_cache", None) is not None):
-        return {**kwargs, "use_cache": False}
-    return kwargs
-
-
-def _weights_key(module: nn.Module) -> tuple:
-    """Which tensors the module holds: a trace shares them, so it serves only while they are the same."""
-    return tuple((name, id(t)) for name, t in module.state_dict(keep_vars=True).items())
-
-
-def _plain(t: torch.Tensor) -> torch.Tensor:
-    return t.clone() if t.is_inference() else t
 
 
 def find_modules(root: nn.Module, names: Sequence[str]) -> dict[str, nn.Module]:

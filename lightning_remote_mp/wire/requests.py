@@ -158,7 +158,7 @@ class Setup(Body):
             from it, `lightning_remote_mp.schedule`); ``None``: the stage runs no schedule.
         borrows: the key of a stage on this worker whose tensors this one holds, by the same names
             and as the same tensors (``state`` and ``files`` are then empty): another call signature
-            of a traced module (`lightning_remote_mp.model.trace.TracedForward`), training its weights.
+            of a traced module (`lightning_remote_mp.model.calls.TracedForward`), training its weights.
     """
 
     KIND: ClassVar[str] = protocol.SETUP

@@ -436,7 +436,14 @@ class WorkerSession:
         return None
 
     def _named_parameters(self) -> dict[str, torch.nn.Parameter]:
-        return {f"{key}/{name}": p for key, stage in self.stages.items() for name, p in stage.named_parameters()}
+        """Every parameter this worker holds, by ``"<key>/<layer index>.<name>"``; a borrowing stage's
+        are its lender's (`StageExecutor.borrow`), named there."""
+        return {
+            f"{key}/{name}": p
+            for key, stage in self.stages.items()
+            if stage.borrowed is None
+            for name, p in stage.named_parameters()
+        }
 
     def save(self, msg: Save) -> Any:
         """Write this worker's share of a sharded checkpoint (`Save`): one new safetensors file,

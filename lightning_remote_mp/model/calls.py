@@ -1,0 +1,192 @@
+"""How a traced module is called: traced at its first call, then run by the workers.
+
+`TracedForward` stands in for a split module's ``forward``. Its first call traces the module
+(`lightning_remote_mp.model.trace.trace_module`) and places the units on the workers; every later
+call maps its arguments to the pipeline's inputs and the outputs back
+(`lightning_remote_mp.model.traced.Interface`). A call with other arguments (``labels=`` in
+training, none in validation) is another program: traced at its first such call and placed on the
+stages and tensors of the first, up to `SIGNATURES` ways of calling the module in one run.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from lightning_remote_mp.errors import TraceError
+from lightning_remote_mp.model.trace import trace_module
+from lightning_remote_mp.model.traced import Interface, TracedSequential, as_tuple, call_difference
+
+log = logging.getLogger(__name__)
+
+#: The most ways a traced module may be called in one run (sets of arguments, `TracedForward._signature`).
+SIGNATURES = 4
+
+
+class TracedForward:
+    """Stands in for a traced module's ``forward``: traces and places at the first call, then runs
+    every call through the workers.
+
+    The trace is kept on the module (``_lrmp_trace``) and reused by a later run (``validate`` or
+    ``test`` after ``fit``) while the module holds the same weight tensors and is called the same
+    way: tracing costs seconds per export. Delete the attribute to trace again after changing
+    the module's code or settings.
+
+    Args:
+        name: the module's name in the LightningModule.
+        module: the module.
+        place: called with the `TracedSequential` once traced; it ships the units to workers.
+    """
+
+    def __init__(self, name: str, module: nn.Module, place: Callable[..., None]) -> None:
+        self.name = name
+        self.module = module
+        self.place = place
+        self.traced: TracedSequential | None = None
+        self.signatures: list[TracedSequential] = []  # the traces of other ways of calling it (`_signature`)
+        self._had_forward = "forward" in vars(module)
+        self._own_forward = vars(module).get("forward")
+        module.forward = self  # type: ignore[method-assign]
+
+    def _earlier_trace(self, args: tuple, kwargs: dict) -> TracedSequential | None:
+        kept = vars(self.module).get("_lrmp_trace")
+        if kept is None or kept[0] != _weights_key(self.module):
+            return None
+        try:
+            kept[1].interface.inputs(args, kwargs)
+        except TraceError:
+            return None
+        log.info("module %r: using its trace from an earlier run", self.name)
+        return kept[1]
+
+    def _trace(self, args: tuple, kwargs: dict, keep: bool = True) -> TracedSequential:
+        self.detach()  # torch.export calls the module's own forward
+        try:
+            traced = trace_module(self.module, args, kwargs, self.name)
+        finally:
+            self.module.forward = self  # type: ignore[method-assign]
+        if keep:
+            vars(self.module)["_lrmp_trace"] = (_weights_key(self.module), traced)
+        return traced
+
+    def _signature(self, args: tuple, kwargs: dict) -> tuple[TracedSequential, dict]:
+        """The trace of another way of calling the module (``labels=`` in training, none in
+        validation), and ``kwargs`` in its order: traced at its first call and placed on the stages
+        and tensors of the first call's trace, which it trains; up to `SIGNATURES` ways in all."""
+        for traced in self.signatures:
+            ordered = _in_order(kwargs, traced.interface.in_spec)  # type: ignore[attr-defined]
+            if traced.interface.in_spec == pytree.tree_structure((args, ordered)):  # type: ignore[attr-defined]
+                return traced, ordered
+        spec = pytree.tree_structure((args, kwargs))
+        first: Any = self.traced
+        differs = (
+            f"module {self.name!r} was traced at its first call; this call "
+            f"{call_difference(first.interface.in_spec, spec)}"
+        )
+        if len(self.signatures) + 1 >= SIGNATURES:
+            raise TraceError(
+                f"{differs}, and it is already called in {SIGNATURES} ways, each a program of its own on the "
+                f"workers (at most {SIGNATURES}): call it in fewer ways (the same arguments at every call)"
+            )
+        with torch.inference_mode(False):
+            args, kwargs = pytree.tree_map_only(torch.Tensor, _plain, (args, kwargs))
+            traced = self._trace(args, kwargs, keep=False)
+            if not _shares(traced, first):
+                raise TraceError(
+                    f"{differs}; called this way it is cut into other units "
+                    f"({', '.join(e.name for e in traced.entries)}) than at its first call, so it cannot run on "
+                    "the stages placed then. Call it with the same arguments every time: pass labels= in "
+                    "validation_step too (the loss is then computed on the last stage as in training), or "
+                    "compute the loss in training_step and never pass labels="
+                )
+            traced.example = traced.interface.inputs(args, kwargs)  # type: ignore[attr-defined]
+            try:
+                self.place(traced, f"{self.name}@{len(self.signatures) + 2}")  # type: ignore[call-arg]
+            finally:
+                traced.example = None  # type: ignore[attr-defined]
+        self.signatures.append(traced)
+        return traced, kwargs
+
+    def detach(self) -> None:
+        """Give the module its own ``forward`` back."""
+        if self._had_forward:
+            self.module.forward = self._own_forward  # type: ignore[method-assign]
+        else:
+            vars(self.module).pop("forward", None)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        kwargs = _without_cache(self.module, kwargs)
+        if self.traced is None:
+            with torch.inference_mode(False):
+                args, kwargs = pytree.tree_map_only(torch.Tensor, _plain, (args, kwargs))
+                traced = self._earlier_trace(args, kwargs)
+                if traced is None:
+                    traced = self._trace(args, kwargs)
+                traced.example = traced.interface.inputs(args, kwargs)  # type: ignore[attr-defined]
+                try:
+                    self.place(traced)
+                finally:
+                    traced.example = None  # type: ignore[attr-defined]  # the first batch, no longer needed
+                self.traced = traced
+        traced = self.traced
+        kwargs = _in_order(kwargs, traced.interface.in_spec)  # type: ignore[attr-defined]
+        if traced.interface.in_spec != pytree.tree_structure((args, kwargs)):  # type: ignore[attr-defined]
+            traced, kwargs = self._signature(args, kwargs)
+        interface: Interface = traced.interface  # type: ignore[attr-defined]
+        inputs = interface.inputs(args, kwargs)
+        if traced.remote is None:
+            return interface.outputs(list(as_tuple(traced.run_locally(*inputs))))
+        return interface.outputs(list(traced.remote(inputs)))
+
+
+def _in_order(kwargs: dict[str, Any], spec: Any) -> dict[str, Any]:
+    """``kwargs`` in the order of the traced call's (``spec``) where they name the same arguments:
+    the same call, whichever order the keywords came in."""
+    traced = pytree.tree_unflatten([None] * spec.num_leaves, spec)[1]
+    return {k: kwargs[k] for k in traced} if traced.keys() == kwargs.keys() else kwargs
+
+
+def _shares(traced: TracedSequential, first: TracedSequential) -> bool:
+    """Whether ``traced`` can run on the stages placed for ``first``: the same units, holding the
+    same tensors under the same names (a constant the trace made must have the same value)."""
+    if [e.name for e in traced.entries] != [e.name for e in first.entries] or traced.state_names != first.state_names:
+        return False
+    for mine, theirs in zip(traced.layers, first.layers):
+        a, b = mine.state_dict(keep_vars=True), theirs.state_dict(keep_vars=True)
+        if a.keys() != b.keys():
+            return False
+        for name, t in a.items():
+            u = b[name]
+            if t is not u and (t.shape != u.shape or t.dtype != u.dtype or (not t.is_meta and not torch.equal(t, u))):
+                return False
+    return True
+
+
+def _without_cache(module: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The call's keyword arguments with ``use_cache=False`` where the module takes ``use_cache`` and the
+    call does not say: transformers' configs turn the key/value cache on by default, a training or
+    evaluation forward never reads it, and it could neither be traced nor travel. The cache is never
+    built, and the output's ``past_key_values`` is ``None``."""
+    if "use_cache" in kwargs:
+        return kwargs
+    params = inspect.signature(type(module).forward).parameters
+    variadic = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    config = getattr(module, "config", None)
+    if "use_cache" in params or (variadic and getattr(config, "use_cache", None) is not None):
+        return {**kwargs, "use_cache": False}
+    return kwargs
+
+
+def _weights_key(module: nn.Module) -> tuple:
+    """Which tensors the module holds: a trace shares them, so it serves only while they are the same."""
+    return tuple((name, id(t)) for name, t in module.state_dict(keep_vars=True).items())
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    return t.clone() if t.is_inference() else t
