@@ -177,7 +177,6 @@ class RemoteSpec:
         # A leaf that requires grad, so the Function's output joins the graph even when the input
         # does not require grad: the remote parameters are invisible to the driver's autograd.
         self._anchor = torch.zeros((), requires_grad=True)
-        self._said_gpipe = False
         self._planned: set[int] = set()  # micro-batch counts whose plans were checked
 
     def __repr__(self) -> str:
@@ -392,13 +391,14 @@ class RemoteSpec:
         chunks = iter(self._chunks(x, flat))
         keep = self.keep.at(n) if self.keep is not None else None
         early = grad and self.loss is not None and self.schedule != "gpipe"
-        if grad and self.schedule != "gpipe" and self.loss is None and not self._said_gpipe:
-            self._said_gpipe = True
-            log.info(
-                "%s: schedule=%r starts each micro-batch's backward at the model's loss, and the model returns "
-                "none (a traced model's labels= loss); its micro-batches run as 'gpipe'",
-                self.key,
-                self.schedule,
+        if grad and self.schedule != "gpipe" and self.loss is None:
+            raise ConfigurationError(
+                f"{self.key}: schedule={self.schedule!r} starts each micro-batch's backward on the last stage as "
+                "soon as its forward is done, at the model's loss, so that a stage holds at most (stages - its "
+                "index) micro-batches' activations; this model returns no loss (it is computed in training_step "
+                "from the model's output), so no backward can start before the whole forward has returned, as "
+                "under GPipe. Use schedule='gpipe', or let the model compute its loss (a HuggingFace model called "
+                "with labels=, a traced module whose forward returns the loss)"
             )
         if early:
             for row in sizes:
