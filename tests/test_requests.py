@@ -313,3 +313,15 @@ def test_the_wire_format_of_every_request_is_pinned():
         frames = protocol.encode(kind, 1, "session", request.body())
         got[kind] = hashlib.sha256(b"".join(bytes(f) for f in frames)).hexdigest()[:16]
     assert got == GOLDEN, "the wire format changed: bump protocol.PROTOCOL_VERSION, then update GOLDEN"
+
+
+def test_a_tensor_read_from_a_carried_request_owns_its_memory():
+    """A request carried along the pipeline keeps its frames as bytes (read-only): a tensor read
+    from them is a copy, so writing to it changes nothing the request holds (torch warned on every
+    worker under 1F1B, and the tensor aliased an immutable bytes object)."""
+    carried = Carried.sealed(LossGrad("net", 4, torch.tensor(0.25)), 7, 6, "s", bytes(SEAL_KEY_BYTES))
+    carry = Carry("net", 4, 0, 1, {1: (carried,)})
+    first = Carry.from_body(carry.body()).requests[1][0]
+    first.request.grad.add_(1.0)
+    again = Carry.from_body(Carry("net", 4, 0, 1, {1: (first,)}).body()).requests[1][0]
+    assert again.request.grad.item() == 0.25

@@ -570,7 +570,10 @@ def _message(header: list[Any], buffers: Sequence[memoryview], limits: Limits) -
         if len(buf) == 0:
             tensors.append(torch.empty(shape, dtype=dtype))
         else:
-            tensors.append(torch.frombuffer(buf, dtype=torch.uint8).view(dtype).reshape(shape))
+            # A frame kept as bytes (a request carried along the pipeline, `requests.Carried`) is
+            # read-only: torch would warn, and a tensor over it must not be written. It is small: copied.
+            view = memoryview(bytearray(buf)) if buf.readonly else buf
+            tensors.append(torch.frombuffer(view, dtype=torch.uint8).view(dtype).reshape(shape))
 
     def ext_hook(code: int, data: bytes) -> Any:
         nonlocal depth
