@@ -443,12 +443,13 @@ class DriverSession:
             partition.describe(stages, module.entries, module.layers, list(self.topology.rows[0])),
         )
         digests = {name: source_digest(name) for name in user_code_modules(module.entries)}
-        shared, tied = ties.plan(module.shared(), stages, trains=ties.trainable(module))
+        # A view's stages hold its lender's tensors, shared and tied as they are there.
+        shared, tied = ties.plan(module.shared() if lender is None else [], stages, trains=ties.trainable(module))
         self.groups.check_plaintext(what, tied)
         weights: dict[int, tuple[dict[str, torch.Tensor] | None, dict[str, list[str]]]] = {}
         for stage in stages:
             if lender is not None:
-                weights[stage.index], shared[stage.index], tied = (None, {}), [], []
+                weights[stage.index] = (None, {})
             elif sources or module.init_seed is None:  # a seeded spec: the state loaded, or its seed
                 where = f"{what}, stage {stage.index}"
                 weights[stage.index] = stage_weights(module, stage, sources or WeightSources(), where)

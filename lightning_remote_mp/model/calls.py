@@ -105,13 +105,18 @@ class TracedForward:
                     "validation_step too (the loss is then computed on the last stage as in training), or "
                     "compute the loss in training_step and never pass labels="
                 )
-            traced.example = traced.interface.inputs(args, kwargs)  # type: ignore[attr-defined]
-            try:
-                self.place(traced, f"{self.name}@{len(self.signatures) + 2}")  # type: ignore[call-arg]
-            finally:
-                traced.example = None  # type: ignore[attr-defined]
+            self._place(traced, args, kwargs, f"{self.name}@{len(self.signatures) + 2}")
         self.signatures.append(traced)
         return traced, kwargs
+
+    def _place(self, traced: TracedSequential, args: tuple, kwargs: dict, *view: str) -> None:
+        """Ship ``traced`` (as a ``view`` of the first trace's placement, if given), with this call's
+        inputs as its example (balance="time" and the batch check run them), dropped afterwards."""
+        traced.example = traced.interface.inputs(args, kwargs)  # type: ignore[attr-defined]
+        try:
+            self.place(traced, *view)
+        finally:
+            traced.example = None  # type: ignore[attr-defined]  # the first batch, no longer needed
 
     def detach(self) -> None:
         """Give the module its own ``forward`` back."""
@@ -128,11 +133,7 @@ class TracedForward:
                 traced = self._earlier_trace(args, kwargs)
                 if traced is None:
                     traced = self._trace(args, kwargs)
-                traced.example = traced.interface.inputs(args, kwargs)  # type: ignore[attr-defined]
-                try:
-                    self.place(traced)
-                finally:
-                    traced.example = None  # type: ignore[attr-defined]  # the first batch, no longer needed
+                self._place(traced, args, kwargs)
                 self.traced = traced
         traced = self.traced
         kwargs = _in_order(kwargs, traced.interface.in_spec)  # type: ignore[attr-defined]

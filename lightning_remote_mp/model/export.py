@@ -95,7 +95,7 @@ def export(module: nn.Module, args: tuple, kwargs: dict, name: str, training: bo
     docstring). The graph records the limits torch.export found on dynamic dimensions
     (``lrmp_ranges``), the output's structure (``lrmp_out_spec``) and the arguments whose dim 0 has
     the batch's rows but could not be given the batch's dimension (``lrmp_unclassified``)."""
-    flags = [(m, m.training) for m in module.modules()]
+    flags = {m: m.training for m in module.modules()}
     module.train(training)
     # torch.export logs each dimension it keeps static (a channel count of 1) as a warning; the
     # trace records them, and a call that differs gets an error naming the dimension.
@@ -119,7 +119,7 @@ def export(module: nn.Module, args: tuple, kwargs: dict, name: str, training: bo
         raise TraceError(_export_failure(name, err)) from err
     finally:
         quiet.setLevel(level)
-        _restore_modes(module, dict(flags))
+        _restore_modes(module, flags)
     functions.check(seen, name)
     gm = ep.module()
     gm.lrmp_ranges = dict(ep.range_constraints)  # type: ignore[assignment]

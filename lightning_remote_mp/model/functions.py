@@ -102,13 +102,12 @@ def _gradients(
     that need one: through its ``backward`` (``differentiable`` None), or differentiating the
     operators of its ``forward`` (over the outputs its ``backward`` took as ``differentiable``: not
     those it marks non-differentiable). Returns them and which outputs took a gradient."""
-    own_backward = differentiable is None
     g = torch.Generator().manual_seed(0)
     a, k = pytree.tree_map_only(_Tensor, lambda t: t.make(g), (args, kwargs))
     wanted = [t for t in pytree.tree_leaves((a, k)) if isinstance(t, torch.Tensor) and t.requires_grad]
     with torch.random.fork_rng(devices=[]), torch.enable_grad():
         torch.default_generator.manual_seed(0)  # a forward drawing random numbers draws the same ones both ways
-        if own_backward:
+        if differentiable is None:
             out = cls.apply(*a, **k)  # type: ignore[attr-defined]
         elif _has_setup_context(cls):  # a forward without ctx
             out = cls.forward(*a, **k)  # type: ignore[attr-defined]

@@ -205,9 +205,7 @@ class StageExecutor:
                     f"stage {self.index} of {self.key!r}: stage {other.index} of {other.key!r} holds no tensor "
                     f"{name!r} of shape {tuple(mine.shape)} to share"
                 )
-            index, _, path = name.partition(".")
-            owner_path, _, leaf = path.rpartition(".")
-            owner = self.layers[index].get_submodule(owner_path)
+            owner, leaf = self._slot(name)
             (owner._parameters if leaf in owner._parameters else owner._buffers)[leaf] = theirs[name]
         self.borrowed = other.key
         if self.deferred is not None:
@@ -217,15 +215,7 @@ class StageExecutor:
         """Make each group of names (``"<layer index>.<name>"``) one tensor, the first name's: a tied
         weight that several of this stage's layers use trains as one parameter, as on the driver."""
         for group in groups:
-            owners = []
-            for name in group:
-                index, _, path = name.partition(".")
-                layer = self.layers[index] if index in self.layers else None
-                owner_path, _, leaf = path.rpartition(".")
-                owner = layer.get_submodule(owner_path) if layer is not None else None
-                if owner is None or (leaf not in owner._parameters and leaf not in owner._buffers):
-                    raise SpecError(f"stage {self.index}: no tensor {name!r} to share")
-                owners.append((owner, leaf))
+            owners = [self._slot(name) for name in group]
             first_owner, first_leaf = owners[0]
             first = first_owner._parameters.get(first_leaf, first_owner._buffers.get(first_leaf))
             for owner, leaf in owners[1:]:
@@ -235,6 +225,15 @@ class StageExecutor:
                 table[leaf] = first
         if groups and self.deferred is not None:
             self.deferred.parameters_replaced()
+
+    def _slot(self, name: str) -> tuple[nn.Module, str]:
+        """The module and attribute that hold this stage's tensor ``name`` (``"<layer index>.<path>"``)."""
+        index, _, path = name.partition(".")
+        owner_path, _, leaf = path.rpartition(".")
+        owner = self.layers[index].get_submodule(owner_path) if index in self.layers else None
+        if owner is None or (leaf not in owner._parameters and leaf not in owner._buffers):
+            raise SpecError(f"stage {self.index}: no tensor {name!r} to share")
+        return owner, leaf
 
     def apply_modes(self, modes: Any) -> None:
         """Follow the driver's train/eval flags (a `lightning_remote_mp.model.spec.Modes` value), sent
