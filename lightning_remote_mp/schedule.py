@@ -80,8 +80,9 @@ def check_schedule(schedule: str) -> str:
     return schedule
 
 
-def actions(schedule: str, stages: int, stage: int, microbatches: int) -> list[Action]:
-    """Stage ``stage``'s list of actions for one call of ``microbatches`` under ``schedule``."""
+def actions(schedule: str, stages: int, stage: int, microbatches: int, grad: bool = True) -> list[Action]:
+    """Stage ``stage``'s list of actions for one call of ``microbatches`` under ``schedule``;
+    without ``grad`` (validation, prediction), its forwards alone, in order."""
     check_schedule(schedule)
     if stages < 1 or not 0 <= stage < stages or microbatches < 1:
         raise ConfigurationError(
@@ -89,6 +90,8 @@ def actions(schedule: str, stages: int, stage: int, microbatches: int) -> list[A
             f"got stages={stages}, stage={stage}, microbatches={microbatches}"
         )
     m = microbatches
+    if not grad:
+        return [Action(stage, FORWARD, mb) for mb in range(m)]
 
     def act(kind: str, mb: int) -> Action:
         return Action(stage, kind, mb)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 import time
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
@@ -26,6 +27,8 @@ from lightning_remote_mp.schedule import BACKWARD, FORWARD, WEIGHTS
 from lightning_remote_mp.wire.messages import Backward, Forward
 from lightning_remote_mp.worker.stage import StageExecutor
 from lightning_remote_mp.worker.timeline import EventLog
+
+log = logging.getLogger(__name__)
 
 Outgoing = tuple[int, Forward | Backward]  # (destination stage, or DRIVER; the message)
 _M = TypeVar("_M", Forward, Backward)
@@ -66,15 +69,21 @@ class _Plan:
     """One call's actions on this stage (`lightning_remote_mp.schedule`), and what they wait for."""
 
     actions: collections.deque[schedule.Action]
-    seed: int  # the model's output that is the loss
+    seed: int | None  # the model's output that is the loss, where the backward starts here; None: at the driver
     schedule: str
     microbatches: int
     fence: dict[int, int]  # the forward's (`messages._Pipelined.fence`), which its gradients carry on
+    grad: bool  # a forward under grad: backward and weight actions follow
     ready: dict[tuple[str, int], dict[int, Any]] = dataclasses.field(default_factory=dict)  # inputs arrived
     outputs: dict[int, Any] = dataclasses.field(default_factory=dict)  # last stage: outputs, for the loss
     filings: dict[int, int] = dataclasses.field(default_factory=dict)  # per micro-batch, its backward's number
     to_driver: dict[int, Backward] = dataclasses.field(default_factory=dict)  # stage 0: input gradients, as 1
     differentiable: list[bool] = dataclasses.field(default_factory=list)  # last stage: which outputs have a graph
+
+    @property
+    def early(self) -> bool:
+        """The backward starts at the loss on the last stage, before the driver's gradient comes."""
+        return self.seed is not None
 
 
 @dataclasses.dataclass
@@ -126,6 +135,8 @@ class RoutedStage:
         #: message received, and the next stage waits for the first action's output, not the last's.
         self.send_now: Callable[[list[Outgoing]], None] | None = None
         self._released: collections.deque[int] = collections.deque(maxlen=1024)
+        #: A W action of a call whose backward the driver ran failed: raised when ``.grad`` is next read.
+        self.weights_failed: Exception | None = None
 
     @property
     def index(self) -> int:
@@ -165,13 +176,11 @@ class RoutedStage:
             return []
         first = parts[self.x_from]
         if first.call in self._failed:
-            return []  # an action of its schedule failed: the driver learns of it at its backward
-        if first.seed is not None and first.schedule is not None and first.grad:
-            plan = self._plan_of(first)
-            self._check_mb(first, plan)
-            plan.ready[(FORWARD, first.mb)] = parts
-            return self._advance(first.call)
-        return self._run_forward(parts)
+            return []  # an earlier action of the call failed: the driver heard of it
+        plan = self._plan_of(first)
+        self._check_mb(first, plan)
+        plan.ready[(FORWARD, first.mb)] = parts
+        return self._advance(first.call)
 
     def _run_forward(self, parts: dict[int, Forward], plan: _Plan | None = None) -> list[Outgoing]:
         """Run a micro-batch's forward; on the last stage, under a ``plan``, keep its output there
@@ -317,22 +326,26 @@ class RoutedStage:
         if msg.early and msg.call in self._failed:
             return []
         plan = self._plans.get(msg.call)
-        if plan is not None and msg.early:  # a gradient of the loss taken as 1: an action of the plan
+        if plan is not None and plan.grad and (msg.early or not plan.early):  # a B action's input
             self._check_mb(msg, plan)
             parts = self._collect(self._backward, self.targets, msg)
             if parts is None:
                 return []
             plan.ready[(BACKWARD, msg.mb)] = parts
             return self._advance(msg.call)
-        if plan is not None or msg.call in self._done or msg.call in self._scales or msg.call in self._failed:
-            return self._scale(msg)
+        if plan is not None and plan.early or msg.call in self._done or msg.call in self._scales:
+            return self._scale(msg)  # the driver's gradient of a loss whose backward ran here already
+        if msg.call in self._failed:
+            self._check_applicable(msg.call)
         if msg.early:
             raise ProtocolError(f"stage {self.index}: an early gradient for call {msg.call}, which runs no schedule")
-        parts = self._collect(self._backward, self.targets, msg)
-        if parts is None:
-            return []
+        raise ProtocolError(
+            f"stage {self.index}: backward of micro-batch {(msg.call, msg.mb)} without a forward under grad"
+        )
+
+    def _late_backward(self, call: int, mb: int, parts: dict[int, Backward]) -> list[Outgoing]:
+        """A B action with the driver's gradient (the loss was computed there, or over the output)."""
         first = parts[self.x_to]
-        call, mb = first.call, first.mb
         grad_out = first.grad_out
         if self.x_to == DRIVER:
             grad_out = self._with_loss_grads(call, mb, grad_out, first.loss_grads)
@@ -386,16 +399,21 @@ class RoutedStage:
 
     # --- calls whose backward starts on the last stage, as the schedule orders ---------------
     def _plan_of(self, first: Forward) -> _Plan:
+        """``first``'s call's plan: its stage's actions under the call's schedule (GPipe where the
+        backward starts at the driver), or the forwards alone for a call without grad."""
         plan = self._plans.get(first.call)
         if plan is None:
-            if self.stages is None or not self.index < self.stages:
+            early = first.seed is not None and first.schedule is not None and first.grad
+            name = first.schedule if early and first.schedule is not None else "gpipe"
+            stages = self.stages if self.stages is not None else (None if early else self.index + 1)
+            if stages is None or not self.index < stages:
                 raise ProtocolError(f"stage {self.index}: a schedule, but setup did not say how many stages there are")
             if len(self._plans) >= self.limit:
                 raise ProtocolError(f"stage {self.index}: more than {self.limit} calls run a schedule at once")
-            assert first.schedule is not None and first.seed is not None
-            actions = schedule.actions(first.schedule, self.stages, self.index, first.microbatches)
+            actions = schedule.actions(name, stages, self.index, first.microbatches, grad=first.grad)
+            seed = first.seed if early else None
             plan = self._plans[first.call] = _Plan(
-                collections.deque(actions), first.seed, first.schedule, first.microbatches, dict(first.fence)
+                collections.deque(actions), seed, name, first.microbatches, dict(first.fence), first.grad
             )
         return plan
 
@@ -426,31 +444,51 @@ class RoutedStage:
         while plan.actions:
             action = plan.actions[0]
             if action.kind == WEIGHTS:
-                started = time.time()
-                self.stage.flush_early(call, plan.filings.pop(action.mb, 0))
-                if self.events is not None:
-                    self.events.span("weights", self.stage.key, self.index, call, action.mb, started, time.time())
+                self._weights(call, action.mb, plan)
             else:
                 parts = plan.ready.pop((action.kind, action.mb), None)
                 if parts is None:
                     break
                 if action.kind == FORWARD:
                     out += self._run_forward(parts, plan)  # type: ignore[arg-type]
-                    if self.x_to == DRIVER:  # the loss's gradient, taken as 1, is here already
+                    if plan.early and self.x_to == DRIVER:  # the loss's gradient, taken as 1, is here already
                         plan.ready[(BACKWARD, action.mb)] = {}
-                else:
+                elif plan.early:
                     out += self._early_backward(call, action.mb, parts, plan)  # type: ignore[arg-type]
+                else:
+                    out += self._late_backward(call, action.mb, parts)  # type: ignore[arg-type]
             plan.actions.popleft()
             if self.send_now is not None and out:  # each action's messages leave before the next action runs
                 self.send_now(out)
                 out = []
         if not plan.actions:
             del self._plans[call]
-            self._done[call] = plan
-            if call in self._loss_grads:
-                self._apply(call, self._loss_grads.pop(call))
-            out += self._scale_ready(call)
+            if plan.early:
+                self._done[call] = plan
+                if call in self._loss_grads:
+                    self._apply(call, self._loss_grads.pop(call))
+                out += self._scale_ready(call)
         return out
+
+    def _weights(self, call: int, mb: int, plan: _Plan) -> None:
+        """A W action: the deferred weight gradients of micro-batch ``mb``'s backward (of the whole
+        call's, at its first W, where the backward started at the driver: one product, into ``.grad``)."""
+        started = time.time()
+        if plan.early:
+            self.stage.flush_early(call, plan.filings.pop(mb, 0))
+        else:
+            try:
+                if not self.stage.flush_weight_grads(call):
+                    return
+            except Exception as err:
+                # The micro-batches are reported done already and the driver may have moved on: the
+                # failure belongs to the next request that needs these gradients (step, clipping, zero_grad).
+                log.warning("stage %d: computing the deferred weight gradients failed: %s", self.index, err)
+                self.weights_failed = err
+                return
+        if self.events is not None:
+            mb = mb if plan.early else -1
+            self.events.span("weights", self.stage.key, self.index, call, mb, started, time.time())
 
     def loss_grad(self, call: int, grad: torch.Tensor | None) -> bool:
         """The driver's gradient of ``call``'s loss, straight from the driver (`requests.LossGrad`):
@@ -595,13 +633,6 @@ class RoutedStage:
             raise LrmpError(_LATE_READ.format(what=f"its output {others[0]}"))
         g = grads[seed] if seed < len(grads) else None
         return g.detach().reshape(()).float() if g is not None else None
-
-    def finish_backward(self, call: int) -> None:
-        """After a backward's gradients left: once the call's last micro-batch is through this
-        stage, compute its deferred weight gradients (while the other stages work on theirs)."""
-        started = time.time()
-        if self.stage.flush_weight_grads(call) and self.events is not None:
-            self.events.span("weights", self.stage.key, self.index, call, -1, started, time.time())
 
     def release(self, calls: Iterable[int]) -> None:
         drop = set(calls)

@@ -153,7 +153,6 @@ class WorkerSession:
         self.group: GradGroup | None = None  # this stage's replicas
         self.tie_groups: list[tuple[GradGroup, list[str]]] = []  # stages holding copies of tied weights: theirs here
         self.events: EventLog | None = None
-        self._deferred_failure: Exception | None = None
         self.order = Order(self._loss_grad_waits)  # which of the driver's requests run when
         # A call's answers to the driver (RESULTs, DONEs), kept until they are all there: (key, call, kind) -> answers.
         self._answers: dict[tuple[str, int, str], list[tuple[Any, Any, dict[str, Any] | None]]] = {}
@@ -311,23 +310,17 @@ class WorkerSession:
         return NO_REPLY
 
     def backward(self, msg: Backward) -> Any:
-        route = self.route(msg.key)
-        self._send(route.backward(msg))
-        try:
-            route.finish_backward(msg.call)
-        except Exception as err:
-            # The micro-batch is reported done already and the driver may have moved on: the failure
-            # belongs to the next request that needs these gradients (step, clipping, zero_grad).
-            log.warning("stage %d: computing the deferred weight gradients failed: %s", route.index, err)
-            self._deferred_failure = err
+        self._send(self.route(msg.key).backward(msg))
         return NO_REPLY
 
     def _settle_grads(self) -> None:
-        """Make every ``.grad`` complete (deferred weight gradients added) before it is read; a
-        failure of an earlier attempt is raised here, so it reaches the driver."""
-        failure, self._deferred_failure = self._deferred_failure, None
-        if failure is not None:
-            raise LrmpError(f"computing the weight gradients after the last backward failed: {failure}") from failure
+        """Make every ``.grad`` complete (deferred weight gradients added) before it is read; a W
+        action that failed after its micro-batches were reported done is raised here, so it reaches
+        the driver."""
+        for route in self.routes.values():
+            failure, route.weights_failed = route.weights_failed, None
+            if failure is not None:
+                raise LrmpError(f"computing the weight gradients after a backward failed: {failure}") from failure
         for stage in self.stages.values():
             stage.flush_weight_grads()
 
