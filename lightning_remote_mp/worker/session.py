@@ -320,7 +320,8 @@ class WorkerSession:
         for route in self.routes.values():
             failure, route.weights_failed = route.weights_failed, None
             if failure is not None:
-                raise LrmpError(f"computing the weight gradients after a backward failed: {failure}") from failure
+                why = f"computing the weight gradients after the last backward failed: {failure}"
+                raise LrmpError(why) from failure
         for stage in self.stages.values():
             stage.flush_weight_grads()
 
