@@ -6,7 +6,7 @@ linear-layer weight gradients, `lightning_remote_mp.worker.deferred_grads`). It 
 torch.distributed.pipelining prints its actions: ``2F0`` is stage 2's forward of micro-batch 0.
 The driver names a schedule; each worker builds its own stage's list from the name and the counts
 (`actions`), and runs it in order, each action once what it waits for has arrived
-(`lightning_remote_mp.worker.route`). The lists are data: `validate` checks them,
+(`lightning_remote_mp.worker.runtime`). The lists are data: `validate` checks them,
 `simulate` plays them with costs, and `format_grid` draws them as a time x stage grid.
 
 - ``"gpipe"``: fill and drain. Every forward, then every backward, then the weight gradients of the

@@ -3,14 +3,14 @@ next message instead of as a backward through the pipeline.
 
 Under 1F1B or zero-bubble, when the model returns its own loss, the last stage starts each
 micro-batch's backward at that loss with its gradient taken as 1, and every stage keeps the weight
-gradients this gives apart from ``.grad`` (`lightning_remote_mp.worker.route`). The driver's
+gradients this gives apart from ``.grad`` (`lightning_remote_mp.worker.runtime`). The driver's
 ``backward()`` then only has one number to tell each stage: the loss's real gradient (Lightning's
 ``1 / accumulate_grad_batches``, a loss scale). `DeferredLossGrads.post` posts it to every stage as
 a quiet request (`lightning_remote_mp.wire.requests.LossGrad`) that goes with the next message, in
 front of the optimizer's step, so a step costs the driver its forward and its losses, nothing else.
 
 A stage applies it once its part of the call has run, and runs nothing the driver sent after it
-before then (`lightning_remote_mp.worker.order`). Stage 0 passes the other stages' requests on only
+before then (`lightning_remote_mp.worker.runtime.Order`). Stage 0 passes the other stages' requests on only
 once it applied its own, and a stage that could not apply it refuses the step. The next forward's
 results prove it applied everywhere (their fences name it); any other message confirms it first
 (`confirm`). Where the step sums gradients over workers (replicas, a tied weight on several

@@ -90,7 +90,7 @@ class _Pending:
     """What one (weight, bias) pair's weight gradient still needs: each micro-batch's input
     (flattened to rows) and output gradient (as autograd handed it over), filed by bucket (the
     owner's, while its backward files: ``None`` for plain backwards, a call's id for one that runs
-    early, `lightning_remote_mp.worker.route`), each with the number of the backward that filed it."""
+    early, `lightning_remote_mp.worker.runtime`), each with the number of the backward that filed it."""
 
     __slots__ = ("owner", "weight", "bias", "filed")
 

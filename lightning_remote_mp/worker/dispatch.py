@@ -148,11 +148,8 @@ class Dispatch:
                 return None
             if session is None or session.id != request.session or message is None:
                 raise ProtocolError("session expired")
-            if not request.from_peer:
-                if session.order.park(request):
-                    return None  # it runs once the loss gradient before it is applied (`Order.park`)
-                if request.kind in protocol.CARRIED_KINDS and session.order.already_ran(request.id):
-                    return None  # it came along the pipeline first (`WorkerSession.carry`)
+            if not request.from_peer and not session.order.admit(request):
+                return None  # it waits behind a loss's gradient, or ran already (`Order.admit`)
             body = session.handle(message)
             if body is WAITS:
                 assert isinstance(message, LossGrad)

@@ -49,9 +49,9 @@ from lightning_remote_mp.wire.requests import (
     ZeroGrad,
 )
 from lightning_remote_mp.worker.collective import GradGroup
-from lightning_remote_mp.worker.order import Order
 from lightning_remote_mp.worker.profile import profile_layers
 from lightning_remote_mp.worker.route import Outgoing, RoutedStage
+from lightning_remote_mp.worker.runtime import Order, StageRuntime
 from lightning_remote_mp.worker.stage import StageExecutor
 from lightning_remote_mp.worker.timeline import EventLog
 from lightning_remote_mp.worker.weights import PROGRESS, read_optimizer_state, read_stage_files, save_shard, saved
@@ -110,7 +110,7 @@ class WorkerSession:
         self.outbox = outbox
         self.limits = limits
         self.announce_peer_keys = announce_peer_keys
-        self.routes: dict[str, RoutedStage] = {}
+        self.runtimes: dict[str, StageRuntime] = {}  # by stage key: what runs when
         self.peers: dict[str, dict[int, str]] = {}
         self.compression: dict[str, str | None] = {}  # by stage key: how its pipelined tensors travel
         self.device = device
@@ -168,23 +168,23 @@ class WorkerSession:
         """Keep ``task`` (a peer's pipelined ``message``) for later if the driver sent it after a
         request to this worker that has not run here yet: its `messages._Pipelined.fence`. Returns
         whether it was kept; `Order.ran` gives it back once that request has run."""
-        route = self.routes.get(message.key)
-        if route is None:
+        runtime = self.runtimes.get(message.key)
+        if runtime is None:
             return False  # nothing to wait for; a stage this worker does not hold is refused when it runs
         try:
-            return self.order.hold_back(message.key, message.fence.get(route.index), route.limit, task)
+            return self.order.hold_back(message.key, message.fence.get(runtime.index), runtime.limit, task)
         except ProtocolError as err:
-            raise ProtocolError(f"stage {route.index}: {err}") from None
+            raise ProtocolError(f"stage {runtime.index}: {err}") from None
 
     def _loss_grad_waits(self, key: str, call: int) -> bool:
-        route = self.routes.get(key)
-        return route is not None and route.loss_grad_waits(call)
+        runtime = self.runtimes.get(key)
+        return runtime is not None and runtime.loss_grad_waits(call)
 
     def loss_grad(self, msg: LossGrad) -> Any:
-        """Apply the driver's gradient of a call's loss (`RoutedStage.loss_grad`), or `WAITS` for the
+        """Apply the driver's gradient of a call's loss (`StageRuntime.loss_grad`), or `WAITS` for the
         call's actions here first (`Order.wait`)."""
         try:
-            waits = self.route(msg.key).loss_grad(msg.call, msg.grad)
+            waits = self.runtime(msg.key).loss_grad(msg.call, msg.grad)
         except Exception as err:
             self.order.no_step = f"the loss's gradient of call {msg.call} of {msg.key!r} was not applied here: {err}"
             raise
@@ -196,8 +196,7 @@ class WorkerSession:
         way, then keep this stage's own to run in their turn (`Order.next_carried`). They go on first, so
         that every stage gets its own at once: a step whose stages sum tied gradients together
         (`GradGroup`) would otherwise wait on itself."""
-        route = self.route(msg.key)
-        here = route.index
+        here = self.runtime(msg.key).index
         if self.order.no_step is not None:  # the stages beyond must not step on gradients this one lacks
             log.warning(
                 "stage %d: the driver's requests for stages %s are not passed on: %s",
@@ -257,7 +256,7 @@ class WorkerSession:
         )
         unread: list[str] = []
         if msg.borrows is not None:
-            stage.borrow(self.route(msg.borrows).stage)
+            stage.borrow(self.runtime(msg.borrows).route.stage)
         elif msg.state is not None or msg.files:
             state = dict(msg.state or {})
             read, unread = read_stage_files(stage, msg.files, self.id)
@@ -273,12 +272,12 @@ class WorkerSession:
         for name, p in stage.named_parameters():
             if name in frozen:
                 p.requires_grad_(False)
-        routed = RoutedStage(stage, msg.sources, msg.targets, stages=msg.stages)
-        routed.events = self.events
-        routed.send_now = self._send
+        runtime = StageRuntime(RoutedStage(stage, msg.sources, msg.targets), msg.stages)
+        runtime.route.events = self.events
+        runtime.send_now = self._send
         peer_keys = {msg.peers[s]: k.encode("ascii") for s, k in msg.peer_keys.items()}
         self.stages[key] = stage
-        self.routes[key] = routed
+        self.runtimes[key] = runtime
         self.peers[key] = dict(msg.peers)
         self.compression[key] = msg.compression
         if peer_keys:
@@ -306,19 +305,19 @@ class WorkerSession:
             )
 
     def forward(self, msg: Forward) -> Any:
-        self._send(self.route(msg.key).forward(msg))
+        self._send(self.runtime(msg.key).forward(msg))
         return NO_REPLY
 
     def backward(self, msg: Backward) -> Any:
-        self._send(self.route(msg.key).backward(msg))
+        self._send(self.runtime(msg.key).backward(msg))
         return NO_REPLY
 
     def _settle_grads(self) -> None:
         """Make every ``.grad`` complete (deferred weight gradients added) before it is read; a W
         action that failed after its micro-batches were reported done is raised here, so it reaches
         the driver."""
-        for route in self.routes.values():
-            failure, route.weights_failed = route.weights_failed, None
+        for runtime in self.runtimes.values():
+            failure, runtime.weights_failed = runtime.weights_failed, None
             if failure is not None:
                 why = f"computing the weight gradients after the last backward failed: {failure}"
                 raise LrmpError(why) from failure
@@ -354,19 +353,19 @@ class WorkerSession:
             del self._answers[(msg.key, msg.call, kind)]
             self.outbox.to_driver_all(kind, answers, self.compression.get(msg.key))
 
-    def route(self, key: str) -> RoutedStage:
-        if key not in self.routes:
+    def runtime(self, key: str) -> StageRuntime:
+        if key not in self.runtimes:
             raise SpecError(f"no stage {key!r:.80} on this worker; send setup first")
-        return self.routes[key]
+        return self.runtimes[key]
 
     def sync(self, msg: Sync) -> Any:
         return None  # the requests before it have run: they run in order
 
     def fetch(self, msg: Fetch) -> Any:
         """The outputs this (last) stage kept of a call, by micro-batch: tensors, copied off a GPU."""
-        kept = self.route(msg.key).fetch(msg.call)
+        kept = self.runtime(msg.key).route.fetch(msg.call)
         if not kept:
-            raise SpecError(f"stage {self.route(msg.key).index} keeps no outputs of call {msg.call} (released?)")
+            raise SpecError(f"stage {self.runtime(msg.key).index} keeps no outputs of call {msg.call} (released?)")
         return {"outputs": self._to_host(msg.key, {mb: [[i, t] for i, t in o.items()] for mb, o in kept.items()})}
 
     def _to_host(self, key: str, value: Any) -> Any:
@@ -381,7 +380,7 @@ class WorkerSession:
 
     def loss(self, msg: Loss) -> Any:
         """A loss over an output this (last) stage kept, per micro-batch (`requests.Loss`)."""
-        route = self.route(msg.key)
+        route = self.runtime(msg.key).route
         layers = self._loss_program(msg)
 
         def run(output: torch.Tensor, mb: int) -> tuple:
@@ -420,11 +419,11 @@ class WorkerSession:
 
     def release(self, msg: Release) -> Any:
         for key, calls in msg.outputs.items():
-            if key in self.routes:
-                self.routes[key].release_outputs(calls)
+            if key in self.runtimes:
+                self.runtimes[key].route.release_outputs(calls)
         for key, calls in msg.calls.items():
-            if key in self.routes:  # a stage whose setup failed holds nothing to release
-                self.routes[key].release(calls)
+            if key in self.runtimes:  # a stage whose setup failed holds nothing to release
+                self.runtimes[key].release(calls)
             for held in [h for h in self._answers if h[0] == key and h[1] in calls]:
                 del self._answers[held]  # a failed call's answers: the driver stopped waiting
         return None
@@ -443,7 +442,7 @@ class WorkerSession:
         """Write this worker's share of a sharded checkpoint (`Save`): one new safetensors file,
         written by the time the answer comes, or in the background (`Saved` says when)."""
         self._settle_grads()
-        stages = {key: self.route(key).stage for key in msg.tensors}
+        stages = {key: self.runtime(key).route.stage for key in msg.tensors}
         self._writes[msg.file] = save_shard(msg, stages, self.optimizers, self._named_parameters(), self.id)
         return {} if msg.background else self._writes[msg.file].result()
 
@@ -461,7 +460,7 @@ class WorkerSession:
 
     def load_state(self, msg: LoadState) -> Any:
         for key, state in msg.state.items():
-            self.route(key).stage.load_state_dict(state)
+            self.runtime(key).route.stage.load_state_dict(state)
         return None
 
     # --- optimizers -------------------------------------------------------------
@@ -531,8 +530,8 @@ class WorkerSession:
             self.events = None
         elif op == "fetch":
             return {"events": self.events.drain() if self.events else []}
-        for route in self.routes.values():
-            route.events = self.events
+        for runtime in self.runtimes.values():
+            runtime.route.events = self.events
         return {"time": time.time()}
 
     def group_init(self, msg: GroupInit) -> Any:
@@ -633,7 +632,7 @@ class WorkerSession:
         self.group = None
         self.tie_groups.clear()
         self._answers.clear()
-        self.routes.clear()
+        self.runtimes.clear()
         self.stages.clear()
         self.optimizers.clear()
 

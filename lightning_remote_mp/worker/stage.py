@@ -448,7 +448,7 @@ class StageExecutor:
         grad_imports = {n: t.grad for n, t in saved.imports.items() if t.requires_grad and t.grad is not None}
         return grad_x, grad_imports
 
-    # --- backwards that run before the driver's (`lightning_remote_mp.worker.route`) ---------
+    # --- backwards that run before the driver's (`lightning_remote_mp.worker.runtime`) -------
     @contextlib.contextmanager
     def early_grads(self, call: int) -> Any:
         """Within this block, ``.grad`` of each trainable parameter is ``call``'s own: the weight

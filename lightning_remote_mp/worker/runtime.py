@@ -1,0 +1,572 @@
+"""What runs when on a worker: each stage's action list, and the driver's requests in their order.
+
+This module is the one place that decides when a worker runs something. Two things enter it:
+
+- **micro-batches** (`StageRuntime`, one per stage). Every forward call, GPipe's included, and
+  without grad too, runs its stage's list of actions from `lightning_remote_mp.schedule`: F, B
+  and W of each micro-batch in the list's order. A message brings one input of an action; inputs
+  are buffered by (call, kind, micro-batch), and an action runs when it is next on its list and
+  every input it waits for is in (the previous stage's output and the residual variables of
+  others, or the next stages' gradients). `lightning_remote_mp.worker.route.RoutedStage` runs it.
+  Under 1F1B and zero-bubble with the loss inside the model, the last stage starts each
+  micro-batch's backward at the loss, taken as 1 (an "early" call); the driver's real gradient of
+  the loss (its ``scale``) follows, and each stage adds its weight gradients times it once its
+  actions have run. Releasing a call drops what waits for it.
+- **the driver's requests** (`Order`, one per worker). They run in the order the driver sent them
+  (their ids), whichever way they came: straight from the driver, or along the pipeline
+  (`lightning_remote_mp.wire.requests.Carry`). Three things wait: a peer's micro-batch, for the
+  driver's requests its ``fence`` names (`Order.hold_back`); a request that came along the
+  pipeline, for the one the driver sent before it (`Order.next_carried`); every request the driver
+  sent after a loss's gradient (`requests.LossGrad`), until the stage has run its part of that
+  call's backward and applied it (`Order.wait`, `Order.park`): the optimizer's step on those
+  gradients, and the next call's forward, come right behind it.
+
+What the message-saving parts buy, measured (`benchmarks/README.md`, section 1h): carrying the
+driver's requests along the pipeline, the unwaited backward and `LossGrad` together 10-15% of a
+step (small model, 1F1B, loss inside the model); `LossGrad` alone 12-19%.
+
+>>> order = Order(lambda key, call: False)
+>>> order.ran(3), order.driver_ran, order.already_ran(2)
+([], 3, True)
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
+
+import torch
+
+from lightning_remote_mp import schedule
+from lightning_remote_mp.errors import LrmpError, ProtocolError
+from lightning_remote_mp.flow import DRIVER
+from lightning_remote_mp.schedule import BACKWARD, FORWARD, WEIGHTS
+from lightning_remote_mp.wire.messages import Backward, Forward
+from lightning_remote_mp.wire.protocol import CARRIED_KINDS
+from lightning_remote_mp.wire.requests import Carried, LossGrad, Release
+from lightning_remote_mp.worker.route import Outgoing, RoutedStage
+
+log = logging.getLogger(__name__)
+
+_M = TypeVar("_M", Forward, Backward)
+#: The kind of input that brings the driver's gradient of an early call's loss.
+SCALE = "S"
+
+
+@dataclasses.dataclass
+class _Plan:
+    """One call's actions on this stage (`lightning_remote_mp.schedule`), and what they wait for."""
+
+    actions: collections.deque[schedule.Action]
+    seed: int | None  # the model's output that is the loss, where the backward starts here; None: at the driver
+    schedule: str
+    microbatches: int
+    fence: dict[int, int]  # the forward's (`messages._Pipelined.fence`), which its gradients carry on
+    grad: bool  # a forward under grad: backward and weight actions follow
+    ready: dict[tuple[str, int], dict[int, Any]] = dataclasses.field(default_factory=dict)  # inputs arrived
+    outputs: dict[int, Any] = dataclasses.field(default_factory=dict)  # last stage: outputs, for the loss
+    filings: dict[int, int] = dataclasses.field(default_factory=dict)  # per micro-batch, its backward's number
+    to_driver: dict[int, Backward] = dataclasses.field(default_factory=dict)  # stage 0: input gradients, as 1
+    differentiable: list[bool] = dataclasses.field(default_factory=list)  # last stage: which outputs have a graph
+
+    @property
+    def early(self) -> bool:
+        """The backward starts at the loss on the last stage, before the driver's gradient comes."""
+        return self.seed is not None
+
+
+_LATE_READ = (
+    "the step's loss also depends on {what}, but with a schedule other than 'gpipe' the last stage "
+    "runs the backward from the loss alone, as soon as each micro-batch's forward is done: use "
+    "schedule='gpipe' for this model, or differentiate only the loss"
+)
+
+
+def _times(grad: Any, scale: torch.Tensor) -> Any:
+    if isinstance(grad, tuple):
+        return tuple(_times(g, scale) for g in grad)
+    return grad * scale.to(device=grad.device, dtype=grad.dtype) if isinstance(grad, torch.Tensor) else grad
+
+
+class StageRuntime:
+    """One stage's action lists, one per call in flight, and the inputs that wait for their action.
+
+    Args:
+        route: runs the stage's actions and addresses their outputs.
+        stages: how many stages the pipeline has (`requests.Setup.stages`; a schedule's list
+            depends on it).
+        limit: the most micro-batches (and calls) that may wait here at once.
+    """
+
+    def __init__(self, route: RoutedStage, stages: int | None = None, limit: int = 4096) -> None:
+        self.route = route
+        self.stages = stages
+        self.limit = limit
+        self._inputs: dict[tuple[int, str, int], dict[int, Any]] = {}  # (call, kind, mb) -> parts arrived so far
+        self._plans: dict[int, _Plan] = {}  # by call, while actions are left
+        # Early calls whose actions have all run, until the driver's gradient of the loss has come
+        # for every micro-batch (`_scale_ready`).
+        self._done: dict[int, _Plan] = {}
+        self._scales: dict[int, dict[int, dict[int, Backward]]] = {}  # scales all arrived, by call and micro-batch
+        self._failed: collections.OrderedDict[int, Exception] = collections.OrderedDict()  # calls whose action failed
+        self._loss_grads: dict[int, torch.Tensor | None] = {}  # the driver's (`loss_grad`), until the plan has run
+        self._released: collections.deque[int] = collections.deque(maxlen=1024)
+        #: Sends messages at once (the worker's session sets it): a list runs several actions per
+        #: message received, and the next stage waits for the first action's output, not the last's.
+        self.send_now: Callable[[list[Outgoing]], None] | None = None
+        #: A W action of a call whose backward the driver ran failed: raised when ``.grad`` is next read.
+        self.weights_failed: Exception | None = None
+
+    @property
+    def index(self) -> int:
+        return self.route.index
+
+    def _collect(self, kind: str, expected: Iterable[int], msg: _M) -> dict[int, _M] | None:
+        """File ``msg``, an input of ``kind`` (`FORWARD`, `BACKWARD`, `SCALE`) of its micro-batch,
+        with the other parts of it; all of them, once every expected sender's part is in."""
+        expected = set(expected)
+        if msg.sender not in expected:
+            raise ProtocolError(f"stage {self.index} expects no message from stage {msg.sender}")
+        if msg.call in self._released:
+            return None  # a late message of a call the driver gave up on
+        key = (msg.call, kind, msg.mb)
+        parts = self._inputs.get(key)
+        if parts is None:
+            if len(self._inputs) >= self.limit:
+                raise ProtocolError(f"stage {self.index}: more than {self.limit} micro-batches in flight")
+            parts = self._inputs[key] = {}
+        if msg.sender in parts:
+            raise ProtocolError(f"stage {self.index}: micro-batch {key} from stage {msg.sender} arrived twice")
+        parts[msg.sender] = msg
+        events = self.route.events
+        if events is not None and msg.sent_at is not None:
+            events.transfer(self.route.stage.key, msg.sender, self.index, msg.call, msg.mb, msg.sent_at, time.time())
+        if set(parts) != expected:
+            return None
+        del self._inputs[key]
+        return parts  # type: ignore[return-value]
+
+    def forward(self, msg: Forward) -> list[Outgoing]:
+        if msg.call in self._released:
+            return []  # a call the driver gave up on, whose forward waited here behind a loss gradient
+        parts = self._collect(FORWARD, self.route.sources, msg)
+        if parts is None:
+            return []
+        first = parts[self.route.x_from]
+        if first.call in self._failed:
+            return []  # an earlier action of the call failed: the driver heard of it
+        plan = self._plan_of(first)
+        self._check_mb(first, plan)
+        plan.ready[(FORWARD, first.mb)] = parts
+        return self._advance(first.call)
+
+    def backward(self, msg: Backward) -> list[Outgoing]:
+        if msg.call in self._released:
+            return []  # a late message of a call the driver gave up on
+        if msg.early and msg.call in self._failed:
+            return []
+        plan = self._plans.get(msg.call)
+        if plan is not None and plan.grad and (msg.early or not plan.early):  # a B action's input
+            self._check_mb(msg, plan)
+            parts = self._collect(BACKWARD, self.route.targets, msg)
+            if parts is None:
+                return []
+            plan.ready[(BACKWARD, msg.mb)] = parts
+            return self._advance(msg.call)
+        if plan is not None and plan.early or msg.call in self._done or msg.call in self._scales:
+            return self._scale(msg)  # the driver's gradient of a loss whose backward ran here already
+        if msg.call in self._failed:
+            self._check_applicable(msg.call)
+        if msg.early:
+            raise ProtocolError(f"stage {self.index}: an early gradient for call {msg.call}, which runs no schedule")
+        raise ProtocolError(
+            f"stage {self.index}: backward of micro-batch {(msg.call, msg.mb)} without a forward under grad"
+        )
+
+    def _plan_of(self, first: Forward) -> _Plan:
+        """``first``'s call's plan: its stage's actions under the call's schedule (GPipe where the
+        backward starts at the driver), or the forwards alone for a call without grad."""
+        plan = self._plans.get(first.call)
+        if plan is None:
+            early = first.seed is not None and first.schedule is not None and first.grad
+            name = first.schedule if early and first.schedule is not None else "gpipe"
+            stages = self.stages if self.stages is not None else (None if early else self.index + 1)
+            if stages is None or not self.index < stages:
+                raise ProtocolError(f"stage {self.index}: a schedule, but setup did not say how many stages there are")
+            if len(self._plans) >= self.limit:
+                raise ProtocolError(f"stage {self.index}: more than {self.limit} calls run a schedule at once")
+            actions = schedule.actions(name, stages, self.index, first.microbatches, grad=first.grad)
+            seed = first.seed if early else None
+            plan = self._plans[first.call] = _Plan(
+                collections.deque(actions), seed, name, first.microbatches, dict(first.fence), first.grad
+            )
+        return plan
+
+    def _check_mb(self, msg: Forward | Backward, plan: _Plan) -> None:
+        """A micro-batch of the call's plan, or a `ProtocolError` (it would wait in the plan forever)."""
+        if not 0 <= msg.mb < plan.microbatches:
+            raise ProtocolError(
+                f"stage {self.index}: micro-batch {msg.mb} of call {msg.call}, whose schedule has "
+                f"{plan.microbatches} micro-batches"
+            )
+
+    def _advance(self, call: int) -> list[Outgoing]:
+        """Run ``call``'s actions in the plan's order for as long as the next one has what it waits for.
+        A failure is kept for the call: its actions may run after the driver's forward has returned,
+        so the driver's backward learns of it (`_scale`) rather than waiting for a gradient that never comes."""
+        try:
+            return self._run_actions(call)
+        except Exception as err:
+            self._failed[call] = err
+            while len(self._failed) > self.limit:
+                self._failed.popitem(last=False)
+            self._plans.pop(call, None)
+            raise
+
+    def _run_actions(self, call: int) -> list[Outgoing]:
+        plan = self._plans[call]
+        out: list[Outgoing] = []
+        while plan.actions:
+            action = plan.actions[0]
+            if action.kind == WEIGHTS:
+                self._weights(call, action.mb, plan)
+            else:
+                parts = plan.ready.pop((action.kind, action.mb), None)
+                if parts is None:
+                    break
+                if action.kind == FORWARD:
+                    sent, y = self.route.run_forward(parts)  # type: ignore[arg-type]
+                    out += sent
+                    if plan.early and self.route.x_to == DRIVER:
+                        plan.outputs[action.mb] = y
+                        # the loss's gradient, taken as 1, is here already
+                        plan.ready[(BACKWARD, action.mb)] = {}
+                elif plan.early:
+                    out += self._early_backward(call, action.mb, parts, plan)  # type: ignore[arg-type]
+                else:
+                    out += self.route.late_backward(call, action.mb, parts)  # type: ignore[arg-type]
+            plan.actions.popleft()
+            if self.send_now is not None and out:  # each action's messages leave before the next action runs
+                self.send_now(out)
+                out = []
+        if not plan.actions:
+            del self._plans[call]
+            if plan.early:
+                self._done[call] = plan
+                if call in self._loss_grads:
+                    self._apply(call, self._loss_grads.pop(call))
+                out += self._scale_ready(call)
+        return out
+
+    def _weights(self, call: int, mb: int, plan: _Plan) -> None:
+        """A W action: the deferred weight gradients of micro-batch ``mb``'s backward (of the whole
+        call's, at its first W, where the backward started at the driver: one product, into ``.grad``)."""
+        started = time.time()
+        if plan.early:
+            self.route.stage.flush_early(call, plan.filings.pop(mb, 0))
+        else:
+            try:
+                if not self.route.stage.flush_weight_grads(call):
+                    return
+            except Exception as err:
+                # The micro-batches are reported done already and the driver may have moved on: the
+                # failure belongs to the next request that needs these gradients (step, clipping, zero_grad).
+                log.warning("stage %d: computing the deferred weight gradients failed: %s", self.index, err)
+                self.weights_failed = err
+                return
+        if self.route.events is not None:
+            mb = mb if plan.early else -1
+            self.route.events.span("weights", self.route.stage.key, self.index, call, mb, started, time.time())
+
+    def loss_grad(self, call: int, grad: torch.Tensor | None) -> bool:
+        """The driver's gradient of ``call``'s loss, straight from the driver (`requests.LossGrad`):
+        applied once the call's plan has run here. Returns whether it waits for that."""
+        if call in self._plans:
+            self._loss_grads[call] = grad
+            return True
+        self._check_applicable(call)
+        self._apply(call, grad)
+        return False
+
+    def loss_grad_waits(self, call: int) -> bool:
+        """Whether the driver's gradient of ``call``'s loss still waits for the call's plan here; an
+        action of it that failed meanwhile, or a release of the call, raises."""
+        if call in self._failed:
+            self._loss_grads.pop(call, None)
+        self._check_applicable(call)
+        return call in self._loss_grads
+
+    def _check_applicable(self, call: int) -> None:
+        failed = self._failed.get(call)
+        if failed is not None:
+            raise LrmpError(
+                f"stage {self.index}: an action of call {call}'s schedule failed before its backward: "
+                f"{type(failed).__name__}: {failed}"
+            ) from failed
+        if call in self._released:
+            raise LrmpError(f"stage {self.index}: call {call} was released before its loss's gradient was applied")
+
+    def _apply(self, call: int, grad: torch.Tensor | None) -> None:
+        if self._done.pop(call, None) is None:
+            raise ProtocolError(f"stage {self.index}: a loss gradient for call {call}, which ran no schedule here")
+        if grad is None:  # the step did not differentiate the loss: no gradient, as with GPipe
+            self.route.stage.release_early(call)
+        else:
+            self.route.stage.apply_early(call, grad)
+
+    def _early_backward(self, call: int, mb: int, parts: dict[int, Backward], plan: _Plan) -> list[Outgoing]:
+        if self.route.x_to == DRIVER:
+            y = plan.outputs.pop(mb)
+            if not isinstance(y, tuple) or not 0 <= plan.seed < len(y):
+                raise ProtocolError(f"stage {self.index}: the model has no output {plan.seed} to start the backward at")
+            loss = y[plan.seed]
+            grad_out: Any = tuple(torch.ones_like(t) if i == plan.seed else None for i, t in enumerate(y))
+            if loss.numel() != 1 or not loss.is_floating_point():
+                raise LrmpError(
+                    f"stage {self.index}: the model's output {plan.seed}, where schedule={plan.schedule!r} starts the "
+                    "backward, is no loss (one floating value per micro-batch): use schedule='gpipe' for this model"
+                )
+            key, m = self.route.stage.key, plan.microbatches
+            first: Forward | Backward = Backward(
+                key=key, call=call, mb=mb, sender=DRIVER, microbatches=m, fence=plan.fence
+            )
+        else:
+            first = parts[self.route.x_to]
+            grad_out = first.grad_out
+        grad_x, grad_imports, meta = self.route.run_backward(call, mb, grad_out, parts, early=True)
+        plan.filings[mb] = self.route.stage.filing
+        if self.route.x_to == DRIVER:
+            plan.differentiable = list(self.route.stage.differentiable)
+        outgoing = self.route.gradients(first, grad_x, grad_imports, meta, early=True)
+        if self.route.x_from == DRIVER:  # stage 0: the input's gradient waits for the driver's scale
+            plan.to_driver[mb] = next(m for target, m in outgoing if target == DRIVER and isinstance(m, Backward))
+            outgoing = [(t, m) for t, m in outgoing if t != DRIVER]
+        return outgoing
+
+    def _scale(self, msg: Backward) -> list[Outgoing]:
+        """File the driver's gradient of an early call's loss (from the driver, or passed on by the
+        next stage); once the call's actions have all run, apply it."""
+        self._check_applicable(msg.call)
+        plan = self._plans.get(msg.call) or self._done.get(msg.call)
+        if plan is not None:
+            self._check_mb(msg, plan)
+        if msg.mb in self._scales.get(msg.call, {}):
+            raise ProtocolError(f"stage {self.index}: the gradient of micro-batch {(msg.call, msg.mb)} came twice")
+        parts = self._collect(SCALE, self.route.targets, msg)
+        if parts is None:
+            return []
+        self._scales.setdefault(msg.call, {})[msg.mb] = parts
+        return self._scale_ready(msg.call)
+
+    def _scale_ready(self, call: int) -> list[Outgoing]:
+        """Once the plan of an early call has run and the driver's gradient of every micro-batch is
+        in (from each stage this one feeds), add the weight gradients times it to ``.grad``, and pass
+        it on (stage 0: the input's gradients, times it, to the driver)."""
+        plan = self._done.get(call)
+        waiting = self._scales.get(call, {})  # micro-batches whose scale came from every stage this one feeds
+        if plan is None or len(waiting) < plan.microbatches:
+            return []
+        del self._done[call], self._scales[call]
+        grads = [self._scale_of(parts[self.route.x_to], plan) for _, parts in sorted(waiting.items())]
+        scale = grads[0]
+        for mb, g in enumerate(grads):
+            if (g is None) != (scale is None) or (g is not None and scale is not None and not torch.equal(g, scale)):
+                raise LrmpError(
+                    f"stage {self.index}: the loss's micro-batches got different gradients ({scale} and "
+                    f"{g} for micro-batch {mb} of call {call}); a schedule other than 'gpipe' needs one "
+                    "for all of them (a loss that adds its micro-batches' sums): use schedule='gpipe'"
+                )
+        if scale is None:  # the step did not differentiate the loss: no gradient, as with GPipe
+            self.route.stage.release_early(call)
+        else:
+            self.route.stage.apply_early(call, scale)
+        out: list[Outgoing] = []
+        for mb, parts in sorted(waiting.items()):
+            first = parts[self.route.x_to]
+            if self.route.x_from == DRIVER:
+                done = plan.to_driver.get(mb)
+                if done is not None:
+                    grad = _times(done.grad_out, scale) if scale is not None else None
+                    out.append((DRIVER, dataclasses.replace(done, grad_out=grad)))
+                continue
+            for source in self.route.sources:
+                out.append(
+                    (
+                        source,
+                        Backward(
+                            key=self.route.stage.key,
+                            call=call,
+                            mb=mb,
+                            sender=self.index,
+                            scale=scale,
+                            fence=first.fence,
+                            microbatches=first.microbatches,
+                        ),
+                    )
+                )
+        return out
+
+    def _scale_of(self, msg: Backward, plan: _Plan) -> torch.Tensor | None:
+        """The loss's gradient a scale message brings: from the next stage, ``scale``; from the
+        driver, the output's gradient at the loss's position, and nothing at the others."""
+        if msg.sender != DRIVER:
+            return msg.scale  # None: the step did not differentiate the loss
+        if msg.loss_grads and any(g is not None for g in msg.loss_grads):
+            raise LrmpError(_LATE_READ.format(what="a loss computed over one of its other outputs"))
+        seed = plan.seed
+        grads = msg.grad_out if isinstance(msg.grad_out, tuple) else (msg.grad_out,)
+        graph = plan.differentiable
+        # A gradient for an output without a graph here (a count of tokens) goes nowhere, as in `stage.backward`.
+        others = [i for i, g in enumerate(grads) if g is not None and i != seed and i < len(graph) and graph[i]]
+        if others:
+            raise LrmpError(_LATE_READ.format(what=f"its output {others[0]}"))
+        g = grads[seed] if seed < len(grads) else None
+        return g.detach().reshape(()).float() if g is not None else None
+
+    def release(self, calls: Iterable[int]) -> None:
+        """Drop everything of these calls: the driver gave up on them, or is done with them."""
+        drop = set(calls)
+        self._released.extend(drop)
+        self.route.release(drop)
+        for key in [k for k in self._inputs if k[0] in drop]:
+            del self._inputs[key]
+        for table in (self._plans, self._done, self._scales, self._failed, self._loss_grads):
+            for call in drop:
+                table.pop(call, None)  # type: ignore[attr-defined]
+
+
+#: The most of the driver's requests a worker keeps while they wait for one that never came
+#: (each is a small request; more means the pipeline that brings them lost one on the way).
+MAX_WAITING = 4096
+
+
+class Order:
+    """The driver's requests on one worker, in their order, and the tasks waiting for them.
+
+    Args:
+        loss_grad_waits: whether the loss gradient of a call (by stage key and call) still waits for
+            the call's actions on this worker (`StageRuntime.loss_grad_waits`);
+            it raises if they failed or the call was released.
+    """
+
+    def __init__(self, loss_grad_waits: Callable[[str, int], bool]) -> None:
+        self.driver_ran = 0  # the id of the driver's last request run here (they run in order)
+        self._held_back: list[tuple[int, str, Any]] = []  # peers' micro-batches waiting for a driver request
+        self._carried: list[Carried] = []  # the driver's requests that came along the pipeline, not run yet
+        self._loss_grad_waits = loss_grad_waits
+        self._waiting: tuple[int, str, int] | None = None  # a loss gradient's (request id, stage key, call)
+        self._parked: list[Any] = []  # the driver's requests after it, in the order they came
+        #: Why the optimizer must not step: a loss's gradient that could not be applied (None: it may).
+        self.no_step: str | None = None
+
+    # --- peers' micro-batches ------------------------------------------------------------------
+    def hold_back(self, key: str, wanted: int | None, limit: int, task: Any) -> bool:
+        """Keep ``task`` (a peer's micro-batch of stage ``key``) until the driver's request ``wanted``
+        has run here; returns whether it was kept. `ran` gives it back."""
+        if wanted is None or wanted <= self.driver_ran:
+            return False
+        if sum(1 for _, held_key, _ in self._held_back if held_key == key) >= limit:
+            raise ProtocolError(f"more than {limit} micro-batches wait for driver requests that never came")
+        self._held_back.append((wanted, key, task))
+        return True
+
+    def held_back(self) -> dict[str, int]:
+        """``{"held_back": n, "waits_for": request id}`` while micro-batches wait for a driver request
+        (the heartbeat's answer carries it), else ``{}``."""
+        held = list(self._held_back)  # read by the thread answering heartbeats
+        if not held:
+            return {}
+        return {"held_back": len(held), "waits_for": min(wanted for wanted, _, _ in held)}
+
+    def ran(self, req_id: int) -> list[Any]:
+        """The driver's request ``req_id`` has run here (0: a peer's message has): the tasks that
+        may run now, in the order they came: the driver's requests that waited behind a loss's
+        gradient, once it is applied, then peers' micro-batches."""
+        # The loss gradient that waits, and what was parked behind it, have not run.
+        waiting = self._waiting
+        kept = waiting is not None and (req_id == waiting[0] or any(r.id == req_id for r in self._parked))
+        ready = self._settle() if waiting is not None else []
+        if not kept:
+            self.driver_ran = max(self.driver_ran, req_id)
+        if self._held_back:
+            ready += [task for wanted, _, task in self._held_back if wanted <= self.driver_ran]
+            self._held_back = [held for held in self._held_back if held[0] > self.driver_ran]
+        return ready
+
+    # --- the driver's requests that came along the pipeline ------------------------------------
+    def keep_carried(self, mine: list[Carried], where: str) -> None:
+        """Keep the driver's requests a `Carry` brought for this worker, to run in their turn."""
+        mine = [c for c in mine if c.id > self.driver_ran]
+        if len(self._carried) + len(mine) > MAX_WAITING:
+            raise ProtocolError(
+                f"{where}: more than {MAX_WAITING} of the driver's requests wait for ones that never came"
+            )
+        known = {c.id for c in self._carried}
+        self._carried = sorted([*self._carried, *(c for c in mine if c.id not in known)], key=lambda c: c.id)
+
+    def next_carried(self) -> Carried | None:
+        """The driver's request that came along the pipeline and runs next: the first, once the
+        request before it has run; ``None`` while none may run. One that came the short way too,
+        and ran, is dropped: each of the driver's requests runs once."""
+        if not self._carried:
+            return None  # asked after every request: nothing to build while none came this way
+        self._carried = [c for c in self._carried if c.id > self.driver_ran]
+        if self._carried and self._carried[0].after <= self.driver_ran:
+            return self._carried.pop(0)
+        return None
+
+    def already_ran(self, req_id: int) -> bool:
+        """Whether the driver's request ``req_id`` ran already: it came along the pipeline first, and
+        this is the copy the driver sent straight here; or it waited behind a loss gradient whose
+        call the driver released, with a later id (`park`)."""
+        return req_id <= self.driver_ran
+
+    def admit(self, request: Any) -> bool:
+        """Whether the driver's ``request`` (a `lightning_remote_mp.worker.dispatch.Request`) runs
+        now: not while a loss gradient before it waits (`park` keeps it), nor a second time (a
+        request that came along the pipeline first, `already_ran`)."""
+        if self.park(request):
+            return False
+        return not (request.kind in CARRIED_KINDS and self.already_ran(request.id))
+
+    # --- requests behind a loss's gradient -----------------------------------------------------
+    def wait(self, req_id: int, msg: LossGrad) -> None:
+        """The driver's request ``req_id``, ``msg``, waits for its call's actions here: it has not
+        run yet, and neither may any request the driver sent after it (`park`)."""
+        self._waiting = (req_id, msg.key, msg.call)
+
+    def park(self, request: Any) -> bool:
+        """Keep the driver's ``request`` (a `lightning_remote_mp.worker.dispatch.Request`) while a
+        loss gradient sent before it waits; returns whether it was kept. A release of that call
+        goes at once: the driver gave up on it. The requests parked behind the gradient then run in
+        their order, but for the quiet ones (the step on it), which the release's later id shows as
+        run already: they are skipped (`already_ran`)."""
+        if self._waiting is None or 0 < request.id <= self._waiting[0]:  # 0: a `Carry` the driver sent after it
+            return False
+        _, key, call = self._waiting
+        if isinstance(request.message, Release) and call in request.message.calls.get(key, ()):
+            return False
+        if len(self._parked) >= MAX_WAITING:
+            raise ProtocolError(f"more than {MAX_WAITING} of the driver's requests wait behind call {call}'s backward")
+        self._parked.append(request)
+        return True
+
+    def _settle(self) -> list[Any]:
+        """The parked requests, once the waiting loss gradient is applied, failed or released."""
+        assert self._waiting is not None
+        req_id, key, call = self._waiting
+        try:
+            if self._loss_grad_waits(key, call):
+                return []
+            self.no_step = None
+        except Exception as err:  # its actions failed (the driver hears of it from them) or it was released
+            log.warning("the loss's gradient of call %d of %r was not applied: %s", call, key, err)
+            self.no_step = f"the loss's gradient of call {call} of {key!r} was not applied here: {err}"
+        self._waiting = None
+        self.driver_ran = max(self.driver_ran, req_id)
+        parked, self._parked = self._parked, []
+        return parked
