@@ -33,6 +33,7 @@ from typing import Any, ClassVar, TypeVar
 import torch
 
 from lightning_remote_mp.errors import ProtocolError
+from lightning_remote_mp.schedule import SCHEDULES
 
 #: A field's check: ``(kind, field name, received value) -> the field's value``; raises `ProtocolError`.
 Check = Callable[[str, str, Any], Any]
@@ -149,6 +150,88 @@ def is_str_keyed(value: Any) -> bool:
 
 def anything(value: Any) -> bool:
     return True
+
+
+# --- what the pipeline's values must be (declared here with the checks, so reading a message runs
+# --- in this one module: `lightning_remote_mp.wire.messages`, `lightning_remote_mp.wire.requests`)
+
+
+def is_bool(value: Any) -> bool:
+    return type(value) is bool
+
+
+def is_index(value: Any) -> bool:
+    """A request id, an output's position: an int >= 0."""
+    return type(value) is int and value >= 0
+
+
+def is_int_list(value: Any) -> bool:
+    return isinstance(value, list) and all(map(is_int, value))
+
+
+def is_direction(value: Any) -> bool:
+    """Down the pipeline (1) or up it (-1)."""
+    return value in (1, -1)
+
+
+def is_shape(value: Any) -> bool:
+    return isinstance(value, list) and all(type(d) is int and d >= 0 for d in value)
+
+
+def is_tensor_or_none(value: Any) -> bool:
+    return value is None or isinstance(value, torch.Tensor)
+
+
+def is_flag(value: Any) -> bool:
+    """A ``requires_grad`` entry: a bool per variable, and for the main value a bool or one per element."""
+    return isinstance(value, bool) or (isinstance(value, list) and all(type(f) is bool for f in value))
+
+
+def is_autocast(value: Any) -> bool:
+    """``{"enabled": bool, "dtype": a torch dtype or None}``."""
+    return (
+        isinstance(value, dict)
+        and type(value.get("enabled")) is bool
+        and (value.get("dtype") is None or isinstance(value["dtype"], torch.dtype))
+    )
+
+
+def is_grad_out(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) or (
+        isinstance(value, tuple) and all(g is None or isinstance(g, torch.Tensor) for g in value)
+    )
+
+
+def is_schedule(value: Any) -> bool:
+    return value in SCHEDULES
+
+
+def is_scalar(value: Any) -> bool:
+    """A floating tensor of one value (a loss's gradient)."""
+    return isinstance(value, torch.Tensor) and value.numel() == 1 and value.is_floating_point()
+
+
+def count(kind: str, name: str, value: Any) -> int:
+    """A positive count (``microbatches``: 1 where a sender leaves it out)."""
+    if INT(kind, name, value) < 1:
+        raise refuse(kind, f"field {name!r} must be at least 1, got {value}")
+    return value
+
+
+def true_only(value: Any) -> bool:
+    return value is True
+
+
+def true_or_none(value: Any) -> bool | None:
+    return True if value is True else None
+
+
+def float_or_none(value: Any) -> float | None:
+    return value if isinstance(value, float) else None
+
+
+def bool_or_list_or_none(value: Any) -> Any:
+    return value if isinstance(value, (bool, list)) else None
 
 
 # --- writers: how a field's value goes into a body (plain lists and dicts, as msgpack sends them) --

@@ -27,78 +27,38 @@ from typing import Any, ClassVar
 import torch
 
 from lightning_remote_mp.flow import is_main
-from lightning_remote_mp.schedule import SCHEDULES
 from lightning_remote_mp.wire import protocol
 from lightning_remote_mp.wire.fields import (
     INT,
     STR,
     Body,
+    bool_or_list_or_none,
+    count,
     field,
+    float_or_none,
+    is_autocast,
+    is_bool,
+    is_flag,
+    is_grad_out,
+    is_index,
     is_int,
+    is_scalar,
+    is_schedule,
+    is_shape,
     is_str,
+    is_tensor_or_none,
     lenient,
     list_of,
     map_of,
     must,
-    refuse,
+    true_only,
+    true_or_none,
 )
-
-
-def _is_request_id(value: Any) -> bool:
-    return type(value) is int and value >= 0
-
-
-def _is_shape(value: Any) -> bool:
-    return isinstance(value, list) and all(type(d) is int and d >= 0 for d in value)
-
-
-def _is_tensor_or_none(value: Any) -> bool:
-    return value is None or isinstance(value, torch.Tensor)
-
-
-def _is_flag(value: Any) -> bool:
-    """A ``requires_grad`` entry: a bool per variable, and for the main value a bool or one per element."""
-    return isinstance(value, bool) or (isinstance(value, list) and all(type(f) is bool for f in value))
 
 
 def _tensors() -> Any:
     """A ``{name: tensor}`` field (values may be ``None`` where no gradient exists)."""
-    return field(map_of(is_str, _is_tensor_or_none, "names to tensors"), default_factory=dict, write=dict)
-
-
-def _is_autocast(value: Any) -> bool:
-    """``{"enabled": bool, "dtype": a torch dtype or None}``."""
-    return (
-        isinstance(value, dict)
-        and type(value.get("enabled")) is bool
-        and (value.get("dtype") is None or isinstance(value["dtype"], torch.dtype))
-    )
-
-
-def _is_grad_out(value: Any) -> bool:
-    return isinstance(value, torch.Tensor) or (
-        isinstance(value, tuple) and all(g is None or isinstance(g, torch.Tensor) for g in value)
-    )
-
-
-def _is_schedule(value: Any) -> bool:
-    return value in SCHEDULES
-
-
-def _is_position(value: Any) -> bool:
-    return type(value) is int and value >= 0
-
-
-def is_scalar(value: Any) -> bool:
-    """A floating tensor of one value (a loss's gradient)."""
-    return isinstance(value, torch.Tensor) and value.numel() == 1 and value.is_floating_point()
-
-
-def _count(kind: str, name: str, value: Any) -> int:
-    """``microbatches``: a positive count (1 where a sender leaves it out)."""
-    if INT(kind, name, value) < 1:
-        raise refuse(kind, f"field {name!r} must be at least 1, got {value}")
-    return value
+    return field(map_of(is_str, is_tensor_or_none, "names to tensors"), default_factory=dict, write=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,11 +84,11 @@ class _Pipelined(Body):
     call: int = field(INT)
     mb: int = field(INT)
     sender: int = field(INT, wire="from")
-    sent_at: float | None = field(lenient(lambda v: v if isinstance(v, float) else None), default=None)
+    sent_at: float | None = field(lenient(float_or_none), default=None)
     fence: dict[int, int] = field(
-        map_of(is_int, _is_request_id, "stage numbers to request ids"), default_factory=dict, write=dict
+        map_of(is_int, is_index, "stage numbers to request ids"), default_factory=dict, write=dict
     )
-    microbatches: int = field(_count, default=1)
+    microbatches: int = field(count, default=1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,19 +123,19 @@ class Forward(_Pipelined):
 
     x: Any = field(must(is_main, "'x' must be a tensor or a tuple of tensors"), default=None)
     vars: dict[str, Any] = _tensors()
-    requires_grad: dict[str, Any] = field(map_of(is_str, _is_flag, "names to bools"), default_factory=dict, write=dict)
-    grad: bool = field(lenient(lambda v: v is True), default=False)
+    requires_grad: dict[str, Any] = field(map_of(is_str, is_flag, "names to bools"), default_factory=dict, write=dict)
+    grad: bool = field(lenient(true_only), default=False)
     autocast: dict[str, Any] | None = field(
-        must(_is_autocast, "'autocast' must be {'enabled': bool, 'dtype': a torch dtype}"), default=None
+        must(is_autocast, "'autocast' must be {'enabled': bool, 'dtype': a torch dtype}"), default=None
     )
-    modes: bool | list[Any] | None = field(lenient(lambda v: v if isinstance(v, (bool, list)) else None), default=None)
-    checkpoint: bool = field(lenient(lambda v: v is True), default=False)
-    keep: list[bool] | None = field(list_of(lambda v: type(v) is bool, "bools"), default=None, omit_none=True)
+    modes: bool | list[Any] | None = field(lenient(bool_or_list_or_none), default=None)
+    checkpoint: bool = field(lenient(true_only), default=False)
+    keep: list[bool] | None = field(list_of(is_bool, "bools"), default=None, omit_none=True)
     shapes: dict[int, list[int]] | None = field(
-        map_of(is_int, _is_shape, "output positions to shapes"), default=None, omit_none=True
+        map_of(is_int, is_shape, "output positions to shapes"), default=None, omit_none=True
     )
-    schedule: str | None = field(must(_is_schedule, "'schedule' must name a schedule"), default=None, omit_none=True)
-    seed: int | None = field(must(_is_position, "'seed' must be an output position"), default=None, omit_none=True)
+    schedule: str | None = field(must(is_schedule, "'schedule' must name a schedule"), default=None, omit_none=True)
+    seed: int | None = field(must(is_index, "'seed' must be an output position"), default=None, omit_none=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,12 +158,12 @@ class Backward(_Pipelined):
 
     KIND: ClassVar[str] = protocol.BACKWARD
 
-    grad_out: Any = field(must(_is_grad_out, "'grad_out' must be a tensor, a tuple of tensors or None"), default=None)
+    grad_out: Any = field(must(is_grad_out, "'grad_out' must be a tensor, a tuple of tensors or None"), default=None)
     grads: dict[str, Any] = _tensors()
     loss_grads: list[Any] | None = field(
-        list_of(_is_tensor_or_none, "tensors or None"), default=None, omit_none=True, write=list
+        list_of(is_tensor_or_none, "tensors or None"), default=None, omit_none=True, write=list
     )
-    early: bool | None = field(lenient(lambda v: True if v is True else None), default=None, omit_none=True)
+    early: bool | None = field(lenient(true_or_none), default=None, omit_none=True)
     scale: torch.Tensor | None = field(
         must(is_scalar, "'scale' must be a floating tensor of one value"), default=None, omit_none=True
     )

@@ -50,7 +50,10 @@ from lightning_remote_mp.wire.fields import (
     as_list_of_dicts,
     choice,
     field,
+    is_direction,
     is_int,
+    is_int_list,
+    is_scalar,
     is_str,
     is_str_keyed,
     is_tensor,
@@ -63,7 +66,7 @@ from lightning_remote_mp.wire.fields import (
 )
 from lightning_remote_mp.wire.grads import Grads
 from lightning_remote_mp.wire.keys import is_z85_key
-from lightning_remote_mp.wire.messages import Backward, Forward, is_scalar
+from lightning_remote_mp.wire.messages import Backward, Forward
 from lightning_remote_mp.wire.state import (
     GetOptimState,
     GetState,
@@ -205,10 +208,6 @@ class Setup(Body):
             raise refuse(cls.KIND, "needs the stage's 'state', 'files', an 'init_seed', or the stage it 'borrows'")
 
 
-def _is_call_list(value: Any) -> bool:
-    return isinstance(value, list) and all(map(is_int, value))
-
-
 def _lists(value: Mapping[str, Sequence[int]]) -> dict[str, list[int]]:
     return {k: list(v) for k, v in value.items()}
 
@@ -222,9 +221,9 @@ class Release(Body):
 
     KIND: ClassVar[str] = protocol.RELEASE
 
-    calls: Mapping[str, Sequence[int]] = field(map_of(is_str, _is_call_list, "keys to lists of calls"), write=_lists)
+    calls: Mapping[str, Sequence[int]] = field(map_of(is_str, is_int_list, "keys to lists of calls"), write=_lists)
     outputs: Mapping[str, Sequence[int]] = field(
-        map_of(is_str, _is_call_list, "keys to lists of calls"), default_factory=dict, write=_lists
+        map_of(is_str, is_int_list, "keys to lists of calls"), default_factory=dict, write=_lists
     )
 
 
@@ -526,7 +525,7 @@ class Carry(Body):
     key: str = field(STR)
     call: int = field(INT)
     sender: int = field(INT, wire="from")
-    toward: int = field(must(lambda v: v in (1, -1), "field 'toward' must be 1 or -1"))
+    toward: int = field(must(is_direction, "field 'toward' must be 1 or -1"))
     requests: Mapping[int, Sequence[Carried]] = field(
         _carried, write=lambda m: {stage: [c.wire() for c in entries] for stage, entries in m.items()}
     )

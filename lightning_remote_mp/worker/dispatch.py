@@ -84,15 +84,6 @@ def parse(peer: bytes, msg: protocol.Message) -> Request:
     return Request(peer, msg.kind, msg.id, msg.session, message, from_peer=from_peer)
 
 
-def next_carried(session: WorkerSession, driver: bytes) -> Request | None:
-    """The driver's request that came along the pipeline and runs next (`Order.next_carried`),
-    as a request from ``driver`` (the driver's identity on the server socket), or ``None``."""
-    carried = session.order.next_carried()
-    if carried is None:
-        return None
-    return Request(driver, carried.request.KIND, carried.id, session.id, carried.request)
-
-
 def device_failed(err: BaseException) -> bool:
     """A CUDA error: after one, the device's context is unusable for every later request too."""
     accelerator_error = getattr(torch, "AcceleratorError", None)

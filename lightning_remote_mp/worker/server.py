@@ -38,7 +38,7 @@ from lightning_remote_mp.wire.requests import Hello
 from lightning_remote_mp.wire.traffic import MIN_PROGRESS, Traffic
 from lightning_remote_mp.worker import allocator
 from lightning_remote_mp.worker.auth import DRIVER, WorkerAuth
-from lightning_remote_mp.worker.dispatch import DROP, NEW, Dispatch, Request, error_body, next_carried, parse
+from lightning_remote_mp.worker.dispatch import DROP, NEW, Dispatch, Request, error_body, parse
 from lightning_remote_mp.worker.outbox import DEFAULT_PEER_TIMEOUT, Outbox
 from lightning_remote_mp.worker.session import WorkerSession, describe_device
 from lightning_remote_mp.worker.signals import SignalWakeup
@@ -648,10 +648,12 @@ class WorkerServer:
             self._busy_since = None
             if not own:
                 self._last_busy = time.monotonic()
-        if session is not None:  # a peer's message may complete what requests wait for (`Order.ran`)
-            self._pending.extendleft(reversed(session.order.ran(request.id if from_driver else 0)))
-        if session is not None and (carried := next_carried(session, self._outbox.driver_peer or request.peer)):
-            self._pending.appendleft(carried)  # the driver's request that came along the pipeline: it runs next
+        if session is not None:  # what waited for this request may run now, the driver's carried request first
+            ready, carried = session.order.after(request.id if from_driver else 0)
+            self._pending.extendleft(reversed(ready))
+            if carried is not None:
+                driver = self._outbox.driver_peer or request.peer
+                self._pending.appendleft(Request(driver, carried.request.KIND, carried.id, session.id, carried.request))
         if frames is not None:
             if self._outbox.holding:
                 self._outbox.hold_reply(request.peer, frames)  # after the pipelined messages before it
