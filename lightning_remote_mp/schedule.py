@@ -224,6 +224,19 @@ def peak_in_flight(row: Sequence[Action]) -> int:
     return peak
 
 
+def format_row(row: Sequence[Action], marked: Action, around: int = 8) -> str:
+    """One stage's list with ``marked`` in brackets (an error names the action that failed), cut
+    to ``around`` actions either side of it.
+
+    >>> format_row(actions("gpipe", 2, 1, 2), Action(1, BACKWARD, 0))
+    '1F0 1F1 [1B0] 1B1 1W0 1W1'
+    """
+    at = list(row).index(marked) if marked in row else 0
+    start, end = max(0, at - around), min(len(row), at + around + 1)
+    cells = [f"[{a}]" if a == marked else str(a) for a in row[start:end]]
+    return " ".join(["...", *cells][start == 0 :] + (["..."] if end < len(row) else []))
+
+
 def format_grid(lists: Sequence[Sequence[Action]], spans: Mapping[Action, tuple[float, float]] | None = None) -> str:
     """The lists as a time-step x stage grid, each action in the step it starts in when every action
     costs one step (as torch's ``_format_pipeline_order`` draws them). ``spans``: the starts to use

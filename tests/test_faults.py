@@ -269,6 +269,8 @@ def test_a_failed_backward_the_driver_did_not_wait_for_is_raised_and_the_step_af
         trainer(strategy, epochs=1).fit(remote, data())
     text = str(info.value)
     assert "backward 2 failed on purpose" in text and "during backward of call 2" in text, text
+    # The error quotes the stage's action list for the call, the failing action marked.
+    assert "stage 1's actions for call 2 (gpipe): 1F0 [1B0] 1W0" in text, text
     assert info.value.address == pool[1] and info.value.stage == 1, text
     assert len(local.losses) == len(remote.losses) == 2
     assert_same_losses(local.losses, remote.losses)

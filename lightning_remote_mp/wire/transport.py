@@ -557,8 +557,9 @@ class Connection:
         if layer is not None:
             where += f", layer {layer}" + (f" ({body['layer_name']})" if body.get("layer_name") else "")
         doing = f" during {what}" if what else ""
+        actions = f"\n{body['actions']}" if isinstance(body.get("actions"), str) else ""
         err = WorkerError(
-            f"{where} raised {rtype}{doing}: {rmsg}",
+            f"{where} raised {rtype}{doing}: {rmsg}{actions}",
             **self.located(),
             layer=layer,
             remote_type=rtype,
@@ -580,7 +581,7 @@ class Connection:
             self._sock.close(0)
 
 
-_ERROR_FIELDS = frozenset({"type", "message", "traceback", "layer", "layer_name"})
+_ERROR_FIELDS = frozenset({"type", "message", "traceback", "layer", "layer_name", "actions"})
 
 OVERDUE_CAUSES = (
     "A layer that never returns, a deadlock, or a step slower than call_timeout: raise call_timeout=... "

@@ -102,6 +102,9 @@ def error_body(err: BaseException, session: WorkerSession | None = None, *, trac
         "traceback": "".join(traceback.format_exception(type(err), err, err.__traceback__, limit=8)) if trace else "",
         "layer": layer if isinstance(layer, int) else None,
     }
+    actions = getattr(err, "lrmp_actions", None)
+    if isinstance(actions, str):
+        body["actions"] = actions  # the stage's action list, the failing action marked (`runtime.StageRuntime`)
     if body["layer"] is not None and session is not None:
         for stage in session.stages.values():
             if name := stage.layer_name(body["layer"]):

@@ -33,6 +33,7 @@ step (small model, 1F1B, loss inside the model); `LossGrad` alone 12-19%.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import logging
 import time
@@ -224,7 +225,13 @@ class StageRuntime:
             self._failed[call] = err
             while len(self._failed) > self.limit:
                 self._failed.popitem(last=False)
-            self._plans.pop(call, None)
+            plan = self._plans.pop(call, None)
+            if plan is not None and plan.actions:  # the error reply quotes the list, the failing action marked
+                stages = self.stages or self.index + 1
+                listing = schedule.actions(plan.schedule, stages, self.index, plan.microbatches, grad=plan.grad)
+                where = f"stage {self.index}'s actions for call {call} ({plan.schedule})"
+                with contextlib.suppress(AttributeError):  # an exception type that takes no attributes
+                    err.lrmp_actions = f"{where}: {schedule.format_row(listing, plan.actions[0])}"  # type: ignore[attr-defined]
             raise
 
     def _run_actions(self, call: int) -> list[Outgoing]:
