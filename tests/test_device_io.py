@@ -76,7 +76,7 @@ def test_held_messages_leave_in_order_once_their_copy_is_done(outbox):
     box, driver = outbox
     copy = Copy()
     box.to_driver(protocol.RESULT, {"mb": 0, "x": torch.ones(3)}, ready=copy, about={"mb": 0})
-    assert box.holding
+    assert box.held
     box.to_driver(protocol.RESULT, {"mb": 1})  # no copy of its own, but behind one: held too
     box.hold_reply(box.driver_peer, protocol.encode(protocol.OK, 7, "s", {"step": True}))
     box.flush()
@@ -86,7 +86,7 @@ def test_held_messages_leave_in_order_once_their_copy_is_done(outbox):
     got = _arrived(driver)
     assert [(m.kind, m.id) for m in got] == [("result", 0), ("result", 0), ("ok", 7)]
     assert [m.body.get("mb") for m in got[:2]] == [0, 1] and got[0].body["x"].tolist() == [1.0] * 3
-    assert not box.holding
+    assert not box.held
     box.to_driver(protocol.RESULT, {"mb": 2})  # nothing held: it goes at once
     assert [m.body["mb"] for m in _arrived(driver)] == [2]
 
@@ -100,7 +100,7 @@ def test_the_serving_loop_is_woken_when_a_copy_is_done_not_before(outbox):
     copy.finish()
     assert wake.poll(5000), "not woken when the copy was done"
     wake.recv()
-    assert box.flush() is None and not box.holding
+    assert box.flush() is None and not box.held
     assert [m.body["mb"] for m in _arrived(driver)] == [0]
 
 
@@ -118,7 +118,7 @@ def test_a_held_send_that_fails_is_reported_for_its_micro_batch(outbox):
     assert retry is not None and retry < 0.1, "a peer that cannot take a message yet blocks the serving loop"
     assert _arrived(driver, wait_ms=100) == [], "reported before peer_timeout"
     deadline = time.monotonic() + 5
-    while box.holding and time.monotonic() < deadline:
+    while box.held and time.monotonic() < deadline:
         time.sleep(retry)
         retry = box.flush()
     error, after = _arrived(driver)
@@ -319,9 +319,9 @@ def _in_process_pipeline_equals_local(device: str, make_io) -> None:
         assert all(s._outbox._copies is not None for s in servers), "no message was held for its copy"
         # A held message leaves the outbox just after it is sent: the driver may have it a moment before.
         deadline = time.monotonic() + 2.0
-        while any(s._outbox.holding for s in servers) and time.monotonic() < deadline:
+        while any(s._outbox.held for s in servers) and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert not any(s._outbox.holding for s in servers)
+        assert not any(s._outbox.held for s in servers)
     finally:
         session.close()
         for server in servers:

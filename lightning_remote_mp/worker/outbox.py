@@ -114,12 +114,10 @@ class Outbox:
         self.driver_limits = protocol.DEFAULT_LIMITS  # what the session's driver accepts (its HELLO)
         self.peer_keys: dict[str, bytes] = {}  # address -> public key, announced by the driver
         self._peers: dict[str, zmq.Socket] = {}
-        self._held: collections.deque[_Held] = collections.deque()
+        #: Messages waiting for their tensors' copies off the GPU, in order (a plain attribute: the
+        #: serving loop reads it after every request). Never any on CPU.
+        self.held: collections.deque[_Held] = collections.deque()
         self._copies: _CopyWaiter | None = None  # started by the first held copy: never on CPU
-
-    @property
-    def holding(self) -> bool:
-        return bool(self._held)
 
     def to_driver(
         self,
@@ -132,7 +130,7 @@ class Outbox:
         """Send to the driver (from a request's handler: the socket is taken for the send), floating
         tensors compressed as ``compression`` says (`protocol.COMPRESSIONS`)."""
         frames = protocol.encode(kind, 0, self.session, body, compression=compression)
-        if ready is not None or self._held:
+        if ready is not None or self.held:
             self._hold(_Held(frames, ready, about or {}, driver=self.driver_peer))
             return
         with self.holder.socket():
@@ -145,7 +143,7 @@ class Outbox:
         wake-up of the driver, for a call's answers. Each bundle stays within the driver's limits
         (its HELLO says them); messages whose tensors are still being copied off a GPU go one by
         one, in order."""
-        if self._held or any(ready is not None for _, ready, _ in answers):
+        if self.held or any(ready is not None for _, ready, _ in answers):
             for body, ready, about in answers:
                 self.to_driver(kind, body, ready, about, compression)
             return
@@ -165,7 +163,7 @@ class Outbox:
     ) -> None:
         frames = protocol.encode(kind, 0, self.session, body, compression=compression)
         held = _Held(frames, ready, about or {}, peer=address, kind=kind)
-        if ready is not None or self._held:
+        if ready is not None or self.held:
             self._hold(held)
             return
         while not self._offer(held):  # raises once the peer has refused it for peer_timeout
@@ -176,7 +174,7 @@ class Outbox:
         self._hold(_Held(frames, None, {}, driver=peer))
 
     def _hold(self, held: _Held) -> None:
-        self._held.append(held)
+        self.held.append(held)
         if held.ready is not None:
             if self._copies is None:
                 self._copies = _CopyWaiter(self.wake_endpoint)
@@ -193,13 +191,13 @@ class Outbox:
         that fails is reported to the driver as its micro-batch's ERROR; so is a failed copy, which
         is then raised: after a CUDA error the device is unusable, and the worker stops.
         """
-        while self._held:
-            held = self._held[0]
+        while self.held:
+            held = self.held[0]
             try:
                 if held.ready is not None and not held.ready.query():
                     return None
             except Exception as err:
-                self._held.popleft()
+                self.held.popleft()
                 self._report(err, held.about)
                 raise
             try:
@@ -209,7 +207,7 @@ class Outbox:
                     return PEER_RETRY
             except Exception as err:
                 self._report(err, held.about)
-            self._held.popleft()
+            self.held.popleft()
         return None
 
     def _offer(self, held: _Held) -> bool:
@@ -258,7 +256,7 @@ class Outbox:
         return sock
 
     def close_peers(self) -> None:
-        self._held.clear()  # the session's messages: its driver is gone
+        self.held.clear()  # the session's messages: its driver is gone
         for sock in self._peers.values():
             sock.close(0)
         self._peers.clear()

@@ -606,7 +606,7 @@ class WorkerServer:
             while not self._stop.is_set():
                 # Read before each queued request too (heartbeats are answered between them). None queued:
                 # sleep until a message, the session's expiry or a held message's retry. Idle uses no CPU.
-                retry = self._outbox.flush() if self._outbox.holding else None
+                retry = self._outbox.flush() if self._outbox.held else None
                 ready = dict(poller.poll(0 if self._pending else self._poll_timeout(retry)))
                 self._on_ready(ready, self._serving_rx)
                 self._expire_session()
@@ -655,7 +655,7 @@ class WorkerServer:
                 driver = self._outbox.driver_peer or request.peer
                 self._pending.appendleft(Request(driver, carried.request.KIND, carried.id, session.id, carried.request))
         if frames is not None:
-            if self._outbox.holding:
+            if self._outbox.held:
                 self._outbox.hold_reply(request.peer, frames)  # after the pipelined messages before it
             else:
                 self.sock.send_multipart([request.peer, *frames], copy=False)
