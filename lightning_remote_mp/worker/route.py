@@ -64,6 +64,7 @@ class RoutedStage:
 
     def __init__(self, stage: StageExecutor, sources: Routes, targets: Routes) -> None:
         self.stage = stage
+        self.index = stage.index
         self.sources = dict(sources)  # sender stage -> the variables it brings (checked by `requests.Setup`)
         self.targets = dict(targets)
         self.x_from = stage.index - 1 if stage.index > 0 else DRIVER
@@ -76,10 +77,6 @@ class RoutedStage:
         # the output as the loss read it, the loss's value the backward's gradient is for).
         self._losses: dict[tuple[int, int], list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
         self.events: EventLog | None = None  # set while the driver records a timeline
-
-    @property
-    def index(self) -> int:
-        return self.stage.index
 
     def run_forward(self, parts: dict[int, Forward]) -> tuple[list[Outgoing], Any]:
         """Run a micro-batch's forward (an F action): the messages that take its outputs on, and

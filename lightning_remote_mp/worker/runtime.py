@@ -105,6 +105,7 @@ class StageRuntime:
 
     def __init__(self, route: RoutedStage, stages: int | None = None, limit: int = 4096) -> None:
         self.route = route
+        self.index = route.index
         self.stages = stages
         self.limit = limit
         self._inputs: dict[tuple[int, str, int], dict[int, Any]] = {}  # (call, kind, mb) -> parts arrived so far
@@ -121,10 +122,6 @@ class StageRuntime:
         self.send_now: Callable[[list[Outgoing]], None] | None = None
         #: A W action of a call whose backward the driver ran failed: raised when ``.grad`` is next read.
         self.weights_failed: Exception | None = None
-
-    @property
-    def index(self) -> int:
-        return self.route.index
 
     def _collect(self, kind: str, expected: Iterable[int], msg: _M) -> dict[int, _M] | None:
         """File ``msg``, an input of ``kind`` (`FORWARD`, `BACKWARD`, `SCALE`) of its micro-batch,
