@@ -501,11 +501,12 @@ class Order:
             self._held_back = [held for held in self._held_back if held[0] > self.driver_ran]
         return ready
 
-    def after(self, req_id: int) -> tuple[list[Any], Carried | None]:
+    def after(self, req_id: int) -> tuple[list[Any], list[Carried]]:
         """The driver's request ``req_id`` has run here (0: a peer's message has): the tasks that
         may run now (`ran`), and the driver's request that came along the pipeline and runs before
-        them (`next_carried`)."""
-        return self.ran(req_id), self.next_carried()
+        them (`next_carried`), if one may."""
+        ready, carried = self.ran(req_id), self.next_carried()
+        return ready, [carried] if carried is not None else []
 
     # --- the driver's requests that came along the pipeline ------------------------------------
     def keep_carried(self, mine: list[Carried], where: str) -> None:

@@ -650,10 +650,9 @@ class WorkerServer:
                 self._last_busy = time.monotonic()
         if session is not None:  # what waited for this request may run now, the driver's carried request first
             ready, carried = session.order.after(request.id if from_driver else 0)
-            self._pending.extendleft(reversed(ready))
-            if carried is not None:
-                driver = self._outbox.driver_peer or request.peer
-                self._pending.appendleft(Request(driver, carried.request.KIND, carried.id, session.id, carried.request))
+            driver = self._outbox.driver_peer or request.peer
+            carried_requests = [Request(driver, c.request.KIND, c.id, session.id, c.request) for c in carried]
+            self._pending.extendleft(reversed([*carried_requests, *ready]))
         if frames is not None:
             if self._outbox.held:
                 self._outbox.hold_reply(request.peer, frames)  # after the pipelined messages before it
