@@ -124,8 +124,8 @@ class DeferredLossGrads:
         """Wait for the replies to ``syncs`` (a SYNC request per connection), raising any failure."""
         got = gather(
             self.spec.conns,
-            lambda c, m: id(c) in syncs and m.id == syncs[id(c)][1],
             len(syncs),
+            replies={conn_id: req_id for conn_id, (_, req_id) in syncs.items()},
             call=call,
             what=late[call],
             late=late,

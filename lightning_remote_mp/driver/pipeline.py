@@ -296,12 +296,11 @@ class RemoteSpec:
         replica_of = {id(row[end].conn): r for r, row in enumerate(self.replicas)}
         got = gather(
             self.conns,
-            lambda c, m: (
-                m.kind == kind and id(c) in replica_of and isinstance(m.body, dict) and m.body.get("call") == call
-            ),
             count,
             call=call,
             what=what,
+            kind=kind,
+            sources=[row[end].conn for row in self.replicas],
             patience=max(map(len, sizes), default=1),  # a stage answers a call's micro-batches together
             late={c: self.loss_grads.what(c) for c in late},
         )

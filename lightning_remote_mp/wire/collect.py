@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 import zmq
 
@@ -24,15 +24,19 @@ log = logging.getLogger(__name__)
 
 def gather(
     conns: Sequence[Connection],
-    want: Callable[[Connection, protocol.Message], bool],
     count: int,
     *,
     call: int,
     what: str,
+    kind: str = "",
+    sources: Collection[Connection] = (),
+    replies: Mapping[int, int] | None = None,
     patience: int = 1,
     late: Mapping[int, str] | None = None,
 ) -> list[tuple[Connection, protocol.Message]]:
-    """Collect ``count`` unsolicited messages that ``want`` accepts, from any of ``conns``.
+    """Collect ``count`` messages from any of ``conns``: the unsolicited ones of ``kind`` about
+    ``call`` from ``sources`` (a pipeline's results or completions), or with ``replies`` (``{id of a
+    connection: the id of a request sent on it}``) the replies to those requests.
 
     An error a worker reports for this ``call`` is raised at once; leftovers of earlier calls are
     dropped; a lost worker fails the wait like `Connection.recv` does. ``call_timeout`` bounds the
@@ -41,6 +45,7 @@ def gather(
     sends a call's answers together, once it has them all). ``late``: earlier calls whose errors
     are raised too, each as what it names (their workers finish them without the driver waiting).
     """
+    from_ = {id(c) for c in sources}
     poller = zmq.Poller()
     by_sock = {}
     for c in conns:
@@ -64,7 +69,11 @@ def gather(
                 if late and failed in late:
                     raise conn.remote_failure(body, late[failed])
                 log.warning("%s: late error of an earlier call, dropped: %.300s", conn.where(), body.get("message"))
-            elif want(conn, msg):
+            elif (
+                replies.get(id(conn)) == msg.id
+                if replies is not None
+                else msg.kind == kind and id(conn) in from_ and body.get("call") == call
+            ):
                 got.append((conn, msg))
                 progress = time.monotonic()
             else:
