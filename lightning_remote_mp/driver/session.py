@@ -22,9 +22,10 @@ import logging
 import math
 import os
 import socket
+import subprocess
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -93,9 +94,8 @@ class DriverSession:
         connect_timeout: seconds to wait for each worker's first answer.
         call_timeout: seconds one call may go on without progress while its worker still answers
             heartbeats (a layer that never returns, a deadlock) before it fails with WorkerLostError;
-            in a pipeline, per micro-batch (a call's results come together, after up to m times
-            it for m micro-batches). ``None`` waits forever.
-        liveness: optional per-address callables returning why a local worker process died (or None).
+            in a pipeline, per micro-batch (a call's results come together). ``None`` waits forever.
+        processes: the worker processes this driver started, by address: one whose process ended is lost at once.
         store_host: the address workers reach this process at, for the rendezvous of replicas
             (default: this machine's address towards the first worker).
         keys: this driver's CURVE key pair; with it every connection is encrypted and authenticated.
@@ -113,7 +113,7 @@ class DriverSession:
         *,
         heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT,
         connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
-        liveness: Mapping[str, Callable[[], str | None]] | None = None,
+        processes: Mapping[str, subprocess.Popen] | None = None,
         store_host: str | None = None,
         keys: KeyPair | None = None,
         worker_keys: Mapping[str, bytes] | None = None,
@@ -156,7 +156,7 @@ class DriverSession:
                             stage=s,
                             replica=r if replicated else None,
                             heartbeat_timeout=heartbeat_timeout,
-                            is_alive=(liveness or {}).get(a),
+                            process=(processes or {}).get(a),
                             curve=curves.get(a),
                             limits=limits,
                             call_timeout=call_timeout,

@@ -362,13 +362,13 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
         checks = {key: self._check_before_workers(key, module) for key, module in modules.items()}
         try:
             self._keys, self._worker_keys = self._load_keys()
-            topology, liveness, worker_keys = self._workers(modules)
+            topology, processes, worker_keys = self._workers(modules)
             self._session = DriverSession(
                 topology,
                 heartbeat_timeout=self.heartbeat_timeout,
                 connect_timeout=self.connect_timeout,
                 call_timeout=self.call_timeout,
-                liveness=liveness,
+                processes=processes,
                 store_host=self.store_host,
                 keys=self._keys,
                 worker_keys=worker_keys,
@@ -630,10 +630,9 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
             extra_args=extra,
         )
         addresses = self._local.start()
-        started = self._local
-        liveness = {a: (lambda i=i: started.why_dead(i)) for i, a in enumerate(addresses)}
+        processes = dict(zip(addresses, self._local.procs))
         keys_by_address = dict(zip(addresses, worker_keys)) if worker_keys is not None else None
-        return Topology.in_rows(addresses, self.replicas), liveness, keys_by_address
+        return Topology.in_rows(addresses, self.replicas), processes, keys_by_address
 
     def _balance_for(self, key: str, modules: dict[str, SpecSequential]) -> Any:
         if isinstance(self.balance, dict):

@@ -13,6 +13,7 @@ import collections
 import contextlib
 import logging
 import secrets
+import subprocess
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
@@ -71,7 +72,7 @@ class Connection:
         replica: int | None = None,
         heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT,
         limits: protocol.Limits = protocol.DEFAULT_LIMITS,
-        is_alive: Callable[[], str | None] | None = None,
+        process: subprocess.Popen | None = None,
         curve: Curve | None = None,
         call_timeout: float | None = DEFAULT_CALL_TIMEOUT,
     ) -> None:
@@ -87,7 +88,7 @@ class Connection:
         self.limits = limits
         #: The worker's limits (from its HELLO reply): what this side may send it.
         self.remote_limits: protocol.Limits | None = None
-        self.is_alive = is_alive  # for workers this process started: returns why it died, or None
+        self.process = process  # a worker this process started: lost as soon as its process ends
         self.curve = curve
         self._sock = dealer(address, curve=curve, limits=limits, connect=False)
         # Attached before connecting: a refused handshake is not retried, so its event must not be missed.
@@ -498,8 +499,9 @@ class Connection:
     def _check_reachable(self, start: float, timeout: float | None, what: str) -> None:
         """Raise `WorkerLostError` if the worker died, went silent, or never answered within ``timeout``."""
         self._check_handshake()
-        if self.is_alive is not None and (why := self.is_alive()):
-            self._lost(f"{self.where()} died{self._doing(what)}: {why}")
+        if self.process is not None and (code := self.process.poll()) is not None:
+            ended = f"its process (pid {self.process.pid}) exited with code {code}"
+            self._lost(f"{self.where()} died{self._doing(what)}: {ended}")
         hb = self.heartbeat
         if hb is not None:
             if self.address in hb.lost:
