@@ -58,7 +58,7 @@ class DeferredLossGrads:
         spec, seed = self.spec, self.spec.loss
         if not self.enabled or seed is None or not isinstance(grad_y, tuple) or not flat:
             return False
-        chunks = spec._grad_chunks(grad_y, flat)
+        chunks = spec.grad_chunks(grad_y, flat)
         value = chunks[0][seed]
         for chunk in chunks:
             g = chunk[seed]
@@ -99,15 +99,15 @@ class DeferredLossGrads:
         try:
             first: dict[int, tuple[Connection, int]] = {}
             for r, row in enumerate(spec.replicas):
-                carry = spec._carry(r, calls[-1], 1)
+                carry = spec.carry_toward(r, calls[-1], 1)
                 conn = row[0].conn
                 first[id(conn)] = (conn, conn.send_all(protocol.SYNC, [None], lead=carry, link=False)[0])
-            spec._flush_linked()
+            spec.flush_linked()
             self._synced(first, calls[-1], late)
             self._synced({id(c): (c, c.send(protocol.SYNC)) for c in spec.conns if id(c) not in first}, calls[-1], late)
         except BaseException:
             self.calls = posted
-            spec._abandon(*self.drop())
+            spec.abandon(*self.drop())
             raise
 
     def drop(self) -> list[int]:

@@ -267,7 +267,7 @@ class RemoteSpec:
             if not source.fetched:
                 source.fetch_now()
 
-    def _abandon(self, *calls: int) -> None:
+    def abandon(self, *calls: int) -> None:
         """After a failure mid-call, let the workers drop what they hold for ``calls`` (best effort)."""
         for call in calls:
             self._calls.pop(call, None)
@@ -339,7 +339,7 @@ class RemoteSpec:
                 fence[rs.stage.index] = posted
         return fence
 
-    def _carry(self, replica: int, call: int, toward: int) -> list[tuple[str, Any]]:
+    def carry_toward(self, replica: int, call: int, toward: int) -> list[tuple[str, Any]]:
         """The quiet requests (the optimizer's step, zero_grad) that wait for the stages of
         ``replica`` beyond its first ``toward`` (``1``: down the pipeline, from stage 0; ``-1``: up
         it, from the last stage), as a `Carry` to bundle with the call's micro-batches: each stage
@@ -354,7 +354,7 @@ class RemoteSpec:
             return []
         return [(protocol.CARRY, Carry(self.key, call, DRIVER, toward, requests).body())]
 
-    def _flush_linked(self) -> None:
+    def flush_linked(self) -> None:
         """After every replica's message of a call went: a step that sums gradients over workers
         some of which got none (a replica with no share of the batch) goes to those straight, or
         the others would wait for them in the sum (`Connection.flush_linked`)."""
@@ -406,7 +406,7 @@ class RemoteSpec:
         sent = False
         try:
             for r, row in enumerate(sizes):
-                carry = self._carry(r, call, 1) if row else []
+                carry = self.carry_toward(r, call, 1) if row else []
                 fence = fences[r] = self._fence(r) if row else {}
                 forwards = [
                     Forward(
@@ -428,12 +428,12 @@ class RemoteSpec:
                         protocol.FORWARD, forwards, self.compression, lead=carry, link=False
                     )
                     sent = True  # what was held is on its way
-            self._flush_linked()
+            self.flush_linked()
             results = self._collect(protocol.RESULT, -1, call, sizes, "forward", fences, list(self.loss_grads.calls))
         except BaseException:
             # Once sent, the loss gradients and the step on them may have failed on a stage: none goes
             # again. A forward that could not even be encoded sent nothing: they stay held.
-            self._abandon(call, *(self.loss_grads.drop() if sent else ()))
+            self.abandon(call, *(self.loss_grads.drop() if sent else ()))
             raise
         self.loss_grads.calls = {}  # the fences of this call's micro-batches named their loss gradients: they ran
         outputs = [results[(r, mb)].x for r, row in enumerate(sizes) for mb in range(len(row))]
@@ -481,7 +481,7 @@ class RemoteSpec:
         self.backwards += 1
         flat = [m for row in record.sizes for m in row]
         if isinstance(grad_y, tuple):
-            grads = iter(self._grad_chunks(grad_y, flat))
+            grads = iter(self.grad_chunks(grad_y, flat))
         else:
             grads = iter(grad_y.split(flat, dim=0) if grad_y is not None else [None] * len(flat))
         loss_grads = self.losses.grads_for(call)
@@ -491,7 +491,7 @@ class RemoteSpec:
         fences: dict[int, dict[int, int]] = {}
         try:
             for r, row in enumerate(record.sizes):
-                carry = self._carry(r, call, -1) if row else []
+                carry = self.carry_toward(r, call, -1) if row else []
                 fence = fences[r] = self._fence(r) if row else {}
                 backwards = [
                     Backward(
@@ -505,7 +505,7 @@ class RemoteSpec:
                     self.replicas[r][-1].conn.send_all(
                         protocol.BACKWARD, backwards, self.compression, lead=carry, link=False
                     )
-            self._flush_linked()
+            self.flush_linked()
             if not x_grad:
                 # Nothing to return: the driver goes on (Lightning's step, the next batch) while the
                 # workers run the backward, and confirms it before its next message (`confirm`).
@@ -514,7 +514,7 @@ class RemoteSpec:
                 return None
             done = self._collect(protocol.DONE, 0, call, record.sizes, "backward", fences)
         except BaseException:
-            self._abandon(call)
+            self.abandon(call)
             raise
         parts = [done[(r, mb)].grad_out for r, row in enumerate(record.sizes) for mb in range(len(row))]
         if any(p is None for p in parts):
@@ -543,12 +543,12 @@ class RemoteSpec:
             except BaseException:
                 for conn, mark in marks:
                     conn.discard_carried(mark)
-                self._abandon(call)
+                self.abandon(call)
                 raise
         if self.loss_grads.calls and not self._forwarding:
             self.loss_grads.confirm()
 
-    def _grad_chunks(self, grad_y: tuple, flat: list[int]) -> list[tuple]:
+    def grad_chunks(self, grad_y: tuple, flat: list[int]) -> list[tuple]:
         joins = self.joins_out or ["batch"] * len(grad_y)
         per = [
             [None] * len(flat)
