@@ -146,7 +146,13 @@ def ceiling(m: int, penalty: float) -> float:
 
 # --- (b) lrmp through Lightning ------------------------------------------------------------------
 def run_lrmp(
-    cfg: dict[str, Any], addresses: list[str], pids: list[int], m: int, split: bool | str = "auto", inside: bool = False
+    cfg: dict[str, Any],
+    addresses: list[str],
+    pids: list[int],
+    m: int,
+    split: bool | str = "auto",
+    inside: bool = False,
+    schedule: str = "1f1b",
 ) -> tuple[float, list[float]]:
     """Wall seconds, and CPU seconds of the driver and of each worker, of the steps after the warm-up."""
     import lightning as L
@@ -210,7 +216,7 @@ def run_lrmp(
     torch.manual_seed(0)
     timer = StepTimer()
     if inside:
-        strategy = RemoteModelParallelStrategy(hosts=addresses, split=["model"], microbatches=m, schedule="1f1b")
+        strategy = RemoteModelParallelStrategy(hosts=addresses, split=["model"], microbatches=m, schedule=schedule)
     else:
         strategy = RemoteModelParallelStrategy(
             hosts=addresses, balance=[cfg["depth"], cfg["depth"]], microbatches=m, split_backward=split
@@ -222,7 +228,7 @@ def run_lrmp(
     if len(timer.ends) != total:
         raise RuntimeError(f"lrmp m={m}: {len(timer.ends)} steps ran, expected {total}")
     (sent0, received0), (sent1, received1) = timer.messages
-    name = f"loss in the model, m={m}" if inside else f"m={m}"
+    name = f"loss in the model, {schedule}, m={m}" if inside else f"m={m}"
     MESSAGES[name] = ((sent1 - sent0) / cfg["steps"], (received1 - received0) / cfg["steps"])
     return timer.ends[-1] - timer.ends[cfg["warmup"] - 1], [b - a for a, b in zip(*timer.cpu)]
 
@@ -360,7 +366,7 @@ def configurations(args: argparse.Namespace) -> list[tuple[str, str, int]]:
     configs += [("lrmp", "", m) for m in args.lrmp_m]
     configs += [("lrmp-nosplit", "", m) for m in args.lrmp_nosplit_m]
     configs += [("lrmp-split", "", m) for m in args.lrmp_split_m]
-    configs += [("lrmp-inside", "", m) for m in args.lrmp_inside_m]
+    configs += [("lrmp-inside", s, m) for s in args.lrmp_inside_schedules for m in args.lrmp_inside_m]
     configs += [("torch", s, m) for s in args.schedules for m in args.torch_m]
     return configs
 
@@ -375,7 +381,7 @@ def label(kind: str, schedule: str, m: int) -> str:
     if kind == "lrmp-split":
         return f"(b) lrmp, m={m}, split_backward=True"
     if kind == "lrmp-inside":
-        return f"(b') lrmp, loss in the model, 1F1B, m={m}"
+        return f"(b') lrmp, loss in the model, {schedule.upper().replace('_', '-')}, m={m}"
     return f"(c) torch {schedule}, m={m}"
 
 
@@ -393,6 +399,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--lrmp-split-m", type=int, nargs="*", default=[], help="lrmp with split_backward=True")
     p.add_argument(
         "--lrmp-inside-m", type=int, nargs="*", default=[], help="lrmp, the loss in the traced model, schedule='1f1b'"
+    )
+    p.add_argument(
+        "--lrmp-inside-schedules",
+        nargs="+",
+        default=["1f1b"],
+        choices=["gpipe", "1f1b", "zero_bubble"],
+        help="the schedules of --lrmp-inside-m",
     )
     p.add_argument("--torch-m", type=int, nargs="+", default=[4, 8])
     p.add_argument("--schedules", nargs="+", default=["GPipe", "1F1B"], choices=["GPipe", "1F1B"])
@@ -468,7 +481,8 @@ def main(argv: list[str] | None = None) -> int:
                     s, cpu_s = run_plain(cfg)
                 elif kind.startswith("lrmp"):
                     split = {"lrmp": "auto", "lrmp-split": True, "lrmp-nosplit": False, "lrmp-inside": "auto"}[kind]
-                    s, cpu_s = run_lrmp(cfg, addresses, pids, m, split=split, inside=kind == "lrmp-inside")
+                    inside = kind == "lrmp-inside"
+                    s, cpu_s = run_lrmp(cfg, addresses, pids, m, split, inside, schedule if inside else "1f1b")
                 else:
                     assert pipeline is not None
                     s, cpu_s = pipeline.run(schedule, m, args.warmup, args.steps)
