@@ -10,8 +10,8 @@ This module is the one place that decides when a worker runs something. Two thin
   others, or the next stages' gradients). `lightning_remote_mp.worker.route.RoutedStage` runs it.
   Under 1F1B and zero-bubble with the loss inside the model, the last stage starts each
   micro-batch's backward at the loss, taken as 1 (an "early" call); the driver's real gradient of
-  the loss (its ``scale``) follows, and each stage adds its weight gradients times it once its
-  actions have run. Releasing a call drops what waits for it.
+  the loss follows, the input of the call's last action (S, `SCALE`), which adds the weight
+  gradients times it to ``.grad``. Releasing a call drops what waits for it.
 - **the driver's requests** (`Order`, one per worker). They run in the order the driver sent them
   (their ids), whichever way they came: straight from the driver, or along the pipeline
   (`lightning_remote_mp.wire.requests.Carry`). Three things wait: a peer's micro-batch, for the
@@ -54,7 +54,8 @@ from lightning_remote_mp.worker.route import Outgoing, RoutedStage
 log = logging.getLogger(__name__)
 
 _M = TypeVar("_M", Forward, Backward)
-#: The kind of input that brings the driver's gradient of an early call's loss.
+#: An early call's last action, and the kind of its input: the driver's gradient of the loss, by
+#: which the stage multiplies the weight gradients its backward gave before adding them to ``.grad``.
 SCALE = "S"
 
 
@@ -62,7 +63,8 @@ SCALE = "S"
 class _Plan:
     """One call's actions on this stage (`lightning_remote_mp.schedule`), and what they wait for."""
 
-    actions: collections.deque[schedule.Action]
+    actions: collections.deque[schedule.Action]  # those left to run, the next first
+    listing: tuple[schedule.Action, ...]  # all of them (an error quotes them)
     seed: int | None  # the model's output that is the loss, where the backward starts here; None: at the driver
     schedule: str
     microbatches: int
@@ -73,6 +75,10 @@ class _Plan:
     filings: dict[int, int] = dataclasses.field(default_factory=dict)  # per micro-batch, its backward's number
     to_driver: dict[int, Backward] = dataclasses.field(default_factory=dict)  # stage 0: input gradients, as 1
     differentiable: list[bool] = dataclasses.field(default_factory=list)  # last stage: which outputs have a graph
+    # The driver's gradient of an early call's loss, for its S action: one value for the call (a
+    # `requests.LossGrad`), or per micro-batch the messages that bring it from each stage this one feeds.
+    loss_grad: tuple[torch.Tensor | None, ...] = ()
+    scales: dict[int, dict[int, Backward]] = dataclasses.field(default_factory=dict)
 
     @property
     def early(self) -> bool:
@@ -110,12 +116,7 @@ class StageRuntime:
         self.limit = limit
         self._inputs: dict[tuple[int, str, int], dict[int, Any]] = {}  # (call, kind, mb) -> parts arrived so far
         self._plans: dict[int, _Plan] = {}  # by call, while actions are left
-        # Early calls whose actions have all run, until the driver's gradient of the loss has come
-        # for every micro-batch (`_scale_ready`).
-        self._done: dict[int, _Plan] = {}
-        self._scales: dict[int, dict[int, dict[int, Backward]]] = {}  # scales all arrived, by call and micro-batch
         self._failed: collections.OrderedDict[int, Exception] = collections.OrderedDict()  # calls whose action failed
-        self._loss_grads: dict[int, torch.Tensor | None] = {}  # the driver's (`loss_grad`), until the plan has run
         self._released: collections.deque[int] = collections.deque(maxlen=1024)
         #: Sends messages at once (the worker's session sets it): a list runs several actions per
         #: message received, and the next stage waits for the first action's output, not the last's.
@@ -175,8 +176,8 @@ class StageRuntime:
                 return []
             plan.ready[(BACKWARD, msg.mb)] = parts
             return self._advance(msg.call)
-        if plan is not None and plan.early or msg.call in self._done or msg.call in self._scales:
-            return self._scale(msg)  # the driver's gradient of a loss whose backward ran here already
+        if plan is not None and plan.early:
+            return self._scale(msg, plan)  # the driver's gradient of a loss whose backward ran here already
         if msg.call in self._failed:
             self._check_applicable(msg.call)
         if msg.early:
@@ -198,9 +199,17 @@ class StageRuntime:
             if len(self._plans) >= self.limit:
                 raise ProtocolError(f"stage {self.index}: more than {self.limit} calls run a schedule at once")
             actions = schedule.actions(name, stages, self.index, first.microbatches, grad=first.grad)
+            if early:  # last, the driver's gradient of the loss: the weight gradients times it go to .grad
+                actions.append(schedule.Action(self.index, SCALE, 0))
             seed = first.seed if early else None
             plan = self._plans[first.call] = _Plan(
-                collections.deque(actions), seed, name, first.microbatches, dict(first.fence), first.grad
+                collections.deque(actions),
+                tuple(actions),
+                seed,
+                name,
+                first.microbatches,
+                dict(first.fence),
+                first.grad,
             )
         return plan
 
@@ -224,11 +233,9 @@ class StageRuntime:
                 self._failed.popitem(last=False)
             plan = self._plans.pop(call, None)
             if plan is not None and plan.actions:  # the error reply quotes the list, the failing action marked
-                stages = self.stages or self.index + 1
-                listing = schedule.actions(plan.schedule, stages, self.index, plan.microbatches, grad=plan.grad)
-                where = f"stage {self.index}'s actions for call {call} ({plan.schedule})"
+                listing = schedule.format_row(plan.listing, plan.actions[0])
                 with contextlib.suppress(AttributeError):  # an exception type that takes no attributes
-                    err.lrmp_actions = f"{where}: {schedule.format_row(listing, plan.actions[0])}"  # type: ignore[attr-defined]
+                    err.lrmp_actions = f"stage {self.index}'s actions for call {call} ({plan.schedule}): {listing}"  # type: ignore[attr-defined]
             raise
 
     def _run_actions(self, call: int) -> list[Outgoing]:
@@ -238,6 +245,13 @@ class StageRuntime:
             action = plan.actions[0]
             if action.kind == WEIGHTS:
                 self._weights(call, action.mb, plan)
+            elif action.kind == SCALE:
+                if plan.loss_grad:  # the driver's `LossGrad`: nothing to pass on
+                    self._apply(call, plan.loss_grad[0])
+                elif len(plan.scales) == plan.microbatches:
+                    out += self._scaled(call, plan)
+                else:
+                    break
             else:
                 parts = plan.ready.pop((action.kind, action.mb), None)
                 if parts is None:
@@ -259,11 +273,6 @@ class StageRuntime:
                 out = []
         if not plan.actions:
             del self._plans[call]
-            if plan.early:
-                self._done[call] = plan
-                if call in self._loss_grads:
-                    self._apply(call, self._loss_grads.pop(call))
-                out += self._scale_ready(call)
         return out
 
     def _weights(self, call: int, mb: int, plan: _Plan) -> None:
@@ -288,21 +297,21 @@ class StageRuntime:
 
     def loss_grad(self, call: int, grad: torch.Tensor | None) -> bool:
         """The driver's gradient of ``call``'s loss, straight from the driver (`requests.LossGrad`):
-        applied once the call's plan has run here. Returns whether it waits for that."""
-        if call in self._plans:
-            self._loss_grads[call] = grad
-            return True
-        self._check_applicable(call)
-        self._apply(call, grad)
-        return False
+        the input of the call's S action, which runs once the call's other actions have. Returns
+        whether it waits for them."""
+        plan = self._plans.get(call)
+        if plan is None or not plan.early:
+            self._check_applicable(call)
+            raise ProtocolError(f"stage {self.index}: a loss gradient for call {call}, which ran no schedule here")
+        plan.loss_grad = (grad,)
+        self._advance(call)  # applying it sends nothing
+        return call in self._plans
 
     def loss_grad_waits(self, call: int) -> bool:
-        """Whether the driver's gradient of ``call``'s loss still waits for the call's plan here; an
-        action of it that failed meanwhile, or a release of the call, raises."""
-        if call in self._failed:
-            self._loss_grads.pop(call, None)
+        """Whether the driver's gradient of ``call``'s loss still waits for the call's actions here;
+        an action of it that failed meanwhile, or a release of the call, raises."""
         self._check_applicable(call)
-        return call in self._loss_grads
+        return call in self._plans
 
     def _check_applicable(self, call: int) -> None:
         failed = self._failed.get(call)
@@ -315,8 +324,6 @@ class StageRuntime:
             raise LrmpError(f"stage {self.index}: call {call} was released before its loss's gradient was applied")
 
     def _apply(self, call: int, grad: torch.Tensor | None) -> None:
-        if self._done.pop(call, None) is None:
-            raise ProtocolError(f"stage {self.index}: a loss gradient for call {call}, which ran no schedule here")
         if grad is None:  # the step did not differentiate the loss: no gradient, as with GPipe
             self.route.stage.release_early(call)
         else:
@@ -351,30 +358,23 @@ class StageRuntime:
             outgoing = [(t, m) for t, m in outgoing if t != DRIVER]
         return outgoing
 
-    def _scale(self, msg: Backward) -> list[Outgoing]:
+    def _scale(self, msg: Backward, plan: _Plan) -> list[Outgoing]:
         """File the driver's gradient of an early call's loss (from the driver, or passed on by the
-        next stage); once the call's actions have all run, apply it."""
-        self._check_applicable(msg.call)
-        plan = self._plans.get(msg.call) or self._done.get(msg.call)
-        if plan is not None:
-            self._check_mb(msg, plan)
-        if msg.mb in self._scales.get(msg.call, {}):
+        next stage) for the call's S action."""
+        self._check_mb(msg, plan)
+        if msg.mb in plan.scales:
             raise ProtocolError(f"stage {self.index}: the gradient of micro-batch {(msg.call, msg.mb)} came twice")
         parts = self._collect(SCALE, self.route.targets, msg)
         if parts is None:
             return []
-        self._scales.setdefault(msg.call, {})[msg.mb] = parts
-        return self._scale_ready(msg.call)
+        plan.scales[msg.mb] = parts
+        return self._advance(msg.call)
 
-    def _scale_ready(self, call: int) -> list[Outgoing]:
-        """Once the plan of an early call has run and the driver's gradient of every micro-batch is
-        in (from each stage this one feeds), add the weight gradients times it to ``.grad``, and pass
-        it on (stage 0: the input's gradients, times it, to the driver)."""
-        plan = self._done.get(call)
-        waiting = self._scales.get(call, {})  # micro-batches whose scale came from every stage this one feeds
-        if plan is None or len(waiting) < plan.microbatches:
-            return []
-        del self._done[call], self._scales[call]
+    def _scaled(self, call: int, plan: _Plan) -> list[Outgoing]:
+        """The S action of an early call whose driver's gradient came per micro-batch (from each
+        stage this one feeds): add the weight gradients times it to ``.grad``, and pass it on
+        (stage 0: the input's gradients, times it, to the driver)."""
+        waiting = plan.scales
         grads = [self._scale_of(parts[self.route.x_to], plan) for _, parts in sorted(waiting.items())]
         scale = grads[0]
         for mb, g in enumerate(grads):
@@ -438,7 +438,7 @@ class StageRuntime:
         self.route.release(drop)
         for key in [k for k in self._inputs if k[0] in drop]:
             del self._inputs[key]
-        for table in (self._plans, self._done, self._scales, self._failed, self._loss_grads):
+        for table in (self._plans, self._failed):
             for call in drop:
                 table.pop(call, None)  # type: ignore[attr-defined]
 
