@@ -133,12 +133,16 @@ class Dispatch:
         """Run ``request`` in ``session`` (the worker's current one); its reply's frames, or ``None``
         where the reply travels otherwise, or the request waits: a peer's micro-batch that
         ``held_by``, the session it belongs to, holds back for a driver request
-        (`WorkerSession.hold_back`)."""
+        (`Order.hold_back`)."""
         try:
             if request.refused is not None:
                 raise request.refused
             message = request.message
-            if held_by is not None and isinstance(message, (Forward, Backward)) and held_by.hold_back(message, request):
+            if (
+                held_by is not None
+                and isinstance(message, (Forward, Backward))
+                and held_by.order.hold_back(message, request)
+            ):
                 return None
             if session is None or session.id != request.session or message is None:
                 raise ProtocolError("session expired")

@@ -25,7 +25,7 @@ What the message-saving parts buy, measured (`benchmarks/README.md`, section 1h)
 driver's requests along the pipeline, the unwaited backward and `LossGrad` together 10-15% of a
 step (small model, 1F1B, loss inside the model); `LossGrad` alone 12-19%.
 
->>> order = Order(lambda key, call: False)
+>>> order = Order({})
 >>> order.ran(3), order.driver_ran, order.already_ran(2)
 ([], 3, True)
 """
@@ -37,7 +37,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
 import torch
@@ -452,30 +452,37 @@ class Order:
     """The driver's requests on one worker, in their order, and the tasks waiting for them.
 
     Args:
-        loss_grad_waits: whether the loss gradient of a call (by stage key and call) still waits for
-            the call's actions on this worker (`StageRuntime.loss_grad_waits`);
-            it raises if they failed or the call was released.
+        runtimes: the worker's stages, by key (the session's): a peer's micro-batch waits by its
+            stage's fence, and a loss gradient for its stage's actions (`StageRuntime.loss_grad_waits`).
     """
 
-    def __init__(self, loss_grad_waits: Callable[[str, int], bool]) -> None:
+    def __init__(self, runtimes: Mapping[str, StageRuntime]) -> None:
         self.driver_ran = 0  # the id of the driver's last request run here (they run in order)
         self._held_back: list[tuple[int, str, Any]] = []  # peers' micro-batches waiting for a driver request
         self._carried: list[Carried] = []  # the driver's requests that came along the pipeline, not run yet
-        self._loss_grad_waits = loss_grad_waits
+        self._runtimes = runtimes
         self._waiting: tuple[int, str, int] | None = None  # a loss gradient's (request id, stage key, call)
         self._parked: list[Any] = []  # the driver's requests after it, in the order they came
         #: Why the optimizer must not step: a loss's gradient that could not be applied (None: it may).
         self.no_step: str | None = None
 
     # --- peers' micro-batches ------------------------------------------------------------------
-    def hold_back(self, key: str, wanted: int | None, limit: int, task: Any) -> bool:
-        """Keep ``task`` (a peer's micro-batch of stage ``key``) until the driver's request ``wanted``
-        has run here; returns whether it was kept. `ran` gives it back."""
+    def hold_back(self, message: Forward | Backward, task: Any) -> bool:
+        """Keep ``task`` (a peer's pipelined ``message``) if the driver sent it after a request to
+        this worker that has not run here yet (the request its `messages._Pipelined.fence` names for
+        this stage); returns whether it was kept. `ran` gives it back once that request has run."""
+        runtime = self._runtimes.get(message.key)
+        if runtime is None:
+            return False  # nothing to wait for; a stage this worker does not hold is refused when it runs
+        wanted = message.fence.get(runtime.index)
         if wanted is None or wanted <= self.driver_ran:
             return False
-        if sum(1 for _, held_key, _ in self._held_back if held_key == key) >= limit:
-            raise ProtocolError(f"more than {limit} micro-batches wait for driver requests that never came")
-        self._held_back.append((wanted, key, task))
+        if sum(1 for _, held_key, _ in self._held_back if held_key == message.key) >= runtime.limit:
+            limit = runtime.limit
+            raise ProtocolError(
+                f"stage {runtime.index}: more than {limit} micro-batches wait for requests that never came"
+            )
+        self._held_back.append((wanted, message.key, task))
         return True
 
     def held_back(self) -> dict[str, int]:
@@ -571,7 +578,8 @@ class Order:
         assert self._waiting is not None
         req_id, key, call = self._waiting
         try:
-            if self._loss_grad_waits(key, call):
+            runtime = self._runtimes.get(key)
+            if runtime is not None and runtime.loss_grad_waits(call):
                 return []
             self.no_step = None
         except Exception as err:  # its actions failed (the driver hears of it from them) or it was released

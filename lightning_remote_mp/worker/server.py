@@ -631,7 +631,7 @@ class WorkerServer:
 
     def _run(self, request: Request) -> None:
         """Run one request without holding the socket (the main thread may stand in), then reply. What
-        waited for it runs next: peers' micro-batches (`WorkerSession.hold_back`), a carried request."""
+        waited for it runs next: peers' micro-batches (`Order.hold_back`), a carried request."""
         session = self._session if self._session is not None and self._session.id == request.session else None
         own = request.kind in (DROP, NEW)
         from_driver = not own and not request.from_peer

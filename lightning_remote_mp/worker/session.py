@@ -153,7 +153,7 @@ class WorkerSession:
         self.group: GradGroup | None = None  # this stage's replicas
         self.tie_groups: list[tuple[GradGroup, list[str]]] = []  # stages holding copies of tied weights: theirs here
         self.events: EventLog | None = None
-        self.order = Order(self._loss_grad_waits)  # which of the driver's requests run when
+        self.order = Order(self.runtimes)  # which of the driver's requests run when
         # A call's answers to the driver (RESULTs, DONEs), kept until they are all there: (key, call, kind) -> answers.
         self._answers: dict[tuple[str, int, str], list[tuple[Any, Any, dict[str, Any] | None]]] = {}
 
@@ -163,22 +163,6 @@ class WorkerSession:
         micro-batches that wait for it (named when the pipeline stalls), the last of its requests
         run, and how far a long piece of work has come (`PROGRESS`)."""
         return {**self.order.held_back(), "ran": self.order.driver_ran, **PROGRESS.answer()}
-
-    def hold_back(self, message: Forward | Backward, task: Any) -> bool:
-        """Keep ``task`` (a peer's pipelined ``message``) for later if the driver sent it after a
-        request to this worker that has not run here yet: its `messages._Pipelined.fence`. Returns
-        whether it was kept; `Order.ran` gives it back once that request has run."""
-        runtime = self.runtimes.get(message.key)
-        if runtime is None:
-            return False  # nothing to wait for; a stage this worker does not hold is refused when it runs
-        try:
-            return self.order.hold_back(message.key, message.fence.get(runtime.index), runtime.limit, task)
-        except ProtocolError as err:
-            raise ProtocolError(f"stage {runtime.index}: {err}") from None
-
-    def _loss_grad_waits(self, key: str, call: int) -> bool:
-        runtime = self.runtimes.get(key)
-        return runtime is not None and runtime.loss_grad_waits(call)
 
     def loss_grad(self, msg: LossGrad) -> Any:
         """Apply the driver's gradient of a call's loss (`StageRuntime.loss_grad`), or `WAITS` for the
