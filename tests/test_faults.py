@@ -636,6 +636,8 @@ def test_a_cuda_error_in_a_layer_is_reported_and_stops_the_worker(start_workers)
         with pytest.raises(WorkerError) as info, torch.no_grad():
             net(torch.ones(2, 3))
         assert "CUDA error: an illegal memory access" in info.value.remote_message
+        # A forward without grad runs its list of forwards too: the error marks the one that failed.
+        assert "stage 0's actions for call 1 (gpipe): [0F0]" in str(info.value), str(info.value)
     finally:
         session.close()
     workers.procs[0].wait(timeout=20)  # raises TimeoutExpired if the worker serves on
