@@ -111,8 +111,8 @@ class Forward(_Pipelined):
         shapes: in a RESULT, the shape of each element kept (by position); its place in ``x``
             holds an empty tensor of its dtype.
         schedule: for a call whose backward starts on the last stage (``seed``), the schedule
-            (`lightning_remote_mp.schedule`) whose list of actions each stage runs; ``None``: each
-            stage runs what arrives, as it arrives. Stages pass it on.
+            (`lightning_remote_mp.schedule`) whose list of actions each stage runs; ``None``: GPipe's
+            (the backward starts at the driver). Stages pass it on.
         seed: the position of the model's output that is the loss (a sum over the micro-batch):
             the last stage runs each micro-batch's backward as soon as its forward is done, with
             the loss's gradient taken as 1; the driver's backward then brings the real gradient

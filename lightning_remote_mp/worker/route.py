@@ -1,12 +1,12 @@
 """Routing one stage's micro-batches: run a forward or backward from its inputs, send every output where it goes.
 
-A forward of micro-batch ``(call, mb)`` waits for one message from each source stage (the
-previous stage, or the driver, brings the main input; producers of imported residual variables
-bring those), runs the stage, then sends one message to each target stage (the next stage, or
-the driver, gets the main output; consumers get the variables they import). Backward is the
-mirror image: one gradient message from each target, then one to each source. Messages go
-straight from worker to worker; only stage 0's input and the last stage's output pass through
-the driver.
+A forward of micro-batch ``(call, mb)`` reads one message from each source stage (the previous
+stage, or the driver, brings the main input; producers of imported residual variables bring
+those), runs the stage, then addresses one message to each target stage (the next stage, or the
+driver, gets the main output; consumers get the variables they import). Backward is the mirror
+image: one gradient message from each target, then one to each source. Messages go straight from
+worker to worker; only stage 0's input and the last stage's output pass through the driver. When
+each runs, once all its messages are in, is `lightning_remote_mp.worker.runtime`'s to decide.
 """
 
 from __future__ import annotations

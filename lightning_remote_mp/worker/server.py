@@ -9,10 +9,9 @@ soon as the request returns. Either thread expires a session whose driver falls 
 thread also handles signals.
 
 Each message is read once, as it arrives, into a typed request (`lightning_remote_mp.worker.dispatch`);
-the serving thread runs it through the session's handler for its type and answers through the
-socket, or, for pipelined work, through the `lightning_remote_mp.worker.outbox`. Nothing a message
-carries is executed: its type only chooses among the handlers of
-`lightning_remote_mp.worker.session.WorkerSession`.
+the serving thread runs it through the session's handler for its type (when `worker.runtime` says)
+and answers through the socket, or, for pipelined work, through the `worker.outbox`. Nothing a
+message carries is executed: its type only chooses among the handlers of `worker.session.WorkerSession`.
 """
 
 from __future__ import annotations
