@@ -23,6 +23,7 @@ import time
 from collections.abc import Sequence
 
 from lightning_remote_mp.errors import ConfigurationError, WorkerStartError
+from lightning_remote_mp.wire.transport import why_ended
 
 log = logging.getLogger(__name__)
 
@@ -213,8 +214,7 @@ class LocalWorkers:
 
     def why_dead(self, i: int) -> str | None:
         """``None`` while worker ``i`` runs, else how it ended."""
-        code = self.procs[i].poll()
-        return None if code is None else f"its process (pid {self.procs[i].pid}) exited with code {code}"
+        return why_ended(self.procs[i])
 
     def stop(self, timeout: float = 2.0) -> None:
         """SIGTERM every worker, give them ``timeout`` seconds together to exit, then SIGKILL the rest.

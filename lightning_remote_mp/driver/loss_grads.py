@@ -125,7 +125,7 @@ class DeferredLossGrads:
         got = gather(
             self.spec.conns,
             len(syncs),
-            replies={conn_id: req_id for conn_id, (_, req_id) in syncs.items()},
+            replies=dict(syncs.values()),
             call=call,
             what=late[call],
             late=late,

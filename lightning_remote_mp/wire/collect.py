@@ -30,12 +30,12 @@ def gather(
     what: str,
     kind: str = "",
     sources: Collection[Connection] = (),
-    replies: Mapping[int, int] | None = None,
+    replies: Mapping[Connection, int] | None = None,
     patience: int = 1,
     late: Mapping[int, str] | None = None,
 ) -> list[tuple[Connection, protocol.Message]]:
     """Collect ``count`` messages from any of ``conns``: the unsolicited ones of ``kind`` about
-    ``call`` from ``sources`` (a pipeline's results or completions), or with ``replies`` (``{id of a
+    ``call`` from ``sources`` (a pipeline's results or completions), or with ``replies`` (``{a
     connection: the id of a request sent on it}``) the replies to those requests.
 
     An error a worker reports for this ``call`` is raised at once; leftovers of earlier calls are
@@ -45,7 +45,6 @@ def gather(
     sends a call's answers together, once it has them all). ``late``: earlier calls whose errors
     are raised too, each as what it names (their workers finish them without the driver waiting).
     """
-    from_ = {id(c) for c in sources}
     poller = zmq.Poller()
     by_sock = {}
     for c in conns:
@@ -70,9 +69,9 @@ def gather(
                     raise conn.remote_failure(body, late[failed])
                 log.warning("%s: late error of an earlier call, dropped: %.300s", conn.where(), body.get("message"))
             elif (
-                replies.get(id(conn)) == msg.id
+                replies.get(conn) == msg.id
                 if replies is not None
-                else msg.kind == kind and id(conn) in from_ and body.get("call") == call
+                else msg.kind == kind and conn in sources and body.get("call") == call
             ):
                 got.append((conn, msg))
                 progress = time.monotonic()

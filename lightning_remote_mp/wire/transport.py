@@ -499,8 +499,7 @@ class Connection:
     def _check_reachable(self, start: float, timeout: float | None, what: str) -> None:
         """Raise `WorkerLostError` if the worker died, went silent, or never answered within ``timeout``."""
         self._check_handshake()
-        if self.process is not None and (code := self.process.poll()) is not None:
-            ended = f"its process (pid {self.process.pid}) exited with code {code}"
+        if self.process is not None and (ended := why_ended(self.process)):
             self._lost(f"{self.where()} died{self._doing(what)}: {ended}")
         hb = self.heartbeat
         if hb is not None:
@@ -590,6 +589,12 @@ OVERDUE_CAUSES = (
     "if it is legitimately slow (None waits forever); `kill -USR1 <worker pid>` prints where the worker's "
     "threads are."
 )
+
+
+def why_ended(process: subprocess.Popen) -> str | None:
+    """``None`` while a worker process this one started runs, else how it ended."""
+    code = process.poll()
+    return None if code is None else f"its process (pid {process.pid}) exited with code {code}"
 
 
 def blame_the_lost(err: WorkerError, conns: Iterable[Connection]) -> LrmpError:

@@ -12,10 +12,9 @@ each runs, once all its messages are in, is `lightning_remote_mp.worker.runtime`
 from __future__ import annotations
 
 import dataclasses
-import logging
 import time
 from collections.abc import Callable, Iterable
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
@@ -25,10 +24,7 @@ from lightning_remote_mp.wire.messages import Backward, Forward
 from lightning_remote_mp.worker.stage import StageExecutor
 from lightning_remote_mp.worker.timeline import EventLog
 
-log = logging.getLogger(__name__)
-
 Outgoing = tuple[int, Forward | Backward]  # (destination stage, or DRIVER; the message)
-_M = TypeVar("_M", Forward, Backward)
 
 
 def _main_flags(x: Any, flags: Any) -> bool | list[bool]:
@@ -267,8 +263,6 @@ class RoutedStage:
             )
             for source, names in self.sources.items()
         ]
-
-    # --- calls whose backward starts on the last stage, as the schedule orders ---------------
 
     def release(self, calls: Iterable[int]) -> None:
         """Forget what the stage keeps of these calls: saved forwards, outputs, losses' graphs."""

@@ -384,10 +384,7 @@ class StageRuntime:
                     f"{g} for micro-batch {mb} of call {call}); a schedule other than 'gpipe' needs one "
                     "for all of them (a loss that adds its micro-batches' sums): use schedule='gpipe'"
                 )
-        if scale is None:  # the step did not differentiate the loss: no gradient, as with GPipe
-            self.route.stage.release_early(call)
-        else:
-            self.route.stage.apply_early(call, scale)
+        self._apply(call, scale)
         out: list[Outgoing] = []
         for mb, parts in sorted(waiting.items()):
             first = parts[self.route.x_to]
