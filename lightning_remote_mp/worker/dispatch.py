@@ -4,10 +4,11 @@ it through its handler, and answer.
 `parse` is the one place a received body is read (through `lightning_remote_mp.wire.requests.REQUESTS`,
 one class per kind): everything after it handles typed messages. A body that cannot be read becomes
 a `Request` that carries the refusal, answered in its turn like any request's failure. `Dispatch`
-runs a request through the session's handler for its type (`WorkerSession.handle`) and turns the
-outcome into the reply: an OK with the handler's answer, nothing for work that answers on its own
-(a micro-batch's results go on to the next stage), or an ERROR naming what failed where. Nothing a
-message carries is executed: its type only chooses among the session's handlers.
+runs a request in its turn (`lightning_remote_mp.worker.runtime.Order.run`, which calls the
+session's handler for its type) and turns the outcome into the reply: an OK with the handler's
+answer, nothing for work that answers on its own (a micro-batch's results go on to the next stage),
+or an ERROR naming what failed where. Nothing a message carries is executed: its type only chooses
+among the session's handlers.
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ from lightning_remote_mp.flow import DRIVER
 from lightning_remote_mp.wire import protocol
 from lightning_remote_mp.wire.fields import Body
 from lightning_remote_mp.wire.messages import Backward, Forward, salvage
-from lightning_remote_mp.wire.requests import REQUESTS, Carry, LossGrad
-from lightning_remote_mp.worker.session import NO_REPLY, WAITS, WorkerSession
+from lightning_remote_mp.wire.requests import REQUESTS, Carry
+from lightning_remote_mp.worker.runtime import NO_REPLY
+from lightning_remote_mp.worker.session import WorkerSession
 from lightning_remote_mp.worker.throttle import Throttle
 
 if TYPE_CHECKING:
@@ -127,32 +129,13 @@ class Dispatch:
         #: A CUDA error a request raised: reported, then the worker stops (the device is unusable).
         self.device_failure: Exception | None = None
 
-    def answer(
-        self, request: Request, session: WorkerSession | None, held_by: WorkerSession | None = None
-    ) -> list[Any] | None:
-        """Run ``request`` in ``session`` (the worker's current one); its reply's frames, or ``None``
-        where the reply travels otherwise, or the request waits: a peer's micro-batch that
-        ``held_by``, the session it belongs to, holds back for a driver request
-        (`Order.hold_back`)."""
+    def answer(self, request: Request, session: WorkerSession | None) -> list[Any] | None:
+        """Run ``request`` in ``session`` (the worker's current one) in its turn (`Order.run`); its
+        reply's frames, or ``None`` where the reply travels otherwise, or the request waits."""
         try:
-            if request.refused is not None:
-                raise request.refused
-            message = request.message
-            if (
-                held_by is not None
-                and isinstance(message, (Forward, Backward))
-                and held_by.order.hold_back(message, request)
-            ):
-                return None
-            if session is None or session.id != request.session or message is None:
-                raise ProtocolError("session expired")
-            if not request.from_peer and not session.order.admit(request):
-                return None  # it waits behind a loss's gradient, or ran already (`Order.admit`)
-            body = session.handle(message)
-            if body is WAITS:
-                assert isinstance(message, LossGrad)
-                session.order.wait(request.id, message)
-                return None
+            if session is None or session.id != request.session:
+                raise request.refused or ProtocolError("session expired")
+            body = session.order.run(request)
             if body is NO_REPLY or request.kind in protocol.QUIET_KINDS:
                 return None
             return protocol.encode(protocol.OK, request.id, request.session, body)

@@ -18,14 +18,14 @@ This module is the one place that decides when a worker runs something. Two thin
   driver's requests its ``fence`` names (`Order.hold_back`); a request that came along the
   pipeline, for the one the driver sent before it (`Order.next_carried`); every request the driver
   sent after a loss's gradient (`requests.LossGrad`), until the stage has run its part of that
-  call's backward and applied it (`Order.wait`, `Order.park`): the optimizer's step on those
-  gradients, and the next call's forward, come right behind it.
+  call's backward and applied it (`Order.park`): the optimizer's step on those gradients, and the
+  next call's forward, come right behind it. `Order.run` runs each request in its turn.
 
 What the message-saving parts buy, measured (`benchmarks/README.md`, section 1h): carrying the
 driver's requests along the pipeline, the unwaited backward and `LossGrad` together 10-15% of a
 step (small model, 1F1B, loss inside the model); `LossGrad` alone 12-19%.
 
->>> order = Order({})
+>>> order = Order({}, handle=lambda message: None)
 >>> order.ran(3), order.driver_ran, order.already_ran(2)
 ([], 3, True)
 """
@@ -48,12 +48,17 @@ from lightning_remote_mp.flow import DRIVER
 from lightning_remote_mp.schedule import BACKWARD, FORWARD, WEIGHTS
 from lightning_remote_mp.wire.messages import Backward, Forward
 from lightning_remote_mp.wire.protocol import CARRIED_KINDS
-from lightning_remote_mp.wire.requests import Carried, LossGrad, Release
+from lightning_remote_mp.wire.requests import Carried, Release
 from lightning_remote_mp.worker.route import Outgoing, RoutedStage
 
 log = logging.getLogger(__name__)
 
 _M = TypeVar("_M", Forward, Backward)
+#: What a request's handler returns where nothing is sent back: its answer travels on its own (a
+#: micro-batch's results go on along the pipeline), or it runs later (`Order.run`).
+NO_REPLY = object()
+#: What a loss gradient's handler returns while it waits for its call's actions (`Order.run`).
+WAITS = object()
 #: An early call's last action, and the kind of its input: the driver's gradient of the loss, by
 #: which the stage multiplies the weight gradients its backward gave before adding them to ``.grad``.
 SCALE = "S"
@@ -451,9 +456,15 @@ class Order:
     Args:
         runtimes: the worker's stages, by key (the session's): a peer's micro-batch waits by its
             stage's fence, and a loss gradient for its stage's actions (`StageRuntime.loss_grad_waits`).
+        handle: runs a request's message (`lightning_remote_mp.worker.session.WorkerSession.handle`).
     """
 
-    def __init__(self, runtimes: Mapping[str, StageRuntime]) -> None:
+    def __init__(self, runtimes: Mapping[str, StageRuntime], handle: Callable[[Any], Any]) -> None:
+        self._handle = handle
+        #: What may run now, once `run` returned: the driver's request that came along the pipeline
+        #: and runs first (`next_carried`), and the tasks that waited (`ran`). The server queues
+        #: them before anything else.
+        self.next: tuple[list[Carried], list[Any]] = ([], [])
         self.driver_ran = 0  # the id of the driver's last request run here (they run in order)
         self._held_back: list[tuple[int, str, Any]] = []  # peers' micro-batches waiting for a driver request
         self._carried: list[Carried] = []  # the driver's requests that came along the pipeline, not run yet
@@ -462,6 +473,32 @@ class Order:
         self._parked: list[Any] = []  # the driver's requests after it, in the order they came
         #: Why the optimizer must not step: a loss's gradient that could not be applied (None: it may).
         self.no_step: str | None = None
+
+    def run(self, request: Any) -> Any:
+        """Run ``request`` (a `lightning_remote_mp.worker.dispatch.Request` of this session) in its
+        turn, and return its handler's answer, or `NO_REPLY` where it does not run now: a peer's
+        micro-batch waits for the driver's requests its fence names (`hold_back`); a driver's request
+        waits behind a loss's gradient (`park`), runs once (`already_ran`), or is a loss gradient
+        that waits for its call's actions (the handler says `WAITS`). A request that could not be
+        read raises its refusal, in its turn. Either way `next` then says what may run now."""
+        message = request.message
+        try:
+            if request.refused is not None:
+                raise request.refused
+            if request.from_peer:
+                if isinstance(message, (Forward, Backward)) and self.hold_back(message, request):
+                    return NO_REPLY
+            elif self.park(request) or (request.kind in CARRIED_KINDS and self.already_ran(request.id)):
+                return NO_REPLY
+            answer = self._handle(message)
+            if answer is WAITS:
+                self._waiting = (request.id, message.key, message.call)  # no later request runs before it
+                return NO_REPLY
+            return answer
+        finally:
+            ready = self.ran(0 if request.from_peer else request.id)
+            carried = self.next_carried()
+            self.next = ([carried] if carried is not None else [], ready)
 
     # --- peers' micro-batches ------------------------------------------------------------------
     def hold_back(self, message: Forward | Backward, task: Any) -> bool:
@@ -505,13 +542,6 @@ class Order:
             self._held_back = [held for held in self._held_back if held[0] > self.driver_ran]
         return ready
 
-    def after(self, req_id: int) -> tuple[list[Any], list[Carried]]:
-        """The driver's request ``req_id`` has run here (0: a peer's message has): the tasks that
-        may run now (`ran`), and the driver's request that came along the pipeline and runs before
-        them (`next_carried`), if one may."""
-        ready, carried = self.ran(req_id), self.next_carried()
-        return ready, [carried] if carried is not None else []
-
     # --- the driver's requests that came along the pipeline ------------------------------------
     def keep_carried(self, mine: list[Carried], where: str) -> None:
         """Keep the driver's requests a `Carry` brought for this worker, to run in their turn."""
@@ -540,20 +570,7 @@ class Order:
         call the driver released, with a later id (`park`)."""
         return req_id <= self.driver_ran
 
-    def admit(self, request: Any) -> bool:
-        """Whether the driver's ``request`` (a `lightning_remote_mp.worker.dispatch.Request`) runs
-        now: not while a loss gradient before it waits (`park` keeps it), nor a second time (a
-        request that came along the pipeline first, `already_ran`)."""
-        if self.park(request):
-            return False
-        return not (request.kind in CARRIED_KINDS and self.already_ran(request.id))
-
     # --- requests behind a loss's gradient -----------------------------------------------------
-    def wait(self, req_id: int, msg: LossGrad) -> None:
-        """The driver's request ``req_id``, ``msg``, waits for its call's actions here: it has not
-        run yet, and neither may any request the driver sent after it (`park`)."""
-        self._waiting = (req_id, msg.key, msg.call)
-
     def park(self, request: Any) -> bool:
         """Keep the driver's ``request`` (a `lightning_remote_mp.worker.dispatch.Request`) while a
         loss gradient sent before it waits; returns whether it was kept. A release of that call

@@ -630,25 +630,30 @@ class WorkerServer:
 
     def _run(self, request: Request) -> None:
         """Run one request without holding the socket (the main thread may stand in), then reply. What
-        waited for it runs next: peers' micro-batches (`Order.hold_back`), a carried request."""
+        waited for it runs next: a carried request of the driver's, peers' micro-batches (`Order.next`)."""
         session = self._session if self._session is not None and self._session.id == request.session else None
         own = request.kind in (DROP, NEW)
-        from_driver = not own and not request.from_peer
         if not own:
-            if from_driver:
+            if not request.from_peer:
                 self._outbox.driver_peer = request.peer
             self._outbox.session = request.session
         self._busy_since = time.monotonic()
         self._io.release()
+        frames = None
         try:
-            frames = self._answer(request, session if request.from_peer else None)
+            if request.kind == DROP:
+                self._drop_session(request.session)
+            elif isinstance(request.message, Hello):  # NEW
+                self._new_session(request.session, request.message)
+            else:
+                frames = self._dispatch.answer(request, session)
         finally:
             self._take_socket()
             self._busy_since = None
             if not own:
                 self._last_busy = time.monotonic()
-        if session is not None:  # what waited for this request may run now, the driver's carried request first
-            ready, carried = session.order.after(request.id if from_driver else 0)
+        if session is not None and not own:
+            (carried, ready), session.order.next = session.order.next, ([], [])
             driver = self._outbox.driver_peer or request.peer
             carried_requests = [Request(driver, c.request.KIND, c.id, session.id, c.request) for c in carried]
             self._pending.extendleft(reversed([*carried_requests, *ready]))
@@ -659,17 +664,6 @@ class WorkerServer:
                 self.sock.send_multipart([request.peer, *frames], copy=False)
         if self._dispatch.device_failure is not None:
             raise self._dispatch.device_failure
-
-    def _answer(self, request: Request, held_by: WorkerSession | None) -> list[Any] | None:
-        """Run a request (`Dispatch.answer`), or one of this worker's own tasks (start or drop a session)."""
-        if request.kind == DROP:
-            self._drop_session(request.session)
-            return None
-        if request.kind == NEW:
-            assert isinstance(request.message, Hello)
-            self._new_session(request.session, request.message)
-            return None
-        return self._dispatch.answer(request, self._session, held_by)
 
     def _new_session(self, session_id: str, hello: Hello) -> None:
         self._drop_session(None)

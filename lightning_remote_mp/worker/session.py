@@ -51,16 +51,10 @@ from lightning_remote_mp.wire.requests import (
 from lightning_remote_mp.worker.collective import GradGroup
 from lightning_remote_mp.worker.profile import profile_layers
 from lightning_remote_mp.worker.route import Outgoing, RoutedStage
-from lightning_remote_mp.worker.runtime import Order, StageRuntime
+from lightning_remote_mp.worker.runtime import NO_REPLY, WAITS, Order, StageRuntime
 from lightning_remote_mp.worker.stage import StageExecutor
 from lightning_remote_mp.worker.timeline import EventLog
 from lightning_remote_mp.worker.weights import PROGRESS, read_optimizer_state, read_stage_files, save_shard, saved
-
-#: Returned by handlers whose answer travels as separate messages (pipelined forward/backward).
-NO_REPLY = object()
-#: A handler's answer that its request waits (`Order.wait`): it has not run yet.
-WAITS = object()
-
 
 #: Loss programs one session may hold (`requests.Loss`); the driver makes at most 64 per model.
 MAX_LOSS_PROGRAMS = 256
@@ -153,7 +147,7 @@ class WorkerSession:
         self.group: GradGroup | None = None  # this stage's replicas
         self.tie_groups: list[tuple[GradGroup, list[str]]] = []  # stages holding copies of tied weights: theirs here
         self.events: EventLog | None = None
-        self.order = Order(self.runtimes)  # which of the driver's requests run when
+        self.order = Order(self.runtimes, self.handle)  # which of the driver's requests run when
         # A call's answers to the driver (RESULTs, DONEs), kept until they are all there: (key, call, kind) -> answers.
         self._answers: dict[tuple[str, int, str], list[tuple[Any, Any, dict[str, Any] | None]]] = {}
 
@@ -166,7 +160,7 @@ class WorkerSession:
 
     def loss_grad(self, msg: LossGrad) -> Any:
         """Apply the driver's gradient of a call's loss (`StageRuntime.loss_grad`), or `WAITS` for the
-        call's actions here first (`Order.wait`)."""
+        call's actions here first (`Order.run`)."""
         try:
             waits = self.runtime(msg.key).loss_grad(msg.call, msg.grad)
         except Exception as err:
