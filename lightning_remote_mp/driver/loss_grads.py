@@ -73,6 +73,7 @@ class DeferredLossGrads:
             for rs in row if sizes[r] else ():
                 rs.conn.carry(LossGrad(spec.key, call, grad))
         self.calls[call] = marks
+        spec.confirm_before_sending(True)
         return True
 
     @staticmethod

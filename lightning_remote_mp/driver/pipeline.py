@@ -511,6 +511,7 @@ class RemoteSpec:
                 # workers run the backward, and confirms it before its next message (`confirm`).
                 marks = [(c, c.last_id) for c in self.conns[0].session_conns]  # what is posted later may be dropped
                 self._unconfirmed[call] = (record.sizes, marks, fences)
+                self.confirm_before_sending(True)
                 return None
             done = self._collect(protocol.DONE, 0, call, record.sizes, "backward", fences)
         except BaseException:
@@ -525,7 +526,7 @@ class RemoteSpec:
     def confirm(self) -> None:
         """Wait for stage 0 to report done every micro-batch of the backwards that returned at once
         (no input needed a gradient): before the driver's next message to any worker, which must
-        not overtake them (`lightning_remote_mp.wire.transport.Connection.before_send`). A failure
+        not overtake them (`confirm_before_sending`). A failure
         among them is raised here, once; the requests the driver posted since it sent that backward
         (the optimizer's step on its gradients, zero_grad) are dropped unsent first."""
         while self._unconfirmed:
@@ -547,6 +548,18 @@ class RemoteSpec:
                 raise
         if self.loss_grads.calls and not self._forwarding:
             self.loss_grads.confirm()
+        if not self.loss_grads.calls:
+            self.confirm_before_sending(False)
+
+    def confirm_before_sending(self, wanted: bool) -> None:
+        """Have `confirm` run before anything is sent to a worker of the session, or no longer
+        (`lightning_remote_mp.wire.transport.Connection.before_send`): only while a backward or a loss
+        gradient this spec sent is not known done."""
+        for c in self.conns[0].session_conns:
+            if wanted:
+                c.before_send[self.confirm] = None
+            else:
+                c.before_send.pop(self.confirm, None)
 
     def grad_chunks(self, grad_y: tuple, flat: list[int]) -> list[tuple]:
         joins = self.joins_out or ["batch"] * len(grad_y)

@@ -173,7 +173,6 @@ class DriverSession:
             c.session = self.id
             c.seal_key = seal_keys.setdefault(c.address, c.seal_key)  # one per worker, however many stages
             c.session_conns = self.conns  # a failed sum of gradients may be another worker's loss
-            c.before_send = self.confirm_backwards
         self.store_host = store_host
         self.groups = Groups(self)  # where workers sum gradients: replicas, stages holding tied weights
         self.heartbeat: Heartbeat | None = None
@@ -645,7 +644,7 @@ class DriverSession:
         for c in self.conns:
             # The session is over: nothing more to confirm, and nothing held may run now (a step
             # could overtake a backward that is still running there).
-            c.before_send = None
+            c.before_send.clear()
             c.discard_carried(after=0)
         live = [c for c in self.conns if not c.closed and c.lost_reason is None]
         ids = []

@@ -123,10 +123,11 @@ class Connection:
         #: The connections of this one's session (`DriverSession` sets it): where to look for a lost
         #: worker when a failure here may be its doing (`blame_the_lost`).
         self.session_conns: Sequence[Connection] = [self]
-        #: Called before anything is sent to the worker or its replies are awaited (`send_all`,
-        #: `take_carried`, `settle`): the driver session confirms there the backwards it sent without waiting
-        #: (`lightning_remote_mp.driver.pipeline.RemoteSpec.confirm`), so that nothing overtakes them.
-        self.before_send: Callable[[], None] | None = None
+        #: What runs before anything is sent to the worker or its replies are awaited (`send_all`,
+        #: `take_carried`, `settle`): the driver registers a confirmation there only while a backward it
+        #: sent without waiting is not known done (`lightning_remote_mp.driver.pipeline.RemoteSpec.confirm`),
+        #: so that nothing overtakes it; it removes it once done. Kept in order, as a dict's keys.
+        self.before_send: dict[Callable[[], None], None] = {}
 
     def where(self) -> str:
         return worker_location(self.address, self.stage, self.replica)
@@ -138,8 +139,8 @@ class Connection:
     def confirm_sent(self) -> None:
         """Confirm now what the driver sent without waiting and must know done (`before_send`):
         before the driver acts on the assumption that it succeeded (steps its own layers, say)."""
-        if self.before_send is not None:
-            self.before_send()
+        for confirm in list(self.before_send):
+            confirm()
 
     def send(self, kind: str, body: Any = None) -> int:
         return self.send_all(kind, [body])[0]
