@@ -640,7 +640,7 @@ class Bye(Body):
 
 
 #: Every kind a worker accepts, and the type its body is read as: the one table a received message
-#: is parsed through (`lightning_remote_mp.worker.dispatch`).
+#: is parsed through (`lightning_remote_mp.worker.request`).
 REQUESTS: dict[str, type[Body]] = {
     c.KIND: c
     for c in (

@@ -24,7 +24,7 @@ from lightning_remote_mp.errors import PeerUnreachableError
 from lightning_remote_mp.wire import protocol, sockets
 from lightning_remote_mp.wire.addresses import RELAY
 from lightning_remote_mp.wire.keys import KeyPair
-from lightning_remote_mp.worker.dispatch import error_body
+from lightning_remote_mp.worker.request import error_body
 
 #: How long a stage keeps trying to hand a message to the next stage before it reports that stage
 #: unreachable (the driver's heartbeat_timeout, when its HELLO says).

@@ -475,7 +475,7 @@ class Order:
         self.no_step: str | None = None
 
     def run(self, request: Any) -> Any:
-        """Run ``request`` (a `lightning_remote_mp.worker.dispatch.Request` of this session) in its
+        """Run ``request`` (a `lightning_remote_mp.worker.request.Request` of this session) in its
         turn, and return its handler's answer, or `NO_REPLY` where it does not run now: a peer's
         micro-batch waits for the driver's requests its fence names (`hold_back`); a driver's request
         waits behind a loss's gradient (`park`), runs once (`already_ran`), or is a loss gradient
@@ -572,7 +572,7 @@ class Order:
 
     # --- requests behind a loss's gradient -----------------------------------------------------
     def park(self, request: Any) -> bool:
-        """Keep the driver's ``request`` (a `lightning_remote_mp.worker.dispatch.Request`) while a
+        """Keep the driver's ``request`` (a `lightning_remote_mp.worker.request.Request`) while a
         loss gradient sent before it waits; returns whether it was kept. A release of that call
         goes at once: the driver gave up on it. The requests parked behind the gradient then run in
         their order, but for the quiet ones (the step on it), which the release's later id shows as

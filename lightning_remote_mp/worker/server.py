@@ -8,7 +8,7 @@ admits or refuses drivers, and queues requests for the serving thread; it hands 
 soon as the request returns. Either thread expires a session whose driver falls silent. The main
 thread also handles signals.
 
-Each message is read once, as it arrives, into a typed request (`lightning_remote_mp.worker.dispatch`);
+Each message is read once, as it arrives, into a typed request (`lightning_remote_mp.worker.request`);
 the serving thread runs it through the session's handler for its type (when `worker.runtime` says)
 and answers through the socket, or, for pipelined work, through the `worker.outbox`. Nothing a
 message carries is executed: its type only chooses among the handlers of `worker.session.WorkerSession`.
@@ -37,8 +37,9 @@ from lightning_remote_mp.wire.requests import Hello
 from lightning_remote_mp.wire.traffic import MIN_PROGRESS, Traffic
 from lightning_remote_mp.worker import allocator
 from lightning_remote_mp.worker.auth import DRIVER, WorkerAuth
-from lightning_remote_mp.worker.dispatch import DROP, NEW, Dispatch, Request, error_body, parse
 from lightning_remote_mp.worker.outbox import DEFAULT_PEER_TIMEOUT, Outbox
+from lightning_remote_mp.worker.request import DROP, NEW, Request, device_failed, error_body, failure_reply, parse
+from lightning_remote_mp.worker.runtime import NO_REPLY
 from lightning_remote_mp.worker.session import WorkerSession, describe_device
 from lightning_remote_mp.worker.signals import SignalWakeup
 from lightning_remote_mp.worker.throttle import Throttle
@@ -165,6 +166,7 @@ class WorkerServer:
         )
         self._disconnected_at: float | None = None  # a connection closed during the session: its driver's?
         self._throttle = Throttle(log)
+        self._device_failure: Exception | None = None  # a CUDA error a request raised (`_answer`)
         self._traffic = Traffic()  # sampled by the thread that holds the socket, for heartbeats
         self._moved: int | None = None  # its last sample
         self._stop = threading.Event()
@@ -261,10 +263,8 @@ class WorkerServer:
             poller.register(signals.fileno(), zmq.POLLIN)  # the poll reports it by that number
         # The same, and the socket with its monitor: polled only while this thread holds them.
         standing_in = zmq.Poller()
-        for sock, _ in poller.sockets:
+        for sock in (*(sock for sock, _ in poller.sockets), self.sock, self._monitor):
             standing_in.register(sock, zmq.POLLIN)
-        standing_in.register(self.sock, zmq.POLLIN)
-        standing_in.register(self._monitor, zmq.POLLIN)
         while not self._stop.is_set():
             if not serving.is_alive():
                 log.critical("the serving thread ended; stopping this worker")
@@ -348,14 +348,8 @@ class WorkerServer:
         if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and (
             event["value"] == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH
         ):
-            if self.secure:
-                self._throttle.warning(
-                    "handshake", "a client without CURVE keys tried to connect; this worker only talks CURVE"
-                )
-            else:
-                self._throttle.warning(
-                    "handshake", "a client with CURVE keys tried to connect; this worker runs without --secret-key"
-                )
+            theirs, this = ("without", "only talks CURVE") if self.secure else ("with", "runs without --secret-key")
+            self._throttle.warning("handshake", f"a client {theirs} CURVE keys tried to connect; this worker {this}")
         else:
             self._throttle.warning(
                 "handshake", "a client failed the connection handshake (ZeroMQ event %s)", event["event"]
@@ -590,7 +584,6 @@ class WorkerServer:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # the current device is per thread too
         self._outbox = Outbox(self, self._wake_serving, self.keys, self.uplink.via if self.uplink else "")
-        self._dispatch = Dispatch(self._outbox, self._throttle)
         self._busy_since = time.monotonic()  # the main thread answers drivers meanwhile
         try:
             _warm_up()
@@ -598,9 +591,8 @@ class WorkerServer:
             self._take_socket()
             self._busy_since = None
         poller = zmq.Poller()
-        poller.register(self.sock, zmq.POLLIN)
-        poller.register(self._monitor, zmq.POLLIN)
-        poller.register(self._serving_rx, zmq.POLLIN)
+        for sock in (self.sock, self._monitor, self._serving_rx):
+            poller.register(sock, zmq.POLLIN)
         try:
             while not self._stop.is_set():
                 # Read before each queued request too (heartbeats are answered between them). None queued:
@@ -639,14 +631,8 @@ class WorkerServer:
             self._outbox.session = request.session
         self._busy_since = time.monotonic()
         self._io.release()
-        frames = None
         try:
-            if request.kind == DROP:
-                self._drop_session(request.session)
-            elif isinstance(request.message, Hello):  # NEW
-                self._new_session(request.session, request.message)
-            else:
-                frames = self._dispatch.answer(request, session)
+            frames = self._answer(request, session)
         finally:
             self._take_socket()
             self._busy_since = None
@@ -662,8 +648,29 @@ class WorkerServer:
                 self._outbox.hold_reply(request.peer, frames)  # after the pipelined messages before it
             else:
                 self.sock.send_multipart([request.peer, *frames], copy=False)
-        if self._dispatch.device_failure is not None:
-            raise self._dispatch.device_failure
+        if self._device_failure is not None:
+            raise self._device_failure  # reported first; the device is unusable: the worker stops
+
+    def _answer(self, request: Request, session: WorkerSession | None) -> list[Any] | None:
+        """Run ``request`` in its turn (`Order.run`), or start or drop a session; its reply's frames, or
+        ``None`` where the reply travels otherwise or the request waits. Every failure is answered."""
+        if request.kind == DROP:
+            self._drop_session(request.session)
+            return None
+        if isinstance(request.message, Hello):  # NEW
+            self._new_session(request.session, request.message)
+            return None
+        try:
+            if session is None:
+                raise request.refused or ProtocolError("session expired")
+            body = session.order.run(request)
+            if body is NO_REPLY or request.kind in protocol.QUIET_KINDS:
+                return None
+            return protocol.encode(protocol.OK, request.id, request.session, body)
+        except Exception as err:  # the worker stays up, unless its GPU failed
+            if device_failed(err):
+                self._device_failure = err
+            return failure_reply(request, session, err, self._outbox, self._throttle)
 
     def _new_session(self, session_id: str, hello: Hello) -> None:
         self._drop_session(None)

@@ -1,14 +1,12 @@
-"""What a worker does with a message that arrived: read it as the typed message its kind names, run
-it through its handler, and answer.
+"""A request that arrived on a worker: read as the typed message its kind names, and the reply when
+it fails.
 
 `parse` is the one place a received body is read (through `lightning_remote_mp.wire.requests.REQUESTS`,
 one class per kind): everything after it handles typed messages. A body that cannot be read becomes
-a `Request` that carries the refusal, answered in its turn like any request's failure. `Dispatch`
+a `Request` that carries the refusal, answered in its turn like any request's failure. The server
 runs a request in its turn (`lightning_remote_mp.worker.runtime.Order.run`, which calls the
-session's handler for its type) and turns the outcome into the reply: an OK with the handler's
-answer, nothing for work that answers on its own (a micro-batch's results go on to the next stage),
-or an ERROR naming what failed where. Nothing a message carries is executed: its type only chooses
-among the session's handlers.
+session's handler for its type); `failure_reply` makes the ERROR that names what failed where.
+Nothing a message carries is executed: its type only chooses among the session's handlers.
 """
 
 from __future__ import annotations
@@ -26,7 +24,6 @@ from lightning_remote_mp.wire import protocol
 from lightning_remote_mp.wire.fields import Body
 from lightning_remote_mp.wire.messages import Backward, Forward, salvage
 from lightning_remote_mp.wire.requests import REQUESTS, Carry
-from lightning_remote_mp.worker.runtime import NO_REPLY
 from lightning_remote_mp.worker.session import WorkerSession
 from lightning_remote_mp.worker.throttle import Throttle
 
@@ -114,46 +111,19 @@ def error_body(err: BaseException, session: WorkerSession | None = None, *, trac
     return body
 
 
-class Dispatch:
-    """Runs requests through the session's handlers and makes their replies (on the serving thread).
-
-    Args:
-        outbox: where pipelined work answers: a micro-batch's failure goes to the driver, whoever
-            sent the micro-batch.
-        throttle: logs the failures, without flooding the log.
-    """
-
-    def __init__(self, outbox: Outbox, throttle: Throttle) -> None:
-        self.outbox = outbox
-        self.throttle = throttle
-        #: A CUDA error a request raised: reported, then the worker stops (the device is unusable).
-        self.device_failure: Exception | None = None
-
-    def answer(self, request: Request, session: WorkerSession | None) -> list[Any] | None:
-        """Run ``request`` in ``session`` (the worker's current one) in its turn (`Order.run`); its
-        reply's frames, or ``None`` where the reply travels otherwise, or the request waits."""
-        try:
-            if session is None or session.id != request.session:
-                raise request.refused or ProtocolError("session expired")
-            body = session.order.run(request)
-            if body is NO_REPLY or request.kind in protocol.QUIET_KINDS:
-                return None
-            return protocol.encode(protocol.OK, request.id, request.session, body)
-        except Exception as err:  # every failure becomes an error reply; the worker stays up, unless its GPU failed
-            return self._failed(request, session, err)
-
-    def _failed(self, request: Request, session: WorkerSession | None, err: Exception) -> list[Any] | None:
-        if device_failed(err):
-            self.device_failure = err  # reported first, then raised by the server: the worker stops
-        if not isinstance(err, ProtocolError):
-            self.throttle.warning(
-                "failed:" + request.kind, "request %s failed: %s: %s", request.kind, type(err).__name__, err
-            )
-        error = error_body(err, session)
-        if request.kind in _PIPELINE_KINDS:
-            error.update(request.about)  # pipelined work answers to the driver, whoever sent the message
-            self.outbox.to_driver(protocol.ERROR, error)
-            return None
-        if request.kind in protocol.QUIET_KINDS:
-            error["posted"] = request.kind  # the driver did not wait for it: its next read raises this
-        return protocol.encode(protocol.ERROR, request.id, request.session, error)
+def failure_reply(
+    request: Request, session: WorkerSession | None, err: Exception, outbox: Outbox, throttle: Throttle
+) -> list[Any] | None:
+    """The reply to ``request`` for ``err``, the failure it raised (logged, without flooding the log):
+    an ERROR to its sender, or ``None`` for pipelined work, whose failure goes to the driver through
+    the ``outbox`` whoever sent the micro-batch."""
+    if not isinstance(err, ProtocolError):
+        throttle.warning("failed:" + request.kind, "request %s failed: %s: %s", request.kind, type(err).__name__, err)
+    error = error_body(err, session)
+    if request.kind in _PIPELINE_KINDS:
+        error.update(request.about)  # pipelined work answers to the driver, whoever sent the message
+        outbox.to_driver(protocol.ERROR, error)
+        return None
+    if request.kind in protocol.QUIET_KINDS:
+        error["posted"] = request.kind  # the driver did not wait for it: its next read raises this
+    return protocol.encode(protocol.ERROR, request.id, request.session, error)
