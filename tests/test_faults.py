@@ -657,8 +657,8 @@ def test_a_lost_posted_request_is_named_when_the_pipeline_stalls(pool):
     stage1 = session.conns[1]
     try:
         session.place("net", net, balance=[1, 1])
-        stage1._next_id += 1  # lost on the way: the driver counts it as posted, the worker never sees it
-        lost = stage1._next_id
+        stage1.last_id += 1  # lost on the way: the driver counts it as posted, the worker never sees it
+        lost = stage1.last_id
         stage1._unanswered[lost] = protocol.OPTIM_STEP
         start = time.monotonic()
         with pytest.raises(WorkerLostError) as info, torch.no_grad():

@@ -835,7 +835,7 @@ def test_a_micro_batch_from_a_peer_waits_for_the_driver_request_sent_before_it(p
         session.place("net", net, balance=[1, 1])
         stage1 = session.conns[1]
         assert stage1.address == pool[1]
-        request_id = stage1._next_id + 1  # the id of the driver's next request to stage 1
+        request_id = stage1.last_id + 1  # the id of the driver's next request to stage 1
         x = torch.randn(2, 4)
         peer = sockets.dealer(stage1.address)  # stage 0's link to stage 1, as a worker opens it
         early = Forward(key="net", call=99, mb=0, sender=0, x=x, fence={1: request_id})
@@ -956,7 +956,7 @@ def test_the_driver_forgets_quiet_requests_once_they_have_run_and_raises_their_f
         conn = session.conns[0]
         for _ in range(50):
             conn.post(protocol.ZERO_GRAD, ZeroGrad(0).body())
-        assert conn.unanswered_up_to == conn._next_id
+        assert conn.unanswered_up_to == conn.last_id
         assert "net" in conn.request(protocol.GET_STATE, GetState().body())
         assert not conn._unanswered and not conn.unanswered_up_to, "50 zero_grads are still counted as pending"
         conn.post(protocol.ZERO_GRAD, ZeroGrad(0).body())

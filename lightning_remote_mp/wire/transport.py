@@ -98,7 +98,8 @@ class Connection:
         self._vague_failure: tuple[float, dict[str, Any]] | None = None
         self._heard = False
         self._unreachable: str | None = None  # why connecting failed ("": not known), until the worker is heard
-        self._next_id = 0
+        #: The id of the last request this side has given out (sent, or held by `carry`).
+        self.last_id = 0
         self._unanswered: dict[int, str] = {}  # posted requests whose reply has not been read: id -> what
         self._inbox: collections.deque[protocol.Message] = collections.deque()  # the rest of a bundle read
         self._quiet_up_to = 0  # the id of the last request posted of `protocol.QUIET_KINDS`
@@ -172,7 +173,7 @@ class Connection:
             raise WorkerLostError(self.lost_reason, **self.located())
         if self.closed:
             raise WorkerLostError(f"{self.where()}: connection already closed", **self.located())
-        first_id, ran = self._next_id, self._known_ran()
+        first_id, ran = self.last_id, self._known_ran()
         held = [*(c for c in self._relayed if c.id > ran), *self._carried]
         ids = []
         # The lead goes after this worker's loss gradients (`LossGrad`): it passes the lead on only once
@@ -184,9 +185,9 @@ class Connection:
             encoded += [list(c.frames) for c in held[cut:]]
             for body in bodies:
                 encoded.append(self._encode(kind, body, compression))
-                ids.append(self._next_id)
+                ids.append(self.last_id)
         except BaseException:
-            self._next_id = first_id  # nothing was sent: no id is used up, and what was held still is
+            self.last_id = first_id  # nothing was sent: no id is used up, and what was held still is
             raise
         self._carried, self._relayed = [], []
         self.sent_requests += len(encoded) - len(lead)
@@ -209,10 +210,10 @@ class Connection:
         What it buys, with the unwaited backward (`lightning_remote_mp.driver.pipeline.RemoteSpec.confirm`),
         measured (`benchmarks/README.md`, section 1h): without both, the small model trains 10-15%
         slower (the driver then sends 6 messages per step where it sends 2)."""
-        req_id = self._next_id + 1
+        req_id = self.last_id + 1
         with self._naming_errors():
             sealed = Carried.sealed(request, req_id, req_id - 1, self.session, self.seal_key, self.remote_limits)
-        self._next_id = req_id  # used up only once encoded: a request that cannot be leaves no gap
+        self.last_id = req_id  # used up only once encoded: a request that cannot be leaves no gap
         self._carried.append(sealed)
         self._awaits(req_id, request.KIND)
         self._linked.extend(c for c in linked if c is not self and c not in self._linked)
@@ -225,11 +226,6 @@ class Connection:
         taken, self._carried = self._carried, []
         self._relayed.extend(taken)
         return taken
-
-    @property
-    def last_id(self) -> int:
-        """The id of the last request this side has given out (sent, or held by `carry`)."""
-        return self._next_id
 
     def discard_carried(self, after: int, relayed: bool = False) -> None:
         """Forget the requests `carry` holds, unsent, whose ids come after ``after`` (a `last_id`):
@@ -244,8 +240,8 @@ class Connection:
             for c in dropped:
                 self._unanswered.pop(c.id, None)
             self._carried = [c for c in self._carried if c.id <= after]
-            self._next_id = dropped[0].id - 1
-            self._quiet_up_to = min(self._quiet_up_to, self._next_id)
+            self.last_id = dropped[0].id - 1
+            self._quiet_up_to = min(self._quiet_up_to, self.last_id)
 
     def flush_carried(self) -> None:
         """Send what `carry` holds straight to the worker now (its pipeline gets no message to carry it)."""
@@ -279,11 +275,11 @@ class Connection:
     def _encode(self, kind: str, body: Any, compression: str | None = None, *, req_id: int | None = None) -> list[Any]:
         """``body`` encoded as the next request (or as request ``req_id``, one already counted):
         a request id is used up only by a message that encodes, so the worker sees no gap."""
-        next_id = self._next_id + 1 if req_id is None else req_id
+        next_id = self.last_id + 1 if req_id is None else req_id
         with self._naming_errors():
             frames = protocol.encode(kind, next_id, self.session, body, self.remote_limits, compression)
         if req_id is None:
-            self._next_id = next_id
+            self.last_id = next_id
         return frames
 
     @contextlib.contextmanager
