@@ -77,6 +77,8 @@ def gather(
                 progress = time.monotonic()
             else:
                 log.debug("%s: dropping stale %s message", conn.where(), msg.kind)
+        if len(got) == count:
+            break  # all came: no worker needs checking
         for c in by_sock.values():
             c._check_reachable(start, None, what)
         _check_stall(list(by_sock.values()), progress, what, count - len(got))

@@ -146,6 +146,7 @@ class StageExecutor:
                 for i, e in enumerate(normalized)
             }
         self.layers = nn.ModuleDict(layers) if on_meta else nn.ModuleDict(layers).to(device)
+        self._indexed = [(int(k), m) for k, m in self.layers.items()]  # what `run_layers` runs, made once
         self._saved: dict[tuple[int, int], _Saved] = {}  # by (call, micro-batch)
         # Per call whose backward runs early: each trainable parameter's own gradient, by id.
         self._early: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
@@ -358,7 +359,7 @@ class StageExecutor:
                 x = tuple(map(_writable, x)) if isinstance(x, tuple) else _writable(x)
                 variables.update({n: _writable(t) for n, t in variables.items()})
         with torch.set_grad_enabled(grad), cast, defer, deferred_statistics:
-            y = run_layers(((int(k), m) for k, m in self.layers.items()), x, variables)
+            y = run_layers(self._indexed, x, variables)
         if not is_main(y):
             raise SpecError(
                 f"stage {self.index}: layer {self.start + len(self.names) - 1} returned {type(y).__name__}; "
