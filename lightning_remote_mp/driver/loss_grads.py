@@ -114,7 +114,7 @@ class DeferredLossGrads:
     def drop(self) -> list[int]:
         """After a failure: the requests posted since the first gradient (it, the step on it) are
         dropped, sent or not, and never sent straight; a stage that could not apply its gradient
-        passed none of them on (`lightning_remote_mp.worker.session.WorkerSession.carry`). Returns
+        passed none of them on (`lightning_remote_mp.worker.runtime.Order`). Returns
         the calls, forgotten."""
         posted, self.calls = self.calls, {}
         for conn, mark in next(iter(posted.values()), []):

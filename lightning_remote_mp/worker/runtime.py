@@ -21,9 +21,10 @@ This module is the one place that decides when a worker runs something. Two thin
   call's backward and applied it (`Order.park`): the optimizer's step on those gradients, and the
   next call's forward, come right behind it. `Order.run` runs each request in its turn.
 
-What the message-saving parts buy, measured (`benchmarks/README.md`, section 1h): carrying the
-driver's requests along the pipeline, the unwaited backward and `LossGrad` together 10-15% of a
-step (small model, 1F1B, loss inside the model); `LossGrad` alone 12-19%.
+What the message-saving parts buy, measured (`benchmarks/README.md`, sections 1h and 1j): carrying
+the driver's requests along the pipeline, the unwaited backward and `LossGrad` together 10-15% of a
+step (small model, 1F1B, loss inside the model); `LossGrad` alone 12-19%; carrying alone 5-7% at
+m=4 with the loss in ``training_step``, nothing at m=1.
 
 >>> order = Order({}, handle=lambda message: None)
 >>> order.ran(3), order.driver_ran, order.already_ran(2)
@@ -38,18 +39,21 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
 from lightning_remote_mp import schedule
-from lightning_remote_mp.errors import LrmpError, ProtocolError
+from lightning_remote_mp.errors import LrmpError, ProtocolError, SpecError
 from lightning_remote_mp.flow import DRIVER
 from lightning_remote_mp.schedule import BACKWARD, FORWARD, WEIGHTS
 from lightning_remote_mp.wire.messages import Backward, Forward
-from lightning_remote_mp.wire.protocol import CARRIED_KINDS
-from lightning_remote_mp.wire.requests import Carried, Release
+from lightning_remote_mp.wire.protocol import CARRIED_KINDS, CARRY
+from lightning_remote_mp.wire.requests import Carried, Carry, LossGrad, Release
 from lightning_remote_mp.worker.route import Outgoing, RoutedStage
+
+if TYPE_CHECKING:
+    from lightning_remote_mp.worker.session import Outbox
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +61,6 @@ _M = TypeVar("_M", Forward, Backward)
 #: What a request's handler returns where nothing is sent back: its answer travels on its own (a
 #: micro-batch's results go on along the pipeline), or it runs later (`Order.run`).
 NO_REPLY = object()
-#: What a loss gradient's handler returns while it waits for its call's actions (`Order.run`).
-WAITS = object()
 #: An early call's last action, and the kind of its input: the driver's gradient of the loss, by
 #: which the stage multiplies the weight gradients its backward gave before adding them to ``.grad``.
 SCALE = "S"
@@ -456,11 +458,24 @@ class Order:
     Args:
         runtimes: the worker's stages, by key (the session's): a peer's micro-batch waits by its
             stage's fence, and a loss gradient for its stage's actions (`StageRuntime.loss_grad_waits`).
-        handle: runs a request's message (`lightning_remote_mp.worker.session.WorkerSession.handle`).
+        handle: runs a request's message (`lightning_remote_mp.worker.session.WorkerSession.handle`),
+            but a `Carry` and a `LossGrad`, which this runs itself.
+        peers, outbox: the session's peers' addresses, by stage key, and where a `Carry` goes on.
+        seal_key, session: what the driver's requests that come along the pipeline are sealed with.
     """
 
-    def __init__(self, runtimes: Mapping[str, StageRuntime], handle: Callable[[Any], Any]) -> None:
+    def __init__(
+        self,
+        runtimes: Mapping[str, StageRuntime],
+        handle: Callable[[Any], Any],
+        peers: Mapping[str, Mapping[int, str]] | None = None,
+        outbox: Outbox | None = None,
+        seal_key: bytes | None = None,
+        session: str = "",
+    ) -> None:
         self._handle = handle
+        self._peers = peers if peers is not None else {}
+        self._outbox, self._seal_key, self._session = outbox, seal_key, session
         #: What may run now, once `run` returned: the driver's request that came along the pipeline
         #: and runs first (`next_carried`), and the tasks that waited (`ran`). The server queues
         #: them before anything else.
@@ -479,7 +494,7 @@ class Order:
         turn, and return its handler's answer, or `NO_REPLY` where it does not run now: a peer's
         micro-batch waits for the driver's requests its fence names (`hold_back`); a driver's request
         waits behind a loss's gradient (`park`), runs once (`already_ran`), or is a loss gradient
-        that waits for its call's actions (the handler says `WAITS`). A request that could not be
+        that waits for its call's actions (`_loss_grad`). A request that could not be
         read raises its refusal, in its turn. Either way `next` then says what may run now."""
         message = request.message
         try:
@@ -490,11 +505,11 @@ class Order:
                     return NO_REPLY
             elif self.park(request) or (request.kind in CARRIED_KINDS and self.already_ran(request.id)):
                 return NO_REPLY
-            answer = self._handle(message)
-            if answer is WAITS:
-                self._waiting = (request.id, message.key, message.call)  # no later request runs before it
-                return NO_REPLY
-            return answer
+            if isinstance(message, Carry):
+                return self._carry(message)
+            if isinstance(message, LossGrad):
+                return self._loss_grad(request.id, message)
+            return self._handle(message)
         finally:
             ready = self.ran(0 if request.from_peer else request.id)
             carried = self.next_carried()
@@ -570,7 +585,59 @@ class Order:
         call the driver released, with a later id (`park`)."""
         return req_id <= self.driver_ran
 
+    def _carry(self, msg: Carry) -> Any:
+        """Pass the driver's requests for the stages further ``msg.toward`` on to the next stage that
+        way, then keep this stage's own to run in their turn (`next_carried`). They go on first, so
+        that every stage gets its own at once: a step whose stages sum tied gradients together
+        (`lightning_remote_mp.worker.collective.GradGroup`) would otherwise wait on itself."""
+        here = _runtime(self._runtimes, msg.key).index
+        if self.no_step is not None:  # the stages beyond must not step on gradients this one lacks
+            log.warning(
+                "stage %d: the driver's requests for stages %s are not passed on: %s",
+                here,
+                sorted(msg.requests),
+                self.no_step,
+            )
+            return NO_REPLY
+        for c in msg.requests.get(here, ()):
+            if not c.sealed_by(self._seal_key, self._session):
+                came = "from the driver" if msg.sender == DRIVER else f"from stage {msg.sender}"
+                raise PermissionError(
+                    f"stage {here}: the driver's request {c.id} ({c.request.KIND}), which came along the pipeline "
+                    f"{came}, does not bear the driver's seal for this worker: forged or altered on the way. "
+                    "Nothing it brought runs; check the workers of this pipeline"
+                )
+        rest = {stage: carried for stage, carried in msg.requests.items() if stage != here}
+        if any((stage - here) * msg.toward <= 0 for stage in rest):
+            raise ProtocolError(
+                f"stage {here}: a carry toward {msg.toward:+d} brings requests for stages {sorted(rest)}, "
+                "which are not further that way"
+            )
+        if rest:
+            onward = self._peers.get(msg.key, {}).get(here + msg.toward)
+            if onward is None:
+                raise ProtocolError(
+                    f"stage {here} has no stage {here + msg.toward} to pass the driver's requests on to"
+                )
+            assert self._outbox is not None
+            self._outbox.to_peer(onward, CARRY, Carry(msg.key, msg.call, here, msg.toward, rest).body())
+        self.keep_carried(list(msg.requests.get(here, ())), f"stage {here}")
+        return NO_REPLY
+
     # --- requests behind a loss's gradient -----------------------------------------------------
+    def _loss_grad(self, req_id: int, msg: LossGrad) -> Any:
+        """Apply the driver's gradient of a call's loss (`StageRuntime.loss_grad`), or wait for the
+        call's actions here first: then no later request of the driver's runs before it (`park`)."""
+        try:
+            waits = _runtime(self._runtimes, msg.key).loss_grad(msg.call, msg.grad)
+        except Exception as err:
+            self.no_step = f"the loss's gradient of call {msg.call} of {msg.key!r} was not applied here: {err}"
+            raise
+        self.no_step = None
+        if waits:
+            self._waiting = (req_id, msg.key, msg.call)
+        return None
+
     def park(self, request: Any) -> bool:
         """Keep the driver's ``request`` (a `lightning_remote_mp.worker.request.Request`) while a
         loss gradient sent before it waits; returns whether it was kept. A release of that call
@@ -603,3 +670,9 @@ class Order:
         self.driver_ran = max(self.driver_ran, req_id)
         parked, self._parked = self._parked, []
         return parked
+
+
+def _runtime(runtimes: Mapping[str, StageRuntime], key: str) -> StageRuntime:
+    if key not in runtimes:
+        raise SpecError(f"no stage {key!r:.80} on this worker; send setup first")
+    return runtimes[key]

@@ -27,7 +27,6 @@ from lightning_remote_mp.wire.fields import Body
 from lightning_remote_mp.wire.grads import GradAllreduce, GradClamp, GradNorms, Grads, GradScale
 from lightning_remote_mp.wire.messages import Backward, Forward
 from lightning_remote_mp.wire.requests import (
-    Carry,
     Fetch,
     GetOptimState,
     GetState,
@@ -35,7 +34,6 @@ from lightning_remote_mp.wire.requests import (
     LoadOptimState,
     LoadState,
     Loss,
-    LossGrad,
     OptimCreate,
     OptimStep,
     Profile,
@@ -51,7 +49,7 @@ from lightning_remote_mp.wire.requests import (
 from lightning_remote_mp.worker.collective import GradGroup
 from lightning_remote_mp.worker.profile import profile_layers
 from lightning_remote_mp.worker.route import Outgoing, RoutedStage
-from lightning_remote_mp.worker.runtime import NO_REPLY, WAITS, Order, StageRuntime
+from lightning_remote_mp.worker.runtime import NO_REPLY, Order, StageRuntime
 from lightning_remote_mp.worker.stage import StageExecutor
 from lightning_remote_mp.worker.timeline import EventLog
 from lightning_remote_mp.worker.weights import PROGRESS, read_optimizer_state, read_stage_files, save_shard, saved
@@ -100,7 +98,6 @@ class WorkerSession:
         seal_key: bytes | None = None,
     ) -> None:
         self.id = session_id
-        self.seal_key = seal_key  # the driver's requests that come along the pipeline bear its seal (`carry`)
         self.outbox = outbox
         self.limits = limits
         self.announce_peer_keys = announce_peer_keys
@@ -140,14 +137,13 @@ class WorkerSession:
             Sync: self.sync,
             Fetch: self.fetch,
             Loss: self.loss,
-            Carry: self.carry,
-            LossGrad: self.loss_grad,
         }
         self._loss_programs: dict[tuple[str, int], list[GraphLayer]] = {}  # (key, number) -> its layers
         self.group: GradGroup | None = None  # this stage's replicas
         self.tie_groups: list[tuple[GradGroup, list[str]]] = []  # stages holding copies of tied weights: theirs here
         self.events: EventLog | None = None
-        self.order = Order(self.runtimes, self.handle)  # which of the driver's requests run when
+        # Which of the driver's requests run when; it runs `Carry` and `LossGrad` itself.
+        self.order = Order(self.runtimes, self.handle, self.peers, outbox, seal_key, session_id)
         # A call's answers to the driver (RESULTs, DONEs), kept until they are all there: (key, call, kind) -> answers.
         self._answers: dict[tuple[str, int, str], list[tuple[Any, Any, dict[str, Any] | None]]] = {}
 
@@ -157,55 +153,6 @@ class WorkerSession:
         micro-batches that wait for it (named when the pipeline stalls), the last of its requests
         run, and how far a long piece of work has come (`PROGRESS`)."""
         return {**self.order.held_back(), "ran": self.order.driver_ran, **PROGRESS.answer()}
-
-    def loss_grad(self, msg: LossGrad) -> Any:
-        """Apply the driver's gradient of a call's loss (`StageRuntime.loss_grad`), or `WAITS` for the
-        call's actions here first (`Order.run`)."""
-        try:
-            waits = self.runtime(msg.key).loss_grad(msg.call, msg.grad)
-        except Exception as err:
-            self.order.no_step = f"the loss's gradient of call {msg.call} of {msg.key!r} was not applied here: {err}"
-            raise
-        self.order.no_step = None
-        return WAITS if waits else None
-
-    def carry(self, msg: Carry) -> Any:
-        """Pass the driver's requests for the stages further ``msg.toward`` on to the next stage that
-        way, then keep this stage's own to run in their turn (`Order.next_carried`). They go on first, so
-        that every stage gets its own at once: a step whose stages sum tied gradients together
-        (`GradGroup`) would otherwise wait on itself."""
-        here = self.runtime(msg.key).index
-        if self.order.no_step is not None:  # the stages beyond must not step on gradients this one lacks
-            log.warning(
-                "stage %d: the driver's requests for stages %s are not passed on: %s",
-                here,
-                sorted(msg.requests),
-                self.order.no_step,
-            )
-            return NO_REPLY
-        for c in msg.requests.get(here, ()):
-            if not c.sealed_by(self.seal_key, self.id):
-                came = "from the driver" if msg.sender == DRIVER else f"from stage {msg.sender}"
-                raise PermissionError(
-                    f"stage {here}: the driver's request {c.id} ({c.request.KIND}), which came along the pipeline "
-                    f"{came}, does not bear the driver's seal for this worker: forged or altered on the way. "
-                    "Nothing it brought runs; check the workers of this pipeline"
-                )
-        rest = {stage: carried for stage, carried in msg.requests.items() if stage != here}
-        if any((stage - here) * msg.toward <= 0 for stage in rest):
-            raise ProtocolError(
-                f"stage {here}: a carry toward {msg.toward:+d} brings requests for stages {sorted(rest)}, "
-                "which are not further that way"
-            )
-        if rest:
-            onward = self.peers[msg.key].get(here + msg.toward)
-            if onward is None:
-                raise ProtocolError(
-                    f"stage {here} has no stage {here + msg.toward} to pass the driver's requests on to"
-                )
-            self.outbox.to_peer(onward, protocol.CARRY, Carry(msg.key, msg.call, here, msg.toward, rest).body())
-        self.order.keep_carried(list(msg.requests.get(here, ())), f"stage {here}")
-        return NO_REPLY
 
     def handle(self, message: Body) -> Any:
         """Run ``message`` (as `lightning_remote_mp.wire.requests.REQUESTS` read it) through its handler."""
