@@ -290,17 +290,21 @@ def test_lost_remote_worker_is_named_within_heartbeat_timeout(start_workers, poo
 
 
 class _BackwardSpans(L.Callback):
-    """How long each ``loss.backward()`` took on the driver."""
+    """How long each ``loss.backward()`` took on the driver, and how many confirmations each of the
+    session's connections holds for a send (`Connection.before_send`) before and after it."""
 
     def __init__(self) -> None:
         self.began = 0.0
         self.spans: list[float] = []
+        self.held: list[tuple[list[int], list[int]]] = []
 
     def on_before_backward(self, trainer, pl_module, loss):
+        self.held.append(([len(c.before_send) for c in trainer.strategy.session.conns], []))
         self.began = time.monotonic()
 
     def on_after_backward(self, trainer, pl_module):
         self.spans.append(time.monotonic() - self.began)
+        self.held[-1][1].extend(len(c.before_send) for c in trainer.strategy.session.conns)
 
 
 def test_the_driver_goes_on_while_the_workers_run_a_backward_that_returns_it_nothing(twin, pool):
@@ -319,6 +323,9 @@ def test_the_driver_goes_on_while_the_workers_run_a_backward_that_returns_it_not
     assert_same_losses(local.losses, remote.losses)
     assert_same_weights(local, remote)
     assert len(spans.spans) == 2 and max(spans.spans) < 0.4, spans.spans
+    # The unwaited backward has every connection confirm it before a send; the next forward confirms
+    # it from the driver, which removes that again (the wire then calls nothing of the driver's).
+    assert spans.held == [([0, 0], [1, 1]), ([0, 0], [1, 1])], spans.held
 
 
 def test_worker_exception_reaches_driver_with_layer_and_stage(pool):

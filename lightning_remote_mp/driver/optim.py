@@ -57,6 +57,7 @@ from typing import Any
 
 import torch
 
+from lightning_remote_mp.driver.pipeline import confirm_outstanding
 from lightning_remote_mp.errors import LrmpError
 from lightning_remote_mp.model.spec import layer_path, refuse_main
 from lightning_remote_mp.wire import protocol
@@ -223,10 +224,10 @@ class OptimizerMirror:
 
     def confirm_backward(self) -> None:
         """Before the driver's own layers step (`_mirrored_class`): make sure that the backward the
-        driver did not wait for succeeded (`Connection.confirm_sent`), or a failure there would leave
+        driver did not wait for succeeded (`confirm_outstanding`), or a failure there would leave
         them a step ahead of the workers' layers, whose step is then dropped."""
         if self.conns and self.local_grads():
-            self.conns[0].confirm_sent()
+            confirm_outstanding(self.conns)
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         # The gradients of replicas and of tied weights' copies are summed by the step itself,
@@ -259,6 +260,7 @@ class OptimizerMirror:
 
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` over the optimizer's parameters, wherever they live."""
+        confirm_outstanding(self.conns)  # the backward that made the gradients
         self.sync_grads()
         local = self.local_grads()
         norms = [torch.linalg.vector_norm(g, norm_type) for g in local]
@@ -280,6 +282,7 @@ class OptimizerMirror:
 
     def clip_grad_value(self, value: float) -> None:
         """``torch.nn.utils.clip_grad_value_`` over the optimizer's parameters, wherever they live."""
+        confirm_outstanding(self.conns)  # the backward that made the gradients
         self.sync_grads()
         clamping = post_all(
             ((c, protocol.GRADS, GradClamp(self.index, float(value)).body()) for c in self.conns),

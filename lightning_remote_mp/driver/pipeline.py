@@ -56,6 +56,14 @@ def check_checkpoint_mode(checkpoint: str) -> str:
     return checkpoint
 
 
+def confirm_outstanding(conns: Sequence[Connection]) -> None:
+    """Confirm the backwards the session's driver sent without waiting (`RemoteSpec.confirm`), from
+    the driver itself: before its next forward, its own layers' step, a clip or a timeline read.
+    `Connection.before_send` holds the same confirmations for any send that comes first."""
+    for confirm in list(conns[0].before_send) if conns else ():
+        confirm()
+
+
 @dataclasses.dataclass
 class RemoteStage:
     """One stage of one SpecSequential, held by the worker behind ``conn``."""
@@ -373,11 +381,13 @@ class RemoteSpec:
             return self._forward(x, grad=grad, x_needs_grad=x_needs_grad, autocast=autocast)
         finally:
             self._forwarding = False
+            if self.loss_grads.calls:  # the forward failed before its results confirmed them
+                self.confirm_before_sending(True)
 
     def _forward(
         self, x: Main, *, grad: bool, x_needs_grad: bool | list[bool], autocast: dict[str, Any] | None
     ) -> tuple[Main, int]:
-        self.conns[0].confirm_sent()  # the last backward, before anything is posted for this call
+        confirm_outstanding(self.conns)  # the last backward, before anything is posted for this call
         self._flush_releases()
         call = next(self._ids)
         modes = self.modes()
@@ -548,7 +558,7 @@ class RemoteSpec:
                 raise
         if self.loss_grads.calls and not self._forwarding:
             self.loss_grads.confirm()
-        if not self.loss_grads.calls:
+        if not self.loss_grads.calls or self._forwarding:  # this forward's results confirm those
             self.confirm_before_sending(False)
 
     def confirm_before_sending(self, wanted: bool) -> None:

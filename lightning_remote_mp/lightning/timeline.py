@@ -22,7 +22,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 
-from lightning_remote_mp.driver.pipeline import RemoteStage
+from lightning_remote_mp.driver.pipeline import RemoteStage, confirm_outstanding
 from lightning_remote_mp.wire import protocol
 from lightning_remote_mp.wire.requests import Timeline
 from lightning_remote_mp.wire.transport import Connection, broadcast
@@ -127,8 +127,7 @@ class TimelineCallback(pl.Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         conns = self._conns()
-        if conns:
-            conns[0].confirm_sent()  # the step's backward, which the driver did not wait for, is part of it
+        confirm_outstanding(conns)  # the step's backward, which the driver did not wait for, is part of it
         end = time.time()
         self._add_rows()
         spans: list[tuple[Any, float, float]] = []
