@@ -12,7 +12,6 @@ Nothing a message carries is executed: its type only chooses among the session's
 from __future__ import annotations
 
 import dataclasses
-import logging
 import traceback
 from typing import TYPE_CHECKING, Any
 
@@ -29,8 +28,6 @@ from lightning_remote_mp.worker.throttle import Throttle
 
 if TYPE_CHECKING:
     from lightning_remote_mp.worker.outbox import Outbox  # which reports failures with `error_body`
-
-log = logging.getLogger(__name__)
 
 #: The kinds of the worker's own tasks, queued beside requests: drop a session, start one.
 DROP, NEW = "__drop__", "__new__"

@@ -447,6 +447,14 @@ class StageRuntime:
                 table.pop(call, None)  # type: ignore[attr-defined]
 
 
+class StageRuntimes(dict[str, StageRuntime]):
+    """A worker's stage runtimes, by stage key: looking up a stage it does not hold is an error that
+    names the key (``get`` and ``in`` ask without one)."""
+
+    def __missing__(self, key: str) -> StageRuntime:
+        raise SpecError(f"no stage {key!r:.80} on this worker; send setup first")
+
+
 #: The most of the driver's requests a worker keeps while they wait for one that never came
 #: (each is a small request; more means the pipeline that brings them lost one on the way).
 MAX_WAITING = 4096
@@ -590,7 +598,7 @@ class Order:
         way, then keep this stage's own to run in their turn (`next_carried`). They go on first, so
         that every stage gets its own at once: a step whose stages sum tied gradients together
         (`lightning_remote_mp.worker.collective.GradGroup`) would otherwise wait on itself."""
-        here = _runtime(self._runtimes, msg.key).index
+        here = self._runtimes[msg.key].index
         if self.no_step is not None:  # the stages beyond must not step on gradients this one lacks
             log.warning(
                 "stage %d: the driver's requests for stages %s are not passed on: %s",
@@ -629,7 +637,7 @@ class Order:
         """Apply the driver's gradient of a call's loss (`StageRuntime.loss_grad`), or wait for the
         call's actions here first: then no later request of the driver's runs before it (`park`)."""
         try:
-            waits = _runtime(self._runtimes, msg.key).loss_grad(msg.call, msg.grad)
+            waits = self._runtimes[msg.key].loss_grad(msg.call, msg.grad)
         except Exception as err:
             self.no_step = f"the loss's gradient of call {msg.call} of {msg.key!r} was not applied here: {err}"
             raise
@@ -670,9 +678,3 @@ class Order:
         self.driver_ran = max(self.driver_ran, req_id)
         parked, self._parked = self._parked, []
         return parked
-
-
-def _runtime(runtimes: Mapping[str, StageRuntime], key: str) -> StageRuntime:
-    if key not in runtimes:
-        raise SpecError(f"no stage {key!r:.80} on this worker; send setup first")
-    return runtimes[key]

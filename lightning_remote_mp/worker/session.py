@@ -49,7 +49,7 @@ from lightning_remote_mp.wire.requests import (
 from lightning_remote_mp.worker.collective import GradGroup
 from lightning_remote_mp.worker.profile import profile_layers
 from lightning_remote_mp.worker.route import Outgoing, RoutedStage
-from lightning_remote_mp.worker.runtime import NO_REPLY, Order, StageRuntime
+from lightning_remote_mp.worker.runtime import NO_REPLY, Order, StageRuntime, StageRuntimes
 from lightning_remote_mp.worker.stage import StageExecutor
 from lightning_remote_mp.worker.timeline import EventLog
 from lightning_remote_mp.worker.weights import PROGRESS, read_optimizer_state, read_stage_files, save_shard, saved
@@ -101,7 +101,7 @@ class WorkerSession:
         self.outbox = outbox
         self.limits = limits
         self.announce_peer_keys = announce_peer_keys
-        self.runtimes: dict[str, StageRuntime] = {}  # by stage key: what runs when
+        self.runtimes = StageRuntimes()  # by stage key: what runs when
         self.peers: dict[str, dict[int, str]] = {}
         self.compression: dict[str, str | None] = {}  # by stage key: how its pipelined tensors travel
         self.device = device
@@ -181,7 +181,7 @@ class WorkerSession:
         )
         unread: list[str] = []
         if msg.borrows is not None:
-            stage.borrow(self.runtime(msg.borrows).route.stage)
+            stage.borrow(self.runtimes[msg.borrows].route.stage)
         elif msg.state is not None or msg.files:
             state = dict(msg.state or {})
             read, unread = read_stage_files(stage, msg.files, self.id)
@@ -230,11 +230,11 @@ class WorkerSession:
             )
 
     def forward(self, msg: Forward) -> Any:
-        self._send(self.runtime(msg.key).forward(msg))
+        self._send(self.runtimes[msg.key].forward(msg))
         return NO_REPLY
 
     def backward(self, msg: Backward) -> Any:
-        self._send(self.runtime(msg.key).backward(msg))
+        self._send(self.runtimes[msg.key].backward(msg))
         return NO_REPLY
 
     def _settle_grads(self) -> None:
@@ -278,19 +278,14 @@ class WorkerSession:
             del self._answers[(msg.key, msg.call, kind)]
             self.outbox.to_driver_all(kind, answers, self.compression.get(msg.key))
 
-    def runtime(self, key: str) -> StageRuntime:
-        if key not in self.runtimes:
-            raise SpecError(f"no stage {key!r:.80} on this worker; send setup first")
-        return self.runtimes[key]
-
     def sync(self, msg: Sync) -> Any:
         return None  # the requests before it have run: they run in order
 
     def fetch(self, msg: Fetch) -> Any:
         """The outputs this (last) stage kept of a call, by micro-batch: tensors, copied off a GPU."""
-        kept = self.runtime(msg.key).route.fetch(msg.call)
+        kept = self.runtimes[msg.key].route.fetch(msg.call)
         if not kept:
-            raise SpecError(f"stage {self.runtime(msg.key).index} keeps no outputs of call {msg.call} (released?)")
+            raise SpecError(f"stage {self.runtimes[msg.key].index} keeps no outputs of call {msg.call} (released?)")
         return {"outputs": self._to_host(msg.key, {mb: [[i, t] for i, t in o.items()] for mb, o in kept.items()})}
 
     def _to_host(self, key: str, value: Any) -> Any:
@@ -305,7 +300,7 @@ class WorkerSession:
 
     def loss(self, msg: Loss) -> Any:
         """A loss over an output this (last) stage kept, per micro-batch (`requests.Loss`)."""
-        route = self.runtime(msg.key).route
+        route = self.runtimes[msg.key].route
         layers = self._loss_program(msg)
 
         def run(output: torch.Tensor, mb: int) -> tuple:
@@ -367,7 +362,7 @@ class WorkerSession:
         """Write this worker's share of a sharded checkpoint (`Save`): one new safetensors file,
         written by the time the answer comes, or in the background (`Saved` says when)."""
         self._settle_grads()
-        stages = {key: self.runtime(key).route.stage for key in msg.tensors}
+        stages = {key: self.runtimes[key].route.stage for key in msg.tensors}
         self._writes[msg.file] = save_shard(msg, stages, self.optimizers, self._named_parameters(), self.id)
         return {} if msg.background else self._writes[msg.file].result()
 
@@ -385,7 +380,7 @@ class WorkerSession:
 
     def load_state(self, msg: LoadState) -> Any:
         for key, state in msg.state.items():
-            self.runtime(key).route.stage.load_state_dict(state)
+            self.runtimes[key].route.stage.load_state_dict(state)
         return None
 
     # --- optimizers -------------------------------------------------------------
