@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from lightning_remote_mp._version import __version__
+from lightning_remote_mp.driver.pipeline import confirm_outstanding
 from lightning_remote_mp.driver.placement import WeightSources, stage_weights, stream_files
 from lightning_remote_mp.driver.progress import shown
 from lightning_remote_mp.errors import WeightsError
@@ -90,7 +91,7 @@ def save(
     partial = target.parent / f".{target.name}{PARTIAL}{uuid.uuid4().hex[:8]}"
     partial.mkdir()
     try:
-        session.confirm_backwards()
+        confirm_outstanding(session.conns)  # the last backward, which the driver did not wait for
         manifest, conns = _write_shards(
             session, lightning_module, partial, "optimizer_states" in checkpoint, background
         )

@@ -58,8 +58,10 @@ def check_checkpoint_mode(checkpoint: str) -> str:
 
 def confirm_outstanding(conns: Sequence[Connection]) -> None:
     """Confirm the backwards the session's driver sent without waiting (`RemoteSpec.confirm`), from
-    the driver itself: before its next forward, its own layers' step, a clip or a timeline read.
-    `Connection.before_send` holds the same confirmations for any send that comes first."""
+    the driver itself: before its next forward, its own layers' step, a clip, a checkpoint or a
+    timeline read. If one failed, the requests posted since (the step on its gradients, zero_grad)
+    are dropped unsent, and the failure is raised. `Connection.before_send` holds the same
+    confirmations for any send that comes first."""
     for confirm in list(conns[0].before_send) if conns else ():
         confirm()
 

@@ -535,13 +535,6 @@ class DriverSession:
         else:
             lender.views.append(remote)
 
-    def confirm_backwards(self) -> None:
-        """Before any message to a worker: the backwards sent without waiting are done
-        (`RemoteSpec.confirm`). If one failed, the requests posted since (the step on its gradients,
-        zero_grad) are dropped unsent, and the failure is raised."""
-        for remote in [r for pl in self.placements.values() for r in (pl.remote, *pl.views)]:
-            remote.confirm()
-
     def placed_stages(self, key: str) -> list[list[RemoteStage]]:
         """The stages of the module placed as ``key``: one row per replica, in stage order; each
         `RemoteStage` holds its `partition.Stage` (index, layers) and its worker's `Connection`."""

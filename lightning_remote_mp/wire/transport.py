@@ -137,7 +137,7 @@ class Connection:
         """Where this worker is (address, stage, replica): the keyword arguments of the errors about it."""
         return {"address": self.address, "stage": self.stage, "replica": self.replica}
 
-    def confirm_sent(self) -> None:
+    def _confirm_first(self) -> None:
         """Confirm now what the driver sent without waiting and must know done (`before_send`):
         before the driver acts on the assumption that it succeeded (steps its own layers, say)."""
         for confirm in list(self.before_send):
@@ -168,7 +168,7 @@ class Connection:
         workers linked to the held requests (`carry`) to the caller, which sends them theirs another
         way first (`flush_linked`).
         If a message cannot be encoded, nothing is sent, and nothing held is lost."""
-        self.confirm_sent()
+        self._confirm_first()
         if self.lost_reason is not None:
             raise WorkerLostError(self.lost_reason, **self.located())
         if self.closed:
@@ -224,7 +224,7 @@ class Connection:
         """The requests `carry` holds, for a `lightning_remote_mp.wire.requests.Carry`: from now on
         they travel along the pipeline (until known to have run, `send_all` sends them again). The
         caller sends the `Carry`, then calls `flush_linked`."""
-        self.confirm_sent()
+        self._confirm_first()
         taken, self._carried = self._carried, []
         self._relayed.extend(taken)
         return taken
@@ -348,7 +348,7 @@ class Connection:
 
     def settle(self, timeout: float | None = None, what: str = "") -> None:
         """Wait until every posted request has been answered (before ``what``); raise the first failure."""
-        self.confirm_sent()
+        self._confirm_first()
         start = time.monotonic()
         if self._quiet_up_to > self._replied_up_to:
             self.post(protocol.SYNC)  # answered after the quiet requests before it have run (or failed)
