@@ -39,7 +39,6 @@ from lightning_remote_mp.flow import Routes, SplitBackward, is_split_backward
 from lightning_remote_mp.wire import protocol
 from lightning_remote_mp.wire.fields import (
     BOOL,
-    DICT,
     INT,
     LIST,
     STR,
@@ -458,11 +457,14 @@ class Carried:
 
 def _carried(kind: str, name: str, value: Any) -> dict[int, tuple[Carried, ...]]:
     """``{stage: [[after, frames, seal], ...]}``, ids rising, each request's frames decoded and read
-    as its kind's request (its seal is checked by the worker it is for: `Carried.sealed_by`)."""
-    DICT(kind, name, value)
+    as its kind's request (its seal is checked by the worker it is for: `Carried.sealed_by`). Read
+    here alone, as a pipelined message is in `lightning_remote_mp.wire.fields`: a stage reads one
+    with every call's micro-batches."""
+    if not isinstance(value, dict):
+        raise refuse(kind, f"field {name!r} must be a dict, got {type(value).__name__}")
     out = {}
     for stage, entries in value.items():
-        if not (is_int(stage) and stage >= 0 and isinstance(entries, list) and 0 < len(entries) <= MAX_CARRIED):
+        if not (type(stage) is int and stage >= 0 and isinstance(entries, list) and 0 < len(entries) <= MAX_CARRIED):
             raise refuse(
                 kind,
                 f"field {name!r} must map stage numbers to lists of at most {MAX_CARRIED} requests; "
@@ -474,7 +476,7 @@ def _carried(kind: str, name: str, value: Any) -> dict[int, tuple[Carried, ...]]
             if (
                 isinstance(e, list)
                 and len(e) == 3
-                and is_int(e[0])
+                and type(e[0]) is int
                 and isinstance(e[1], list)
                 and all(isinstance(f, bytes) for f in e[1])
                 and isinstance(e[2], bytes)

@@ -111,13 +111,18 @@ class StageRuntime:
 
     Args:
         route: runs the stage's actions and addresses their outputs.
+        send: sends messages at once (the worker's session's): a list runs several actions per
+            message received, and the next stage waits for the first action's output, not the last's.
         stages: how many stages the pipeline has (`requests.Setup.stages`; a schedule's list
             depends on it).
         limit: the most micro-batches (and calls) that may wait here at once.
     """
 
-    def __init__(self, route: RoutedStage, stages: int | None = None, limit: int = 4096) -> None:
+    def __init__(
+        self, route: RoutedStage, send: Callable[[list[Outgoing]], None], stages: int | None = None, limit: int = 4096
+    ) -> None:
         self.route = route
+        self.send = send
         self.index = route.index
         self.stages = stages
         self.limit = limit
@@ -125,9 +130,6 @@ class StageRuntime:
         self._plans: dict[int, _Plan] = {}  # by call, while actions are left
         self._failed: collections.OrderedDict[int, Exception] = collections.OrderedDict()  # calls whose action failed
         self._released: collections.deque[int] = collections.deque(maxlen=1024)
-        #: Sends messages at once (the worker's session sets it): a list runs several actions per
-        #: message received, and the next stage waits for the first action's output, not the last's.
-        self.send_now: Callable[[list[Outgoing]], None] | None = None
         #: A W action of a call whose backward the driver ran failed: raised when ``.grad`` is next read.
         self.weights_failed: Exception | None = None
 
@@ -156,35 +158,39 @@ class StageRuntime:
         del self._inputs[key]
         return parts  # type: ignore[return-value]
 
-    def forward(self, msg: Forward) -> list[Outgoing]:
+    def forward(self, msg: Forward) -> None:
+        """File a forward's input (from the driver or a peer) and run what of its call's list may run now."""
         if msg.call in self._released:
-            return []  # a call the driver gave up on, whose forward waited here behind a loss gradient
+            return  # a call the driver gave up on, whose forward waited here behind a loss gradient
         parts = self._collect(FORWARD, self.route.sources, msg)
         if parts is None:
-            return []
+            return
         first = parts[self.route.x_from]
         if first.call in self._failed:
-            return []  # an earlier action of the call failed: the driver heard of it
+            return  # an earlier action of the call failed: the driver heard of it
         plan = self._plan_of(first)
         self._check_mb(first, plan)
         plan.ready[(FORWARD, first.mb)] = parts
-        return self._advance(first.call)
+        self._advance(first.call)
 
-    def backward(self, msg: Backward) -> list[Outgoing]:
+    def backward(self, msg: Backward) -> None:
+        """File a backward's input (a gradient, or an early call's scale) and run what may run now."""
         if msg.call in self._released:
-            return []  # a late message of a call the driver gave up on
+            return  # a late message of a call the driver gave up on
         if msg.early and msg.call in self._failed:
-            return []
+            return
         plan = self._plans.get(msg.call)
         if plan is not None and plan.grad and (msg.early or not plan.early):  # a B action's input
             self._check_mb(msg, plan)
             parts = self._collect(BACKWARD, self.route.targets, msg)
             if parts is None:
-                return []
+                return
             plan.ready[(BACKWARD, msg.mb)] = parts
-            return self._advance(msg.call)
+            self._advance(msg.call)
+            return
         if plan is not None and plan.early:
-            return self._scale(msg, plan)  # the driver's gradient of a loss whose backward ran here already
+            self._scale(msg, plan)  # the driver's gradient of a loss whose backward ran here already
+            return
         if msg.call in self._failed:
             self._check_applicable(msg.call)
         if msg.early:
@@ -228,12 +234,12 @@ class StageRuntime:
                 f"{plan.microbatches} micro-batches"
             )
 
-    def _advance(self, call: int) -> list[Outgoing]:
+    def _advance(self, call: int) -> None:
         """Run ``call``'s actions in the plan's order for as long as the next one has what it waits for.
         A failure is kept for the call: its actions may run after the driver's forward has returned,
         so the driver's backward learns of it (`_scale`) rather than waiting for a gradient that never comes."""
         try:
-            return self._run_actions(call)
+            self._run_actions(call)
         except Exception as err:
             self._failed[call] = err
             while len(self._failed) > self.limit:
@@ -245,10 +251,12 @@ class StageRuntime:
                     err.lrmp_actions = f"stage {self.index}'s actions for call {call} ({plan.schedule}): {listing}"  # type: ignore[attr-defined]
             raise
 
-    def _run_actions(self, call: int) -> list[Outgoing]:
+    def _run_actions(self, call: int) -> None:
+        """Run the call's next actions while each has its input; each action's messages leave
+        before the next action runs."""
         plan = self._plans[call]
-        out: list[Outgoing] = []
         while plan.actions:
+            out: list[Outgoing] = []
             action = plan.actions[0]
             if action.kind == WEIGHTS:
                 self._weights(call, action.mb, plan)
@@ -256,7 +264,7 @@ class StageRuntime:
                 if plan.loss_grad:  # the driver's `LossGrad`: nothing to pass on
                     self._apply(call, plan.loss_grad[0])
                 elif len(plan.scales) == plan.microbatches:
-                    out += self._scaled(call, plan)
+                    out = self._scaled(call, plan)
                 else:
                     break
             else:
@@ -264,23 +272,20 @@ class StageRuntime:
                 if parts is None:
                     break
                 if action.kind == FORWARD:
-                    sent, y = self.route.run_forward(parts)  # type: ignore[arg-type]
-                    out += sent
+                    out, y = self.route.run_forward(parts)  # type: ignore[arg-type]
                     if plan.early and self.route.x_to == DRIVER:
                         plan.outputs[action.mb] = y
                         # the loss's gradient, taken as 1, is here already
                         plan.ready[(BACKWARD, action.mb)] = {}
                 elif plan.early:
-                    out += self._early_backward(call, action.mb, parts, plan)  # type: ignore[arg-type]
+                    out = self._early_backward(call, action.mb, parts, plan)  # type: ignore[arg-type]
                 else:
-                    out += self.route.late_backward(call, action.mb, parts)  # type: ignore[arg-type]
+                    out = self.route.late_backward(call, action.mb, parts)  # type: ignore[arg-type]
             plan.actions.popleft()
-            if self.send_now is not None and out:  # each action's messages leave before the next action runs
-                self.send_now(out)
-                out = []
+            if out:
+                self.send(out)
         if not plan.actions:
             del self._plans[call]
-        return out
 
     def _weights(self, call: int, mb: int, plan: _Plan) -> None:
         """A W action: the deferred weight gradients of micro-batch ``mb``'s backward (of the whole
@@ -365,17 +370,16 @@ class StageRuntime:
             outgoing = [(t, m) for t, m in outgoing if t != DRIVER]
         return outgoing
 
-    def _scale(self, msg: Backward, plan: _Plan) -> list[Outgoing]:
+    def _scale(self, msg: Backward, plan: _Plan) -> None:
         """File the driver's gradient of an early call's loss (from the driver, or passed on by the
         next stage) for the call's S action."""
         self._check_mb(msg, plan)
         if msg.mb in plan.scales:
             raise ProtocolError(f"stage {self.index}: the gradient of micro-batch {(msg.call, msg.mb)} came twice")
         parts = self._collect(SCALE, self.route.targets, msg)
-        if parts is None:
-            return []
-        plan.scales[msg.mb] = parts
-        return self._advance(msg.call)
+        if parts is not None:
+            plan.scales[msg.mb] = parts
+            self._advance(msg.call)
 
     def _scaled(self, call: int, plan: _Plan) -> list[Outgoing]:
         """The S action of an early call whose driver's gradient came per micro-batch (from each
@@ -467,7 +471,8 @@ class Order:
         runtimes: the worker's stages, by key (the session's): a peer's micro-batch waits by its
             stage's fence, and a loss gradient for its stage's actions (`StageRuntime.loss_grad_waits`).
         handle: runs a request's message (`lightning_remote_mp.worker.session.WorkerSession.handle`),
-            but a `Carry` and a `LossGrad`, which this runs itself.
+            but a micro-batch's (its stage's runtime runs it), a `Carry` and a `LossGrad`, which
+            this runs itself.
         peers, outbox: the session's peers' addresses, by stage key, and where a `Carry` goes on.
         seal_key, session: what the driver's requests that come along the pipeline are sealed with.
     """
@@ -512,6 +517,12 @@ class Order:
                 if isinstance(message, (Forward, Backward)) and self.hold_back(message, request):
                     return NO_REPLY
             elif self.park(request) or (request.kind in CARRIED_KINDS and self.already_ran(request.id)):
+                return NO_REPLY
+            if isinstance(message, Forward):
+                self._runtimes[message.key].forward(message)
+                return NO_REPLY
+            if isinstance(message, Backward):
+                self._runtimes[message.key].backward(message)
                 return NO_REPLY
             if isinstance(message, Carry):
                 return self._carry(message)

@@ -49,7 +49,7 @@ from lightning_remote_mp.wire.requests import (
 from lightning_remote_mp.worker.collective import GradGroup
 from lightning_remote_mp.worker.profile import profile_layers
 from lightning_remote_mp.worker.route import Outgoing, RoutedStage
-from lightning_remote_mp.worker.runtime import NO_REPLY, Order, StageRuntime, StageRuntimes
+from lightning_remote_mp.worker.runtime import Order, StageRuntime, StageRuntimes
 from lightning_remote_mp.worker.stage import StageExecutor
 from lightning_remote_mp.worker.timeline import EventLog
 from lightning_remote_mp.worker.weights import PROGRESS, read_optimizer_state, read_stage_files, save_shard, saved
@@ -114,8 +114,6 @@ class WorkerSession:
         # The handler of each typed request (`lightning_remote_mp.wire.requests.REQUESTS` reads them).
         self._handlers: dict[type[Body], Callable[[Any], Any]] = {
             Setup: self.setup,
-            Forward: self.forward,
-            Backward: self.backward,
             Release: self.release,
             GetState: self.get_state,
             Save: self.save,
@@ -197,9 +195,8 @@ class WorkerSession:
         for name, p in stage.named_parameters():
             if name in frozen:
                 p.requires_grad_(False)
-        runtime = StageRuntime(RoutedStage(stage, msg.sources, msg.targets), msg.stages)
+        runtime = StageRuntime(RoutedStage(stage, msg.sources, msg.targets), self._send, msg.stages)
         runtime.route.events = self.events
-        runtime.send_now = self._send
         peer_keys = {msg.peers[s]: k.encode("ascii") for s, k in msg.peer_keys.items()}
         self.stages[key] = stage
         self.runtimes[key] = runtime
@@ -228,14 +225,6 @@ class WorkerSession:
                 f"{count} layers in one stage; this worker accepts at most {self.limits.max_layers} (its --max-layers)",
                 "max_layers",
             )
-
-    def forward(self, msg: Forward) -> Any:
-        self._send(self.runtimes[msg.key].forward(msg))
-        return NO_REPLY
-
-    def backward(self, msg: Backward) -> Any:
-        self._send(self.runtimes[msg.key].backward(msg))
-        return NO_REPLY
 
     def _settle_grads(self) -> None:
         """Make every ``.grad`` complete (deferred weight gradients added) before it is read; a W

@@ -280,11 +280,8 @@ class StageExecutor:
         only the inputs and run again at backward (activation checkpointing).
 
         Returns the output ``y``, the ``exports``, whether state was ``saved`` for backward, and
-        which outputs ``requires_grad`` (for a tuple ``y``, a list of flags)."""
-        if not is_main(x):
-            raise SpecError(
-                f"stage {self.index}: the input must be a tensor or a tuple of tensors, got {type(x).__name__}"
-            )
+        which outputs ``requires_grad`` (for a tuple ``y``, a list of flags). ``x`` was checked
+        where its message was read (`lightning_remote_mp.wire.messages.Forward`)."""
         if modes is not None:
             self.apply_modes(modes)
         x = self._main_to_device(x, needs_grad.get("x") if grad else False)
