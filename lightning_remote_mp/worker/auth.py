@@ -48,8 +48,7 @@ class WorkerAuth:
         self.authorized_dir = Path(authorized_dir)
         self.session_peers = session_peers
         self._lock = threading.Lock()
-        self._drivers = load_authorized_keys(self.authorized_dir)
-        if not self._drivers:
+        if not load_authorized_keys(self.authorized_dir):
             log.warning(
                 "no public key in %s: no driver can connect until one is added (a NAME.key file from "
                 "`lrmp-worker keygen`)",
@@ -61,11 +60,6 @@ class WorkerAuth:
         self._auth.start()
         self._auth.configure_curve_callback(ZAP_DOMAIN, credentials_provider=self)
 
-    @property
-    def driver_keys(self) -> frozenset[bytes]:
-        with self._lock:
-            return frozenset(self._drivers)
-
     def callback(self, domain: str, key: bytes) -> bool:
         """Called by the ZAP thread with a connecting client's Z85 public key: may it connect?"""
         try:
@@ -73,8 +67,6 @@ class WorkerAuth:
         except Exception as err:  # a directory gone missing refuses everyone, it does not crash
             log.error("cannot read the authorized keys: %s", err)
             drivers = set()
-        with self._lock:
-            self._drivers = drivers
         role = DRIVER if key in drivers else PEER if key in self.session_peers() else None
         text = key.decode("ascii", "replace")
         if role is None:

@@ -11,6 +11,7 @@ it runs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import faulthandler
 import logging
@@ -364,10 +365,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(ready_line(f"{addresses.DIAL}{name} (dialing {connect})", server.device), flush=True)
     else:
         print(ready_line(server.endpoint, server.device, loopback_hint(server.endpoint)), flush=True)
-    try:
+    with contextlib.suppress(KeyboardInterrupt):
         server.serve_forever()
-    except KeyboardInterrupt:
-        pass
     if stop_signal.received is not None:
         log.info("stopped by %s", stop_signal.received)
     # Sockets are closed and nothing is left to flush but logs; skip the interpreter's slow teardown

@@ -63,9 +63,6 @@ class DeviceIO:
         self._download = torch.cuda.Stream(self.device)
         self.overlap_from = OVERLAP_FROM if overlap_from is None else overlap_from
 
-    def _compute(self) -> torch.cuda.Stream:
-        return torch.cuda.current_stream(self.device)
-
     def upload(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` on this device. A large one is copied there on the upload stream, and the compute
         stream will wait for it."""
@@ -77,7 +74,7 @@ class DeviceIO:
         if not t.is_pinned():
             source = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
             source.copy_(t)
-        compute = self._compute()
+        compute = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self._upload):
             out = source.to(self.device, non_blocking=True)
         compute.wait_stream(self._upload)
@@ -94,7 +91,7 @@ class DeviceIO:
         # A lazy conjugate or negation would be applied on the host before an asynchronous copy lands.
         t = t.resolve_conj().resolve_neg()
         host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        self._download.wait_stream(self._compute())  # the point where t was produced
+        self._download.wait_stream(torch.cuda.current_stream(self.device))  # the point where t was produced
         with torch.cuda.stream(self._download):
             host.copy_(t, non_blocking=True)
         t.record_stream(self._download)  # its memory is not reused before the copy has read it

@@ -1,7 +1,7 @@
 """The serving thread's way out: to the driver through the server's socket, to peer workers directly.
 
 Answers to the driver leave through the worker's one ROUTER socket, which the serving thread
-borrows for each send (`SocketHolder.socket`: the main thread may be standing in with it). Messages
+borrows for each send (`WorkerServer.socket`: the main thread may be standing in with it). Messages
 to peers leave through a DEALER socket per peer. On a GPU, a message whose tensors are still being
 copied off the device is *held*, with every message after it, and sent in order once its copy is
 done: the worker reads and starts the next micro-batch meanwhile. On CPU nothing is ever held.
@@ -16,7 +16,7 @@ import queue
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
@@ -26,6 +26,9 @@ from lightning_remote_mp.wire.addresses import RELAY
 from lightning_remote_mp.wire.keys import KeyPair
 from lightning_remote_mp.worker.request import error_body
 
+if TYPE_CHECKING:
+    from lightning_remote_mp.worker.server import WorkerServer
+
 #: How long a stage keeps trying to hand a message to the next stage before it reports that stage
 #: unreachable (the driver's heartbeat_timeout, when its HELLO says).
 DEFAULT_PEER_TIMEOUT = 10.0
@@ -33,14 +36,6 @@ DEFAULT_PEER_TIMEOUT = 10.0
 PEER_RETRY = 0.01
 #: How long a stopping outbox waits for its copy waiter.
 _STOP_GRACE = 0.5
-
-
-class SocketHolder(Protocol):
-    """Who owns the socket to the driver (the server), and lends it for a send."""
-
-    sock: zmq.Socket
-
-    def socket(self) -> contextlib.AbstractContextManager[None]: ...
 
 
 @dataclasses.dataclass
@@ -102,7 +97,7 @@ class Outbox:
     """
 
     def __init__(
-        self, holder: SocketHolder, wake_endpoint: str, keys: KeyPair | None = None, relay_via: str = ""
+        self, holder: WorkerServer, wake_endpoint: str, keys: KeyPair | None = None, relay_via: str = ""
     ) -> None:
         self.holder = holder  # the server: its socket to the driver, lent to this thread for each send
         self.wake_endpoint = wake_endpoint  # wakes the serving loop when a held copy is done
@@ -233,9 +228,6 @@ class Outbox:
             "connection to it from this worker (is it reachable from here, not only from the driver, and does "
             "it accept this worker's key?)"
         )
-
-    def add_peer_keys(self, keys: dict[str, bytes]) -> None:
-        self.peer_keys.update(keys)
 
     def _socket(self, address: str) -> zmq.Socket:
         sock = self._peers.get(address)

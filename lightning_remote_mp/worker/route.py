@@ -44,15 +44,6 @@ def _wanted(grad_x: Any, flags: bool | list[bool]) -> Any:
     return grad_x if flags else None
 
 
-@dataclasses.dataclass
-class _Meta:
-    """What a micro-batch's backward needs to know of its forward."""
-
-    saved: bool
-    x_grad: bool | list[bool]
-    var_grad: dict[str, Any]
-
-
 class RoutedStage:
     """A `StageExecutor` plus its routes: runs one micro-batch's forward or backward from the
     messages that brought its inputs, and addresses the messages that take its outputs on. When it
@@ -67,7 +58,7 @@ class RoutedStage:
         self.x_to = next((t for t in self.targets if t == stage.index + 1), DRIVER)
         if self.x_from not in self.sources or self.x_to not in self.targets:
             raise ProtocolError(f"stage {stage.index}: routes must include the main input's source and output's target")
-        self._meta: dict[tuple[int, int], _Meta] = {}  # per micro-batch under grad, from its forward
+        self._meta: dict[tuple[int, int], dict[str, Any]] = {}  # per micro-batch under grad: the inputs wanting grads
         self._kept: dict[tuple[int, int], dict[int, Any]] = {}  # the model's outputs the driver reads when it needs
         # Losses computed here under grad over kept outputs, per micro-batch in order: (position,
         # the output as the loss read it, the loss's value the backward's gradient is for).
@@ -105,7 +96,7 @@ class RoutedStage:
         if self.events is not None:
             self.events.span("forward", self.stage.key, self.index, call, mb, started, time.time())
         if first.grad:
-            self._meta[(call, mb)] = _Meta(saved=out["saved"], x_grad=needs["x"], var_grad=needs)
+            self._meta[(call, mb)] = needs
         outgoing: list[Outgoing] = []
         for target, names in self.targets.items():
             main = target == self.x_to
@@ -221,7 +212,7 @@ class RoutedStage:
 
     def run_backward(
         self, call: int, mb: int, grad_out: Any, parts: dict[int, Backward], early: bool
-    ) -> tuple[Any, dict[str, torch.Tensor], _Meta]:
+    ) -> tuple[Any, dict[str, torch.Tensor], dict[str, Any]]:
         meta = self._meta.pop((call, mb), None)
         if meta is None:
             raise ProtocolError(
@@ -233,17 +224,14 @@ class RoutedStage:
                 g = part.grads.get(name)
                 if isinstance(g, torch.Tensor):
                     grad_exports[name] = grad_exports[name] + g if name in grad_exports else g
-        grad_x: Any = None
-        grad_imports: dict[str, torch.Tensor] = {}
         started = time.time()
-        if meta.saved:
-            grad_x, grad_imports = self.stage.backward((call, mb), grad_out, grad_exports, early=early)
+        grad_x, grad_imports = self.stage.backward((call, mb), grad_out, grad_exports, early=early)
         if self.events is not None:
             self.events.span("backward", self.stage.key, self.index, call, mb, started, time.time())
         return grad_x, grad_imports, meta
 
     def gradients(
-        self, first: Forward | Backward, grad_x: Any, grad_imports: dict[str, Any], meta: _Meta, early: bool
+        self, first: Forward | Backward, grad_x: Any, grad_imports: dict[str, Any], needs: dict[str, Any], early: bool
     ) -> list[Outgoing]:
         """A micro-batch's gradients, to each of its sources."""
         return [
@@ -254,8 +242,8 @@ class RoutedStage:
                     call=first.call,
                     mb=first.mb,
                     sender=self.index,
-                    grad_out=_wanted(grad_x, meta.x_grad) if source == self.x_from else None,
-                    grads={n: grad_imports.get(n) for n in names if meta.var_grad.get(n)},
+                    grad_out=_wanted(grad_x, needs["x"]) if source == self.x_from else None,
+                    grads={n: grad_imports.get(n) for n in names if needs.get(n)},
                     fence=first.fence,
                     microbatches=first.microbatches,
                     early=True if early and source != DRIVER else None,

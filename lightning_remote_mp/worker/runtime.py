@@ -27,8 +27,8 @@ step (small model, 1F1B, loss inside the model); `LossGrad` alone 12-19%; carryi
 m=4 with the loss in ``training_step``, nothing at m=1.
 
 >>> order = Order({}, handle=lambda message: None)
->>> order.ran(3), order.driver_ran, order.already_ran(2)
-([], 3, True)
+>>> order.ran(3), order.driver_ran
+([], 3)
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ from lightning_remote_mp.wire.requests import Carried, Carry, LossGrad, Release
 from lightning_remote_mp.worker.route import Outgoing, RoutedStage
 
 if TYPE_CHECKING:
-    from lightning_remote_mp.worker.session import Outbox
+    from lightning_remote_mp.worker.outbox import Outbox
 
 log = logging.getLogger(__name__)
 
@@ -139,8 +139,6 @@ class StageRuntime:
         expected = set(expected)
         if msg.sender not in expected:
             raise ProtocolError(f"stage {self.index} expects no message from stage {msg.sender}")
-        if msg.call in self._released:
-            return None  # a late message of a call the driver gave up on
         key = (msg.call, kind, msg.mb)
         parts = self._inputs.get(key)
         if parts is None:
@@ -516,7 +514,7 @@ class Order:
             if request.from_peer:
                 if isinstance(message, (Forward, Backward)) and self.hold_back(message, request):
                     return NO_REPLY
-            elif self.park(request) or (request.kind in CARRIED_KINDS and self.already_ran(request.id)):
+            elif self.park(request) or (request.kind in CARRIED_KINDS and request.id <= self.driver_ran):
                 return NO_REPLY
             if isinstance(message, Forward):
                 self._runtimes[message.key].forward(message)
@@ -546,9 +544,8 @@ class Order:
         if wanted is None or wanted <= self.driver_ran:
             return False
         if sum(1 for _, held_key, _ in self._held_back if held_key == message.key) >= runtime.limit:
-            limit = runtime.limit
             raise ProtocolError(
-                f"stage {runtime.index}: more than {limit} micro-batches wait for requests that never came"
+                f"stage {runtime.index}: more than {runtime.limit} micro-batches wait for requests that never came"
             )
         self._held_back.append((wanted, message.key, task))
         return True
@@ -597,12 +594,6 @@ class Order:
         if self._carried and self._carried[0].after <= self.driver_ran:
             return self._carried.pop(0)
         return None
-
-    def already_ran(self, req_id: int) -> bool:
-        """Whether the driver's request ``req_id`` ran already: it came along the pipeline first, and
-        this is the copy the driver sent straight here; or it waited behind a loss gradient whose
-        call the driver released, with a later id (`park`)."""
-        return req_id <= self.driver_ran
 
     def _carry(self, msg: Carry) -> Any:
         """Pass the driver's requests for the stages further ``msg.toward`` on to the next stage that

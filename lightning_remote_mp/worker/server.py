@@ -182,7 +182,6 @@ class WorkerServer:
         self._main_rx = sockets.inproc_pull(self._wake_main)
         self._last_busy = 0.0
         self._session: WorkerSession | None = None  # owned by the serving thread
-        self.served = 0
         # The serving thread runs with this thread's torch thread count (the worker's --threads).
         self._threads = torch.get_num_threads()
 
@@ -685,7 +684,6 @@ class WorkerServer:
         )
         self._outbox.peer_timeout = hello.heartbeat_timeout or DEFAULT_PEER_TIMEOUT
         self._outbox.driver_limits = hello.limits
-        self.served += 1
 
     def _drop_session(self, session_id: str | None) -> None:
         if self._session is not None and (session_id is None or self._session.id == session_id):

@@ -14,7 +14,7 @@ import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -54,29 +54,11 @@ from lightning_remote_mp.worker.stage import StageExecutor
 from lightning_remote_mp.worker.timeline import EventLog
 from lightning_remote_mp.worker.weights import PROGRESS, read_optimizer_state, read_stage_files, save_shard, saved
 
+if TYPE_CHECKING:
+    from lightning_remote_mp.worker.outbox import Outbox
+
 #: Loss programs one session may hold (`requests.Loss`); the driver makes at most 64 per model.
 MAX_LOSS_PROGRAMS = 256
-
-
-class Outbox(Protocol):
-    """Where a session's pipelined messages go: the driver, or a peer worker by address."""
-
-    def to_driver_all(
-        self, kind: str, answers: Sequence[tuple[Any, Any, dict[str, Any] | None]], compression: str | None = None
-    ) -> None:
-        """Several ``(body, ready, about)`` of ``kind`` for the driver, in as few messages as can be."""
-
-    def to_peer(
-        self,
-        address: str,
-        kind: str,
-        body: Any,
-        ready: Any = None,
-        about: dict[str, Any] | None = None,
-        compression: str | None = None,
-    ) -> None: ...
-
-    def add_peer_keys(self, keys: dict[str, bytes]) -> None: ...
 
 
 log = logging.getLogger(__name__)
@@ -132,7 +114,7 @@ class WorkerSession:
             Profile: self.profile,
             Timeline: self.timeline,
             GroupInit: self.group_init,
-            Sync: self.sync,
+            Sync: lambda msg: None,  # the requests before it have run: they run in order
             Fetch: self.fetch,
             Loss: self.loss,
         }
@@ -154,10 +136,7 @@ class WorkerSession:
 
     def handle(self, message: Body) -> Any:
         """Run ``message`` (as `lightning_remote_mp.wire.requests.REQUESTS` read it) through its handler."""
-        handler = self._handlers.get(type(message))
-        if handler is None:
-            raise ProtocolError(f"unexpected message kind {message.KIND!r:.40}")
-        return handler(message)
+        return self._handlers[type(message)](message)
 
     # --- stages ---------------------------------------------------------------
     def setup(self, msg: Setup) -> Any:
@@ -203,7 +182,7 @@ class WorkerSession:
         self.peers[key] = dict(msg.peers)
         self.compression[key] = msg.compression
         if peer_keys:
-            self.outbox.add_peer_keys(peer_keys)
+            self.outbox.peer_keys.update(peer_keys)
             if self.announce_peer_keys is not None:
                 self.announce_peer_keys(list(peer_keys.values()))
         params = sum(p.numel() for _, p in stage.named_parameters())
@@ -266,9 +245,6 @@ class WorkerSession:
         if len(answers) >= msg.microbatches:
             del self._answers[(msg.key, msg.call, kind)]
             self.outbox.to_driver_all(kind, answers, self.compression.get(msg.key))
-
-    def sync(self, msg: Sync) -> Any:
-        return None  # the requests before it have run: they run in order
 
     def fetch(self, msg: Fetch) -> Any:
         """The outputs this (last) stage kept of a call, by micro-batch: tensors, copied off a GPU."""
@@ -468,10 +444,11 @@ class WorkerSession:
         ``norms`` returns each gradient's norm, ``scale`` multiplies them, ``clamp`` clips by value."""
         opt = self.optimizers.get(msg.index)
         self._settle_grads()
-        grads = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None] if opt else []
+        params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None] if opt else []
+        grads = [p.grad for p in params]
         if isinstance(msg, GradNorms):
             copies = self._copies(msg.index)  # a tied weight's norm is its first copy's, counted once
-            norms = [torch.linalg.vector_norm(p.grad, msg.norm_type) for p in self._params(opt) if id(p) not in copies]
+            norms = [torch.linalg.vector_norm(p.grad, msg.norm_type) for p in params if id(p) not in copies]
             return {"norms": torch.stack(norms).cpu() if norms else torch.zeros(0)}
         if isinstance(msg, GradScale):
             if grads:
@@ -483,10 +460,6 @@ class WorkerSession:
         for g in grads:
             g.clamp_(-msg.value, msg.value)
         return None
-
-    def _params(self, opt: torch.optim.Optimizer | None) -> list[torch.nn.Parameter]:
-        """The parameters of ``opt`` that have a gradient."""
-        return [p for g in opt.param_groups for p in g["params"] if p.grad is not None] if opt else []
 
     def _copies(self, index: int) -> set[int]:
         """The ``id`` of each parameter of optimizer ``index`` that is the copy of a tied weight
@@ -573,8 +546,6 @@ def constructor_kwargs(cls: type, defaults: Mapping[str, Any]) -> dict[str, Any]
             return dict(defaults)
         accepted.update(n for n, p in params.items() if p.kind is not inspect.Parameter.VAR_KEYWORD)
         if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-            break
-        if klass is torch.optim.Optimizer:
             break
     return {k: v for k, v in defaults.items() if k in accepted}
 

@@ -3,6 +3,7 @@ that stopped the worker is remembered so that it can say so."""
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import socket
 import threading
@@ -34,11 +35,9 @@ class SignalWakeup:
         return self._rx.fileno()
 
     def drain(self) -> None:
-        try:
+        with contextlib.suppress(BlockingIOError):
             while self._rx.recv(4096):
                 pass
-        except BlockingIOError:
-            pass
 
     def close(self) -> None:
         signal.set_wakeup_fd(self._previous)

@@ -206,8 +206,8 @@ class StageExecutor:
                     f"stage {self.index} of {self.key!r}: stage {other.index} of {other.key!r} holds no tensor "
                     f"{name!r} of shape {tuple(mine.shape)} to share"
                 )
-            owner, leaf = self._slot(name)
-            (owner._parameters if leaf in owner._parameters else owner._buffers)[leaf] = theirs[name]
+            table, leaf = self._slot(name)
+            table[leaf] = theirs[name]
         self.borrowed = other.key
         if self.deferred is not None:
             self.deferred.parameters_replaced()
@@ -216,25 +216,24 @@ class StageExecutor:
         """Make each group of names (``"<layer index>.<name>"``) one tensor, the first name's: a tied
         weight that several of this stage's layers use trains as one parameter, as on the driver."""
         for group in groups:
-            owners = [self._slot(name) for name in group]
-            first_owner, first_leaf = owners[0]
-            first = first_owner._parameters.get(first_leaf, first_owner._buffers.get(first_leaf))
-            for owner, leaf in owners[1:]:
-                table = owner._parameters if leaf in owner._parameters else owner._buffers
+            slots = [self._slot(name) for name in group]
+            first = slots[0][0][slots[0][1]]
+            for table, leaf in slots[1:]:
                 if table[leaf] is not None and first is not None and table[leaf].shape != first.shape:
                     raise SpecError(f"stage {self.index}: tensors {group} to share differ in shape")
                 table[leaf] = first
         if groups and self.deferred is not None:
             self.deferred.parameters_replaced()
 
-    def _slot(self, name: str) -> tuple[nn.Module, str]:
-        """The module and attribute that hold this stage's tensor ``name`` (``"<layer index>.<path>"``)."""
+    def _slot(self, name: str) -> tuple[dict[str, Any], str]:
+        """The table (a module's parameters or buffers) and key that hold this stage's tensor ``name``
+        (``"<layer index>.<path>"``)."""
         index, _, path = name.partition(".")
         owner_path, _, leaf = path.rpartition(".")
         owner = self.layers[index].get_submodule(owner_path) if index in self.layers else None
         if owner is None or (leaf not in owner._parameters and leaf not in owner._buffers):
             raise SpecError(f"stage {self.index}: no tensor {name!r} to share")
-        return owner, leaf
+        return (owner._parameters if leaf in owner._parameters else owner._buffers), leaf
 
     def apply_modes(self, modes: Any) -> None:
         """Follow the driver's train/eval flags (a `lightning_remote_mp.model.spec.Modes` value), sent
@@ -246,10 +245,6 @@ class StageExecutor:
         self._modes = None  # unknown until every layer has its flags
         apply_modes(list(self.layers.values()), modes, self.start)
         self._modes = modes
-
-    @property
-    def pending_calls(self) -> int:
-        return len(self._saved)
 
     # --- compute ---------------------------------------------------------------
     def _upload(self, t: torch.Tensor) -> torch.Tensor:
@@ -413,23 +408,15 @@ class StageExecutor:
         are filed under the call, for `flush_early`. Sets `filing`: the backward's number, for that."""
         saved = self._saved.pop(call_id, None)
         if saved is None:
-            raise SpecError(
-                f"stage {self.index}: no saved forward for call {call_id} (backward ran twice, or the forward "
-                "ran without grad)"
-            )
+            return None, {}  # the forward kept nothing: no output needed a gradient
         if saved.recompute is not None:
             self._rerun(saved)
         assert saved.y is not None
         outputs, grads = [], []
         pairs = _pairs(saved.y, grad_y)
         self.differentiable = [y.requires_grad for y, _ in pairs]
-        for y, g in pairs:
-            if g is not None and y.requires_grad:
-                outputs.append(y)
-                grads.append(self._upload(g).to(dtype=y.dtype))
-        for name, g in grad_exports.items():
-            t = saved.exports.get(name)
-            if t is not None and t.requires_grad and g is not None:
+        for t, g in [*pairs, *((saved.exports.get(n), g) for n, g in grad_exports.items())]:
+            if t is not None and g is not None and t.requires_grad:
                 outputs.append(t)
                 grads.append(self._upload(g).to(dtype=t.dtype))
         if outputs:

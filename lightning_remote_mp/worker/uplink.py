@@ -19,6 +19,7 @@ b'w:gpu-a'
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -122,10 +123,8 @@ class Uplink:
                 if now >= next_announce:
                     next_announce = now + ANNOUNCE_INTERVAL
                     hello = [ANNOUNCE, HELLO, str(protocol.PROTOCOL_VERSION).encode(), __version__.encode()]
-                    try:
+                    with contextlib.suppress(zmq.Again):  # not connected (yet, or any more): the next one goes
                         up.send_multipart(hello, zmq.NOBLOCK)
-                    except zmq.Again:
-                        pass  # not connected (yet, or any more): the next one goes when it is
                 for sock, _ in poller.poll(int(max(0.0, next_announce - time.monotonic()) * 1000)):
                     if sock is self._wake_rx:
                         sock.recv()
