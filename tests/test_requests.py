@@ -195,6 +195,7 @@ GOOD_SETUP = SETUP.body()
         (Grads, {"index": 0, "op": "scale", "coef": 0.5}, "grads message: field 'coef' must be a Tensor, got float"),
         (Grads, {"index": 0, "op": "scale", "coef": torch.ones(2)}, "'coef' must be a floating-point scalar tensor"),
         (Grads, {"index": 0, "op": "clamp"}, "grads message: field 'value' is missing"),
+        (Grads, {"index": 0}, "grads message: field 'op' is missing"),
         (Timeline, {"op": "rewind"}, "timeline message: field 'op' must be one of 'start', 'stop', 'fetch', 'clock'"),
         (GroupInit, {"op": "leave"}, "group message: field 'op' must be one of 'init', got 'leave'"),
         (GroupInit, {**GroupInit("h", 1, "p", 0, 1, "gloo", 1.0).body(), "port": "1"}, "field 'port' must be an int"),
@@ -325,3 +326,10 @@ def test_a_tensor_read_from_a_carried_request_owns_its_memory():
     first.request.grad.add_(1.0)
     again = Carry.from_body(Carry("net", 4, 0, 1, {1: (first,)}).body()).requests[1][0]
     assert again.request.grad.item() == 0.25
+
+
+@pytest.mark.parametrize("toward", [True, 1.0, torch.ones(2), 2])
+def test_a_carry_goes_one_stage_down_or_up_and_nothing_else(toward):
+    body = {"key": "net", "call": 4, "from": 0, "toward": toward, "requests": {}}
+    with pytest.raises(ProtocolError, match="carry message: field 'toward' must be 1 or -1"):
+        Carry.from_body(_through_the_wire(protocol.CARRY, body))

@@ -500,6 +500,11 @@ def test_malformed_messages_never_crash_the_worker(worker, connect, tmp_path, ad
     assert not (tmp_path / "pwned_shell").exists()
     assert not (tmp_path / "pwned_open").exists()
     if admitted:
+        # A body that decodes but fails its kind's checks (no 'op'): it escaped as a KeyError, unanswered.
+        attacker.send_raw(protocol.encode(protocol.GRADS, 7, attacker.session, {"index": 0}))
+        reply = attacker.recv()
+        assert reply is not None and reply.kind == protocol.ERROR and reply.id == 7
+        assert reply.body["type"] == "ProtocolError" and "field 'op' is missing" in reply.body["message"]
         assert attacker.ok(protocol.GET_STATE) == {}  # the session survived the barrage
         attacker.ok(protocol.BYE)
     _check_serves(worker)

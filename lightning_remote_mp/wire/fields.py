@@ -171,7 +171,7 @@ def is_int_list(value: Any) -> bool:
 
 def is_direction(value: Any) -> bool:
     """Down the pipeline (1) or up it (-1)."""
-    return value in (1, -1)
+    return type(value) is int and value in (1, -1)
 
 
 def is_shape(value: Any) -> bool:

@@ -34,7 +34,7 @@ class Grads(Body):
     KIND: ClassVar[str] = protocol.GRADS
 
     index: int = _INDEX
-    op: str = field(_grad_op, default="", init=False, repr=False)
+    op: str = field(_grad_op, init=False, repr=False)
 
     @classmethod
     def from_body(cls, body: Any) -> Grads:  # type: ignore[override]

@@ -73,7 +73,9 @@ def parse(peer: bytes, msg: protocol.Message) -> Request:
     """``msg`` (a kind of `protocol.REQUEST_KINDS`) read as its kind's typed message."""
     try:
         message = REQUESTS[msg.kind].from_body(msg.body)
-    except ProtocolError as err:
+    except Exception as err:  # whatever a check raised, the request is refused and answered in its turn
+        if not isinstance(err, ProtocolError):
+            err = ProtocolError(f"{msg.kind} message: unreadable body ({type(err).__name__}: {err})"[:400])
         sender, about = salvage(msg.body) if msg.kind in _PIPELINE_KINDS else (None, {})
         return Request(peer, msg.kind, msg.id, msg.session, None, err, sender not in (None, DRIVER), about)
     from_peer = isinstance(message, (Forward, Backward, Carry)) and message.sender != DRIVER
