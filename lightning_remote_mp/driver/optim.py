@@ -277,7 +277,7 @@ class OptimizerMirror:
         )
         if local:
             torch._foreach_mul_(local, coef.to(device))
-        scaling.wait()
+        scaling()
         return total
 
     def clip_grad_value(self, value: float) -> None:
@@ -291,7 +291,7 @@ class OptimizerMirror:
         torch.nn.utils.clip_grad_value_(
             [p for g in self.optimizer.param_groups for p in g["params"] if id(p) not in self.remote], value
         )
-        clamping.wait()
+        clamping()
 
     def _positions(self) -> dict[str, int]:
         """Remote parameter name -> its index in the local optimizer's packed state_dict."""

@@ -237,20 +237,9 @@ def bool_or_list_or_none(value: Any) -> Any:
 # --- writers: how a field's value goes into a body (plain lists and dicts, as msgpack sends them) --
 
 
-def as_list(value: Any) -> Any:
-    return None if value is None else list(value)
-
-
-def as_dict(value: Any) -> Any:
-    return None if value is None else dict(value)
-
-
-def as_dict_of_dicts(value: Mapping[Any, Any]) -> dict[Any, Any]:
-    return {k: dict(v) for k, v in value.items()}
-
-
-def as_list_of_dicts(value: Sequence[Any]) -> list[Any]:
-    return [dict(v) for v in value]
+def each(plain: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """A writer for a mapping's values, or a sequence's items: each made ``plain`` (``dict``, ``list``)."""
+    return lambda v: {k: plain(x) for k, x in v.items()} if isinstance(v, Mapping) else [plain(x) for x in v]
 
 
 def field(
@@ -309,14 +298,9 @@ class Body:
             meta = f.metadata
             if "check" not in meta:
                 raise TypeError(f"{cls.__name__}.{f.name} is not declared with wire.fields.field")
-            if f.default is not _MISSING:
-                default = f.default
-                # A default that is itself callable (a class, say) would be called by `_Field.read`.
-                assert not callable(default), f"{cls.__name__}.{f.name}: give a callable default as default_factory"
-            elif f.default_factory is not _MISSING:
-                default = f.default_factory
-            else:
-                default = _MISSING
+            # A default that is itself callable (a class, say) would be called by `_Field.read`.
+            assert not callable(f.default), f"{cls.__name__}.{f.name}: give a callable default as default_factory"
+            default = f.default_factory if f.default is _MISSING else f.default  # each _MISSING where not given
             out.append(_Field(f.name, meta["wire"] or f.name, meta["check"], meta["write"], meta["omit_none"], default))
         return tuple(out)
 

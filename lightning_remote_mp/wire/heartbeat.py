@@ -17,7 +17,6 @@ from lightning_remote_mp.errors import ProtocolError
 from lightning_remote_mp.wire import protocol
 from lightning_remote_mp.wire.sockets import Curve, dealer, inproc_pull, wake
 from lightning_remote_mp.wire.traffic import MIN_PROGRESS, Traffic
-from lightning_remote_mp.wire.transport import DEFAULT_HEARTBEAT_INTERVAL
 
 
 class Heartbeat:
@@ -35,7 +34,7 @@ class Heartbeat:
         self,
         addresses: Iterable[str],
         session: str,
-        interval: float = DEFAULT_HEARTBEAT_INTERVAL,
+        interval: float,
         curve: Mapping[str, Curve] | None = None,
     ) -> None:
         self.addresses = list(addresses)

@@ -26,7 +26,7 @@ import zmq
 import zmq.auth
 from zmq.utils import z85
 
-from lightning_remote_mp.errors import KeyFileError, LrmpError  # noqa: F401  (KeyFileError: re-exported)
+from lightning_remote_mp.errors import KeyFileError
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +148,3 @@ def generate_keypair(directory: str | os.PathLike[str], name: str, *, overwrite:
     os.chmod(secret_file, 0o600)
     os.chmod(public_file, 0o644)
     return public_file, secret_file
-
-
-def curve_available() -> bool:
-    return bool(zmq.has("curve"))

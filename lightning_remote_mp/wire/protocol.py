@@ -238,11 +238,6 @@ class Message:
     body: Any
 
 
-@dataclasses.dataclass(frozen=True)
-class _TensorRef:
-    index: int
-
-
 def _tensor_frame(t: torch.Tensor) -> tuple[list[Any], memoryview]:
     if t.layout != torch.strided:
         raise ProtocolError(f"cannot send a {t.layout} tensor; only dense (strided) tensors travel")
@@ -277,21 +272,19 @@ def encode(
     frames: list[Any] = []
     depth = 0
 
+    def add(t: torch.Tensor) -> int:
+        meta, data = _tensor_frame(t)
+        metas.append(meta)
+        frames.append(data)
+        return len(metas) - 1
+
     def default(obj: Any) -> Any:
         nonlocal depth
         if isinstance(obj, torch.Tensor) and compression is not None and _compressible(obj, compression):
-            frames_of = [_tensor_frame(part) for part in compress(obj, compression)]
-            for meta, data in frames_of:
-                metas.append(meta)
-                frames.append(data)
-            first = len(metas) - len(frames_of)
-            spec = [compression, _DTYPE_NAMES[obj.dtype], list(obj.shape), list(range(first, len(metas)))]
+            spec = [compression, _DTYPE_NAMES[obj.dtype], list(obj.shape), [add(p) for p in compress(obj, compression)]]
             return msgpack.ExtType(_EXT_COMPRESSED, msgpack.packb(spec))
         if isinstance(obj, torch.Tensor):
-            meta, data = _tensor_frame(obj)
-            metas.append(meta)
-            frames.append(data)
-            return msgpack.ExtType(_EXT_TENSOR, (len(metas) - 1).to_bytes(4, "little"))
+            return msgpack.ExtType(_EXT_TENSOR, add(obj).to_bytes(4, "little"))
         if isinstance(obj, tuple):
             if depth >= DEFAULT_LIMITS.max_tuple_depth:
                 raise ProtocolError(f"tuples nested deeper than {DEFAULT_LIMITS.max_tuple_depth} levels cannot be sent")
@@ -304,18 +297,10 @@ def encode(
             if obj not in _DTYPE_NAMES:
                 raise ProtocolError(f"cannot send dtype {obj}")
             return msgpack.ExtType(_EXT_DTYPE, _DTYPE_NAMES[obj].encode())
-        if isinstance(obj, bool):
-            return bool(obj)
-        if isinstance(obj, int):
-            return int(obj)
-        if isinstance(obj, float):
-            return float(obj)
-        if isinstance(obj, str):
-            return str(obj)
-        if isinstance(obj, dict):
-            return dict(obj)
-        if isinstance(obj, list):
-            return list(obj)
+        plain: Any
+        for plain in (bool, int, float, str, dict, list):  # their subclasses, as msgpack packs them
+            if isinstance(obj, plain):
+                return plain(obj)
         raise ProtocolError(
             f"cannot send a value of type {type(obj).__qualname__} ({obj!r:.80}); only numbers, strings, "
             "bools, None, lists, tuples, dicts, torch dtypes and tensors travel"
@@ -366,27 +351,19 @@ def _check_outgoing(kind: str, header: bytes, metas: list[list[Any]], frames: li
 
 def peek_id(frames: Sequence[Any]) -> int:
     """The request id of a message that may not decode (0 when even that is unreadable), so that
-    the error reply reaches the request that caused it."""
+    the error reply reaches the request that caused it: read from the first fields of the header's
+    array alone (its first 4 KiB)."""
     try:
-        header = msgpack.unpackb(
-            _frame_buffer(frames[0])[:4096], raw=False, strict_map_key=False, ext_hook=lambda c, d: None
-        )
-    except Exception:
-        # A header cut at 4 KiB fails to parse as a whole: read just the first fields of the array.
-        try:
-            unpacker = msgpack.Unpacker(raw=False, strict_map_key=False, ext_hook=lambda c, d: None)
-            unpacker.feed(bytes(_frame_buffer(frames[0])[:4096]))
-            if unpacker.read_array_header() < 3:
-                return 0
-            unpacker.skip()
-            unpacker.skip()
-            req_id = unpacker.unpack()
-        except Exception:
+        unpacker = msgpack.Unpacker(raw=False, strict_map_key=False, ext_hook=lambda c, d: None)
+        unpacker.feed(bytes(_frame_buffer(frames[0])[:4096]))
+        if unpacker.read_array_header() < 3:
             return 0
-        header = [None, None, req_id]
-    if isinstance(header, list) and len(header) >= 3 and type(header[2]) is int and 0 <= header[2] < 2**63:
-        return header[2]
-    return 0
+        unpacker.skip()
+        unpacker.skip()
+        req_id = unpacker.unpack()
+    except Exception:
+        return 0
+    return req_id if type(req_id) is int and 0 <= req_id < 2**63 else 0
 
 
 def _foreign_info(packed: Any) -> dict[str, Any]:

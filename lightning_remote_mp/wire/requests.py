@@ -30,7 +30,7 @@ import dataclasses
 import hashlib
 import hmac
 from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar, Literal, get_args
+from typing import Any, ClassVar, Literal
 
 import torch
 
@@ -44,10 +44,8 @@ from lightning_remote_mp.wire.fields import (
     STR,
     Body,
     anything,
-    as_dict,
-    as_list,
-    as_list_of_dicts,
     choice,
+    each,
     field,
     is_direction,
     is_int,
@@ -75,6 +73,7 @@ from lightning_remote_mp.wire.state import (
     Save,
     Saved,
     is_file_tensor,
+    is_tensor_map,
 )
 
 
@@ -125,10 +124,6 @@ def _is_name_group(value: Any) -> bool:
     return isinstance(value, list) and len(value) > 1 and all(map(is_str, value))
 
 
-def as_list_of_lists(value: Sequence[Sequence[str]]) -> list[list[str]]:
-    return [list(v) for v in value]
-
-
 @dataclasses.dataclass(frozen=True)
 class Setup(Body):
     """SETUP: build one stage of a SpecSequential on the worker, wire it to its peers, and give it
@@ -175,11 +170,11 @@ class Setup(Body):
     peers: Mapping[int, str] = field(map_of(is_int, is_str, "stage numbers to addresses"), write=dict)
     peer_keys: Mapping[int, str] = field(map_of(is_int, _is_z85, _PEER_KEYS), default_factory=dict, write=dict)
     state: Mapping[str, torch.Tensor] | None = field(
-        map_of(is_str, is_tensor, "names to tensors"), default=None, write=as_dict
+        map_of(is_str, is_tensor, "names to tensors"), default=None, write=dict
     )
     init_seed: int | None = field(INT, default=None)
     files: Mapping[str, Sequence[str]] = field(
-        map_of(is_str, is_file_tensor, "names to [path, name] pairs"), default_factory=dict, write=as_dict
+        map_of(is_str, is_file_tensor, "names to [path, name] pairs"), default_factory=dict, write=dict
     )
     split_backward: SplitBackward = field(_split_backward, default=False)
     code_digests: Mapping[str, str] = field(
@@ -188,7 +183,7 @@ class Setup(Body):
     seed: int | None = field(_seed, default=None)
     frozen: Sequence[str] = field(list_of(is_str, "parameter names"), default_factory=list, write=list)
     shared: Sequence[Sequence[str]] = field(
-        list_of(_is_name_group, "lists of two or more tensor names"), default_factory=list, write=as_list_of_lists
+        list_of(_is_name_group, "lists of two or more tensor names"), default_factory=list, write=each(list)
     )
     deferred_batch_norm: bool = field(BOOL, default=False)
     compression: str | None = field(choice(("bf16", "int8")), default=None, omit_none=True)
@@ -207,10 +202,6 @@ class Setup(Body):
             raise refuse(cls.KIND, "needs the stage's 'state', 'files', an 'init_seed', or the stage it 'borrows'")
 
 
-def _lists(value: Mapping[str, Sequence[int]]) -> dict[str, list[int]]:
-    return {k: list(v) for k, v in value.items()}
-
-
 @dataclasses.dataclass(frozen=True)
 class Release(Body):
     """RELEASE: forget what the stages hold for these forward calls (the driver is done with them, or
@@ -220,9 +211,9 @@ class Release(Body):
 
     KIND: ClassVar[str] = protocol.RELEASE
 
-    calls: Mapping[str, Sequence[int]] = field(map_of(is_str, is_int_list, "keys to lists of calls"), write=_lists)
+    calls: Mapping[str, Sequence[int]] = field(map_of(is_str, is_int_list, "keys to lists of calls"), write=each(list))
     outputs: Mapping[str, Sequence[int]] = field(
-        map_of(is_str, is_int_list, "keys to lists of calls"), default_factory=dict, write=_lists
+        map_of(is_str, is_int_list, "keys to lists of calls"), default_factory=dict, write=each(list)
     )
 
 
@@ -235,10 +226,6 @@ class Fetch(Body):
 
     key: str = field(STR)
     call: int = field(INT)
-
-
-def _is_state(value: Any) -> bool:
-    return isinstance(value, dict) and all(isinstance(k, str) and isinstance(t, torch.Tensor) for k, t in value.items())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -274,7 +261,7 @@ class Loss(Body):
     whole: Sequence[torch.Tensor] = field(list_of(is_tensor, "tensors"), default_factory=list, write=list)
     entries: Sequence[Any] | None = field(LIST, default=None, omit_none=True, write=list)
     state: Sequence[Mapping[str, torch.Tensor]] | None = field(
-        list_of(_is_state, "dicts of names to tensors"), default=None, omit_none=True, write=list
+        list_of(is_tensor_map, "dicts of names to tensors"), default=None, omit_none=True, write=list
     )
     grad: bool = field(BOOL, default=False)
     training: bool = field(BOOL, default=True)
@@ -334,7 +321,7 @@ class OptimCreate(Body):
     class_path: str = field(STR, wire="cls")
     defaults: Mapping[str, Any] = field(map_of(is_str, anything, "hyperparameter names to values"), write=dict)
     groups: Sequence[Mapping[str, Any]] = field(
-        list_of(_is_group, "hyperparameter dicts with a 'params' list of names"), write=as_list_of_dicts
+        list_of(_is_group, "hyperparameter dicts with a 'params' list of names"), write=each(dict)
     )
     copies: Sequence[str] = field(list_of(is_str, "parameter names"), default_factory=list, write=list)
 
@@ -347,7 +334,7 @@ class OptimStep(Body):
     KIND: ClassVar[str] = protocol.OPTIM_STEP
 
     index: int = _INDEX
-    hparams: Sequence[Mapping[str, Any]] = field(list_of(is_str_keyed, "hyperparameter dicts"), write=as_list_of_dicts)
+    hparams: Sequence[Mapping[str, Any]] = field(list_of(is_str_keyed, "hyperparameter dicts"), write=each(dict))
     #: First sum the gradients over the stage's replicas and the copies of tied weights (as
     #: `GradAllreduce` does): they changed since they were last summed.
     sync: bool = field(BOOL, default=False)
@@ -535,8 +522,6 @@ class Carry(Body):
 
 # --- observing and replicas -----------------------------------------------------------------
 
-TimelineOp = Literal["start", "stop", "fetch", "clock"]
-
 
 @dataclasses.dataclass(frozen=True)
 class Timeline(Body):
@@ -544,9 +529,7 @@ class Timeline(Body):
     read the worker's ``clock``."""
 
     KIND: ClassVar[str] = protocol.TIMELINE
-    OPS: ClassVar[tuple[str, ...]] = get_args(TimelineOp)
-
-    op: TimelineOp = field(choice(OPS))
+    op: Literal["start", "stop", "fetch", "clock"] = field(choice(("start", "stop", "fetch", "clock")))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -572,9 +555,7 @@ class GroupInit(Body):
     world: int = field(INT)
     backend: str = field(STR)
     timeout: float = field(number)
-    params: Sequence[str] | None = field(
-        list_of(is_str, "parameter names"), default=None, write=as_list, omit_none=True
-    )
+    params: Sequence[str] | None = field(list_of(is_str, "parameter names"), default=None, write=list, omit_none=True)
 
 
 # --- the session -----------------------------------------------------------------------------

@@ -18,8 +18,7 @@ from lightning_remote_mp.wire.fields import (
     INT,
     STR,
     Body,
-    as_dict,
-    as_dict_of_dicts,
+    each,
     field,
     is_int,
     is_str,
@@ -31,7 +30,7 @@ from lightning_remote_mp.wire.fields import (
 _INDEX = field(INT)  # the optimizer's position among the driver's optimizers
 
 
-def _is_tensor_map(value: Any) -> bool:
+def is_tensor_map(value: Any) -> bool:
     return isinstance(value, dict) and all(isinstance(k, str) and is_tensor(v) for k, v in value.items())
 
 
@@ -56,7 +55,7 @@ class Save(Body):
     directory: str = field(STR)
     file: str = field(STR)
     tensors: Mapping[str, Mapping[str, str]] = field(
-        map_of(is_str, _is_names, "keys to {name: name} dicts"), write=as_dict_of_dicts
+        map_of(is_str, _is_names, "keys to {name: name} dicts"), write=each(dict)
     )
     optim: Mapping[int, Mapping[str, str]] = field(
         map_of(is_int, _is_names, "optimizer indices to {name: name} dicts"), default_factory=dict, write=dict
@@ -87,7 +86,7 @@ class ReadOptim(Body):
 
     index: int = _INDEX
     params: Mapping[str, Sequence[str]] = field(
-        map_of(is_str, is_file_tensor, "parameter names to [path, key] pairs"), write=as_dict
+        map_of(is_str, is_file_tensor, "parameter names to [path, key] pairs"), write=dict
     )
 
 
@@ -106,7 +105,7 @@ class LoadState(Body):
     KIND: ClassVar[str] = protocol.LOAD_STATE
 
     state: Mapping[str, Mapping[str, torch.Tensor]] = field(
-        map_of(is_str, _is_tensor_map, "keys to {name: tensor} dicts"), write=as_dict_of_dicts
+        map_of(is_str, is_tensor_map, "keys to {name: tensor} dicts"), write=each(dict)
     )
 
 
@@ -128,5 +127,5 @@ class LoadOptimState(Body):
 
     index: int = _INDEX
     state: Mapping[str, Mapping[str, Any]] = field(
-        map_of(is_str, is_str_keyed, "parameter names to state dicts"), write=as_dict_of_dicts
+        map_of(is_str, is_str_keyed, "parameter names to state dicts"), write=each(dict)
     )

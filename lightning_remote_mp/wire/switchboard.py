@@ -60,12 +60,10 @@ _ZAP_DOMAIN = "lrmp-driver"
 class Link:
     """A worker's uplink, as the switchboard knows it."""
 
-    name: str
     routing_id: bytes
     peer_address: str  # where its connection comes from (as this machine sees it: after NAT)
     protocol_version: int | None
     lrmp: str
-    last_heard: float
 
 
 class Switchboard:
@@ -299,7 +297,7 @@ class Switchboard:
             peer = "?"
         with self._changed:
             known = self.links.get(name)
-            self.links[name] = Link(name, routing_id, peer, version, lrmp, time.monotonic())
+            self.links[name] = Link(routing_id, peer, version, lrmp)
             self._changed.notify_all()
         if known is None or known.peer_address != peer:
             log.info("worker %r dialed in from %s", name, peer)
@@ -313,12 +311,10 @@ def _router_options(sock: zmq.Socket) -> None:
     sock.setsockopt(zmq.RCVHWM, 0)
 
 
-def _send(sock: zmq.Socket, frames: list[Any]) -> bool:
-    """Forward ``frames``; ``False`` when their first names no connected peer."""
+def _send(sock: zmq.Socket, frames: list[Any]) -> None:
+    """Forward ``frames``; dropped when their first names no connected peer."""
     try:
         sock.send_multipart(frames, copy=False)
-        return True
     except zmq.ZMQError as err:
         if err.errno != zmq.EHOSTUNREACH:
             raise
-        return False

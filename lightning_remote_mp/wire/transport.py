@@ -23,7 +23,6 @@ from zmq.utils.monitor import parse_monitor_message
 
 from lightning_remote_mp.errors import (
     AuthenticationError,
-    ConfigurationError,
     LrmpError,
     ProtocolError,
     ProtocolVersionError,
@@ -45,7 +44,6 @@ log = logging.getLogger(__name__)
 DEFAULT_CONNECT_TIMEOUT = 30.0
 #: How long a worker may stay silent (no reply, no heartbeat) before it is declared lost.
 DEFAULT_HEARTBEAT_TIMEOUT = 9.0  # a lost worker is named within 10 s: the timeout plus one heartbeat poll
-DEFAULT_HEARTBEAT_INTERVAL = 1.0
 #: How long one call (a request, or a pipeline's wait for its next result) may go on while the worker
 #: answers heartbeats but makes no progress (a layer that never returns, a deadlock).
 DEFAULT_CALL_TIMEOUT = 300.0
@@ -76,8 +74,6 @@ class Connection:
         curve: Curve | None = None,
         call_timeout: float | None = DEFAULT_CALL_TIMEOUT,
     ) -> None:
-        if call_timeout is not None and not call_timeout > 0:
-            raise ConfigurationError(f"call_timeout must be a positive number of seconds or None, got {call_timeout!r}")
         self.address = address
         self.stage = stage
         self.replica = replica  # set when stages are replicated (data parallel)
@@ -245,17 +241,13 @@ class Connection:
             self.last_id = dropped[0].id - 1
             self._quiet_up_to = min(self._quiet_up_to, self.last_id)
 
-    def flush_carried(self) -> None:
-        """Send what `carry` holds straight to the worker now (its pipeline gets no message to carry it)."""
-        if self._carried:
-            self.send_all(protocol.SYNC, [])
-
     def flush_linked(self) -> None:
         """Send straight what the workers linked to this one's requests (`carry`) still hold: a
         replica whose pipeline got no message this call, say."""
         linked, self._linked = self._linked, []
         for other in linked:
-            other.flush_carried()
+            if other._carried:  # sent straight now: its pipeline got no message to carry them
+                other.send_all(protocol.SYNC, [])
 
     def ran_through(self, req_id: int) -> None:
         """The worker has run the driver's requests up to ``req_id``: a call's answer came through
@@ -404,33 +396,28 @@ class Connection:
         checkpoints) or profiling it takes as long as the stage is large and the network slow, and
         the heartbeat still catches a worker that dies or hangs meanwhile."""
         unasked: list[protocol.Message] = []  # a pipeline's failures: the next gather raises them (`collect`)
+        start = time.monotonic()
         try:
-            return self._recv(req_id, timeout, what, bounded, unasked)
+            while True:
+                if self.readable(POLL_SLICE_MS):
+                    msg = self.read()
+                    if msg is None:
+                        continue
+                    if msg.id != req_id:
+                        if msg.id == 0 and msg.kind == protocol.ERROR:
+                            unasked.append(msg)
+                        else:
+                            log.debug("%s: dropping stale reply %s (waiting for %s)", self.where(), msg.id, req_id)
+                        continue
+                    if msg.kind == protocol.ERROR:
+                        raise self.remote_failure(msg.body, what)
+                    return msg.body
+                if bounded:
+                    self._check_alive(start, timeout, what)
+                else:
+                    self._check_reachable(start, timeout, what)
         finally:
             self._inbox.extendleft(reversed(unasked))
-
-    def _recv(
-        self, req_id: int, timeout: float | None, what: str, bounded: bool, unasked: list[protocol.Message]
-    ) -> Any:
-        start = time.monotonic()
-        while True:
-            if self.readable(POLL_SLICE_MS):
-                msg = self.read()
-                if msg is None:
-                    continue
-                if msg.id != req_id:
-                    if msg.id == 0 and msg.kind == protocol.ERROR:
-                        unasked.append(msg)
-                    else:
-                        log.debug("%s: dropping stale reply %s (waiting for %s)", self.where(), msg.id, req_id)
-                    continue
-                if msg.kind == protocol.ERROR:
-                    raise self.remote_failure(msg.body, what)
-                return msg.body
-            if bounded:
-                self._check_alive(start, timeout, what)
-            else:
-                self._check_reachable(start, timeout, what)
 
     def request(self, kind: str, body: Any = None, *, timeout: float | None = None) -> Any:
         return self.recv(self.send(kind, body), timeout=timeout, what=kind)
@@ -558,7 +545,7 @@ class Connection:
             where += f", layer {layer}" + (f" ({body['layer_name']})" if body.get("layer_name") else "")
         doing = f" during {what}" if what else ""
         actions = f"\n{body['actions']}" if isinstance(body.get("actions"), str) else ""
-        err = WorkerError(
+        return WorkerError(
             f"{where} raised {rtype}{doing}: {rmsg}{actions}",
             **self.located(),
             layer=layer,
@@ -569,7 +556,6 @@ class Connection:
                 k: v for k, v in body.items() if k not in _ERROR_FIELDS and isinstance(v, (int, float, str, bool))
             },
         )
-        return err
 
     def close(self) -> None:
         if not self.closed:
@@ -620,32 +606,20 @@ def blame_the_lost(err: WorkerError, conns: Iterable[Connection]) -> LrmpError:
     return err
 
 
-class Requests:
-    """Requests in flight to several workers (see `post_all`): `wait` collects their replies, in
-    order, so the driver can work while the workers do."""
-
-    def __init__(self, requests: Iterable[tuple[Connection, str, Any]], what: str | None, bounded: bool) -> None:
-        self._sent = [(conn, kind, conn.send(kind, body)) for conn, kind, body in requests]
-        self.what = what
-        self.bounded = bounded
-
-    def wait(self) -> list[Any]:
-        """Every reply's body (``bounded``: see `Connection.recv`)."""
-        return [conn.recv(i, what=self.what or kind, bounded=self.bounded) for conn, kind, i in self._sent]
-
-
 def post_all(
     requests: Iterable[tuple[Connection, str, Any]], *, what: str | None = None, bounded: bool = True
-) -> Requests:
-    """Send ``(connection, kind, body)`` requests at once; their replies come with ``.wait()``."""
-    return Requests(requests, what, bounded)
+) -> Callable[[], list[Any]]:
+    """Send ``(connection, kind, body)`` requests at once; calling what it returns collects every
+    reply's body, in order (``bounded``: see `Connection.recv`), so the driver can work meanwhile."""
+    sent = [(conn, kind, conn.send(kind, body)) for conn, kind, body in requests]
+    return lambda: [conn.recv(i, what=what or kind, bounded=bounded) for conn, kind, i in sent]
 
 
 def request_all(
     requests: Iterable[tuple[Connection, str, Any]], *, what: str | None = None, bounded: bool = True
 ) -> list[Any]:
     """Send ``(connection, kind, body)`` requests at once, then collect every reply, in order."""
-    return post_all(requests, what=what, bounded=bounded).wait()
+    return post_all(requests, what=what, bounded=bounded)()
 
 
 def broadcast(conns: Iterable[Connection], kind: str, body: Any = None, *, bounded: bool = True) -> list[Any]:

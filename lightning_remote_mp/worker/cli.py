@@ -303,7 +303,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     allocator.keep_freed_memory()
     try:
-        from lightning_remote_mp.wire.keys import curve_available, load_keypair
+        import zmq
+
+        from lightning_remote_mp.wire.keys import load_keypair
 
         if (args.secret_key is None) != (args.authorized_keys is None):
             raise ConfigurationError(
@@ -312,7 +314,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         keys = None
         if args.secret_key is not None:
-            if not curve_available():
+            if not zmq.has("curve"):
                 raise ConfigurationError("this libzmq was built without CURVE support; install pyzmq's own wheel")
             keys = load_keypair(args.secret_key)
         from lightning_remote_mp.worker.deferred_grads import auto_min_macs
