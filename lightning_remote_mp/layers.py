@@ -40,9 +40,7 @@ class WrappedLinear(nn.Linear):
         self.dependencies = list(dependencies)
 
     def forward(self, x: torch.Tensor, *residuals: torch.Tensor):  # type: ignore[override]
-        out = super().forward(x)
-        for r in residuals:
-            out = out + r
+        out = sum(residuals, super().forward(x))
         if self.out_variables:
             return out, [(name, out) for name in self.out_variables]
         return out
@@ -99,7 +97,5 @@ class Add(nn.Module):
     def forward(self, x: torch.Tensor, *residuals: torch.Tensor) -> torch.Tensor:
         if not residuals:
             return x
-        skip = residuals[0]
-        for r in residuals[1:]:
-            skip = skip + r
+        skip = sum(residuals[1:], residuals[0])
         return x + (self.projection(skip) if self.projection is not None else skip)

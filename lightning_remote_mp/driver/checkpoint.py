@@ -338,7 +338,7 @@ class Saves:
         self.removals: list[Callable[[], None]] = []
 
     def start(self, pending: PendingSave, background: bool) -> None:
-        self.wait()
+        """A save begun once the last one is finished (`wait`)."""
         if background:
             self.pending = pending
         else:
@@ -346,27 +346,24 @@ class Saves:
 
     def poll(self) -> None:
         """Between steps: name the checkpoint if its files are written (one short request per worker)."""
-        if self.pending is None:
+        self._finish(wait=False)
+
+    def wait(self) -> None:
+        """Wait for the checkpoint being written (before another save, a load, the end of a run)."""
+        self._finish(wait=True)
+
+    def _finish(self, wait: bool) -> None:
+        pending = self.pending
+        if pending is None:
             return
         try:
-            done = self.pending.finish(wait=False)
+            done = pending.finish(wait)
         except BaseException:
             self.pending = None
             self.removals.clear()  # the checkpoints it was to replace are all that is left
             raise
-        if done:
+        if done or wait:
             self.pending = None
-            self._done()
-
-    def wait(self) -> None:
-        """Wait for the checkpoint being written (before another save, a load, the end of a run)."""
-        pending, self.pending = self.pending, None
-        if pending is not None:
-            try:
-                pending.finish()
-            except BaseException:
-                self.removals.clear()  # the checkpoints it was to replace are all that is left
-                raise
             self._done()
 
     def remove(self, remove: Callable[[], None]) -> None:

@@ -157,7 +157,6 @@ class Losses:
         self._numbers = itertools.count(1)
         self._sent: set[tuple[int, int]] = set()  # (id of a connection, program number)
         self._records: dict[int, list[LossRecord]] = {}  # by call, in the order they were computed
-        self._said: set[str] = set()
         self.computed = 0  # losses computed on the last stage
         self.reply_bytes = 0  # bytes of the values they sent back
         self.declined: list[str] = []  # why a loss was computed on the driver instead
@@ -334,15 +333,14 @@ class Losses:
         )
 
     def _decline(self, func: Any, why: str) -> None:
-        self.declined.append(why)
-        if why not in self._said:
-            self._said.add(why)
+        if why not in self.declined:
             log.info(
                 "%s: %s over the model's output is computed on the driver, which fetches the output: %s",
                 self.spec.key,
                 getattr(func, "__name__", func),
                 why,
             )
+        self.declined.append(why)
 
     # --- backward --------------------------------------------------------------------------
     def grads_for(self, call: int) -> dict[tuple[int, int], list[torch.Tensor | None]]:

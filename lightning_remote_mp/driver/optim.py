@@ -134,9 +134,7 @@ class OptimizerMirror:
         self.conns: list[Connection] = list({id(c): c for h in every for c in h.conns}.values())
         # Replica 0's workers of the first copies answer for state and gradient norms; every replica,
         # and every copy of a tied weight, holds the same.
-        self.primary: list[Connection] = list(
-            {id(holders[0].conns[0]): holders[0].conns[0] for holders in self.remote.values()}.values()
-        )
+        self.primary: list[Connection] = list(dict.fromkeys(holders[0].conns[0] for holders in self.remote.values()))
         self.replicated = any(len(h.conns) > 1 for h in every)
         self.tied = any(len(holders) > 1 for holders in self.remote.values())
         # The gradient bytes a stage's replicas sum per step (its weights that train, once per stage).
@@ -295,14 +293,7 @@ class OptimizerMirror:
 
     def _positions(self) -> dict[str, int]:
         """Remote parameter name -> its index in the local optimizer's packed state_dict."""
-        positions = {}
-        k = 0
-        for g in self.optimizer.param_groups:
-            for p in g["params"]:
-                if id(p) in self.remote:
-                    positions[self.remote[id(p)][0].name] = k
-                k += 1
-        return positions
+        return {self.remote[pid][0].name: k for pid, k in self.positions_by_id().items()}
 
     def positions_by_id(self) -> dict[int, int]:
         """Each remote parameter (by ``id``): its index in the local optimizer's packed state_dict."""

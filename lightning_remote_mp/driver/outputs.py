@@ -304,7 +304,6 @@ class KeptOutputs:
         self.device = device
         self._values: dict[int, torch.Tensor] | None = None
         self._finalizer = weakref.finalize(self, release)
-        self.fetches = 0
 
     @property
     def fetched(self) -> bool:
@@ -323,7 +322,6 @@ class KeptOutputs:
         """Fetch the values, unless fetched already."""
         if self._values is None:
             self._values = {i: t.to(self.device) for i, t in self._fetch().items()}
-            self.fetches += 1
             self._finalizer()  # the driver has them now: the last stages may forget them
 
     def tensors(self, shapes: dict[int, Sequence[int]], dtypes: dict[int, torch.dtype]) -> dict[int, Kept]:

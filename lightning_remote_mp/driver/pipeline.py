@@ -34,7 +34,6 @@ from lightning_remote_mp.flow import DRIVER, Main, is_floating, is_main
 from lightning_remote_mp.model.joins import Join, join_parts
 from lightning_remote_mp.model.partition import Stage
 from lightning_remote_mp.model.traced import Keep
-from lightning_remote_mp.schedule import check_schedule
 from lightning_remote_mp.wire import protocol
 from lightning_remote_mp.wire.collect import gather
 from lightning_remote_mp.wire.messages import Backward, Forward
@@ -149,8 +148,7 @@ class RemoteSpec:
     ) -> None:
         if microbatches < 1:
             raise ConfigurationError(f"microbatches must be at least 1, got {microbatches}")
-        self.checkpoint = check_checkpoint_mode(checkpoint)
-        self.schedule = check_schedule(schedule)
+        self.checkpoint, self.schedule = checkpoint, schedule  # checked by `DriverSession.place`
         #: The output that is the model's loss (`lightning_remote_mp.model.traced.Interface.loss_output`):
         #: under a schedule other than GPipe, each micro-batch's backward starts there on the last
         #: stage as soon as its forward is done. A model without one runs every call as GPipe. And the
@@ -342,12 +340,7 @@ class RemoteSpec:
         and could arrive before a step the driver posted to that stage earlier; the stage holds
         it back until it has run the step (`lightning_remote_mp.worker.session`). The driver does
         not wait for those replies: a failure among them is raised when its reply is read."""
-        fence = {}
-        for rs in self.replicas[replica]:
-            posted = rs.conn.unanswered_up_to
-            if posted:
-                fence[rs.stage.index] = posted
-        return fence
+        return {rs.stage.index: posted for rs in self.replicas[replica] if (posted := rs.conn.unanswered_up_to)}
 
     def carry_toward(self, replica: int, call: int, toward: int) -> list[tuple[str, Any]]:
         """The quiet requests (the optimizer's step, zero_grad) that wait for the stages of
@@ -583,15 +576,12 @@ class RemoteSpec:
         ]
         return [tuple(parts) for parts in zip(*per)]
 
-    def release_later(self, call: int) -> None:
-        self._to_release.append(call)
-
 
 class _CallGuard:
     """Queues a release of the workers' saved state if the graph dies without a backward."""
 
     def __init__(self, spec: RemoteSpec, call: int) -> None:
-        self._finalizer = weakref.finalize(self, spec.release_later, call)
+        self._finalizer = weakref.finalize(self, spec._to_release.append, call)
 
     def done(self) -> None:
         self._finalizer.detach()

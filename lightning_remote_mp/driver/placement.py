@@ -29,14 +29,6 @@ from lightning_remote_mp.wire.transport import Connection, broadcast, request_al
 log = logging.getLogger(__name__)
 
 
-def placed_module_state(module: SpecSequential, stage: partition.Stage) -> dict[str, torch.Tensor]:
-    return {
-        f"{i}.{name}": t.detach()
-        for i in stage.layer_indices
-        for name, t in module.layers[i].state_dict(keep_vars=True).items()
-    }
-
-
 def meta_stage_state(module: SpecSequential, stage: partition.Stage) -> dict[str, torch.Tensor] | None:
     """Weights loaded into a meta module before placement (a checkpoint), or None: the workers then
     initialise the stage from the module's seed."""

@@ -57,19 +57,10 @@ _TRAVEL_HINT = (
 )
 
 
-@dataclasses.dataclass(frozen=True)
-class Preflight:
-    """What the checks learnt: per layer, an estimate of its forward compute (FLOPs, plus one per
-    output element so that layers without matrix products are not free) and whether the dry run
-    reached it (``False`` past a layer the meta device cannot run)."""
-
-    compute: list[float]
-    checked: list[bool]
-
-
-def preflight(module: SpecSequential) -> Preflight:
+def preflight(module: SpecSequential) -> list[float]:
     """Check that ``module`` can go to workers (see the module docstring); raise `SpecError` naming the
-    layer otherwise."""
+    layer otherwise. Returns what the checks learnt: per layer, an estimate of its forward compute
+    (FLOPs, plus one per output element so that layers without matrix products are not free)."""
     for i, entry in enumerate(module.entries):
         _check_importable(i, entry)
         _check_kwargs_travel(i, entry)
@@ -108,21 +99,6 @@ def _check_untied(module: SpecSequential) -> None:
             owner[id(p)] = here
 
 
-def example_input(entry: LayerEntry, layer_cls: type, device: str | torch.device = "meta") -> torch.Tensor:
-    """A tensor of the entry's declared main input shape: ``input_dtype``, or int64 ids for
-    embeddings, else float32."""
-    if entry.input_dtype is not None:
-        dtype = getattr(torch, entry.input_dtype)
-    elif issubclass(layer_cls, (nn.Embedding, nn.EmbeddingBag)):
-        dtype = torch.int64
-    else:
-        dtype = torch.float32
-    shape = entry.input_shapes[0]
-    if dtype.is_floating_point:
-        return torch.empty(shape, dtype=dtype, device=device)
-    return torch.zeros(shape, dtype=dtype, device=device)
-
-
 _LIMITATION_WORDS = ("meta", "device", "cuda", "nvidia", ".item()", "data-dependent", "not implemented")
 
 
@@ -158,7 +134,7 @@ def _meta_tensor(signature: tuple[tuple[int, ...], torch.dtype]) -> torch.Tensor
     return torch.empty(signature[0], dtype=signature[1], device="meta")
 
 
-def _dry_run(entries: Sequence[LayerEntry]) -> Preflight:
+def _dry_run(entries: Sequence[LayerEntry]) -> list[float]:
     compute = [0.0] * len(entries)
     checked = [False] * len(entries)
     variables: dict[str, torch.Tensor] = {}
@@ -205,8 +181,7 @@ def _dry_run(entries: Sequence[LayerEntry]) -> Preflight:
                 f"layer {last} ({entries[last].name}), the last, returns a {type(x).__name__}; a SpecSequential "
                 "must end with a tensor: pick one element with 'output': 0 in its entry"
             )
-    compute = [c if done else _fallback_compute(e) for c, done, e in zip(compute, checked, entries)]
-    return Preflight(compute=compute, checked=checked)
+    return [c if done else _fallback_compute(e) for c, done, e in zip(compute, checked, entries)]
 
 
 class _CannotTell(Exception):
@@ -242,10 +217,15 @@ def _run_one(entries: Sequence[LayerEntry], i: int, x: Any, variables: dict[str,
 
 
 def _example_inputs(entry: LayerEntry, layer_cls: type) -> list[torch.Tensor]:
-    first = example_input(entry, layer_cls)
-    if entry.input_dtype is not None or not first.is_floating_point():
-        return [first]
-    return [first, torch.zeros(first.shape, dtype=torch.int64, device="meta")]
+    """Tensors of the entry's declared main input shape to try in turn: ``input_dtype``; int64 ids
+    for embeddings; else float32, then int64 ids."""
+    shape = entry.input_shapes[0]
+    if entry.input_dtype is not None:
+        return [torch.empty(shape, dtype=getattr(torch, entry.input_dtype), device="meta")]
+    ids = torch.empty(shape, dtype=torch.int64, device="meta")
+    if issubclass(layer_cls, (nn.Embedding, nn.EmbeddingBag)):
+        return [ids]
+    return [torch.empty(shape, dtype=torch.float32, device="meta"), ids]
 
 
 def _failure(entries: Sequence[LayerEntry], i: int, x: Any, err: BaseException) -> str:
@@ -284,7 +264,7 @@ def _fallback_compute(entry: LayerEntry) -> float:
     return 2.0 * rows * sum(p.numel() for p in layer.parameters()) + rows
 
 
-def checked_for_workers(module: SpecSequential, what: str) -> Preflight:
+def checked_for_workers(module: SpecSequential, what: str) -> list[float]:
     """`preflight` with errors that name the SpecSequential too."""
     try:
         return preflight(module)

@@ -42,11 +42,10 @@ from lightning_remote_mp.driver.placement import (
     gathering,
     meta_stage_state,
     placed_bytes,
-    placed_module_state,
     send_unread,
     stage_weights,
 )
-from lightning_remote_mp.driver.preflight import Preflight, checked_for_workers
+from lightning_remote_mp.driver.preflight import checked_for_workers
 from lightning_remote_mp.driver.progress import shown
 from lightning_remote_mp.errors import (
     ConfigurationError,
@@ -319,7 +318,7 @@ class DriverSession:
         layer_bytes = [partition.estimate_layer_bytes(e, m, training) for e, m in zip(module.entries, module.layers)]
         free = self.stage_free_memory()
         if balance is None or balance == "memory":
-            compute = list(compute) if compute is not None else checked_for_workers(module, what).compute
+            compute = list(compute) if compute is not None else checked_for_workers(module, what)
             budgets = [f if f > 0 else math.inf for f in free]
             try:
                 counts = partition.split_min_max([compute] * n_stages, memory=(layer_bytes, budgets))
@@ -393,7 +392,7 @@ class DriverSession:
         split_backward: SplitBackward = "auto",
         training: bool = True,
         checkpoint: str = "never",
-        checked: Preflight | None = None,
+        checked: Sequence[float] | None = None,
         deferred_batch_norm: bool = False,
         compression: str | None = None,
         schedule: str = "gpipe",
@@ -419,7 +418,7 @@ class DriverSession:
         if checked is None:
             checked = checked_for_workers(module, what)
         if lender is None:
-            stages = self.plan(module, balance, what, compute=checked.compute, training=training)
+            stages = self.plan(module, balance, what, compute=checked, training=training)
         else:  # the lender's cut: each stage holds the same units, so the same tensors
             stages = partition.plan_stages([len(rs.stage.layer_indices) for rs in lender.remote.stages], module.wiring)
         for stage, conn in ((stage, row[stage.index]) for row in self.grid for stage in stages):
@@ -449,18 +448,18 @@ class DriverSession:
         for stage in stages:
             if lender is not None:
                 weights[stage.index] = (None, {})
-            elif sources or module.init_seed is None:  # a seeded spec: the state loaded, or its seed
+            elif sources or module.init_seed is None or not meta:
                 where = f"{what}, stage {stage.index}"
                 weights[stage.index] = stage_weights(module, stage, sources or WeightSources(), where)
-            else:
-                state = meta_stage_state(module, stage) if meta else placed_module_state(module, stage)
-                weights[stage.index] = (state, {})
+            else:  # a seeded spec on the meta device: the state loaded, or its seed
+                weights[stage.index] = (meta_stage_state(module, stage), {})
         if sources:
             read, sent = (sum(len(w[k] or {}) for w in weights.values()) for k in (1, 0))
             log.info("%s: the workers read %d tensors from %s; this driver sends %d", what, read, sources.roots(), sent)
         ids = []
         for r, row, stage in ((r, row, stage) for r, row in enumerate(self.grid) for stage in stages):
             conn = row[stage.index]
+            peers = [k for k, _ in (*stage.sources, *stage.targets) if k != partition.DRIVER]
             entries = [module.entries[i].to_wire() for i in stage.layer_indices]
             setup = Setup(
                 key=key,
@@ -470,17 +469,11 @@ class DriverSession:
                 exports=stage.exports,
                 sources=stage.sources,
                 targets=stage.targets,
-                peers={
-                    k: self.peer_address(row[k], conn)
-                    for k, _ in (*stage.sources, *stage.targets)
-                    if k != partition.DRIVER
-                },
+                peers={k: self.peer_address(row[k], conn) for k in peers},
                 # With CURVE, the keys of those peers: this worker checks them when it connects to one,
                 # and lets them connect to it for this session's forward and backward messages.
                 peer_keys={
-                    k: self.worker_keys[row[k].address].decode("ascii")
-                    for k, _ in (*stage.sources, *stage.targets)
-                    if k != partition.DRIVER and self.worker_keys is not None
+                    k: self.worker_keys[row[k].address].decode("ascii") for k in peers if self.worker_keys is not None
                 },
                 state=weights[stage.index][0],
                 files=weights[stage.index][1],

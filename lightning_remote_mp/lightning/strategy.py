@@ -47,7 +47,7 @@ from lightning_remote_mp.driver.options import (
 )
 from lightning_remote_mp.driver.pipeline import check_checkpoint_mode
 from lightning_remote_mp.driver.placement import WeightSources
-from lightning_remote_mp.driver.preflight import Preflight, allow_modules_for, checked_for_workers
+from lightning_remote_mp.driver.preflight import allow_modules_for, checked_for_workers
 from lightning_remote_mp.driver.session import DriverSession
 from lightning_remote_mp.errors import ConfigurationError, LrmpError, SpecError, TraceError, WeightsError
 from lightning_remote_mp.flow import SplitBackward
@@ -434,7 +434,7 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
             checkpoint=self.checkpoint,
             deferred_batch_norm=self.deferred_batch_norm,
             compression=self.compression,
-            checked=Preflight(compute=module.compute, checked=[True] * len(module.layers)),
+            checked=module.compute,
             schedule=self.schedule,
             sources=None if view else self._sources(key, module),
             borrows=key if view else None,
@@ -590,7 +590,7 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
         assert self.local_workers is not None
         return self.local_workers.count // self.replicas
 
-    def _check_before_workers(self, key: str, module: SpecSequential) -> Preflight:
+    def _check_before_workers(self, key: str, module: SpecSequential) -> list[float]:
         what = f"SpecSequential {key!r}"
         if len(module.layers) < self.num_stages:
             raise SpecError(

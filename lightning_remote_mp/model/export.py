@@ -183,16 +183,14 @@ def _export(module: nn.Module, args: tuple, kwargs: dict, rows: int | None) -> A
 
 def _rows_like_the_batch(gm: fx.GraphModule, rows: int | None) -> list[str]:
     """The inputs whose dim 0 has ``rows`` rows, in order."""
-    out = []
-    for p in gm.graph.nodes:
-        val = p.meta.get("val") if p.op == "placeholder" else None
-        if isinstance(val, torch.Tensor) and val.dim() > 0 and getattr(val.shape[0], "node", None) is not None:
-            hint = val.shape[0].node.hint
-        else:
-            hint = val.shape[0] if isinstance(val, torch.Tensor) and val.dim() > 0 else None
-        if hint == rows:
-            out.append(p.name)
-    return out
+    vals = [(p.name, p.meta.get("val")) for p in gm.graph.nodes if p.op == "placeholder"]
+    return [
+        name
+        for name, val in vals
+        if isinstance(val, torch.Tensor)
+        and val.dim() > 0
+        and getattr(getattr(val.shape[0], "node", None), "hint", val.shape[0]) == rows
+    ]
 
 
 def _block_context(node: fx.Node) -> tuple[dict[str, Any], int] | None:

@@ -136,7 +136,8 @@ _PYTHON_ENTRY: dict[Any, Callable[..., Any]] = {
     torch.ops.aten.linear.default: torch.nn.functional.linear,
     torch.ops.aten.batch_norm.default: _batch_norm,
 }
-_MARKERS = {
+#: The layouts and memory formats a program may name, by the names they travel under.
+MARKERS = {
     "layout": {"strided": torch.strided},
     "memory_format": {
         "contiguous_format": torch.contiguous_format,
@@ -271,8 +272,8 @@ def _decode_value(value: Any, known: set[str], where: str, depth: int = 0) -> An
             return _Ref(item)
         if tag == "device":
             return _DEVICE
-        if tag in _MARKERS and item in _MARKERS[tag]:
-            return _MARKERS[tag][item]
+        if tag in MARKERS and item in MARKERS[tag]:
+            return MARKERS[tag][item]
     raise SpecError(f"{where}: argument {value!r:.120} is not a value a program may hold")
 
 

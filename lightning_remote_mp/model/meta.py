@@ -48,12 +48,11 @@ def kept_on_meta(model: torch.nn.Module | None, split: list[str]) -> Iterator[No
             vars(m).pop("_apply", None)
 
 
-def fill_meta_buffers(module: torch.nn.Module) -> list[str]:
+def fill_meta_buffers(module: torch.nn.Module) -> None:
     """Give a module built on the meta device values for its non-persistent buffers, which no file
     holds (rotary frequencies, masks): allocated here and computed by the model's own
     ``_init_weights``, as transformers does after loading onto the meta device. They are small.
-    Returns their names; a module without ``_init_weights`` gets none and its buffers stay on meta
-    (placement then names them)."""
+    A module without ``_init_weights`` gets none and its buffers stay on meta (placement then names them)."""
     owners = []
     names = []
     for path, m in module.named_modules():
@@ -64,7 +63,7 @@ def fill_meta_buffers(module: torch.nn.Module) -> list[str]:
                 owners.append(m)
                 names.append(f"{path}.{name}" if path else name)
     if not owners:
-        return []
+        return
     init: Any = next((m._init_weights for m in module.modules() if hasattr(m, "_init_weights")), None)
     if init is None:
         raise WeightsError(
@@ -94,4 +93,3 @@ def fill_meta_buffers(module: torch.nn.Module) -> list[str]:
             f"the meta-device module's non-persistent buffers {unset[:3]} are in no weights file and its _init_weights "
             "does not compute them: build them with values (outside the meta device context)"
         )
-    return names

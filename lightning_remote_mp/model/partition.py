@@ -14,6 +14,7 @@ boundary become the stage's ``imports`` (consumed here, produced earlier) and ``
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Sequence
 
@@ -53,13 +54,8 @@ class Stage:
 
 def plan_stages(balance: Sequence[int], wiring: Wiring) -> list[Stage]:
     """Turn layer counts per stage into `Stage` objects with their imports and exports."""
-    bounds = [0]
-    for n in balance:
-        bounds.append(bounds[-1] + n)
-    stage_of = {}
-    for s in range(len(balance)):
-        for i in range(bounds[s], bounds[s + 1]):
-            stage_of[i] = s
+    bounds = [0, *itertools.accumulate(balance)]
+    stage_of = {i: s for s in range(len(balance)) for i in range(bounds[s], bounds[s + 1])}
     stages = []
     for s in range(len(balance)):
         imports = sorted(
@@ -143,17 +139,9 @@ def split_min_max(
     n = len(stage_costs[0]) if k else 0
     if n < k:
         raise SpecError(f"cannot split {n} layers into {k} stages: every stage needs at least one layer")
-    prefix = []
-    for costs in stage_costs:
-        row = [0.0]
-        for c in costs:
-            row.append(row[-1] + float(c))
-        prefix.append(row)
-
+    prefix = [[0.0, *itertools.accumulate(map(float, costs))] for costs in stage_costs]
     caps = [float(c) for c in capacities] if capacities is not None else [1.0] * k
-    mem_prefix = [0.0]
-    for b in memory[0] if memory is not None else []:
-        mem_prefix.append(mem_prefix[-1] + float(b))
+    mem_prefix = [0.0, *itertools.accumulate(map(float, memory[0] if memory is not None else []))]
 
     def load(s: int, j: int, i: int) -> float:  # layers j:i on stage s (1-based)
         if memory is not None and mem_prefix[i] - mem_prefix[j] > memory[1][s - 1]:
@@ -197,11 +185,8 @@ def split_min_max(
 
 def stage_loads(counts: Sequence[int], stage_costs: Sequence[Sequence[float]]) -> list[float]:
     """Each stage's total cost for a split: the predicted stage times when costs are times."""
-    loads, start = [], 0
-    for s, n in enumerate(counts):
-        loads.append(float(sum(stage_costs[s][start : start + n])))
-        start += n
-    return loads
+    bounds = [0, *itertools.accumulate(counts)]
+    return [float(sum(stage_costs[s][bounds[s] : bounds[s + 1]])) for s in range(len(counts))]
 
 
 def describe(

@@ -666,10 +666,7 @@ def apply_modes(layers: Sequence[nn.Module], modes: Any, first_index: int) -> No
             for m in layer.modules():
                 m.training = flags
             continue
-        subs = list(layer.modules())
-        if len(flags) != len(subs):
-            raise SpecError(f"layer {first_index + i}: {len(flags)} mode flags for {len(subs)} modules")
-        for m, f in zip(subs, flags):
+        for m, f in zip(layer.modules(), flags):  # as many as the modules: checked above
             m.training = f
 
 

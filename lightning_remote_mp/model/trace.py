@@ -26,6 +26,7 @@ True
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import operator
 import re
@@ -37,7 +38,7 @@ from torch import fx, nn
 
 from lightning_remote_mp.errors import TraceError
 from lightning_remote_mp.model.export import export
-from lightning_remote_mp.model.graph import LAYER_PATH, TRACED_PYTHON_NAMES, GraphLayer
+from lightning_remote_mp.model.graph import LAYER_PATH, MARKERS, TRACED_PYTHON_NAMES, GraphLayer
 from lightning_remote_mp.model.joins import split_means
 from lightning_remote_mp.model.operators import allowed_operator
 from lightning_remote_mp.model.refusals import refused, with_user_line
@@ -45,14 +46,7 @@ from lightning_remote_mp.model.spec import SpecSequential
 from lightning_remote_mp.model.traced import Ends, Interface, TracedEntry, TracedSequential
 
 log = logging.getLogger(__name__)
-_MARKER_NAMES = {
-    torch.strided: ("layout", "strided"),
-    torch.sparse_coo: ("layout", "sparse_coo"),
-    torch.contiguous_format: ("memory_format", "contiguous_format"),
-    torch.channels_last: ("memory_format", "channels_last"),
-    torch.channels_last_3d: ("memory_format", "channels_last_3d"),
-    torch.preserve_format: ("memory_format", "preserve_format"),
-}
+_MARKER_NAMES = {value: (tag, name) for tag, table in MARKERS.items() for name, value in table.items()}
 _CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 _MATMULS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "conv1d", "conv2d", "conv3d", "convolution"}
 #: The name a traced unit's layer travels under (`lightning_remote_mp.graph`).
@@ -115,13 +109,8 @@ def _runs(gm: fx.GraphModule, root: nn.Module) -> list[tuple[str, list[fx.Node]]
         if owners[i] is None:
             alone = f"@{segments[i]}" if segment else ""
             owners[i] = owners[i - 1] if i and segments[i - 1] == segments[i] else alone
-    runs: list[tuple[str, list[fx.Node]]] = []
-    for node, owner in zip(nodes, owners):
-        if runs and runs[-1][0] == owner:
-            runs[-1][1].append(node)
-        else:
-            runs.append((owner, [node]))
-    return runs
+    pairs = itertools.groupby(zip(nodes, owners), key=lambda pair: pair[1])
+    return [(owner, [node for node, _ in run]) for owner, run in pairs]
 
 
 def _align(train: list[tuple[str, list[fx.Node]]], evals: list[tuple[str, list[fx.Node]]], name: str):
@@ -320,7 +309,7 @@ def trace_module(module: nn.Module, args: tuple, kwargs: dict, name: str) -> Tra
         "eval": [[n for i in g for n in eval_runs[i]] for g in groups],
     }
     labels = [_label([owners[i] for i in g]) for g in groups]
-    fqns = _state_keys(module)
+    fqns = set(module.state_dict(keep_vars=True))
     local_names = _local_names(sorted({a for g in groups for i in g for a in attrs[i]}))
     programs: list[dict[str, Any]] = [{} for _ in groups]
     shapes: list[list[tuple[int, ...]]] = []
@@ -423,22 +412,14 @@ def _traced_on_meta(module: nn.Module) -> Iterator[None]:
 
 
 def _step(node: fx.Node, name: str) -> list[Any]:
-    step = [node.name, _target(node, name), _encode(list(node.args), name), _encode_kwargs(node, name)]
+    kwargs = {k: _encode(v, name) for k, v in node.kwargs.items()}
+    step = [node.name, _target(node, name), _encode(list(node.args), name), kwargs]
     context = node.meta.get("lrmp_context")
     return [*step, context] if context else step
 
 
-def _encode_kwargs(node: fx.Node, name: str) -> dict[str, Any]:
-    return {k: _encode(v, name) for k, v in node.kwargs.items()}
-
-
 def _attr_nodes(nodes: Sequence[fx.Node]) -> list[fx.Node]:
-    seen: dict[str, fx.Node] = {}
-    for n in nodes:
-        for a in n.all_input_nodes:
-            if a.op == "get_attr":
-                seen[a.name] = a
-    return list(seen.values())
+    return list({a.name: a for n in nodes for a in n.all_input_nodes if a.op == "get_attr"}.values())
 
 
 def _kind(v: fx.Node) -> Any:
@@ -470,10 +451,6 @@ def _label(owners: Sequence[str]) -> str:
             return "(glue)"
         return "(code before the first pipe_split)" if segments[0] == "0" else f"(code after pipe_split {segments[0]})"
     return named[0] if len(set(named)) == 1 else f"{named[0]}..{named[-1]}"
-
-
-def _state_keys(module: nn.Module) -> set[str]:
-    return set(module.state_dict(keep_vars=True))
 
 
 def _local_names(targets: Sequence[str]) -> dict[str, str]:

@@ -150,20 +150,7 @@ class TracedSequential(SpecSequential):
         if rows < 2 or self.is_meta:  # no weights here (the workers read them from files): nothing to run
             return
         take = min(rows, 4)
-        sample = [t[:take] if b else t for t, b in zip(inputs, call.batched_in)]
-        halves = [
-            [t[a:z] if b else t for t, b in zip(sample, call.batched_in)]
-            for a, z in ((0, take // 2), (take // 2, take))
-        ]
-        flags = [m.training for m in self.layers]
-        self.train(False)
-        try:
-            with torch.no_grad():
-                whole = as_tuple(self.run_locally(*sample))
-                parts = [as_tuple(self.run_locally(*h)) for h in halves]
-        finally:
-            for m, f in zip(self.layers, flags):
-                m.train(f)
+        whole, *parts = self.run_rows(inputs, call.batched_in, [(0, take), (0, take // 2), (take // 2, take)])
         for i, (out, join) in enumerate(zip(whole, call.joins_out)):
             if join == "whole" or not out.is_floating_point():
                 continue
@@ -176,6 +163,20 @@ class TracedSequential(SpecSequential):
                     "interact. Micro-batches and replicas split dim 0: make dim 0 the batch, or use "
                     "microbatches=1 and a single replica."
                 )
+
+    def run_rows(self, inputs: Sequence[torch.Tensor], batched: Sequence[bool], spans: Sequence[tuple[int, int]]):
+        """The outputs (tuples) of rows ``a:z`` of the inputs that carry the batch (``batched``), for each
+        ``(a, z)`` of ``spans``: run here in eval mode, without grad (for checks)."""
+        flags = [m.training for m in self.layers]
+        self.train(False)
+        try:
+            with torch.no_grad():
+                return [
+                    as_tuple(self.run_locally(*(t[a:z] if b else t for t, b in zip(inputs, batched)))) for a, z in spans
+                ]
+        finally:
+            for m, f in zip(self.layers, flags):
+                m.train(f)
 
     def run_locally(self, *inputs: torch.Tensor) -> Any:
         """Run the units here, in order (for checks): the traced module's first outputs."""
@@ -495,20 +496,11 @@ def _why_no_batch(traced: TracedSequential, call: Interface, inputs: Sequence[to
             "tensor in the call, where it is split with the batch, or build it as x.new_zeros(x.shape[0], ...))" + stop
         )
 
-    def first(n: int) -> tuple:  # the outputs of the call's first n rows
-        return as_tuple(traced.run_locally(*(t[:n] if b else t for t, b in zip(inputs, call.batched_in))))
-
     take = min(rows, 4)
-    flags = [m.training for m in traced.layers]
-    traced.train(False)
     try:
-        with torch.no_grad():
-            whole, half = first(take), first(take // 2)
+        whole, half = traced.run_rows(inputs, call.batched_in, [(0, take), (0, take // 2)])
     except Exception:  # for a better message only: without it, the plain one stands
         return None
-    finally:
-        for m, f in zip(traced.layers, flags):
-            m.train(f)
     names = call.output_names()
     for i, leaf in enumerate(call.out_leaves):
         if leaf[0] != "value" or call.joins_out[leaf[1]] != "whole":
