@@ -338,7 +338,8 @@ class Saves:
         self.removals: list[Callable[[], None]] = []
 
     def start(self, pending: PendingSave, background: bool) -> None:
-        """A save begun once the last one is finished (`wait`)."""
+        """A save begun: the last one is finished first (at most one is written at a time)."""
+        self.wait()
         if background:
             self.pending = pending
         else:

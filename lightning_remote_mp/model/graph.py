@@ -137,7 +137,7 @@ _PYTHON_ENTRY: dict[Any, Callable[..., Any]] = {
     torch.ops.aten.batch_norm.default: _batch_norm,
 }
 #: The layouts and memory formats a program may name, by the names they travel under.
-MARKERS = {
+MARKERS: dict[str, dict[str, Any]] = {
     "layout": {"strided": torch.strided},
     "memory_format": {
         "contiguous_format": torch.contiguous_format,

@@ -23,6 +23,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from lightning_remote_mp.errors import (
     AuthenticationError,
+    ConfigurationError,
     LrmpError,
     ProtocolError,
     ProtocolVersionError,
@@ -74,6 +75,8 @@ class Connection:
         curve: Curve | None = None,
         call_timeout: float | None = DEFAULT_CALL_TIMEOUT,
     ) -> None:
+        if call_timeout is not None and not call_timeout > 0:  # also for a DriverSession built directly
+            raise ConfigurationError(f"call_timeout must be a positive number of seconds or None, got {call_timeout!r}")
         self.address = address
         self.stage = stage
         self.replica = replica  # set when stages are replicated (data parallel)

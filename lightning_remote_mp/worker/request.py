@@ -4,9 +4,10 @@ it fails.
 `parse` is the one place a received body is read (through `lightning_remote_mp.wire.requests.REQUESTS`,
 one class per kind): everything after it handles typed messages. A body that cannot be read becomes
 a `Request` that carries the refusal, answered in its turn like any request's failure. The server
-runs a request in its turn (`lightning_remote_mp.worker.runtime.Order.run`, which calls the
-session's handler for its type); `failure_reply` makes the ERROR that names what failed where.
-Nothing a message carries is executed: its type only chooses among the session's handlers.
+runs a request in its turn (`lightning_remote_mp.worker.runtime.Order.run`: a micro-batch goes to
+its stage's runtime, another request to the session's handler for its type); `failure_reply` makes
+the ERROR that names what failed where. Nothing a message carries is executed: its type only
+chooses what runs it.
 """
 
 from __future__ import annotations
@@ -74,8 +75,10 @@ def parse(peer: bytes, msg: protocol.Message) -> Request:
     try:
         message = REQUESTS[msg.kind].from_body(msg.body)
     except Exception as err:  # whatever a check raised, the request is refused and answered in its turn
-        if not isinstance(err, ProtocolError):
+        if not isinstance(err, ProtocolError):  # a check's own failure: its traceback goes with the ERROR
+            cause = err
             err = ProtocolError(f"{msg.kind} message: unreadable body ({type(err).__name__}: {err})"[:400])
+            err.__cause__ = cause
         sender, about = salvage(msg.body) if msg.kind in _PIPELINE_KINDS else (None, {})
         return Request(peer, msg.kind, msg.id, msg.session, None, err, sender not in (None, DRIVER), about)
     from_peer = isinstance(message, (Forward, Backward, Carry)) and message.sender != DRIVER

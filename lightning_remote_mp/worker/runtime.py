@@ -119,7 +119,12 @@ class StageRuntime:
     """
 
     def __init__(
-        self, route: RoutedStage, send: Callable[[list[Outgoing]], None], stages: int | None = None, limit: int = 4096
+        self,
+        route: RoutedStage,
+        send: Callable[[list[Outgoing]], None],
+        *,
+        stages: int | None = None,
+        limit: int = 4096,
     ) -> None:
         self.route = route
         self.send = send
@@ -502,11 +507,13 @@ class Order:
 
     def run(self, request: Any) -> Any:
         """Run ``request`` (a `lightning_remote_mp.worker.request.Request` of this session) in its
-        turn, and return its handler's answer, or `NO_REPLY` where it does not run now: a peer's
-        micro-batch waits for the driver's requests its fence names (`hold_back`); a driver's request
-        waits behind a loss's gradient (`park`), runs once (`already_ran`), or is a loss gradient
-        that waits for its call's actions (`_loss_grad`). A request that could not be
-        read raises its refusal, in its turn. Either way `next` then says what may run now."""
+        turn, and return its answer, or `NO_REPLY` where none goes back: a micro-batch (its stage's
+        runtime runs it, and its messages go on by themselves), or a request that does not run now:
+        a peer's micro-batch waits for the driver's requests its fence names (`hold_back`); a
+        driver's request waits behind a loss's gradient (`park`), runs once (one whose id is not
+        above `driver_ran` ran already), or is a loss gradient that waits for its call's actions
+        (`_loss_grad`). A request that could not be read raises its refusal, in its turn. Either
+        way `next` then says what may run now."""
         message = request.message
         try:
             if request.refused is not None:
@@ -653,7 +660,7 @@ class Order:
         loss gradient sent before it waits; returns whether it was kept. A release of that call
         goes at once: the driver gave up on it. The requests parked behind the gradient then run in
         their order, but for the quiet ones (the step on it), which the release's later id shows as
-        run already: they are skipped (`already_ran`)."""
+        run already: they are skipped (`run`)."""
         if self._waiting is None or 0 < request.id <= self._waiting[0]:  # 0: a `Carry` the driver sent after it
             return False
         _, key, call = self._waiting

@@ -9,9 +9,10 @@ soon as the request returns. Either thread expires a session whose driver falls 
 thread also handles signals.
 
 Each message is read once, as it arrives, into a typed request (`lightning_remote_mp.worker.request`);
-the serving thread runs it through the session's handler for its type (when `worker.runtime` says)
-and answers through the socket, or, for pipelined work, through the `worker.outbox`. Nothing a
-message carries is executed: its type only chooses among the handlers of `worker.session.WorkerSession`.
+the serving thread runs it in its turn (`worker.runtime.Order.run`: a micro-batch through its
+stage's runtime, another request through the session's handler for its type) and answers through
+the socket, or, for pipelined work, through the `worker.outbox`. Nothing a message carries is
+executed: its type only chooses what runs it.
 """
 
 from __future__ import annotations

@@ -122,7 +122,7 @@ class WorkerSession:
         self.group: GradGroup | None = None  # this stage's replicas
         self.tie_groups: list[tuple[GradGroup, list[str]]] = []  # stages holding copies of tied weights: theirs here
         self.events: EventLog | None = None
-        # Which of the driver's requests run when; it runs `Carry` and `LossGrad` itself.
+        # Which request runs when; it runs micro-batches (through their stage's runtime), `Carry` and `LossGrad` itself.
         self.order = Order(self.runtimes, self.handle, self.peers, outbox, seal_key, session_id)
         # A call's answers to the driver (RESULTs, DONEs), kept until they are all there: (key, call, kind) -> answers.
         self._answers: dict[tuple[str, int, str], list[tuple[Any, Any, dict[str, Any] | None]]] = {}
@@ -174,7 +174,7 @@ class WorkerSession:
         for name, p in stage.named_parameters():
             if name in frozen:
                 p.requires_grad_(False)
-        runtime = StageRuntime(RoutedStage(stage, msg.sources, msg.targets), self._send, msg.stages)
+        runtime = StageRuntime(RoutedStage(stage, msg.sources, msg.targets), self._send, stages=msg.stages)
         runtime.route.events = self.events
         peer_keys = {msg.peers[s]: k.encode("ascii") for s, k in msg.peer_keys.items()}
         self.stages[key] = stage

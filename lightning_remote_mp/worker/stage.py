@@ -405,7 +405,8 @@ class StageExecutor:
     ) -> tuple[Main | None, dict[str, torch.Tensor]]:
         """Run a micro-batch's backward. ``early``: a call whose backward runs before the driver's
         (`early_grads`): its weight gradients go to the call's own gradients, and its deferred ones
-        are filed under the call, for `flush_early`. Sets `filing`: the backward's number, for that."""
+        are filed under the call, for `flush_early`. Sets `filing`: the backward's number, for that.
+        A forward that kept nothing (no output needed a gradient) gives no gradients."""
         saved = self._saved.pop(call_id, None)
         if saved is None:
             return None, {}  # the forward kept nothing: no output needed a gradient
