@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from lightning_remote_mp.errors import RefusedOperatorError, SpecError
 from lightning_remote_mp.model.operators import ALLOWED_NAMESPACES, DROPPED_OPERATORS, allowed_operator, refused_why
@@ -375,21 +376,12 @@ def load_program(data: Any, where: str) -> Program:
     )
 
 
-def _refs(value: Any) -> list[str]:
-    if isinstance(value, _Ref):
-        return [value.name]
-    if isinstance(value, (list, tuple)):
-        return [n for v in value for n in _refs(v)]
-    if isinstance(value, dict):
-        return [n for v in value.values() for n in _refs(v)]
-    return []
-
-
 def _with_drops(steps: Sequence[tuple[Any, ...]], outputs: Sequence[str]) -> tuple[_Step, ...]:
     last_use: dict[str, int] = {}
     for i, (_, _, args, kwargs, _) in enumerate(steps):
-        for name in _refs(args) + _refs(kwargs):
-            last_use[name] = i
+        for ref in pytree.tree_leaves((args, kwargs)):
+            if isinstance(ref, _Ref):
+                last_use[ref.name] = i
     keep = set(outputs)
     drops: dict[int, list[str]] = {}
     for name, i in last_use.items():

@@ -156,10 +156,10 @@ def split_means(gm: fx.GraphModule) -> dict[int, int]:
 def _defaults(node: fx.Node, args: list[Any]) -> list[Any]:
     """Positional arguments with the schema's defaults where the call left them out (``None`` above)."""
     schema = node.target._schema  # type: ignore[union-attr]
-    out = []
-    for arg, spec in zip(args, schema.arguments):
-        out.append(spec.default_value if arg is None and spec.has_default_value() else arg)
-    return out
+    return [
+        spec.default_value if arg is None and spec.has_default_value() else arg
+        for arg, spec in zip(args, schema.arguments)
+    ]
 
 
 def _through_passing(node: Any) -> Any:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -429,10 +430,8 @@ def _row_bytes(val: Any) -> int:
     """Bytes per row (dim 0) of a traced value, at the traced call's sizes."""
     if not isinstance(val, torch.Tensor) or val.dim() == 0:
         return 0
-    n = 1
-    for size in val.shape[1:]:
-        n *= int(size) if is_concrete_int(size) else int(size.node.hint or 1)
-    return n * val.element_size()
+    sizes = (int(s) if is_concrete_int(s) else int(s.node.hint or 1) for s in val.shape[1:])
+    return math.prod(sizes) * val.element_size()
 
 
 def as_tuple(value: Any) -> tuple:
@@ -442,10 +441,9 @@ def as_tuple(value: Any) -> tuple:
 def _batch_symbol(vals: Sequence[Any]) -> str | None:
     """The batch: the dynamic size most of the call's tensors (inputs and outputs) have in dim 0
     (a position table's length in dim 0 of one input does not make it the batch)."""
-    counts: dict[str, int] = {}
-    for val in vals:
-        if isinstance(val, torch.Tensor) and val.dim() > 0 and not is_concrete_int(val.shape[0]):
-            counts[str(val.shape[0])] = counts.get(str(val.shape[0]), 0) + 1
+    counts = Counter(
+        str(v.shape[0]) for v in vals if isinstance(v, torch.Tensor) and v.dim() > 0 and not is_concrete_int(v.shape[0])
+    )
     return max(counts, key=counts.__getitem__) if counts else None
 
 
