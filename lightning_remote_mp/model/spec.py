@@ -674,7 +674,7 @@ def _stash_state_for_meta(module: SpecSequential, state_dict: Any, prefix: str, 
     # Loading into meta tensors keeps nothing; keep the tensors until the module is placed.
     if module.is_meta and not module.is_remote:
         head = prefix + "layers."
-        module._pending_state = {k[len(head) :]: v for k, v in state_dict.items() if k.startswith(head)}
+        module._pending_state = module.layer_state(state_dict, prefix)
         module._weights_left_on_workers = False
         # What is loaded here is then meta too: the same no-op, without torch's warning per parameter
         # ("copying from a non-meta parameter ... is a no-op"), which would alarm for nothing.
