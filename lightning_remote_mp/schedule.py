@@ -45,6 +45,7 @@ step  stage 0  stage 1
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Literal
 
@@ -90,12 +91,9 @@ def actions(schedule: str, stages: int, stage: int, microbatches: int, grad: boo
             f"got stages={stages}, stage={stage}, microbatches={microbatches}"
         )
     m = microbatches
+    act = functools.partial(Action, stage)
     if not grad:
-        return [Action(stage, FORWARD, mb) for mb in range(m)]
-
-    def act(kind: str, mb: int) -> Action:
-        return Action(stage, kind, mb)
-
+        return [act(FORWARD, mb) for mb in range(m)]
     if schedule == "gpipe":
         return [act(kind, mb) for kind in (FORWARD, BACKWARD, WEIGHTS) for mb in range(m)]
     warmup = min(m, stages - 1 - stage)
@@ -246,9 +244,7 @@ def format_grid(lists: Sequence[Sequence[Action]], spans: Mapping[Action, tuple[
             spans = simulate(lists).spans
         except ScheduleError:
             spans = {a: (float(i), float(i + 1)) for row in lists for i, a in enumerate(row)}  # list order
-    cells: dict[tuple[int, int], str] = {}
-    for (a), (start, _) in spans.items():
-        cells[(int(start), a.stage)] = str(a)
+    cells = {(int(start), a.stage): str(a) for a, (start, _) in spans.items()}
     steps = max((t for t, _ in cells), default=-1) + 1
     width = max([7, *(len(c) for c in cells.values())])
     head = "step  " + "  ".join(f"stage {s}".rjust(width) for s in range(len(lists)))

@@ -50,9 +50,7 @@ def variables_of(layer: nn.Module) -> tuple[list[str], list[str]]:
     wires = _declared(layer, "_lrmp_wires")
     if wires is not None:
         return wires.names_in, list(wires.out_variables)
-    deps = list(_declared(layer, "dependencies") or [])
-    outs = list(_declared(layer, "out_variables") or [])
-    return deps, outs
+    return list(_declared(layer, "dependencies") or []), list(_declared(layer, "out_variables") or [])
 
 
 @dataclasses.dataclass(frozen=True)
