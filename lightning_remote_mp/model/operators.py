@@ -214,11 +214,8 @@ def _core(packet: torch._ops.OpOverloadPacket) -> bool:
 @functools.cache
 def _plain(packet: torch._ops.OpOverloadPacket) -> bool:
     """Every overload of ``packet`` takes and returns only `_PLAIN_TYPES`."""
-    for overload in packet.overloads():
-        schema = getattr(packet, overload)._schema
-        if any(str(a.type) not in _PLAIN_TYPES for a in (*schema.arguments, *schema.returns)):
-            return False
-    return True
+    schemas = [getattr(packet, overload)._schema for overload in packet.overloads()]
+    return all(str(a.type) in _PLAIN_TYPES for s in schemas for a in (*s.arguments, *s.returns))
 
 
 allow(os.environ.get("LRMP_ALLOW_OPERATORS", "").split(","))
