@@ -476,10 +476,7 @@ def _tensor_of(module: nn.Module, gm: fx.GraphModule, target: str) -> torch.Tens
             pass
     value = getattr(gm, target.replace(".", "_"), None) if not hasattr(gm, target) else getattr(gm, target)
     if value is None:
-        obj: Any = gm
-        for part in target.split("."):
-            obj = getattr(obj, part)
-        value = obj
+        value = operator.attrgetter(target)(gm)
     return value.detach()
 
 
