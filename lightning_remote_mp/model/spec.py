@@ -343,11 +343,8 @@ def build_layer(
     cls = resolve_layer(entry.layer, allowed_prefixes)
     where = f"layer {index} ({entry.name})"
     try:
-        if init_seed is None:
+        if init_seed is None or (device is not None and torch.device(device).type == "meta"):
             with torch.device(device) if device is not None else contextlib.nullcontext():
-                layer = cls(**construct_values(entry.kwargs, allowed_prefixes, where))
-        elif device is not None and torch.device(device).type == "meta":
-            with torch.device("meta"):
                 layer = cls(**construct_values(entry.kwargs, allowed_prefixes, where))
         else:
             with torch.random.fork_rng(devices=[]):
