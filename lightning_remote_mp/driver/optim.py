@@ -127,9 +127,12 @@ class OptimizerMirror:
         optimizer.__class__ = _mirrored_class(self.cls)
         optimizer._lrmp_mirror = self  # type: ignore[attr-defined]
 
+    def _params(self) -> list[torch.Tensor]:
+        """The optimizer's parameters, group by group (the order of its packed state_dict)."""
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
     def _adopt(self, remote: Mapping[int, list[Holder]]) -> None:
-        opt = self.optimizer
-        self.remote = {id(p): remote[id(p)] for g in opt.param_groups for p in g["params"] if id(p) in remote}
+        self.remote = {id(p): remote[id(p)] for p in self._params() if id(p) in remote}
         every = [h for holders in self.remote.values() for h in holders]
         self.conns: list[Connection] = list({id(c): c for h in every for c in h.conns}.values())
         # Replica 0's workers of the first copies answer for state and gradient norms; every replica,
@@ -138,7 +141,7 @@ class OptimizerMirror:
         self.replicated = any(len(h.conns) > 1 for h in every)
         self.tied = any(len(holders) > 1 for holders in self.remote.values())
         # The gradient bytes a stage's replicas sum per step (its weights that train, once per stage).
-        params = {id(p): p for g in self.optimizer.param_groups for p in g["params"]}
+        params = {id(p): p for p in self._params()}
         self._replicated_bytes = sum(
             params[k].numel() * params[k].element_size() * sum(1 for h in holders if len(h.conns) > 1)
             for k, holders in self.remote.items()
@@ -148,9 +151,7 @@ class OptimizerMirror:
     def extend(self, remote: Mapping[int, list[Holder]]) -> None:
         """Take in parameters placed after the mirror was made (a traced module placed at its first
         call): the workers' optimizers are built again over all of them, with the state they had."""
-        if not any(
-            id(p) in remote and id(p) not in self.remote for g in self.optimizer.param_groups for p in g["params"]
-        ):
+        if not any(id(p) in remote and id(p) not in self.remote for p in self._params()):
             return
         kept = self._remote_state()
         self._adopt(remote)
@@ -189,8 +190,7 @@ class OptimizerMirror:
         # remote share of the state from now on.
         held = {
             self.remote[id(p)][0].name: self.optimizer.state[p]
-            for g in self.optimizer.param_groups
-            for p in g["params"]
+            for p in self._params()
             if id(p) in self.remote and self.optimizer.state.get(p)
         }
         if held:
@@ -198,10 +198,9 @@ class OptimizerMirror:
         self._drop_local_state()
 
     def _drop_local_state(self) -> None:
-        for g in self.optimizer.param_groups:
-            for p in g["params"]:
-                if id(p) in self.remote:
-                    self.optimizer.state.pop(p, None)
+        for p in self._params():
+            if id(p) in self.remote:
+                self.optimizer.state.pop(p, None)
 
     # --- hooks ----------------------------------------------------------------------
     def sync_grads(self) -> None:
@@ -249,12 +248,7 @@ class OptimizerMirror:
 
     # --- gradients across stages ----------------------------------------------------
     def local_grads(self) -> list[torch.Tensor]:
-        return [
-            p.grad
-            for g in self.optimizer.param_groups
-            for p in g["params"]
-            if id(p) not in self.remote and p.grad is not None
-        ]
+        return [p.grad for p in self._params() if id(p) not in self.remote and p.grad is not None]
 
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` over the optimizer's parameters, wherever they live."""
@@ -286,9 +280,7 @@ class OptimizerMirror:
             ((c, protocol.GRADS, GradClamp(self.index, float(value)).body()) for c in self.conns),
             what="gradient clipping",
         )
-        torch.nn.utils.clip_grad_value_(
-            [p for g in self.optimizer.param_groups for p in g["params"] if id(p) not in self.remote], value
-        )
+        torch.nn.utils.clip_grad_value_([p for p in self._params() if id(p) not in self.remote], value)
         clamping()
 
     def _positions(self) -> dict[str, int]:
@@ -297,8 +289,7 @@ class OptimizerMirror:
 
     def positions_by_id(self) -> dict[int, int]:
         """Each remote parameter (by ``id``): its index in the local optimizer's packed state_dict."""
-        params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        return {id(p): k for k, p in enumerate(params) if id(p) in self.remote}
+        return {id(p): k for k, p in enumerate(self._params()) if id(p) in self.remote}
 
     def _state_dict_post(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
         if not self.gather:  # a sharded checkpoint: the workers write their state themselves
@@ -351,7 +342,7 @@ class OptimizerMirror:
         vars(self.optimizer).pop("_lrmp_mirror", None)
         if full is not None:
             # Parameters on the meta device (weights that live only on workers) get no local state.
-            params = [p for g in self.optimizer.param_groups for p in g["params"]]
+            params = self._params()
             full["state"] = {k: v for k, v in full["state"].items() if not params[k].is_meta}
             self.optimizer.load_state_dict(full)
 
