@@ -123,11 +123,9 @@ class PendingSave:
         files = self.manifest["files"]
         requests = [(conn, protocol.SAVED, Saved(f["file"], wait).body()) for conn, f in zip(self.conns, files)]
         try:
-            if wait:
-                with shown(self.session.heartbeat, self.conns, f"writing checkpoint {self.target.name}"):
-                    replies = request_all(requests, what="sharded checkpoint save", bounded=False)
-            else:
-                replies = request_all(requests, what="sharded checkpoint save")
+            heartbeat = self.session.heartbeat if wait else None  # no heartbeat: `shown` shows nothing
+            with shown(heartbeat, self.conns, f"writing checkpoint {self.target.name}"):
+                replies = request_all(requests, what="sharded checkpoint save", bounded=not wait)
             if not all(isinstance(r, dict) and r.get("done") for r in replies):
                 return False
             for entry, reply in zip(files, replies):
