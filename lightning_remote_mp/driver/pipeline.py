@@ -197,16 +197,14 @@ class RemoteSpec:
             autocast = _autocast_state(x[0].device.type)
             if torch.is_grad_enabled():
                 return _RemoteTupleFunction.apply(self, autocast, self._anchor, *x)
-            y, _ = self.forward(x, grad=False, x_needs_grad=False, autocast=autocast)
-            return y
+            return self.forward(x, grad=False, x_needs_grad=False, autocast=autocast)[0]
         if not isinstance(x, torch.Tensor):
             raise RemoteInputError(
                 f"SpecSequential {self.key!r}: a remote SpecSequential takes one tensor, got {type(x).__name__}"
             )
         if torch.is_grad_enabled():
             return _RemoteSpecFunction.apply(self, _autocast_state(x.device.type), x, self._anchor)
-        y, _ = self.forward(x, grad=False, x_needs_grad=False, autocast=_autocast_state(x.device.type))
-        return y
+        return self.forward(x, grad=False, x_needs_grad=False, autocast=_autocast_state(x.device.type))[0]
 
     # --- forward / backward -------------------------------------------------------------
     def _flush_releases(self) -> None:
