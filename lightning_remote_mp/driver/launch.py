@@ -14,6 +14,7 @@ line prefixed with the worker's index and address.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import os
 import subprocess
@@ -83,16 +84,13 @@ class WorkerOutput:
         stream = self.proc.stdout
         assert stream is not None
         try:
-            while line := stream.readline(_LINE_CAP):
-                self._on_line(line.decode("utf-8", "replace") if isinstance(line, bytes) else line)
-        except (OSError, ValueError):  # the pipe was closed under us: the worker is gone
-            pass
+            with contextlib.suppress(OSError, ValueError):  # the pipe was closed under us: the worker is gone
+                while line := stream.readline(_LINE_CAP):
+                    self._on_line(line.decode("utf-8", "replace") if isinstance(line, bytes) else line)
         finally:
             self._ready.set()
-            try:
+            with contextlib.suppress(OSError, ValueError):
                 stream.close()
-            except (OSError, ValueError):
-                pass
 
     def _on_line(self, line: str) -> None:
         line = line.rstrip("\r\n")
@@ -108,12 +106,9 @@ class WorkerOutput:
     @staticmethod
     def _write(text: str) -> None:
         # sys.stderr is looked up each time: whoever replaced it (pytest's capture, say) gets the line.
-        try:
-            with _write_lock:
-                sys.stderr.write(text)
-                sys.stderr.flush()
-        except Exception:  # nowhere to write to: drop the line, but keep draining the pipe
-            pass
+        with contextlib.suppress(Exception), _write_lock:  # nowhere to write to: drop the line, keep draining
+            sys.stderr.write(text)
+            sys.stderr.flush()
 
 
 class LocalWorkers:

@@ -635,10 +635,8 @@ class DriverSession:
         live = [c for c in self.conns if not c.closed and c.lost_reason is None]
         ids = []
         for c in live:
-            try:
+            with contextlib.suppress(Exception):
                 ids.append((c, c.send(protocol.BYE)))
-            except Exception:
-                pass
         for c, i in ids:
             try:
                 c.recv(i, timeout=2.0, what="bye")

@@ -36,6 +36,7 @@ the import hook, and a worker never imports Lightning.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.abc
 import importlib.machinery
 import sys
@@ -162,12 +163,10 @@ def refused_callbacks() -> list[tuple[type, str]]:
             "workers' optimizers would not see.",
         ),
     ]
-    try:  # Lightning >= 2.5
+    with contextlib.suppress(ImportError):  # Lightning >= 2.5
         from lightning.pytorch.callbacks import WeightAveraging
 
         refused.append((WeightAveraging, averaging))
-    except ImportError:  # pragma: no cover
-        pass
     return refused
 
 
