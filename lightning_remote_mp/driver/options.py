@@ -241,10 +241,6 @@ def check_curve(curve: CurveOptions | None, topology: Topology | None, replicas:
             f"curve.worker_public_keys names {len(publics)} files for {len(topology.addresses)} hosts: give one per "
             "host, in order (row by row with replicas), or one for all"
         )
-    _check_plaintext_allreduce(curve, topology, replicas)
-
-
-def _check_plaintext_allreduce(curve: CurveOptions, topology: Topology | None, replicas: int) -> None:
     if replicas < 2:
         return
     if not curve.allow_plaintext_allreduce:
