@@ -123,14 +123,7 @@ class DeferredLossGrads:
 
     def _synced(self, syncs: dict[int, tuple[Connection, int]], call: int, late: dict[int, str]) -> None:
         """Wait for the replies to ``syncs`` (a SYNC request per connection), raising any failure."""
-        got = gather(
-            self.spec.conns,
-            len(syncs),
-            replies=dict(syncs.values()),
-            call=call,
-            what=late[call],
-            late=late,
-        )
+        got = gather(self.spec.conns, len(syncs), replies=dict(syncs.values()), call=call, what=late[call], late=late)
         for c, m in got:
             if m.kind == protocol.ERROR:
                 raise c.remote_failure(m.body if isinstance(m.body, dict) else {}, late[call])

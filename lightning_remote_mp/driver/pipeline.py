@@ -537,14 +537,7 @@ class RemoteSpec:
             call = next(iter(self._unconfirmed))
             sizes, marks, fences = self._unconfirmed.pop(call)
             try:
-                self._collect(
-                    protocol.DONE,
-                    0,
-                    call,
-                    sizes,
-                    f"backward of call {call}",
-                    fences,
-                )
+                self._collect(protocol.DONE, 0, call, sizes, f"backward of call {call}", fences)
             except BaseException:
                 for conn, mark in marks:
                     conn.discard_carried(mark)
