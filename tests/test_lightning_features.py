@@ -5,7 +5,7 @@ from __future__ import annotations
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.callbacks import BaseFinetuning, ModelSummary, StochasticWeightAveraging
+from lightning.pytorch.callbacks import BaseFinetuning, ModelSummary, RichModelSummary, StochasticWeightAveraging
 from test_strategy import Net, assert_same_losses, assert_same_weights, data, residual_spec, trainer
 from torch import nn
 
@@ -139,6 +139,16 @@ def test_model_summary_shows_remote_layers_and_where_they_live(caplog, pool):
     assert "stage 0 @ tcp://127.0.0.1:" in text and "stage 1 @ tcp://127.0.0.1:" in text
     total = sum(p.numel() for p in model.parameters())
     assert "Total params" in text and str(total) in text.replace(",", "") or f"{total / 1000:.1f} K" in text
+
+
+def test_the_rich_model_summary_says_where_the_layers_live_too(caplog, pool):
+    """Lightning's default summary where rich is installed lays out only the columns it knows: the
+    strategy uses its own plain one instead, with the Where column."""
+    pytest.importorskip("rich")
+    strategy = RemoteModelParallelStrategy(hosts=pool[:2], balance=[4, 8])
+    with caplog.at_level("INFO", logger="lightning.pytorch.callbacks.model_summary"):
+        trainer(strategy, epochs=1, callbacks=[RichModelSummary(max_depth=2)]).fit(Net(residual_spec()), data())
+    assert "Where" in caplog.text and "stage 1 @ tcp://127.0.0.1:" in caplog.text
 
 
 class FindsLR(Net):

@@ -132,13 +132,15 @@ def unpatch_clipping(plugin: Any) -> None:
 
 # --- the model summary, and the optimizers Lightning is given --------------------------------------
 def use_remote_summary(trainer: pl.Trainer) -> None:
-    """Swap the default ``ModelSummary`` callback for one that says where each layer lives."""
-    from lightning.pytorch.callbacks import ModelSummary
+    """Swap Lightning's ``ModelSummary`` callback for one that says where each layer lives. Its
+    ``RichModelSummary`` (the default where ``rich`` is installed) lays out only the columns it
+    knows, so it becomes the plain one too."""
+    from lightning.pytorch.callbacks import ModelSummary, RichModelSummary
 
     from lightning_remote_mp.lightning.summary import RemoteModelSummary
 
     for i, cb in enumerate(trainer.callbacks):
-        if type(cb) is ModelSummary:
+        if type(cb) in (ModelSummary, RichModelSummary):
             trainer.callbacks[i] = RemoteModelSummary(max_depth=cb._max_depth, **cb._summarize_kwargs)
 
 

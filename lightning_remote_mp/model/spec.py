@@ -267,7 +267,10 @@ def resolve_class(path: str, base: type, allowed_prefixes: Sequence[str] | None 
             raise SpecError(f"{path!r}: module {module_name!r} has no attribute {'.'.join(parts[cut:])!r}") from None
         break
     else:
-        raise SpecError(f"{path!r}: no module of this path can be imported")
+        raise SpecError(
+            f"{path!r}: no module of this path can be imported; install it where this runs (on a worker, for its "
+            "stage), or put it on that process's PYTHONPATH"
+        )
     if not (isinstance(obj, type) and issubclass(obj, base)):
         raise SpecError(f"{path!r} is not a {base.__module__}.{base.__qualname__} subclass")
     if allowed_prefixes is not None:  # a worker
