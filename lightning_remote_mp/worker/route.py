@@ -58,7 +58,7 @@ class RoutedStage:
         self.x_to = next((t for t in self.targets if t == stage.index + 1), DRIVER)
         if self.x_from not in self.sources or self.x_to not in self.targets:
             raise ProtocolError(f"stage {stage.index}: routes must include the main input's source and output's target")
-        self._meta: dict[tuple[int, int], dict[str, Any]] = {}  # per micro-batch under grad: the inputs wanting grads
+        self._needs: dict[tuple[int, int], dict[str, Any]] = {}  # per micro-batch under grad: the inputs wanting grads
         self._kept: dict[tuple[int, int], dict[int, Any]] = {}  # the model's outputs the driver reads when it needs
         # Losses computed here under grad over kept outputs, per micro-batch in order: (position,
         # the output as the loss read it, the loss's value the backward's gradient is for).
@@ -96,7 +96,7 @@ class RoutedStage:
         if self.events is not None:
             self.events.span("forward", self.stage.key, self.index, call, mb, started, time.time())
         if first.grad:
-            self._meta[(call, mb)] = needs
+            self._needs[(call, mb)] = needs
         outgoing: list[Outgoing] = []
         for target, names in self.targets.items():
             main = target == self.x_to
@@ -153,7 +153,7 @@ class RoutedStage:
                 raise ProtocolError(f"stage {self.index} keeps no output {position} of call {call}")
             y = outputs[position]
             # A graph only for a backward still to come (a loss after it, a perplexity, keeps none).
-            keep = grad and (call, mb) in self._meta
+            keep = grad and (call, mb) in self._needs
             leaf = y.detach().requires_grad_(keep and y.is_floating_point())
             with torch.set_grad_enabled(keep):
                 values = run(leaf, mb)
@@ -207,14 +207,14 @@ class RoutedStage:
         grad_out = first.grad_out
         if self.x_to == DRIVER:
             grad_out = self._with_loss_grads(call, mb, grad_out, first.loss_grads)
-        grad_x, grad_imports, meta = self.run_backward(call, mb, grad_out, parts, early=False)
-        return self.gradients(first, grad_x, grad_imports, meta, early=False)
+        grad_x, grad_imports, needs = self.run_backward(call, mb, grad_out, parts, early=False)
+        return self.gradients(first, grad_x, grad_imports, needs, early=False)
 
     def run_backward(
         self, call: int, mb: int, grad_out: Any, parts: dict[int, Backward], early: bool
     ) -> tuple[Any, dict[str, torch.Tensor], dict[str, Any]]:
-        meta = self._meta.pop((call, mb), None)
-        if meta is None:
+        needs = self._needs.pop((call, mb), None)
+        if needs is None:
             raise ProtocolError(
                 f"stage {self.index}: backward of micro-batch {(call, mb)} without a forward under grad"
             )
@@ -228,7 +228,7 @@ class RoutedStage:
         grad_x, grad_imports = self.stage.backward((call, mb), grad_out, grad_exports, early=early)
         if self.events is not None:
             self.events.span("backward", self.stage.key, self.index, call, mb, started, time.time())
-        return grad_x, grad_imports, meta
+        return grad_x, grad_imports, needs
 
     def gradients(
         self, first: Forward | Backward, grad_x: Any, grad_imports: dict[str, Any], needs: dict[str, Any], early: bool
@@ -256,6 +256,6 @@ class RoutedStage:
         """Forget what the stage keeps of these calls: saved forwards, outputs, losses' graphs."""
         drop = set(calls)
         self.stage.release(list(drop))
-        for table in (self._meta, self._kept, self._losses):
+        for table in (self._needs, self._kept, self._losses):
             for key in [k for k in table if k[0] in drop]:
                 del table[key]  # type: ignore[attr-defined]

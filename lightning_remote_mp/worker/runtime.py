@@ -363,11 +363,11 @@ class StageRuntime:
         else:
             first = parts[self.route.x_to]
             grad_out = first.grad_out
-        grad_x, grad_imports, meta = self.route.run_backward(call, mb, grad_out, parts, early=True)
+        grad_x, grad_imports, needs = self.route.run_backward(call, mb, grad_out, parts, early=True)
         plan.filings[mb] = self.route.stage.filing
         if self.route.x_to == DRIVER:
             plan.differentiable = list(self.route.stage.differentiable)
-        outgoing = self.route.gradients(first, grad_x, grad_imports, meta, early=True)
+        outgoing = self.route.gradients(first, grad_x, grad_imports, needs, early=True)
         if self.route.x_from == DRIVER:  # stage 0: the input's gradient waits for the driver's scale
             plan.to_driver[mb] = next(m for target, m in outgoing if target == DRIVER and isinstance(m, Backward))
             outgoing = [(t, m) for t, m in outgoing if t != DRIVER]
