@@ -181,7 +181,7 @@ def resolve_operator(target: Any, where: str) -> Callable[..., Any] | None:
     if namespace not in ALLOWED_NAMESPACES:
         raise RefusedOperatorError(
             f"{where}: operator {shown} is not allowed on a worker; only {', '.join(ALLOWED_NAMESPACES)} operators "
-            "are (custom operators and other namespaces are refused)"
+            "are (lrmp's own and ATen's: custom operators and other namespaces are refused)"
         )
     if not (name.isidentifier() and overload.isidentifier()):
         raise RefusedOperatorError(f"{where}: {shown!r} is not an operator name")

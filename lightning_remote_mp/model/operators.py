@@ -12,8 +12,10 @@ An operator of the ``aten`` namespace is allowed (`allowed_operator`) when it is
 - or named by the worker's owner: ``lrmp-worker --allow-op aten::NAME`` (and, for the driver's
   own check before it sends a program, ``LRMP_ALLOW_OPERATORS=aten::NAME``), never one on `DENIED`.
 
-Custom operators (Python code registered as an operator), other namespaces and control-flow
-operators stay refused: nothing here calls back into Python or reads a file.
+Outside ATen, a program may name only lrmp's own operators (`OWN_OPERATORS`: ``lrmp::linear_4bit``,
+a 4-bit frozen weight's linear layer, `lightning_remote_mp.model.four_bit`), which are part of the
+worker's own code. Other custom operators (Python code registered as an operator), other namespaces
+and control-flow operators stay refused: nothing here calls back into user code or reads a file.
 
 >>> import torch
 >>> allowed_operator(torch.ops.aten.stack.default), allowed_operator(torch.ops.aten.vstack.default)
@@ -30,8 +32,12 @@ from collections.abc import Iterable
 
 import torch
 
+from lightning_remote_mp.model import four_bit
+
 #: Operator namespaces whose operators a traced program may call.
-ALLOWED_NAMESPACES = ("aten",)
+ALLOWED_NAMESPACES = ("aten", "lrmp")
+#: lrmp's own operators, defined in this package: the only ones of the ``lrmp`` namespace a program may call.
+OWN_OPERATORS = frozenset(four_bit.OPERATORS)
 #: ATen operators a program may call besides those tagged ``core`` (ATen's core IR, ~160 functional
 #: operators): the composite ones that traced training graphs keep (torch.export's default IR is
 #: pre-dispatch: ``linear``, ``batch_norm``, ``dropout``... stay whole). Reviewed by name: each reads
@@ -190,6 +196,8 @@ def refused_why(name: str) -> str | None:
 def allowed_operator(op: torch._ops.OpOverload) -> bool:
     """Whether a worker runs ``op`` (see the module docstring)."""
     namespace, _, name = op._schema.name.partition("::")
+    if namespace == "lrmp":
+        return name in OWN_OPERATORS and op is four_bit.OPERATORS[name].default
     if namespace not in ALLOWED_NAMESPACES or name.endswith("_backward"):
         return False
     if name in COMPOSITE_OPERATORS or name in DROPPED_OPERATORS or _core(op.overloadpacket):
