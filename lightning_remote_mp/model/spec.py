@@ -474,6 +474,10 @@ class SpecSequential(nn.Module):
     torch.Size([2, 5])
     """
 
+    #: The tensors that are parts of a 4-bit frozen weight (a traced QLoRA base), by ``"<layer index>.<name>"``:
+    #: the weight's ``state_dict`` key, the part (`lightning_remote_mp.model.four_bit.Format.parts`), its format.
+    quantized: Mapping[str, tuple[str, str, Any]] = {}
+
     def __init__(
         self, spec: Iterable[Any], *, init_seed: int | None = None, device: torch.device | str | None = None
     ) -> None:

@@ -37,6 +37,7 @@ import torch
 from torch import fx, nn
 
 from lightning_remote_mp.errors import TraceError
+from lightning_remote_mp.model.bnb_layers import stand_ins
 from lightning_remote_mp.model.export import export
 from lightning_remote_mp.model.graph import LAYER_PATH, MARKERS, TRACED_PYTHON_NAMES, GraphLayer
 from lightning_remote_mp.model.joins import split_means
@@ -295,7 +296,7 @@ def _live(values: list[fx.Node], unit_of: dict[fx.Node, int], n_units: int) -> l
 
 def trace_module(module: nn.Module, args: tuple, kwargs: dict, name: str) -> TracedSequential:
     """Trace ``module`` called with ``args`` and ``kwargs`` and cut it into units (see the module docstring)."""
-    with _traced_on_meta(module):
+    with _traced_on_meta(module), stand_ins(module, name) as four_bit:
         graphs = {"train": export(module, args, kwargs, name, True), "eval": export(module, args, kwargs, name, False)}
     counts = {mode: split_means(gm) for mode, gm in graphs.items()}  # losses joined exactly across micro-batches
     if counts["train"] != counts["eval"]:
@@ -346,11 +347,14 @@ def trace_module(module: nn.Module, args: tuple, kwargs: dict, name: str) -> Tra
             interfaces[mode] = Ends([v.name for v in live[0]], [v.name for v in live[-1]])
             crossings[mode] = [[_kind(v) for v in boundary] for boundary in live]
     _check_same_interface(name, crossings, interfaces)
-    layers, entries, state_names, covered = [], [], {}, []
+    layers, entries, state_names, covered, quantized = [], [], {}, [], {}
     for k, group in enumerate(groups):
         used = sorted({local_names[a] for i in group for a in attrs[i]})
         by_local = {local_names[a]: a for i in group for a in attrs[i]}
-        values = {loc: _tensor_of(module, graphs["train"], by_local[loc]) for loc in used}
+        values = {loc: four_bit.tensors.get(by_local[loc]) for loc in used}  # a 4-bit weight's stand-ins
+        values = {
+            loc: _tensor_of(module, graphs["train"], by_local[loc]) if t is None else t for loc, t in values.items()
+        }
         tensors = {
             loc: {
                 "shape": list(t.shape),
@@ -371,14 +375,18 @@ def trace_module(module: nn.Module, args: tuple, kwargs: dict, name: str) -> Tra
             )
         )
         for loc in used:
-            if by_local[loc] in fqns:
-                state_names[f"{k}.{loc}"] = by_local[loc]
+            key = four_bit.state_key(by_local[loc]) or by_local[loc]
+            if key in fqns:
+                state_names[f"{k}.{loc}"] = key
+            if (found := four_bit.part_of(by_local[loc])) is not None:
+                quantized[f"{k}.{loc}"] = (found[0].key, found[1], found[0].format)
         covered.append(_covered(module, [owners[i] for i in group]))
     traced = TracedSequential(
         name, module, entries, layers, state_names, covered, [_cost(nodes) for nodes in unit_nodes["train"]]
     )
     call = Interface.from_graph(name, graphs["train"], interfaces["train"], args, kwargs, counts["train"])
     traced.interface = call  # type: ignore[attr-defined]
+    traced.quantized = quantized
     traced.batched = (call.batched_in, call.joins_out)
     return traced
 
