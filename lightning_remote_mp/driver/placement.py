@@ -20,8 +20,9 @@ import torch
 from lightning_remote_mp.driver.pipeline import RemoteSpec
 from lightning_remote_mp.errors import SpecError, WeightsError
 from lightning_remote_mp.model import partition
+from lightning_remote_mp.model.four_bit import PACKED, Format
 from lightning_remote_mp.model.spec import SpecSequential
-from lightning_remote_mp.model.weights import FileTensor, TensorFiles, iter_tensors
+from lightning_remote_mp.model.weights import QUANT_STATE, QUANTIZE, FileTensor, TensorFiles, iter_tensors
 from lightning_remote_mp.wire import protocol
 from lightning_remote_mp.wire.requests import GetState, LoadState
 from lightning_remote_mp.wire.transport import Connection, broadcast, request_all
@@ -75,16 +76,47 @@ def _find(files: TensorFiles | None, names: Sequence[str]) -> FileTensor | None:
     return next((found for found in map(files.find, names) if found is not None), None)
 
 
+def frozen_base(module: SpecSequential) -> set[str]:
+    """The tensors of a module with a 4-bit base (QLoRA) that training never changes, by ``"<layer
+    index>.<name>"``: every part of its 4-bit weights and every parameter that takes no gradient. A
+    sharded checkpoint leaves them to the files they came from (`Placement.base`) or to the model."""
+    if not module.quantized:
+        return set()
+    frozen = {
+        f"{i}.{n}" for i, layer in enumerate(module.layers) for n, p in layer.named_parameters() if not p.requires_grad
+    }
+    return frozen | set(module.quantized)
+
+
+def _four_bit_source(files: TensorFiles | None, key: str, part: str, fmt: Format) -> list[Any] | None:
+    """Where ``files`` hold part ``part`` of the 4-bit weight ``key`` (`Setup.files`' entry): as it
+    is, from a pre-quantized model's files (the offset from bitsandbytes' JSON beside the weight), or
+    as what quantizing the full-precision weight gives, which the worker computes as it reads it."""
+    weight = _find(files, [key])
+    if weight is None:
+        return None
+    if weight.shape == fmt.shape and weight.dtype.is_floating_point:
+        return [weight.path, weight.name, {QUANTIZE: fmt.describe(), "part": part}]
+    if part == PACKED:
+        return [weight.path, weight.name]
+    if part == "offset":
+        blob = _find(files, [f"{key}.quant_state.bitsandbytes__{fmt.quant_type}"])
+        return None if blob is None else [blob.path, blob.name, {QUANT_STATE: "offset"}]
+    found = _find(files, [f"{key}.{part}"])
+    return None if found is None else [found.path, found.name]
+
+
 def stage_weights(
     module: SpecSequential, stage: partition.Stage, sources: WeightSources, what: str
-) -> tuple[dict[str, torch.Tensor], dict[str, list[str]]]:
+) -> tuple[dict[str, torch.Tensor], dict[str, list[Any]]]:
     """A stage's tensors split by where its worker gets them (`WeightSources`): the files it reads
     by name, and what this driver sends (a LoRA adapter, a new head, trained values). A tensor on
-    the meta device must be in the files."""
+    the meta device must be in the files. The parts of a 4-bit weight come from the files together
+    (pre-quantized, or quantized by the worker as it reads the full-precision weight) or from here."""
     keys = module.state_keys()
     pending = module.pending_state  # a spec's: loaded while on meta, by "<layer index>.<name>"
     state: dict[str, torch.Tensor] = {}
-    files: dict[str, list[str]] = {}
+    files: dict[str, list[Any]] = {}
     for i in stage.layer_indices:
         for name, t in module.layers[i].state_dict(keep_vars=True).items():
             local = f"{i}.{name}"
@@ -92,6 +124,13 @@ def stage_weights(
             given = pending.get(local, next((sources.loaded[n] for n in names if n in sources.loaded), None))
             if given is not None:
                 state[local] = given
+                continue
+            if local in module.quantized:
+                entry = _four_bit_entry(module.quantized[local], t, sources, what)
+                if entry is not None:
+                    files[local] = entry
+                else:
+                    state[local] = t.detach()
                 continue
             found = _find(sources.checkpoint, names)
             if found is None and (t.is_meta or sources.pretrained_first):
@@ -116,6 +155,23 @@ def stage_weights(
             else:
                 state[local] = t.detach()
     return state, files
+
+
+def _four_bit_entry(
+    quantized: tuple[str, str, Format], t: torch.Tensor, sources: WeightSources, what: str
+) -> list[Any] | None:
+    """The files' entry of a part of a 4-bit weight, or ``None``: this driver sends its own."""
+    key, part, fmt = quantized
+    if not (t.is_meta or sources.pretrained_first):
+        return None
+    entry = _four_bit_source(sources.pretrained, key, part, fmt)
+    if entry is None and t.is_meta:
+        raise WeightsError(
+            f"{what}: the 4-bit weight {key} is on the meta device and {sources.roots()} hold neither it in full "
+            f"precision (shape {fmt.shape}) nor its 4-bit {part or 'packed values'}; give pretrained= the model's "
+            "save_pretrained directory"
+        )
+    return entry
 
 
 #: The most bytes of weights this driver reads from its files and has on the way to a worker that
@@ -150,7 +206,7 @@ def stream_files(conn: Connection, key: str, files: Mapping[str, Sequence[str]])
     `STREAM_WINDOW` bytes at a time, each window acknowledged before the next is read."""
     window: dict[str, torch.Tensor] = {}
     size = 0
-    for i, (name, tensor) in enumerate(iter_tensors({n: (f[0], f[1]) for n, f in files.items()}), 1):
+    for i, (name, tensor) in enumerate(iter_tensors(files), 1):
         window[name], size = tensor, size + tensor.nbytes
         if size >= STREAM_WINDOW or i == len(files):  # the worker casts to its dtypes as it copies them in
             conn.recv(conn.send(protocol.LOAD_STATE, LoadState({key: window}).body()), bounded=False)
@@ -190,6 +246,8 @@ class Placement:
         #: Other call signatures of a traced module, placed on this one's stages and tensors (`DriverSession.place`).
         self.views: list[RemoteSpec] = []
         self.meta = module.is_meta
+        #: The pretrained files its frozen weights were read from (``pretrained=``), if any.
+        self.base: str | None = None
         #: Whether a ``state_dict()`` brings the workers' tensors here (a full checkpoint); while
         #: False (a sharded one, `lightning_remote_mp.driver.checkpoint`), it leaves them out.
         self.gather = True

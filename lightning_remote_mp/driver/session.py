@@ -525,6 +525,7 @@ class DriverSession:
         module.attach(remote)
         if lender is None:
             self.placements[key] = Placement(key, module, remote)
+            self.placements[key].base = sources.pretrained.root if sources and sources.pretrained else None
         else:
             lender.views.append(remote)
 

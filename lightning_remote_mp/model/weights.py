@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from lightning_remote_mp.errors import WeightsError
+from lightning_remote_mp.model import four_bit
 
 #: The manifest of a sharded checkpoint directory (`lightning_remote_mp.driver.checkpoint`).
 SHARDED_MANIFEST = "lrmp-checkpoint.json"
@@ -153,17 +154,44 @@ def _headers(path: Path) -> Iterator[tuple[str, FileTensor]]:
         raise WeightsError(f"weights file {str(path)!r} is not a readable safetensors file: {err}") from None
 
 
+#: How a stage's tensor comes out of a file when not as it is there: the third element of a
+#: `Setup.files` entry (``[path, name, how]``), plain data the worker checks (`_how`):
+#:
+#: - ``{"quantize": Format.describe(), "part": PART}``: part PART of the 4-bit weight (`four_bit`) that
+#:   quantizing the file's full-precision tensor gives: a QLoRA base read from bf16/fp32 files;
+#: - ``{"quant_state": "offset"}``: the double quantization's offset, from the JSON tensor bitsandbytes
+#:   writes beside a 4-bit weight (``<weight>.quant_state.bitsandbytes__nf4``): a pre-quantized file.
+QUANTIZE, QUANT_STATE = "quantize", "quant_state"
+
+
+def _how(how: Any, where: str) -> tuple[four_bit.Format, str] | None:
+    """A `Setup.files` entry's third element, checked: ``(format, part)`` to quantize, ``None`` for the offset."""
+    if isinstance(how, dict) and how == {QUANT_STATE: "offset"}:
+        return None
+    if not (isinstance(how, dict) and set(how) == {QUANTIZE, "part"} and isinstance(how["part"], str)):
+        raise WeightsError(f"{where}: {how!r:.80} is not a way to read a tensor")
+    try:
+        fmt = four_bit.Format.parse(how[QUANTIZE], where)
+    except ValueError as err:
+        raise WeightsError(str(err)) from None
+    if how["part"] not in fmt.parts():
+        raise WeightsError(f"{where}: a 4-bit weight has no part {how['part']!r}")
+    return fmt, how["part"]
+
+
 def iter_tensors(
-    wanted: Mapping[str, tuple[str, str]], expected: Mapping[str, tuple[torch.Size, torch.dtype]] | None = None
+    wanted: Mapping[str, Sequence[Any]], expected: Mapping[str, tuple[torch.Size, torch.dtype]] | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """The tensors ``wanted`` (a local name: its file and its name there), read one at a time, file
-    by file, as ``(local name, tensor)``; with ``expected``, checked against its shape and cast to its
-    dtype. A missing file or tensor, or another shape, raises `WeightsError` naming both."""
+    """The tensors ``wanted`` (a local name: its file, its name there, and optionally how it comes
+    out of it, `QUANTIZE`), read one at a time, file by file, as ``(local name, tensor)``; with
+    ``expected``, checked against its shape and cast to its dtype. A weight quantized to 4 bits is
+    read and quantized once for all its parts. A missing file or tensor, or another shape, raises
+    `WeightsError` naming both."""
     from safetensors import safe_open
 
-    by_file: dict[str, list[tuple[str, str]]] = {}
-    for local, (path, name) in wanted.items():
-        by_file.setdefault(path, []).append((local, name))
+    by_file: dict[str, list[tuple[str, str, Any]]] = {}
+    for local, (path, name, *how) in wanted.items():
+        by_file.setdefault(path, []).append((local, name, how[0] if how else None))
     for path, names in by_file.items():
         try:
             f = safe_open(path, framework="pt")
@@ -176,10 +204,21 @@ def iter_tensors(
             raise WeightsError(f"weights file {path!r} cannot be read: {err}") from None
         with f:
             held = set(f.keys())
-            for local, name in names:
+            quantized: dict[tuple[str, four_bit.Format], dict[str, torch.Tensor]] = {}
+            for local, name, how in names:
                 if name not in held:
                     raise WeightsError(f"weights file {path!r} holds no tensor {name!r} (wanted for {local})")
-                tensor = f.get_tensor(name)
+                where = f"weights file {path!r}, tensor {name!r} (for {local})"
+                if how is None:
+                    tensor = f.get_tensor(name)
+                elif (recipe := _how(how, where)) is None:
+                    tensor = _offset(f.get_tensor(name), where)
+                else:
+                    fmt, part = recipe
+                    if (name, fmt) not in quantized:
+                        quantized.clear()  # one weight's parts at a time: they come one after the other
+                        quantized[(name, fmt)] = _quantized(f.get_slice(name), fmt, where)
+                    tensor = quantized[(name, fmt)][part]
                 if expected is None:
                     yield local, tensor
                     continue
@@ -190,6 +229,34 @@ def iter_tensors(
                         f"has {tuple(shape)}: the files are of another model or configuration"
                     )
                 yield local, tensor.to(dtype)
+
+
+def _quantized(weight: Any, fmt: four_bit.Format, where: str) -> dict[str, torch.Tensor]:
+    """The 4-bit parts of the full-precision tensor ``weight`` (a safetensors slice, read a few rows at a time)."""
+    shape, dtype = tuple(weight.get_shape()), _DTYPES.get(weight.get_dtype())
+    if shape != fmt.shape or dtype is None or not dtype.is_floating_point:
+        raise WeightsError(
+            f"{where}: a {weight.get_dtype()} tensor of shape {shape} cannot be quantized as the model's 4-bit "
+            f"weight of shape {fmt.shape}: the files hold another model or configuration"
+        )
+    return four_bit.quantize(_Rows(weight, shape), fmt)
+
+
+class _Rows:
+    """A safetensors slice as `four_bit.quantize` reads it: ``rows[a:b]`` as a tensor, and a shape."""
+
+    def __init__(self, weight: Any, shape: tuple[int, ...]) -> None:
+        self.weight, self.shape = weight, shape
+
+    def __getitem__(self, rows: slice) -> torch.Tensor:
+        return self.weight[rows]
+
+
+def _offset(blob: torch.Tensor, where: str) -> torch.Tensor:
+    try:
+        return four_bit.offset_of(blob, where)
+    except ValueError as err:
+        raise WeightsError(str(err)) from None
 
 
 def write_tensors(

@@ -72,7 +72,7 @@ from lightning_remote_mp.wire.state import (
     ReadOptim,
     Save,
     Saved,
-    is_file_tensor,
+    is_file_source,
     is_tensor_map,
 )
 
@@ -139,7 +139,8 @@ class Setup(Body):
         state: its weights and buffers, named ``"<layer index>.<name>"``; or ``None``, with ``init_seed``.
         files: the weights and buffers the worker reads itself from safetensors files (a pretrained
             model's, a sharded checkpoint's), by name: ``{"<layer index>.<name>": [path, name in the
-            file]}``; ``state`` then holds the rest (`lightning_remote_mp.model.weights`).
+            file]}``, or ``[path, name, how]`` for a part of a 4-bit weight the worker quantizes as it reads
+            it (`lightning_remote_mp.model.weights.QUANTIZE`); ``state`` then holds the rest.
         init_seed: layer ``i`` starts from seed ``init_seed + i`` (`lightning_remote_mp.model.spec.build_layer`).
         split_backward: defer the weight gradients of linear layers: ``True``, ``False``, or ``"auto"``
             for the calls whose product is large enough (`lightning_remote_mp.worker.deferred_grads`).
@@ -173,8 +174,8 @@ class Setup(Body):
         map_of(is_str, is_tensor, "names to tensors"), default=None, write=dict
     )
     init_seed: int | None = field(INT, default=None)
-    files: Mapping[str, Sequence[str]] = field(
-        map_of(is_str, is_file_tensor, "names to [path, name] pairs"), default_factory=dict, write=dict
+    files: Mapping[str, Sequence[Any]] = field(
+        map_of(is_str, is_file_source, "names to [path, name] or [path, name, how]"), default_factory=dict, write=dict
     )
     split_backward: SplitBackward = field(_split_backward, default=False)
     code_digests: Mapping[str, str] = field(

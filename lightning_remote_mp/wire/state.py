@@ -38,6 +38,12 @@ def is_file_tensor(value: Any) -> bool:
     return isinstance(value, list) and len(value) == 2 and all(map(is_str, value))
 
 
+def is_file_source(value: Any) -> bool:
+    """``[path, name]``, or ``[path, name, how]`` with ``how`` a dict the worker checks when it reads
+    the tensor (`lightning_remote_mp.model.weights.QUANTIZE`)."""
+    return is_file_tensor(value[:2]) and len(value) <= 3 and (len(value) == 2 or isinstance(value[2], dict))
+
+
 def _is_names(value: Any) -> bool:
     return isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items())
 

@@ -76,7 +76,7 @@ def local_path(path: str) -> str:
 
 
 def read_stage_files(
-    stage: StageExecutor, files: Mapping[str, Sequence[str]], session: str
+    stage: StageExecutor, files: Mapping[str, Sequence[Any]], session: str
 ) -> tuple[dict[str, torch.Tensor], list[str]]:
     """The stage's tensors named in ``files`` (`Setup.files`), read from their files, one at a time,
     in the dtypes the stage's layers have; and the names of those in files this worker does not
@@ -88,7 +88,7 @@ def read_stage_files(
     unknown = sorted(set(files) - set(held))
     if unknown:
         raise SpecError(f"stage {stage.index}: weights from files for tensors it does not hold: {unknown[:3]}")
-    files = {k: (local_path(v[0]), v[1]) for k, v in files.items()}
+    files = {k: (local_path(v[0]), *v[1:]) for k, v in files.items()}
     paths = {v[0] for v in files.values()}
     unseen = {path for path in paths if not os.path.exists(path)}
     for path in paths - unseen:
