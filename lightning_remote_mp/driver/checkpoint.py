@@ -40,7 +40,7 @@ import torch
 
 from lightning_remote_mp._version import __version__
 from lightning_remote_mp.driver.pipeline import confirm_outstanding
-from lightning_remote_mp.driver.placement import WeightSources, stage_weights, stream_files
+from lightning_remote_mp.driver.placement import WeightSources, frozen_base, stage_weights, stream_files
 from lightning_remote_mp.driver.progress import shown
 from lightning_remote_mp.errors import WeightsError
 from lightning_remote_mp.model.convert import ADAPTER_CONFIG, CONFIG
@@ -159,9 +159,14 @@ def _write_shards(
     requests: list[tuple[Connection, str, Any]] = []
     files: list[dict[str, Any]] = []
     positions: dict[str, dict[str, int]] = {}
+    bases: dict[str, Any] = {}
     for pl in session.placements.values():
         prefix = _prefix(pl.key)
         keys = pl.module.state_keys()
+        base = frozen_base(pl.module)  # a QLoRA base: left to its files, or to the model
+        if base:
+            left = sorted(prefix + name for local in base for name in keys.get(local, []))
+            bases[pl.key] = {"pretrained": pl.base, "tensors": left}
         for rs in pl.remote.replicas[0]:
             file = _file_name(pl.key, rs.stage.index)
             tensors: dict[str, str] = {}
@@ -169,7 +174,7 @@ def _write_shards(
                 for name in pl.module.layers[i].state_dict(keep_vars=True):
                     local = f"{i}.{name}"
                     full = prefix + keys[local][0] if local in keys else None
-                    if full is not None and full not in saved:
+                    if full is not None and full not in saved and local not in base:
                         saved[full] = file
                         tensors[local] = full
                         aliases.update({prefix + other: full for other in keys[local][1:]})
@@ -200,6 +205,7 @@ def _write_shards(
         "aliases": aliases,
         "optimizers": positions,
         "optimizer_files": optim_files,
+        "bases": bases,
     }
     return manifest, [conn for conn, _, _ in requests]
 
@@ -288,8 +294,16 @@ class ShardedCheckpoint:
                     stream_files(rs.conn, key, files)
 
     def holds(self, key: str) -> bool:
-        """Whether the checkpoint's files hold the weight ``key`` (or the tied weight it names)."""
+        """Whether the checkpoint's files hold the weight ``key`` (or the tied weight it names), or
+        leave it, a frozen weight of a QLoRA base, to the base's files (`base_for`)."""
+        if any(key in base.get("tensors", ()) for base in (self.manifest.get("bases") or {}).values()):
+            return True
         return self.weights.find(self.manifest.get("aliases", {}).get(key, key)) is not None
+
+    def base_for(self, key: str) -> str | None:
+        """The pretrained files the frozen 4-bit base of the module placed as ``key`` was read from
+        (a QLoRA checkpoint holds no base: `lightning_remote_mp.driver.placement.frozen_base`)."""
+        return (self.manifest.get("bases") or {}).get(key, {}).get("pretrained")
 
     def lightning_state_path(self) -> Path:
         return self.path / self.manifest.get("lightning_state", LIGHTNING_STATE)

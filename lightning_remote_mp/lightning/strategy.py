@@ -467,6 +467,8 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
             name = getattr(owner, "name_or_path", None)
             if isinstance(name, str) and name and Path(name).is_dir():
                 path = name
+        if path is None and self._resume is not None:
+            path = self._resume.base_for(key)  # the files a QLoRA checkpoint's frozen base came from
         first = not vars(owner).get(_PLACED) and not self._loaded_full
         return WeightSources(
             loaded=loaded,

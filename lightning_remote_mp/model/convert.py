@@ -67,6 +67,13 @@ def export_pretrained(
         raise WeightsError(f"{checkpoint} holds no split module {module!r}; it holds {keys}")
     peft = (checkpoint / ADAPTER_CONFIG.format(key=module)).is_file()
     adapter = peft if adapter_only is None else adapter_only and peft
+    base = (manifest.get("bases") or {}).get(module)
+    if base is not None and not adapter:
+        raise WeightsError(
+            f"{checkpoint} holds no frozen base of {module!r}: a QLoRA checkpoint holds what training changes; its "
+            f"4-bit base is in {base.get('pretrained') or 'the files the model was loaded from'}. Export the adapter "
+            "(without --with-base) and load it over that base with PeftModel.from_pretrained"
+        )
     output.mkdir(parents=True, exist_ok=True)
     written: list[str] = []
     weight_map: dict[str, str] = {}
