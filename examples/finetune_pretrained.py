@@ -3,6 +3,7 @@ any one machine is fine-tuned: the driver holds no weights.
 
     python examples/finetune_pretrained.py                         # a tiny Llama it saves itself, two local workers
     python examples/finetune_pretrained.py --lora                  # train a LoRA adapter only (peft)
+    python examples/finetune_pretrained.py --qlora                 # QLoRA: LoRA over a 4-bit NF4 base (bitsandbytes)
     python examples/finetune_pretrained.py --model /models/llama --hosts tcp://10.0.0.5:5555 tcp://10.0.0.6:5555
 
 What happens:
@@ -12,7 +13,10 @@ What happens:
    downloaded.
 2. The LightningModule builds the model **on the meta device** from the directory's config: the
    driver allocates no weight. (``AutoModelForCausalLM.from_pretrained(path)`` works too; it maps the
-   files into the driver's memory instead.) With ``--lora``, peft adds its adapters.
+   files into the driver's memory instead.) With ``--lora``, peft adds its adapters. With
+   ``--qlora``, the model is ``from_pretrained(path, quantization_config=BitsAndBytesConfig(load_in_4bit=True,
+   ...), device_map="meta")``: its linear layers are bitsandbytes' 4-bit ones, still without weights,
+   and each worker quantizes its stage's weights to NF4 as it reads them.
 3. ``RemoteModelParallelStrategy(split=["model"], pretrained=path)`` traces the model and each worker
    reads **only its own stage's tensors** from the files, by name. Every worker must see the files
    at that path (the same machine, a shared file system, or a copy). The adapters, which the files
@@ -20,10 +24,12 @@ What happens:
 4. ``state_dict_type="sharded"``: every checkpoint is a directory each worker writes its stage into;
    ``ModelCheckpoint(save_last=True)`` keeps ``checkpoints/last.ckpt``.
 5. At the end, ``lightning_remote_mp.model.convert.export_pretrained`` turns the last checkpoint into
-   ``save_pretrained``'s layout (or, with ``--lora``, the adapter alone), one file at a time, and the
-   script loads it back with ``from_pretrained`` (``PeftModel.from_pretrained``) to show it works.
+   ``save_pretrained``'s layout (or, with ``--lora`` and ``--qlora``, the adapter alone), one file at a
+   time, and the script loads it back with ``from_pretrained`` (``PeftModel.from_pretrained``, over the
+   4-bit base with ``--qlora``) to show it works.
 
-Needs ``pip install -e ".[hf]"`` (transformers; peft for ``--lora``).
+Needs ``pip install -e ".[hf]"`` (transformers; peft for ``--lora``; bitsandbytes too for ``--qlora``:
+``pip install -e ".[qlora]"``).
 """
 
 from __future__ import annotations
@@ -74,14 +80,32 @@ class Counting(Dataset):
         return {"input_ids": ids, "labels": ids}
 
 
+def four_bit() -> object:
+    """QLoRA's base: NF4 with double quantization, computed in float32 (bfloat16 on a GPU)."""
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.float32,
+    )
+
+
 class FineTune(L.LightningModule):
-    def __init__(self, path: str, lora: bool) -> None:
+    def __init__(self, path: str, lora: bool, qlora: bool = False) -> None:
         super().__init__()
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        with torch.device("meta"):  # the shapes only: the workers read the weights
-            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
-        if lora:
+        if qlora:  # bitsandbytes' 4-bit layers, on the meta device: each worker quantizes its stage
+            import peft
+
+            model = AutoModelForCausalLM.from_pretrained(path, quantization_config=four_bit(), device_map="meta")
+            model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+        else:
+            with torch.device("meta"):  # the shapes only: the workers read the weights
+                model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+        if lora or qlora:
             import peft
 
             config = peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
@@ -110,6 +134,7 @@ def main(
     lora: bool = False,
     epochs: int = 2,
     workdir: str | None = None,
+    qlora: bool = False,
 ) -> str:
     workdir = workdir or tempfile.mkdtemp(prefix="lrmp-finetune-")
     path = model or save_tiny_llama(os.path.join(workdir, "pretrained"))
@@ -129,16 +154,17 @@ def main(
         callbacks=[checkpoints],
         enable_model_summary=False,
     )
-    trainer.fit(FineTune(path, lora), DataLoader(Counting(), batch_size=8))
+    trainer.fit(FineTune(path, lora, qlora), DataLoader(Counting(), batch_size=8))
     exported = os.path.join(workdir, "exported")
     export_pretrained(os.path.join(workdir, "checkpoints", "last.ckpt"), exported)
 
     from transformers import AutoModelForCausalLM
 
-    if lora:
+    if lora or qlora:
         import peft
 
-        reloaded = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path), exported)
+        kwargs = {"quantization_config": four_bit()} if qlora else {}
+        reloaded = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path, **kwargs), exported)
     else:
         reloaded = AutoModelForCausalLM.from_pretrained(exported)
     with torch.no_grad():
@@ -153,8 +179,9 @@ if __name__ == "__main__":
     parser.add_argument("--model", help="a save_pretrained directory (default: a tiny Llama saved here)")
     parser.add_argument("--hosts", nargs="+", help="worker addresses (default: two local workers)")
     parser.add_argument("--lora", action="store_true", help="train a LoRA adapter only")
+    parser.add_argument("--qlora", action="store_true", help="train a LoRA adapter over a 4-bit NF4 base")
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--workdir", help="where checkpoints and the export go (default: a temporary directory)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    main(args.model, args.hosts, args.lora, args.epochs, args.workdir)
+    main(args.model, args.hosts, args.lora, args.epochs, args.workdir, args.qlora)

@@ -147,12 +147,16 @@ def test_hf_gpt2_traced_unchanged_learns_on_two_workers(pool):
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("lora", [False, True])
-def test_finetune_pretrained_exports_a_model_transformers_loads(pool, tmp_path, lora):
+@pytest.mark.parametrize("adapter", ["", "lora", "qlora"])
+def test_finetune_pretrained_exports_a_model_transformers_loads(pool, tmp_path, adapter):
     """The real workflow for a model bigger than the driver: weights read by the workers, sharded
-    checkpoints, an export that from_pretrained (or peft) loads."""
+    checkpoints, an export that from_pretrained (or peft, over the 4-bit base with QLoRA) loads."""
     pytest.importorskip("transformers", reason="the example needs transformers: pip install -e '.[hf]'")
+    if adapter == "qlora":
+        pytest.importorskip("bitsandbytes", reason="--qlora needs bitsandbytes: pip install -e '.[qlora]'")
     finetune = load_example("finetune_pretrained")
-    exported = finetune.main(hosts=pool[:2], lora=lora, epochs=1, workdir=str(tmp_path))
-    expected = ["adapter_config.json", "adapter_model.safetensors"] if lora else ["config.json"]
+    exported = finetune.main(
+        hosts=pool[:2], lora=adapter == "lora", qlora=adapter == "qlora", epochs=1, workdir=str(tmp_path)
+    )
+    expected = ["adapter_config.json", "adapter_model.safetensors"] if adapter else ["config.json"]
     assert all(os.path.isfile(os.path.join(exported, name)) for name in expected)
