@@ -49,7 +49,19 @@ from lightning_remote_mp.model.traced import Ends, Interface, TracedEntry, Trace
 log = logging.getLogger(__name__)
 _MARKER_NAMES = {value: (tag, name) for tag, table in MARKERS.items() for name, value in table.items()}
 _CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
-_MATMULS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "conv1d", "conv2d", "conv3d", "convolution"}
+_MATMULS = {
+    "mm",
+    "addmm",
+    "bmm",
+    "baddbmm",
+    "matmul",
+    "linear",
+    "linear_4bit",
+    "conv1d",
+    "conv2d",
+    "conv3d",
+    "convolution",
+}
 #: The name a traced unit's layer travels under (`lightning_remote_mp.graph`).
 
 
