@@ -670,7 +670,8 @@ class WorkerServer:
         except Exception as err:  # the worker stays up, unless its GPU failed
             if device_failed(err):
                 self._device_failure = err
-            return failure_reply(request, session, err, self._outbox, self._throttle)
+            layer_name = session.layer_name if session is not None else None
+            return failure_reply(request, err, self._throttle, self._outbox.to_driver, layer_name)
 
     def _new_session(self, session_id: str, hello: Hello) -> None:
         self._drop_session(None)

@@ -134,6 +134,11 @@ class WorkerSession:
         run, and how far a long piece of work has come (`PROGRESS`)."""
         return {**self.order.held_back(), "ran": self.order.driver_ran, **PROGRESS.answer()}
 
+    def layer_name(self, index: int) -> str | None:
+        """The name of layer ``index`` among this session's stages (for an error's report), if one holds it."""
+        names = [name for stage in self.stages.values() if (name := stage.layer_name(index))]
+        return names[-1] if names else None
+
     def handle(self, message: Body) -> Any:
         """Run ``message`` (as `lightning_remote_mp.wire.requests.REQUESTS` read it) through its handler."""
         return self._handlers[type(message)](message)
