@@ -35,9 +35,10 @@ from lightning_remote_mp.model.joins import Join, join_parts
 from lightning_remote_mp.model.partition import Stage
 from lightning_remote_mp.model.traced import Keep
 from lightning_remote_mp.wire import protocol
+from lightning_remote_mp.wire.carry import Carry
 from lightning_remote_mp.wire.collect import gather
 from lightning_remote_mp.wire.messages import Backward, Forward
-from lightning_remote_mp.wire.requests import Carry, Fetch, Release
+from lightning_remote_mp.wire.requests import Fetch, Release
 from lightning_remote_mp.wire.transport import Connection, request_all
 
 log = logging.getLogger(__name__)

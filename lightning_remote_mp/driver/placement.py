@@ -23,7 +23,7 @@ from lightning_remote_mp.model import partition
 from lightning_remote_mp.model.spec import SpecSequential
 from lightning_remote_mp.model.weights import FileTensor, TensorFiles, iter_tensors
 from lightning_remote_mp.wire import protocol
-from lightning_remote_mp.wire.requests import GetState, LoadState
+from lightning_remote_mp.wire.state import GetState, LoadState
 from lightning_remote_mp.wire.transport import Connection, broadcast, request_all
 
 log = logging.getLogger(__name__)

@@ -1,8 +1,8 @@
 """A request that arrived on a worker: read as the typed message its kind names, and the reply when
 it fails.
 
-`parse` is the one place a received body is read (through `lightning_remote_mp.wire.requests.REQUESTS`,
-one class per kind): everything after it handles typed messages. A body that cannot be read becomes
+`parse` is the one place a received body is read (through `REQUESTS`, one class per kind):
+everything after it handles typed messages. A body that cannot be read becomes
 a `Request` that carries the refusal, answered in its turn like any request's failure. The server
 runs a request in its turn (`lightning_remote_mp.worker.runtime.Order.run`: a micro-batch goes to
 its stage's runtime, another request to the session's handler for its type); `failure_reply` makes
@@ -22,13 +22,66 @@ import torch
 from lightning_remote_mp.errors import ProtocolError
 from lightning_remote_mp.flow import DRIVER
 from lightning_remote_mp.wire import protocol
+from lightning_remote_mp.wire.carry import Carry
 from lightning_remote_mp.wire.fields import Body
+from lightning_remote_mp.wire.grads import Grads
 from lightning_remote_mp.wire.messages import Backward, Forward, salvage
-from lightning_remote_mp.wire.requests import REQUESTS, Carry
+from lightning_remote_mp.wire.requests import (
+    Bye,
+    Fetch,
+    GroupInit,
+    Hello,
+    Loss,
+    LossGrad,
+    OptimCreate,
+    OptimStep,
+    Ping,
+    Profile,
+    Release,
+    Setup,
+    Sync,
+    Timeline,
+    ZeroGrad,
+)
+from lightning_remote_mp.wire.state import GetOptimState, GetState, LoadOptimState, LoadState, ReadOptim, Save, Saved
 from lightning_remote_mp.worker.throttle import Throttle
 
 #: The kinds of the worker's own tasks, queued beside requests: drop a session, start one.
 DROP, NEW = "__drop__", "__new__"
+
+#: Every kind a worker accepts, and the type its body is read as: the one table a received message
+#: is parsed through (`parse`).
+REQUESTS: dict[str, type[Body]] = {
+    c.KIND: c
+    for c in (
+        Hello,
+        Ping,
+        Bye,
+        Setup,
+        Forward,
+        Backward,
+        Release,
+        GetState,
+        LoadState,
+        Profile,
+        OptimCreate,
+        OptimStep,
+        ZeroGrad,
+        GetOptimState,
+        LoadOptimState,
+        Grads,
+        Timeline,
+        GroupInit,
+        Sync,
+        Fetch,
+        Loss,
+        Carry,
+        LossGrad,
+        Save,
+        Saved,
+        ReadOptim,
+    )
+}
 
 #: Kinds that stages send each other too; a failure of one is reported to the driver, whoever sent it.
 _PIPELINE_KINDS = frozenset({protocol.FORWARD, protocol.BACKWARD, protocol.CARRY})

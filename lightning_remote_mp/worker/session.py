@@ -28,24 +28,18 @@ from lightning_remote_mp.wire.grads import GradAllreduce, GradClamp, GradNorms, 
 from lightning_remote_mp.wire.messages import Backward, Forward
 from lightning_remote_mp.wire.requests import (
     Fetch,
-    GetOptimState,
-    GetState,
     GroupInit,
-    LoadOptimState,
-    LoadState,
     Loss,
     OptimCreate,
     OptimStep,
     Profile,
-    ReadOptim,
     Release,
-    Save,
-    Saved,
     Setup,
     Sync,
     Timeline,
     ZeroGrad,
 )
+from lightning_remote_mp.wire.state import GetOptimState, GetState, LoadOptimState, LoadState, ReadOptim, Save, Saved
 from lightning_remote_mp.worker.collective import GradGroup
 from lightning_remote_mp.worker.profile import profile_layers
 from lightning_remote_mp.worker.route import Outgoing, RoutedStage
@@ -93,7 +87,7 @@ class WorkerSession:
         self._optim_params: dict[int, list[str]] = {}
         self._writes: dict[str, Future[dict[str, Any]]] = {}  # checkpoint files, by name (`Save`)
         self._optim_copies: dict[int, frozenset[str]] = {}  # copies of tied weights, by optimizer (OptimCreate)
-        # The handler of each typed request (`lightning_remote_mp.wire.requests.REQUESTS` reads them).
+        # The handler of each typed request (`lightning_remote_mp.worker.request.REQUESTS` reads them).
         self._handlers: dict[type[Body], Callable[[Any], Any]] = {
             Setup: self.setup,
             Release: self.release,
@@ -140,7 +134,7 @@ class WorkerSession:
         return names[-1] if names else None
 
     def handle(self, message: Body) -> Any:
-        """Run ``message`` (as `lightning_remote_mp.wire.requests.REQUESTS` read it) through its handler."""
+        """Run ``message`` (as `lightning_remote_mp.worker.request.REQUESTS` read it) through its handler."""
         return self._handlers[type(message)](message)
 
     # --- stages ---------------------------------------------------------------
