@@ -33,7 +33,7 @@ from lightning_remote_mp.errors import ConfigurationError, ProtocolError, Remote
 from lightning_remote_mp.flow import DRIVER, Main, is_floating, is_main
 from lightning_remote_mp.model.joins import Join, join_parts
 from lightning_remote_mp.model.partition import Stage
-from lightning_remote_mp.model.traced import Keep
+from lightning_remote_mp.model.spec import Keep
 from lightning_remote_mp.wire import protocol
 from lightning_remote_mp.wire.carry import Carry
 from lightning_remote_mp.wire.collect import gather

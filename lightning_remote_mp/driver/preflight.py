@@ -37,15 +37,15 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_remote_mp.errors import SpecError
-from lightning_remote_mp.model.spec import (
+from lightning_remote_mp.model.build import (
     DEFAULT_ALLOWED_PREFIXES,
-    LayerEntry,
-    SpecSequential,
     build_layer,
     is_allowed,
     nested_class_paths,
     refuse_main,
 )
+from lightning_remote_mp.model.entries import LayerEntry
+from lightning_remote_mp.model.spec import SpecSequential
 from lightning_remote_mp.model.wiring import call_layer
 from lightning_remote_mp.wire import protocol
 

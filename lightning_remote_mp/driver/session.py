@@ -57,7 +57,8 @@ from lightning_remote_mp.errors import (
 )
 from lightning_remote_mp.flow import SplitBackward
 from lightning_remote_mp.model import partition
-from lightning_remote_mp.model.spec import SpecSequential, source_digest, user_code_modules
+from lightning_remote_mp.model.build import source_digest, user_code_modules
+from lightning_remote_mp.model.spec import SpecSequential
 from lightning_remote_mp.schedule import check_schedule
 from lightning_remote_mp.wire import protocol
 from lightning_remote_mp.wire.addresses import dial_name, normalize_address, relay_address, resolved, route_dialin

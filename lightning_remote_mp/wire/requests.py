@@ -14,7 +14,7 @@ the worker by ``from_body``, both made from the fields each declares
 naming the kind and the field (except `Hello`'s, read leniently: see there). The worker reads
 every kind through one table (`lightning_remote_mp.worker.request.REQUESTS`), and nowhere else.
 Only the shape is checked here; what the fields mean (a layer entry, a class path, a weight's
-shape) is checked by the code that uses them (`lightning_remote_mp.model.spec.normalize_entry`, the
+shape) is checked by the code that uses them (`lightning_remote_mp.model.entries.normalize_entry`, the
 stage, the optimizer).
 
 >>> ZeroGrad.from_body(ZeroGrad(index=0).body())
@@ -119,7 +119,7 @@ class Setup(Body):
 
     Attributes:
         key: the SpecSequential's name; ``stage``: the stage's number; ``start``: its first layer's index.
-        entries: its layer entries as `lightning_remote_mp.model.spec.LayerEntry.to_wire` writes them.
+        entries: its layer entries as `lightning_remote_mp.model.entries.LayerEntry.to_wire` writes them.
         exports: the residual variables it produces for later stages.
         sources, targets: its forward routes (`lightning_remote_mp.model.partition.Stage`).
         peers: the worker address of every other stage on its routes (the driver is no peer).
@@ -128,7 +128,7 @@ class Setup(Body):
         files: the weights and buffers the worker reads itself from safetensors files (a pretrained
             model's, a sharded checkpoint's), by name: ``{"<layer index>.<name>": [path, name in the
             file]}``; ``state`` then holds the rest (`lightning_remote_mp.model.weights`).
-        init_seed: layer ``i`` starts from seed ``init_seed + i`` (`lightning_remote_mp.model.spec.build_layer`).
+        init_seed: layer ``i`` starts from seed ``init_seed + i`` (`lightning_remote_mp.model.build.build_layer`).
         split_backward: defer the weight gradients of linear layers: ``True``, ``False``, or ``"auto"``
             for the calls whose product is large enough (`lightning_remote_mp.worker.deferred_grads`).
         code_digests: the driver's source digest of each user module the entries import.
@@ -227,7 +227,7 @@ class Loss(Body):
         key, call: the model and the forward call whose kept output the loss reads.
         position: which of the model's outputs it reads.
         program: the loss program's number on this worker; ``entries`` (its layer entries, as
-            `lightning_remote_mp.model.spec.LayerEntry.to_wire` writes them) and ``state`` (each
+            `lightning_remote_mp.model.entries.LayerEntry.to_wire` writes them) and ``state`` (each
             entry's tensors) come with the first use.
         inputs: for each of the program's inputs, the argument it takes: 0 the kept output, 1 the
             target, ``2 + i`` the ``i``-th of ``whole``.

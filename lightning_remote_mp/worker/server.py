@@ -103,7 +103,7 @@ class WorkerServer:
         name: str = "",
         driver_key: bytes | None = None,
     ) -> None:
-        from lightning_remote_mp.model.spec import DEFAULT_ALLOWED_PREFIXES
+        from lightning_remote_mp.model.build import DEFAULT_ALLOWED_PREFIXES
 
         self.uplink: Uplink | None = None
         if connect is not None:

@@ -20,8 +20,9 @@ import torch
 
 from lightning_remote_mp.errors import LrmpError, ProtocolError, SpecError
 from lightning_remote_mp.flow import DRIVER
+from lightning_remote_mp.model.build import build_layer, resolve_class, source_digest
+from lightning_remote_mp.model.entries import normalize_entry
 from lightning_remote_mp.model.graph import GraphLayer
-from lightning_remote_mp.model.spec import build_layer, normalize_entry, resolve_class, source_digest
 from lightning_remote_mp.wire import protocol
 from lightning_remote_mp.wire.fields import Body
 from lightning_remote_mp.wire.grads import GradAllreduce, GradClamp, GradNorms, Grads, GradScale
