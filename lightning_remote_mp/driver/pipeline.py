@@ -181,7 +181,8 @@ class RemoteSpec:
         self._kept: weakref.WeakSet[KeptOutputs] = weakref.WeakSet()  # to fetch before the session ends
         self._outputs_to_release: collections.deque[int] = collections.deque()
         self.fetched_bytes = 0  # bytes of kept outputs the driver read
-        self.losses = Losses(self)  # losses over kept outputs, computed on the last stages
+        # Losses over kept outputs, computed on the last stages.
+        self.losses = Losses(key, [row[-1].conn for row in self.replicas], self.awaits_backward)
         self.result_bytes = 0  # bytes of the outputs the last stages sent with their results
         # A leaf that requires grad, so the Function's output joins the graph even when the input
         # does not require grad: the remote parameters are invisible to the driver's autograd.
