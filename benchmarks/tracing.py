@@ -238,7 +238,8 @@ def run_fit(
             self.pids = list(pids)
 
         def on_train_start(self, trainer: Any, *args: Any) -> None:
-            local = getattr(trainer.strategy, "_local", None)  # --fresh-workers: the strategy's own
+            workers = getattr(trainer.strategy, "_workers", None)  # --fresh-workers: the strategy's own
+            local = workers.local if workers is not None else None
             if not self.pids and local is not None:
                 self.pids = [p.pid for p in local.procs]
 

@@ -76,7 +76,7 @@ class MemoryProbe(L.Callback):
         self.losses: list[float] = []
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        local = trainer.strategy._local
+        local = trainer.strategy._workers.local
         self.pids = {"driver": os.getpid(), **{f"worker{i}": p.pid for i, p in enumerate(local.procs)}}
 
     def sample(self, step: int) -> None:

@@ -58,7 +58,7 @@ def test_cli_fit_then_validate_with_local_yaml(cli, tmp_path):
     strategy = fitted.trainer.strategy
     assert isinstance(strategy, RemoteModelParallelStrategy)
     assert strategy.hosts is None and strategy.local_workers.count == 2 and strategy.balance == "memory"
-    assert strategy.session is None and strategy._local is None  # the local workers were stopped
+    assert strategy.session is None and strategy._workers is None  # the local workers were stopped
     assert fitted.trainer.global_step == 2 * 6
     fit_metrics = {k: float(v) for k, v in fitted.trainer.callback_metrics.items()}
     assert {"train_loss", "val_loss", "val_acc"} <= fit_metrics.keys()
@@ -71,7 +71,7 @@ def test_cli_fit_then_validate_with_local_yaml(cli, tmp_path):
     metrics = {k: float(v) for k, v in validated.trainer.callback_metrics.items()}
     assert metrics["val_loss"] == pytest.approx(fit_metrics["val_loss"], abs=1e-5)
     assert metrics["val_acc"] == pytest.approx(fit_metrics["val_acc"], abs=1e-6)
-    assert validated.trainer.strategy._local is None
+    assert validated.trainer.strategy._workers is None
 
 
 @pytest.mark.timeout(60)

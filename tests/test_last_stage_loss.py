@@ -21,7 +21,7 @@ from lightning_remote_mp import RemoteModelParallelStrategy, SpecSequential  # n
 
 TOL = 2e-5
 #: A vocabulary whose logits (8 x 12 x 512 floats, 196 KB a step) are large enough to stay on the last
-#: stage (`lightning_remote_mp.model.traced.KEEP_BYTES`); the data's tokens use the first 64.
+#: stage (`lightning_remote_mp.model.spec.KEEP_BYTES`); the data's tokens use the first 64.
 VOCAB = 512
 
 

@@ -76,7 +76,7 @@ def assert_same_adapters(a: H.FineTune, b: H.FineTune, tol: float = 1e-4) -> Non
     sa, sb = adapters(a), adapters(b)
     assert sa.keys() == sb.keys() and sa
     for k in sa:
-        torch.testing.assert_close(sa[k], sb[k], rtol=0, atol=tol, msg=lambda m: f"{k}: {m}")
+        torch.testing.assert_close(sa[k], sb[k], rtol=0, atol=tol, msg=lambda m, k=k: f"{k}: {m}")
 
 
 def quantized_as_the_workers_do(model: H.FineTune, path: str) -> H.FineTune:

@@ -9,33 +9,26 @@ import zmq
 
 from lightning_remote_mp.errors import ProtocolError
 from lightning_remote_mp.wire import protocol
+from lightning_remote_mp.wire.carry import Carried, Carry
 from lightning_remote_mp.wire.grads import GradAllreduce, GradClamp, GradNorms, Grads, GradScale
 from lightning_remote_mp.wire.requests import (
-    REQUESTS,
     SEAL_KEY_BYTES,
-    Carried,
-    Carry,
     Fetch,
-    GetOptimState,
-    GetState,
     GroupInit,
     Hello,
-    LoadOptimState,
-    LoadState,
     Loss,
     LossGrad,
     OptimCreate,
     OptimStep,
     Profile,
-    ReadOptim,
     Release,
-    Save,
-    Saved,
     Setup,
     Sync,
     Timeline,
     ZeroGrad,
 )
+from lightning_remote_mp.wire.state import GetOptimState, GetState, LoadOptimState, LoadState, ReadOptim, Save, Saved
+from lightning_remote_mp.worker.request import REQUESTS
 
 PEER_KEY = zmq.curve_keypair()[0].decode("ascii")
 

@@ -43,6 +43,7 @@ from lightning_remote_mp import (
 )
 from lightning_remote_mp.driver.launch import LocalWorkers
 from lightning_remote_mp.driver.session import DriverSession
+from lightning_remote_mp.driver.workers import load_keys
 from lightning_remote_mp.model.spec import SpecSequential
 from lightning_remote_mp.wire import protocol
 from lightning_remote_mp.wire.keys import KeyPair, load_keypair, load_public_key
@@ -208,11 +209,11 @@ def test_the_strategy_checks_its_key_arguments(keyring):
         hosts=hosts, curve=CurveOptions(str(keyring.root / "nope"), [keyring.public("w0")])
     )
     with pytest.raises(LrmpError, match="does not exist"):
-        missing._load_keys()
+        load_keys(missing.curve, missing.topology)
     shared = RemoteModelParallelStrategy(
         hosts=hosts, curve=CurveOptions(keyring.secret("driver"), keyring.public("w0"))
     )
-    assert shared._load_keys()[1] == {f"tcp://{h}": keyring.public_key("w0") for h in hosts}
+    assert load_keys(shared.curve, shared.topology)[1] == {f"tcp://{h}": keyring.public_key("w0") for h in hosts}
 
 
 def test_binding_beyond_loopback_without_keys_warns():
@@ -432,7 +433,7 @@ def test_replicas_with_keys_are_refused_unless_the_plaintext_allreduce_is_allowe
         hosts=rows, curve=CurveOptions(missing, ["w.key"], allow_plaintext_allreduce=True)
     )
     with pytest.raises(LrmpError, match="does not exist"):
-        allowed._load_keys()
+        load_keys(allowed.curve, allowed.topology)
 
 
 def test_local_workers_get_fresh_keys_with_a_curve_secret_key(keyring, caplog):
@@ -452,7 +453,7 @@ def test_local_workers_get_fresh_keys_with_a_curve_secret_key(keyring, caplog):
         def on_train_start(self, trainer, pl_module):
             s = trainer.strategy
             seen["curve"] = [w["curve"] for w in s.session.workers]
-            seen["dir"] = s._local_keys_dir
+            seen["dir"] = s._workers.keys_dir
 
     trainer(strategy, epochs=1, callbacks=[Check()]).fit(remote, data())
     assert seen["curve"] == [True, True]
@@ -480,7 +481,7 @@ def test_a_lightningcli_yaml_config_sets_the_keys(keyring, monkeypatch):
     strategy = built.trainer.strategy
     assert isinstance(strategy, RemoteModelParallelStrategy) and strategy.session is None
     assert strategy.curve == CurveOptions(keyring.secret("driver"), publics)
-    keys, worker_keys = strategy._load_keys()  # what setup reads
+    keys, worker_keys = load_keys(strategy.curve, strategy.topology)  # what setup reads
     assert keys == keyring.pair("driver")
     assert list(worker_keys.values()) == [keyring.public_key("w0"), keyring.public_key("w1")]
     assert list(worker_keys) == ["tcp://10.0.0.5:5555", "tcp://10.0.0.6:5555"]

@@ -11,15 +11,9 @@ from torch import nn
 
 from lightning_remote_mp.errors import RefusedClassError, SpecError
 from lightning_remote_mp.layers import WrappedLinear
-from lightning_remote_mp.model.spec import (
-    DEFAULT_ALLOWED_PREFIXES,
-    LayerEntry,
-    SpecSequential,
-    is_allowed,
-    normalize_entry,
-    resolve_class,
-    resolve_layer,
-)
+from lightning_remote_mp.model.build import DEFAULT_ALLOWED_PREFIXES, is_allowed, resolve_class, resolve_layer
+from lightning_remote_mp.model.entries import LayerEntry, normalize_entry
+from lightning_remote_mp.model.spec import SpecSequential
 
 
 def _residual_spec(layer=WrappedLinear):

@@ -260,7 +260,7 @@ def test_killed_local_worker_is_named_promptly():
     torch.manual_seed(5)
     # A long heartbeat timeout: a local worker's death is seen from its process, not from silence.
     strategy = RemoteModelParallelStrategy(heartbeat_timeout=30.0)
-    killer = _KillAt(lambda t: t.strategy._local.procs[1].pid, step=2)
+    killer = _KillAt(lambda t: t.strategy._workers.local.procs[1].pid, step=2)
     with pytest.raises(WorkerLostError) as info:
         trainer(strategy, epochs=2, callbacks=[killer]).fit(Net(residual_spec(probe=False)), data())
     assert time.monotonic() - killer.killed_at < 15.0  # teardown included, on a loaded machine
@@ -404,10 +404,10 @@ def test_configuration_errors_are_raised_at_construction_naming_the_argument(arg
 
 def test_construction_reads_no_file_and_a_missing_key_is_named_at_setup(monkeypatch):
     started = []
-    monkeypatch.setattr("lightning_remote_mp.lightning.strategy.LocalWorkers", lambda *a, **k: started.append(a))
+    monkeypatch.setattr("lightning_remote_mp.driver.workers.LocalWorkers", lambda *a, **k: started.append(a))
     missing = "/nonexistent/driver.key_secret"
     strategy = RemoteModelParallelStrategy(curve=CurveOptions(secret_key=missing))  # no error: nothing read yet
-    assert strategy.curve.secret_key == missing and strategy._keys is None
+    assert strategy.curve.secret_key == missing and strategy._workers is None
     with pytest.raises(LrmpError, match="does not exist"):
         trainer(strategy, epochs=1).fit(Net(residual_spec(probe=False)), data())
     assert not started  # refused at setup before any worker was started
@@ -430,7 +430,7 @@ def test_no_thread_or_process_left_behind():
     before = {t.name for t in threading.enumerate()}
     strategy = RemoteModelParallelStrategy()
     trainer(strategy, epochs=1).fit(Net(residual_spec(probe=False)), data())
-    assert strategy._local is None and strategy.session is None
+    assert strategy._workers is None and strategy.session is None
     assert "lrmp-heartbeat" not in {t.name for t in threading.enumerate()} - before
 
 

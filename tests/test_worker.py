@@ -825,7 +825,7 @@ def test_a_micro_batch_from_a_peer_waits_for_the_driver_request_sent_before_it(p
     the request does. Stage 1 holds such a micro-batch back (its fence) until it has run the request."""
     from lightning_remote_mp.wire import sockets
     from lightning_remote_mp.wire.messages import Forward
-    from lightning_remote_mp.wire.requests import LoadState
+    from lightning_remote_mp.wire.state import LoadState
 
     torch.manual_seed(0)
     net = SpecSequential(
@@ -953,7 +953,8 @@ def test_the_driver_forgets_quiet_requests_once_they_have_run_and_raises_their_f
     """Posted zero_grads are answered only if they fail, so the driver counts them run once a later
     request's reply arrives (the worker runs requests in order) or the heartbeat says so; `settle`
     asks with a SYNC. A failed one is raised by whichever read meets its ERROR."""
-    from lightning_remote_mp.wire.requests import GetState, ZeroGrad
+    from lightning_remote_mp.wire.requests import ZeroGrad
+    from lightning_remote_mp.wire.state import GetState
 
     session = DriverSession([worker.address], connect_timeout=REPLY_TIMEOUT)
     try:
@@ -1005,7 +1006,7 @@ def _sealing_worker(client: Client) -> tuple[bytes, Any]:
 def _carried_step_runs_right_after_the_request_it_follows(client: Client, key: bytes, step: Any, sender: int) -> Any:
     """Carry ``step``, sealed with ``key``, after a SYNC not sent yet: it must not run before that
     SYNC, and must run (and fail) right after it. Returns its error's body."""
-    from lightning_remote_mp.wire.requests import Carried, Carry
+    from lightning_remote_mp.wire.carry import Carried, Carry
 
     before = client.next_id + 2  # the SYNC sent after the CARRY
     carried = Carried.sealed(step, before + 1, before, client.session, key)
@@ -1025,7 +1026,7 @@ def test_a_carried_request_without_the_drivers_seal_for_this_worker_is_refused_a
     under the key its HELLO gave). A stage on the way knows no other worker's key: a request it
     forges or alters, or one sealed for another session, is refused, names where it came from, and
     does not run; the driver's own sealed request does."""
-    from lightning_remote_mp.wire.requests import Carried, Carry
+    from lightning_remote_mp.wire.carry import Carried, Carry
 
     client = connect(worker.address)
     key, bad = _sealing_worker(client)

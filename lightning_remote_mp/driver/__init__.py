@@ -2,8 +2,10 @@
 
 - `options`: the strategy's configuration as typed values, checked when built;
 - `launch`: local ``lrmp-worker`` processes (the zero-config default);
+- `workers`: where a run's workers come from: the hosts given, or local ones with fresh keys;
 - `preflight`: what is checked of a spec before any worker is contacted;
-- `session`: the session with the workers: connect, place, mirror optimizers, close;
+- `links`: the links to a session's workers: connected, greeted, kept alive, closed;
+- `session`: the session with the workers: plan and place modules, mirror optimizers, restore;
 - `placement`: a placed module's state dict, kept truthful while its weights live on workers;
 - `ties`: tied weights held by several stages, and which copy answers for them;
 - `groups`: the process groups where workers sum gradients (replicas, tied weights), and their store;

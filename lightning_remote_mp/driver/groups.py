@@ -22,23 +22,35 @@ from lightning_remote_mp.wire.requests import GroupInit
 from lightning_remote_mp.wire.transport import request_all
 
 if TYPE_CHECKING:
-    from lightning_remote_mp.driver.session import DriverSession
+    from lightning_remote_mp.driver.links import WorkerLinks
 
 log = logging.getLogger(__name__)
 
 
 class Groups:
-    """A session's process groups and the store where they meet (created with the first group)."""
+    """A session's process groups and the store where they meet (created with the first group).
 
-    def __init__(self, session: DriverSession) -> None:
-        self.session = session
+    Args:
+        links: the session's links to its workers, whose groups these are.
+        store_host: the address the workers reach this process at for the store (default: this
+            machine's address towards the first worker).
+        allow_plaintext_allreduce: with CURVE, let gradients be summed through torch.distributed,
+            which CURVE does not cover.
+    """
+
+    def __init__(
+        self, links: WorkerLinks, store_host: str | None = None, allow_plaintext_allreduce: bool = False
+    ) -> None:
+        self.links = links
+        self.store_host = store_host
+        self.allow_plaintext_allreduce = allow_plaintext_allreduce
         self.store: Any = None
         self.store_address = ""
 
     def rendezvous(self) -> tuple[str, int]:
         """The address and port of the store where the workers' process groups meet (this process
         hosts it, from the first group on)."""
-        dialed = [n for a in self.session.addresses if (n := dial_name(a))]
+        dialed = [n for a in self.links.addresses if (n := dial_name(a))]
         if dialed:
             raise ConfigurationError(
                 f"the workers {', '.join(dialed)} dial in, but this model needs them to sum gradients through "
@@ -49,18 +61,18 @@ class Groups:
         if self.store is None:
             import torch.distributed as dist
 
-            self.store_address = self.session.store_host or address_towards(self.session.grid[0][0].address)
+            self.store_address = self.store_host or address_towards(self.links.grid[0][0].address)
             self.store = dist.TCPStore(
                 self.store_address,
                 0,
                 is_master=True,
                 wait_for_workers=False,
-                timeout=datetime.timedelta(seconds=self.session.connect_timeout),
+                timeout=datetime.timedelta(seconds=self.links.connect_timeout),
             )
         return self.store_address, self.store.port
 
     def check_plaintext(self, what: str, tied: Sequence[ties.Tie]) -> None:
-        if tied and self.session.keys is not None and not self.session.allow_plaintext_allreduce:
+        if tied and self.links.keys is not None and not self.allow_plaintext_allreduce:
             raise ConfigurationError(
                 f"{what} has weights that several stages hold copies of (tied weights: layer "
                 f"{', '.join(sorted({n for t in tied for n in t.names.values()})[:4])}); their gradients are summed "
@@ -72,20 +84,20 @@ class Groups:
     def form_tie_groups(self, key: str, tied: Sequence[ties.Tie]) -> None:
         """A gradient group per set of stages that hold copies of tied weights, in every replica."""
         host, port = self.rendezvous()
-        infos = dict(zip(self.session.addresses, self.session.workers))
+        infos = dict(zip(self.links.addresses, self.links.workers))
         requests = []
-        for r, row in enumerate(self.session.grid):
+        for r, row in enumerate(self.links.grid):
             for stages, members in ties.groups(tied):
                 backend = replica_backend([infos[row[s].address] for s in stages])
                 for rank, s in enumerate(stages):
                     join = GroupInit(
                         host=host,
                         port=port,
-                        prefix=f"{self.session.id}/{key}/replica{r}/tie{'-'.join(map(str, stages))}",
+                        prefix=f"{self.links.id}/{key}/replica{r}/tie{'-'.join(map(str, stages))}",
                         rank=rank,
                         world=len(stages),
                         backend=backend,
-                        timeout=float(self.session.connect_timeout),
+                        timeout=float(self.links.connect_timeout),
                         params=[f"{key}/{tie.names[s]}" for tie in members],
                     )
                     requests.append((row[s], protocol.GROUP, join.body()))
@@ -100,10 +112,10 @@ class Groups:
         """A torch.distributed process group per stage, among that stage's replicas (gloo; NCCL where
         every replica of the stage has CUDA), rendezvousing through a store this process hosts."""
         host, port = self.rendezvous()
-        infos = dict(zip(self.session.addresses, self.session.workers))
+        infos = dict(zip(self.links.addresses, self.links.workers))
         requests = []
-        for s in range(self.session.topology.stages):
-            column = [row[s] for row in self.session.grid]
+        for s in range(self.links.topology.stages):
+            column = [row[s] for row in self.links.grid]
             backend = replica_backend([infos[c.address] for c in column])
             if backend == "gloo" and all(str(infos[c.address].get("device")).startswith("cuda") for c in column):
                 log.info("stage %d: replicas share a GPU, so their gradients are summed through gloo", s)
@@ -111,18 +123,18 @@ class Groups:
                 join = GroupInit(
                     host=host,
                     port=port,
-                    prefix=f"{self.session.id}/stage{s}",
+                    prefix=f"{self.links.id}/stage{s}",
                     rank=r,
-                    world=self.session.topology.replicas,
+                    world=self.links.topology.replicas,
                     backend=backend,
-                    timeout=float(self.session.connect_timeout),
+                    timeout=float(self.links.connect_timeout),
                 )
                 requests.append((conn, protocol.GROUP, join.body()))
         request_all(requests, what="replica group set-up")
         log.info(
             "%d replicas of %d stages: gradients are all-reduced per stage through torch.distributed",
-            self.session.topology.replicas,
-            self.session.topology.stages,
+            self.links.topology.replicas,
+            self.links.topology.stages,
         )
 
 

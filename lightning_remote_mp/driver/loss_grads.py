@@ -25,7 +25,7 @@ backward's ``scale``), the small model with its loss inside under 1F1B trains 19
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
@@ -34,17 +34,62 @@ from lightning_remote_mp.wire.collect import gather
 from lightning_remote_mp.wire.requests import LossGrad
 from lightning_remote_mp.wire.transport import Connection
 
-if TYPE_CHECKING:
-    from lightning_remote_mp.driver.pipeline import RemoteSpec
+
+class HeldStage(Protocol):
+    """A stage of a `Pipeline`, as its loss gradients need it: the connection to its worker."""
+
+    @property
+    def conn(self) -> Connection: ...
+
+
+class Pipeline(Protocol):
+    """What deferring its calls' loss gradients needs of a pipeline front end
+    (`lightning_remote_mp.driver.pipeline.RemoteSpec`): its stages, which of its outputs is the
+    loss, and its own ways to carry requests to the stages, send them, give a call up, and have its
+    confirmation run before the driver's next send."""
+
+    key: str
+    loss: int | None  # the output that is the model's loss (``None``: it returns none)
+    loss_count: int | None  # the output the loss is divided by
+
+    @property
+    def replicas(self) -> Sequence[Sequence[HeldStage]]:
+        """Each replica's stages, in order."""
+        ...
+
+    @property
+    def conns(self) -> Sequence[Connection]:
+        """Every worker's connection, once."""
+        ...
+
+    def grad_chunks(self, grad_y: tuple, flat: list[int]) -> list[tuple]:
+        """The outputs' gradients ``grad_y`` split into the call's micro-batches (``flat``: their sizes)."""
+        ...
+
+    def carry_toward(self, replica: int, call: int, toward: int) -> list[tuple[str, Any]]:
+        """The requests waiting for ``replica``'s later stages, to go with a message to its first."""
+        ...
+
+    def flush_linked(self) -> None:
+        """Send what waits for a worker that got no message of the call."""
+        ...
+
+    def abandon(self, *calls: int) -> None:
+        """Let the workers drop what they hold for ``calls``."""
+        ...
+
+    def confirm_before_sending(self, wanted: bool) -> None:
+        """Have the pipeline's confirmation run before anything is sent to a worker, or no longer."""
+        ...
 
 
 class DeferredLossGrads:
-    """The loss gradients posted by one `RemoteSpec`'s backwards and not yet known applied."""
+    """The loss gradients posted by one `Pipeline`'s backwards and not yet known applied."""
 
-    def __init__(self, spec: RemoteSpec) -> None:
+    def __init__(self, spec: Pipeline) -> None:
         self.spec = spec
         #: call -> each connection with its `Connection.last_id` before the gradient was posted (`drop`),
-        #: as `RemoteSpec` keeps them for a backward it did not wait for.
+        #: as the pipeline keeps them for a backward it did not wait for.
         self.calls: dict[int, list[tuple[Connection, int]]] = {}
         #: Whether gradients may be deferred: one replica, no tied weights over stages, and the only
         #: module placed on its workers (the driver session clears it otherwise).

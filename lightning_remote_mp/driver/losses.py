@@ -41,8 +41,8 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -55,10 +55,7 @@ from lightning_remote_mp.model.trace import trace_module
 from lightning_remote_mp.model.traced import Interface
 from lightning_remote_mp.wire import protocol
 from lightning_remote_mp.wire.requests import Loss
-from lightning_remote_mp.wire.transport import request_all
-
-if TYPE_CHECKING:
-    from lightning_remote_mp.driver.pipeline import RemoteSpec
+from lightning_remote_mp.wire.transport import Connection, request_all
 
 log = logging.getLogger(__name__)
 
@@ -149,10 +146,18 @@ class _OnLastStage(torch.autograd.Function):
 
 
 class Losses:
-    """The losses one model's last stages compute over its kept outputs (see the module docstring)."""
+    """The losses one model's last stages compute over its kept outputs (see the module docstring).
 
-    def __init__(self, spec: RemoteSpec) -> None:
-        self.spec = spec
+    Args:
+        key: the placed model's key (`lightning_remote_mp.driver.pipeline.RemoteSpec.key`).
+        last_stages: the connection to each replica's last stage, in replica order.
+        awaits_backward: whether a call ran under grad and its backward is still to come.
+    """
+
+    def __init__(self, key: str, last_stages: Sequence[Connection], awaits_backward: Callable[[int], bool]) -> None:
+        self.key = key
+        self.last_stages = list(last_stages)
+        self.awaits_backward = awaits_backward
         self._programs: dict[Any, _Program | str] = {}  # by what they compute; a str: why none can
         self._numbers = itertools.count(1)
         self._sent: set[tuple[int, int]] = set()  # (id of a connection, program number)
@@ -175,15 +180,14 @@ class Losses:
         order = [(r, mb) for r, row in enumerate(sizes) for mb in range(len(row))]
         parts = dict(zip(order, target_parts))
         # A gradient only while the call's backward is to come (not for a loss computed after it).
-        grad = torch.is_grad_enabled() and kept.root.requires_grad and self.spec.awaits_backward(call)
+        grad = torch.is_grad_enabled() and kept.root.requires_grad and self.awaits_backward(call)
         requests, conns = [], []
-        for r, row in enumerate(self.spec.replicas):
+        for r, conn in enumerate(self.last_stages):
             if not sizes[r]:
                 continue
-            conn = row[-1].conn
             first = (id(conn), program.number) not in self._sent
             body = Loss(
-                key=self.spec.key,
+                key=self.key,
                 call=call,
                 position=kept.position,
                 program=program.number,
@@ -211,7 +215,7 @@ class Losses:
             self._records.setdefault(call, []).append(record)
             diff = list(_OnLastStage.apply(record, kept.root, diff))
         per_part = [tuple(diff[i] if j == d else raw[k][j] for j in range(len(raw[k]))) for i, k in enumerate(order)]
-        joined = join_parts(per_part, program.interface.joins_out, "loss output", self.spec.key)
+        joined = join_parts(per_part, program.interface.joins_out, "loss output", self.key)
         self.computed += 1
         return program.interface.outputs(joined if isinstance(joined, tuple) else (joined,))
 
@@ -336,7 +340,7 @@ class Losses:
         if why not in self.declined:
             log.info(
                 "%s: %s over the model's output is computed on the driver, which fetches the output: %s",
-                self.spec.key,
+                self.key,
                 getattr(func, "__name__", func),
                 why,
             )

@@ -59,16 +59,12 @@ import torch
 
 from lightning_remote_mp.driver.pipeline import confirm_outstanding
 from lightning_remote_mp.errors import LrmpError
-from lightning_remote_mp.model.spec import layer_path, refuse_main
+from lightning_remote_mp.model.build import refuse_main
+from lightning_remote_mp.model.entries import layer_path
 from lightning_remote_mp.wire import protocol
 from lightning_remote_mp.wire.grads import GradAllreduce, GradClamp, GradNorms, GradScale
-from lightning_remote_mp.wire.requests import (
-    GetOptimState,
-    LoadOptimState,
-    OptimCreate,
-    OptimStep,
-    ZeroGrad,
-)
+from lightning_remote_mp.wire.requests import OptimCreate, OptimStep, ZeroGrad
+from lightning_remote_mp.wire.state import GetOptimState, LoadOptimState
 from lightning_remote_mp.wire.transport import Connection, broadcast, post_all, request_all
 
 log = logging.getLogger(__name__)

@@ -23,7 +23,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from lightning_remote_mp.errors import ConfigurationError
+from lightning_remote_mp.errors import ConfigurationError, LrmpError
 from lightning_remote_mp.flow import is_split_backward
 from lightning_remote_mp.wire.addresses import DIAL, WORKER_NAME, dial_name, normalize_address
 
@@ -270,6 +270,24 @@ def check_balance(balance: Any, stages: int) -> None:
             _check_one_balance(value, stages, f"balance[{key!r}]")
     else:
         _check_one_balance(balance, stages, "balance")
+
+
+def balance_for(balance: Any, key: str, names: Sequence[str]) -> Any:
+    """The balance of the module ``key`` among the split modules ``names`` (a dict's entry for it, or
+    the one balance, which several modules may not share when it is a list)."""
+    if isinstance(balance, dict):
+        unknown = set(balance) - set(names)
+        if unknown:
+            raise LrmpError(
+                f"balance names {sorted(unknown)}, but the SpecSequentials and split modules are {sorted(names)}"
+            )
+        return balance.get(key)
+    if isinstance(balance, list) and len(names) > 1:
+        raise LrmpError(
+            f"balance {balance} is ambiguous with several SpecSequentials ({sorted(names)}); "
+            "give a dict from their names to layer counts"
+        )
+    return balance
 
 
 def _check_one_balance(balance: Any, stages: int, name: str) -> None:

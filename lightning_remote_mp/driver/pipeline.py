@@ -33,11 +33,12 @@ from lightning_remote_mp.errors import ConfigurationError, ProtocolError, Remote
 from lightning_remote_mp.flow import DRIVER, Main, is_floating, is_main
 from lightning_remote_mp.model.joins import Join, join_parts
 from lightning_remote_mp.model.partition import Stage
-from lightning_remote_mp.model.traced import Keep
+from lightning_remote_mp.model.spec import Keep
 from lightning_remote_mp.wire import protocol
+from lightning_remote_mp.wire.carry import Carry
 from lightning_remote_mp.wire.collect import gather
 from lightning_remote_mp.wire.messages import Backward, Forward
-from lightning_remote_mp.wire.requests import Carry, Fetch, Release
+from lightning_remote_mp.wire.requests import Fetch, Release
 from lightning_remote_mp.wire.transport import Connection, request_all
 
 log = logging.getLogger(__name__)
@@ -180,7 +181,8 @@ class RemoteSpec:
         self._kept: weakref.WeakSet[KeptOutputs] = weakref.WeakSet()  # to fetch before the session ends
         self._outputs_to_release: collections.deque[int] = collections.deque()
         self.fetched_bytes = 0  # bytes of kept outputs the driver read
-        self.losses = Losses(self)  # losses over kept outputs, computed on the last stages
+        # Losses over kept outputs, computed on the last stages.
+        self.losses = Losses(key, [row[-1].conn for row in self.replicas], self.awaits_backward)
         self.result_bytes = 0  # bytes of the outputs the last stages sent with their results
         # A leaf that requires grad, so the Function's output joins the graph even when the input
         # does not require grad: the remote parameters are invisible to the driver's autograd.

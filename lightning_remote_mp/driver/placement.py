@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import logging
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,7 +25,7 @@ from lightning_remote_mp.model.four_bit import PACKED, Format
 from lightning_remote_mp.model.spec import SpecSequential
 from lightning_remote_mp.model.weights import QUANT_STATE, QUANTIZE, FileTensor, TensorFiles, iter_tensors
 from lightning_remote_mp.wire import protocol
-from lightning_remote_mp.wire.requests import GetState, LoadState
+from lightning_remote_mp.wire.state import GetState, LoadState
 from lightning_remote_mp.wire.transport import Connection, broadcast, request_all
 
 log = logging.getLogger(__name__)
@@ -61,12 +62,71 @@ class WeightSources:
     pretrained: TensorFiles | None = None
     pretrained_first: bool = True
 
+    @classmethod
+    def of(
+        cls,
+        key: str,
+        module: SpecSequential,
+        *,
+        checkpoint: TensorFiles | None,
+        loaded: Mapping[str, torch.Tensor],
+        pretrained: str | None,
+        loaded_full: bool,
+        base: str | None = None,
+    ) -> WeightSources:
+        """The sources of the module placed as ``key``: values a full checkpoint ``loaded`` while it
+        had no storage, a sharded ``checkpoint`` being resumed, its ``pretrained`` files (for a
+        HuggingFace model on the meta device, its own local ``name_or_path``), which count for every
+        tensor at its first placement (`mark_placed`) unless a full checkpoint was loaded since
+        (``loaded_full``), or else the ``base`` a QLoRA checkpoint names. Refused for a module whose
+        trained weights stayed with an earlier run (`mark_trained_elsewhere`) when neither checkpoint
+        brings them."""
+        owner = module.state_owner
+        if vars(owner).get(_TRAINED_ELSEWHERE) and checkpoint is None and not loaded:
+            raise WeightsError(
+                f"module {key!r} was trained by an earlier run whose workers and checkpoints hold its trained weights "
+                "(they did not come back here: it is larger than gather_limit, or on the meta device); pass "
+                "ckpt_path= with a checkpoint of that run"
+            )
+        path = pretrained
+        if path is None and module.is_meta:
+            # A HuggingFace model built on the meta device from a local directory's config.
+            name = getattr(owner, "name_or_path", None)
+            if isinstance(name, str) and name and Path(name).is_dir():
+                path = name
+        if path is None:
+            path = base  # the files a QLoRA checkpoint's frozen base came from (`ShardedCheckpoint.base_for`)
+        first = not vars(owner).get(_PLACED) and not loaded_full
+        return cls(
+            loaded=loaded,
+            checkpoint=checkpoint,
+            pretrained=TensorFiles.of(path) if path is not None else None,
+            pretrained_first=first,
+        )
+
     def __bool__(self) -> bool:
         return bool(self.loaded) or self.checkpoint is not None or self.pretrained is not None
 
     def roots(self) -> str:
         roots = [f.root for f in (self.checkpoint, self.pretrained) if f is not None]
         return ", ".join(map(repr, roots)) or "no weights files (pretrained= names none)"
+
+
+#: Marks a split module whose trained weights stayed with the workers and checkpoints of a run.
+_TRAINED_ELSEWHERE = "_lrmp_trained_elsewhere"
+#: Marks a module placed before: its values here are the trained ones, not the pretrained files'.
+_PLACED = "_lrmp_placed"
+
+
+def mark_placed(module: SpecSequential) -> None:
+    """``module`` is placed: its values here are the trained ones from now on (`WeightSources.of`)."""
+    vars(module.state_owner).pop(_TRAINED_ELSEWHERE, None)
+    vars(module.state_owner)[_PLACED] = True
+
+
+def mark_trained_elsewhere(owner: torch.nn.Module) -> None:
+    """``owner``'s trained weights stayed with the workers and checkpoints of a run (`WeightSources.of`)."""
+    vars(owner)[_TRAINED_ELSEWHERE] = True
 
 
 def _find(files: TensorFiles | None, names: Sequence[str]) -> FileTensor | None:

@@ -1,4 +1,5 @@
-"""What the driver checks of a SpecSequential before any worker is contacted, and what it learns.
+"""What the driver checks of a SpecSequential before any worker is contacted (and of a module
+traced at its first call before it is placed), and what it learns.
 
 Going remote makes mistakes fail late and far away: a kwarg that cannot travel used to be refused
 by the encoder after the workers had started, a wrong ``input_shape`` surfaced as a dtype error in
@@ -36,16 +37,17 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from lightning_remote_mp.errors import SpecError
-from lightning_remote_mp.model.spec import (
+from lightning_remote_mp.errors import SpecError, TraceError
+from lightning_remote_mp.model.build import (
     DEFAULT_ALLOWED_PREFIXES,
-    LayerEntry,
-    SpecSequential,
     build_layer,
     is_allowed,
     nested_class_paths,
     refuse_main,
 )
+from lightning_remote_mp.model.entries import LayerEntry
+from lightning_remote_mp.model.spec import SpecSequential
+from lightning_remote_mp.model.traced import TracedSequential
 from lightning_remote_mp.model.wiring import call_layer
 from lightning_remote_mp.wire import protocol
 
@@ -264,12 +266,36 @@ def _fallback_compute(entry: LayerEntry) -> float:
     return 2.0 * rows * sum(p.numel() for p in layer.parameters()) + rows
 
 
-def checked_for_workers(module: SpecSequential, what: str) -> list[float]:
-    """`preflight` with errors that name the SpecSequential too."""
+def checked_for_workers(module: SpecSequential, what: str, stages: int | None = None) -> list[float]:
+    """`preflight` with errors that name the SpecSequential too; with ``stages`` (one per worker of
+    a pipeline), first that each can have a layer."""
+    if stages is not None and len(module.layers) < stages:
+        raise SpecError(
+            f"{what} has {len(module.layers)} layers but there are {stages} stages (one per worker "
+            "of a pipeline); each stage needs at least one layer: use fewer workers"
+        )
     try:
         return preflight(module)
     except SpecError as err:
         raise SpecError(f"{what}, {err}") from err.__cause__
+
+
+def checked_traced(key: str, module: TracedSequential, balance: Any, stages: int, split: bool) -> Any:
+    """The ``balance`` of ``module``, traced at its first call, for ``stages`` stages (the names of
+    submodules where stages 1, 2, ... start become unit counts), once it is known to have a unit
+    for each stage and, where its batch is ``split`` (micro-batches, replicas), to split exactly."""
+    if len(module.layers) < stages:
+        raise TraceError(
+            f"module {key!r} was cut into {len(module.layers)} units ({', '.join(e.name for e in module.entries)}), "
+            f"fewer than the {stages} stages: use fewer workers, split a larger module, or mark where "
+            "plain code may be cut with torch.distributed.pipelining.pipe_split() (a module whose running "
+            "statistics are used in several places keeps every unit between its uses in one)"
+        )
+    if isinstance(balance, list) and all(isinstance(b, str) for b in balance):
+        balance = module.counts_at(balance, stages)
+    if split:
+        module.check_batch_split(module.example)
+    return balance
 
 
 def allow_modules_for(

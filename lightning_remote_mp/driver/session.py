@@ -1,5 +1,7 @@
-"""The driver's session with its workers: connect, place SpecSequentials, mirror optimizers,
-move weights back and forth, and close. No Lightning here: the strategy is a thin layer on top.
+"""The driver's session with its workers: plan and place SpecSequentials on them, mirror
+optimizers, move weights back and forth, and bring everything back at the end. Connecting to the
+workers, greeting them and closing the links is `lightning_remote_mp.driver.links`. No Lightning
+here: the strategy is a thin layer on top.
 
 >>> import torch
 >>> from lightning_remote_mp.driver.launch import LocalWorkers
@@ -17,22 +19,17 @@ True
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import math
-import os
-import socket
 import subprocess
-import time
-import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
-from lightning_remote_mp._version import __version__
 from lightning_remote_mp.driver import ties
 from lightning_remote_mp.driver.groups import Groups
+from lightning_remote_mp.driver.links import WorkerLinks
 from lightning_remote_mp.driver.optim import Holder, OptimizerMirror
 from lightning_remote_mp.driver.options import Topology, check_split_backward
 from lightning_remote_mp.driver.pipeline import RemoteSpec, RemoteStage, check_checkpoint_mode
@@ -47,63 +44,40 @@ from lightning_remote_mp.driver.placement import (
 )
 from lightning_remote_mp.driver.preflight import checked_for_workers
 from lightning_remote_mp.driver.progress import shown
-from lightning_remote_mp.errors import (
-    ConfigurationError,
-    LrmpError,
-    ProtocolVersionError,
-    SpecError,
-    WorkerError,
-    WorkerLostError,
-)
+from lightning_remote_mp.errors import LrmpError, SpecError, WorkerError, WorkerLostError
 from lightning_remote_mp.flow import SplitBackward
 from lightning_remote_mp.model import partition
-from lightning_remote_mp.model.spec import SpecSequential, source_digest, user_code_modules
+from lightning_remote_mp.model.build import source_digest, user_code_modules
+from lightning_remote_mp.model.spec import SpecSequential
 from lightning_remote_mp.schedule import check_schedule
 from lightning_remote_mp.wire import protocol
-from lightning_remote_mp.wire.addresses import dial_name, normalize_address, relay_address, resolved, route_dialin
-from lightning_remote_mp.wire.heartbeat import Heartbeat
 from lightning_remote_mp.wire.keys import KeyPair
-from lightning_remote_mp.wire.requests import Hello, Profile, Setup
-from lightning_remote_mp.wire.switchboard import Switchboard
+from lightning_remote_mp.wire.requests import Profile, Setup
 from lightning_remote_mp.wire.transport import (
     DEFAULT_CALL_TIMEOUT,
     DEFAULT_CONNECT_TIMEOUT,
     DEFAULT_HEARTBEAT_TIMEOUT,
-    Connection,
-    Curve,
     broadcast,
 )
 
 log = logging.getLogger(__name__)
 
 Balance = Sequence[int] | str | None
+#: A stage's tensors as `placement.stage_weights` gives them: those sent, and those its worker reads from files.
+StageWeights = tuple[dict[str, torch.Tensor] | None, dict[str, list[str]]]
 
 
-class DriverSession:
-    """One training session with its workers: one row per pipeline, one worker per stage.
-
-    Its `topology` (`lightning_remote_mp.driver.options.Topology`) says how many replicas and stages
-    there are and where each worker is; ``grid`` holds the connections in the same rows.
+class DriverSession(WorkerLinks):
+    """One training session with its workers (`WorkerLinks`: one row per pipeline, one worker per
+    stage), and the modules placed on them.
 
     Args:
-        hosts: the workers as a `Topology` (the strategy's, normalised once), or their addresses,
-            one per stage in pipeline order; or, for data parallel training, a list of such rows
-            (replicas of the same stage layout), e.g. ``[["a:1", "b:1"], ["c:1", "d:1"]]``.
-        heartbeat_timeout: seconds of silence after which a worker is declared lost.
-        connect_timeout: seconds to wait for each worker's first answer.
-        call_timeout: seconds one call may go on without progress while its worker still answers
-            heartbeats (a layer that never returns, a deadlock) before it fails with WorkerLostError;
-            in a pipeline, per micro-batch (a call's results come together). ``None`` waits forever.
-        processes: the worker processes this driver started, by address: one whose process ended is lost at once.
+        hosts, heartbeat_timeout, connect_timeout, call_timeout, processes, keys, worker_keys,
+            limits, listen: the links to the workers (`WorkerLinks`).
         store_host: the address workers reach this process at, for the rendezvous of replicas
             (default: this machine's address towards the first worker).
-        keys: this driver's CURVE key pair; with it every connection is encrypted and authenticated.
-        worker_keys: with ``keys``, each worker's public key (Z85) by address (as in ``hosts``).
-        limits: bounds on what this driver accepts from the workers.
         allow_plaintext_allreduce: with ``keys``, let gradients be summed through torch.distributed,
             which CURVE does not cover (replicas, tied weights held by several stages).
-        listen: where workers that dial in (``dial://NAME`` in ``hosts``) reach this driver,
-            ``tcp://host:port`` (`lightning_remote_mp.wire.switchboard`).
     """
 
     def __init__(
@@ -121,184 +95,36 @@ class DriverSession:
         allow_plaintext_allreduce: bool = False,
         listen: str | None = None,
     ) -> None:
-        self.topology = Topology.of(hosts)
-        rows, addresses = self.topology.rows, self.topology.addresses
-        if (keys is None) != (worker_keys is None):
-            raise ConfigurationError("CURVE needs both the driver's key pair and the workers' public keys")
-        if worker_keys is not None:
-            worker_keys = {normalize_address(a): k for a, k in worker_keys.items()}
-            missing = [a for a in addresses if a not in worker_keys]
-            if missing:
-                raise ConfigurationError(f"no public key given for the workers at {missing}; give one per worker")
-        self.keys = keys
-        self.worker_keys = worker_keys
-        # A dial-in worker's own link is encrypted; this process reaches it in-process.
-        curves = {a: Curve(keys, worker_keys[a]) for a in addresses if not dial_name(a)} if keys and worker_keys else {}
-        self.heartbeat_timeout = heartbeat_timeout
-        self.connect_timeout = connect_timeout
-        self.allow_plaintext_allreduce = allow_plaintext_allreduce
-        self.id = uuid.uuid4().hex
+        super().__init__(
+            hosts,
+            heartbeat_timeout=heartbeat_timeout,
+            connect_timeout=connect_timeout,
+            processes=processes,
+            keys=keys,
+            worker_keys=worker_keys,
+            limits=limits,
+            call_timeout=call_timeout,
+            listen=listen,
+        )
         # Drawn from this process's generator, so a run under seed_everything repeats bit for bit on
         # the workers too (dropout masks), while each stage and replica draws its own stream.
         with torch.random.fork_rng(devices=[]):  # the draw leaves the driver's stream (data order) as it was
             self.seed = int(torch.randint(0, 2**62, ()).item())
-        replicated = len(rows) > 1
-        self.switchboard = self._listen(listen, limits) if any(map(dial_name, addresses)) else None
-        self.grid: list[list[Connection]] = []
-        try:
-            for r, row in enumerate(rows):
-                self.grid.append([])
-                for s, a in enumerate(row):
-                    self.grid[-1].append(
-                        Connection(
-                            a,
-                            stage=s,
-                            replica=r if replicated else None,
-                            heartbeat_timeout=heartbeat_timeout,
-                            process=(processes or {}).get(a),
-                            curve=curves.get(a),
-                            limits=limits,
-                            call_timeout=call_timeout,
-                        )
-                    )
-        except BaseException:
-            for c in (c for row in self.grid for c in row):
-                c.close()
-            self._close_switchboard()
-            raise
-        self.conns = [c for row in self.grid for c in row]
-        seal_keys: dict[str, bytes] = {}
-        for c in self.conns:
-            c.session = self.id
-            c.seal_key = seal_keys.setdefault(c.address, c.seal_key)  # one per worker, however many stages
-            c.session_conns = self.conns  # a failed sum of gradients may be another worker's loss
-        self.store_host = store_host
-        self.groups = Groups(self)  # where workers sum gradients: replicas, stages holding tied weights
-        self.heartbeat: Heartbeat | None = None
+        # Where workers sum gradients: replicas, stages holding tied weights.
+        self.groups = Groups(self, store_host, allow_plaintext_allreduce)
         self.placements: dict[str, Placement] = {}
         self.predicted_stage_seconds: dict[str, list[float]] = {}  # from balance="time"
         self.mirrors: list[OptimizerMirror] = []
-        try:
-            # Pinging from the start keeps the sessions of the workers that answer alive while a late one is awaited.
-            self.heartbeat = Heartbeat(self.addresses, self.id, min(1.0, heartbeat_timeout / 4), curves or None)
-            self.workers = self._hello(connect_timeout)
-            for c in self.conns:
-                c.heartbeat = self.heartbeat
-            if replicated:
-                self.groups.form_replica_groups()
-        except BaseException:
-            self.close()
-            raise
-
-    def _listen(self, listen: str | None, limits: protocol.Limits) -> Switchboard:
-        """Wait for the workers that dial in, on a switchboard listening at ``listen``."""
-        names = list(self.dial_names.values())
-        if listen is None:
-            raise ConfigurationError(
-                f"hosts names workers that dial in ({', '.join(names)}), but there is no listen= address for them "
-                "to dial: give the strategy listen='tcp://0.0.0.0:PORT'"
-            )
         if self.topology.replicas > 1:
-            raise ConfigurationError(
-                f"hosts has {self.topology.replicas} rows (replicas) and workers that dial in ({', '.join(names)}): "
-                "replicas sum their gradients through torch.distributed, whose workers must accept connections from "
-                "each other, which a worker that dials in cannot. Train one pipeline with them, or start those "
-                "workers with --bind where they can accept connections"
-            )
-        worker_keys = None
-        if self.keys is not None and self.worker_keys is not None:
-            worker_keys = {n: self.worker_keys[a] for a, n in self.dial_names.items()}
-        switchboard = Switchboard(listen, keys=self.keys, worker_keys=worker_keys, limits=limits)
-        route_dialin(names, switchboard.local_endpoint)
-        try:
-            switchboard.wait_for(names, self.connect_timeout)
-        except BaseException:
-            route_dialin(names, None)
-            switchboard.close()
-            raise
-        return switchboard
-
-    def _close_switchboard(self) -> None:
-        if self.switchboard is not None:
-            route_dialin(list(self.dial_names.values()), None)
-            self.switchboard.close()
-            self.switchboard = None
-
-    def peer_address(self, target: Connection, sender: Connection) -> str:
-        """Where the worker of ``sender`` reaches the worker of ``target``: at the IP this driver
-        reaches it at (it need not resolve the names this host knows), or, for a worker that
-        dialed in, through this driver's switchboard: via the driver a dial-in sender dialed itself,
-        via this machine's address towards any other."""
-        name = dial_name(target.address)
-        if name is None:
-            return resolved(target.address)
-        assert self.switchboard is not None
-        via = "" if dial_name(sender.address) else self.switchboard.via_toward(resolved(sender.address))
-        return relay_address(name, via, self.keys.public if self.keys is not None else None)
+            try:
+                self.groups.form_replica_groups()
+            except BaseException:
+                self.close()
+                raise
 
     def grads_version(self) -> int:
         """How many backward passes ran through remote stages: gradients changed if this moved."""
         return sum(r.backwards for pl in self.placements.values() for r in (pl.remote, *pl.views))
-
-    @property
-    def addresses(self) -> list[str]:
-        """Every worker's address, row by row (as `conns`)."""
-        return self.topology.addresses
-
-    @property
-    def dial_names(self) -> dict[str, str]:
-        """The workers that dial in: their name, by address (``dial:NAME``)."""
-        return {a: n for a in self.addresses if (n := dial_name(a))}
-
-    def _hello(self, timeout: float) -> list[dict[str, Any]]:
-        driver = f"{socket.gethostname()} pid {os.getpid()}"
-        hello = Hello(
-            driver,
-            protocol.PROTOCOL_VERSION,
-            __version__,
-            torch.__version__,
-            float(self.heartbeat_timeout),
-            limits=self.conns[0].limits if self.conns else protocol.DEFAULT_LIMITS,
-        )
-        deadline = time.monotonic() + timeout
-        bodies = {id(c): dataclasses.replace(hello, seal_key=c.seal_key).body() for c in self.conns}
-        pending = {id(c): (c, c.send(protocol.HELLO, bodies[id(c)])) for c in self.conns}
-        replies: dict[int, dict[str, Any]] = {}
-        while pending:
-            waits = []
-            for key, (c, i) in list(pending.items()):
-                try:
-                    replies[key] = c.recv(i, timeout=max(0.0, deadline - time.monotonic()), what="connect")
-                    del pending[key]
-                except WorkerError as err:
-                    if err.remote_type == "ProtocolVersionError":
-                        raise ProtocolVersionError(str(err)) from None
-                    wait = _wait_for_silent_session(c, err, deadline)
-                    if wait is None:
-                        raise
-                    waits.append(wait)
-            if pending:  # held by sessions of a driver that is gone: ask again once they are dropped
-                time.sleep(max(waits))
-                pending = {key: (c, c.send(protocol.HELLO, bodies[key])) for key, (c, _) in pending.items()}
-        infos = [replies[id(c)] for c in self.conns]
-        for c, info in zip(self.conns, infos):
-            if info.get("protocol") != protocol.PROTOCOL_VERSION:
-                raise ProtocolVersionError(
-                    protocol.version_mismatch(c.where(), info.get("protocol"), info.get("lrmp"), "this driver")
-                )
-            c.remote_limits = protocol.Limits.from_dict(info.get("limits"))
-            if info.get("lrmp") != __version__ or info.get("torch") != torch.__version__:
-                log.warning(
-                    "%s runs lrmp %s / torch %s; this driver runs lrmp %s / torch %s",
-                    c.where(),
-                    info.get("lrmp"),
-                    info.get("torch"),
-                    __version__,
-                    torch.__version__,
-                )
-            free, curve = info.get("free_memory", 0) / 2**30, ", CURVE: encrypted, keys checked" if c.curve else ""
-            log.info("%s: %s, %.1f GiB free%s", c.where(), info.get("device_name"), free, curve)
-        return infos
 
     # --- placing stages --------------------------------------------------------------
     def plan(
@@ -417,94 +243,31 @@ class DriverSession:
         what = f"{module.kind} {key!r}"
         if checked is None:
             checked = checked_for_workers(module, what)
+        stages = self._cut(module, what, lender, balance, checked, training)
         if lender is None:
-            stages = self.plan(module, balance, what, compute=checked, training=training)
-        else:  # the lender's cut: each stage holds the same units, so the same tensors
-            stages = partition.plan_stages([len(rs.stage.layer_indices) for rs in lender.remote.stages], module.wiring)
-        for stage, conn in ((stage, row[stage.index]) for row in self.grid for stage in stages):
-            cap = (conn.remote_limits or protocol.DEFAULT_LIMITS).max_layers
-            if len(stage.layer_indices) > cap:
-                raise SpecError(
-                    f"{what}, stage {stage.index}: {len(stage.layer_indices)} layers, but {conn.where()} accepts "
-                    f"at most {cap} per stage; start it with a larger --max-layers or balance differently"
-                )
-        meta = module.is_meta
-        if lender is None and meta and not module.pending_state and not sources and module.weights_left_on_workers:
-            raise SpecError(
-                f"{what} lives on the meta device and was trained by an earlier run whose workers held its only "
-                "weights; starting again from its seed would silently drop that training. Pass ckpt_path= "
-                "(or load a state dict into the module) to continue from a checkpoint."
-            )
+            _refuse_dropping_training(module, what, sources)
         log.info(
             "%s placed:\n%s",
             what,
             partition.describe(stages, module.entries, module.layers, list(self.topology.rows[0])),
         )
-        digests = {name: source_digest(name) for name in user_code_modules(module.entries)}
         # A view's stages hold its lender's tensors, shared and tied as they are there.
         shared, tied = ties.plan(module.shared() if lender is None else [], stages, trains=ties.trainable(module))
         self.groups.check_plaintext(what, tied)
-        weights: dict[int, tuple[dict[str, torch.Tensor] | None, dict[str, list[str]]]] = {}
-        for stage in stages:
-            if lender is not None:
-                weights[stage.index] = (None, {})
-            elif sources or module.init_seed is None or not meta:
-                where = f"{what}, stage {stage.index}"
-                weights[stage.index] = stage_weights(module, stage, sources or WeightSources(), where)
-            else:  # a seeded spec on the meta device: the state loaded, or its seed
-                weights[stage.index] = (meta_stage_state(module, stage), {})
-        if sources:
-            read, sent = (sum(len(w[k] or {}) for w in weights.values()) for k in (1, 0))
-            log.info("%s: the workers read %d tensors from %s; this driver sends %d", what, read, sources.roots(), sent)
-        ids = []
-        for r, row, stage in ((r, row, stage) for r, row in enumerate(self.grid) for stage in stages):
-            conn = row[stage.index]
-            peers = [k for k, _ in (*stage.sources, *stage.targets) if k != partition.DRIVER]
-            entries = [module.entries[i].to_wire() for i in stage.layer_indices]
-            setup = Setup(
-                key=key,
-                stage=stage.index,
-                start=stage.start,
-                entries=entries,
-                exports=stage.exports,
-                sources=stage.sources,
-                targets=stage.targets,
-                peers={k: self.peer_address(row[k], conn) for k in peers},
-                # With CURVE, the keys of those peers: this worker checks them when it connects to one,
-                # and lets them connect to it for this session's forward and backward messages.
-                peer_keys={
-                    k: self.worker_keys[row[k].address].decode("ascii") for k in peers if self.worker_keys is not None
-                },
-                state=weights[stage.index][0],
-                files=weights[stage.index][1],
-                init_seed=module.init_seed,
-                split_backward=split_backward,
-                code_digests={n: d for n, d in digests.items() if d is not None},
-                # A view leaves the worker's random stream where it is: reseeding would replay it.
-                seed=None if lender else (self.seed + 1_000_003 * (r * self.topology.stages + stage.index)) % 2**62,
-                frozen=[
-                    f"{i}.{name}"
-                    for i in stage.layer_indices
-                    for name, p in module.layers[i].named_parameters()
-                    if not p.requires_grad
-                ],
-                shared=shared[stage.index],
-                deferred_batch_norm=deferred_batch_norm,
-                compression=compression,
-                stages=len(stages) if schedule != "gpipe" else None,
-                borrows=borrows,
-            )
-            try:
-                ids.append(conn.send(protocol.SETUP, setup.body()))
-            except protocol.LimitExceeded:
-                raise
-            except protocol.ProtocolError as err:
-                raise SpecError(
-                    f"{what}, stage {stage.index}: a layer's kwargs cannot be sent to a worker: {err}"
-                ) from None
-        with shown(self.heartbeat, [row[s.index] for row in self.grid for s in stages], f"{what}: reading weights"):
-            for (conn, stage), i in zip(((row[stage.index], stage) for row in self.grid for stage in stages), ids):
-                send_unread(conn, key, conn.recv(i, what="setup", bounded=False), weights[stage.index][1], what)
+        weights = _weights_by_stage(module, stages, what, borrowed=lender is not None, sources=sources)
+        self._set_up(
+            key,
+            module,
+            what,
+            stages,
+            weights,
+            shared,
+            borrows=borrows,
+            split_backward=split_backward,
+            deferred_batch_norm=deferred_batch_norm,
+            compression=compression,
+            schedule_stages=len(stages) if schedule != "gpipe" else None,
+        )
         if tied:
             self.groups.form_tie_groups(key, tied)
         remote = RemoteSpec(
@@ -519,13 +282,135 @@ class DriverSession:
             schedule=schedule,
             loss=(module.loss_output(), module.loss_count_output()),
         )
+        self._attach(key, module, remote, lender, tied=bool(tied))
+        if lender is None and sources is not None and sources.pretrained is not None:
+            self.placements[key].base = sources.pretrained.root  # where a QLoRA checkpoint finds its base
+
+    def _cut(
+        self,
+        module: SpecSequential,
+        what: str,
+        lender: Placement | None,
+        balance: Balance,
+        checked: Sequence[float],
+        training: bool,
+    ) -> list[partition.Stage]:
+        """``module``'s stages: planned (`plan`), or a view's, its lender's cut (each stage holds the
+        same units, so the same tensors); each within what its workers accept (``--max-layers``)."""
+        if lender is None:
+            stages = self.plan(module, balance, what, compute=checked, training=training)
+        else:
+            stages = partition.plan_stages([len(rs.stage.layer_indices) for rs in lender.remote.stages], module.wiring)
+        for stage, conn in ((stage, row[stage.index]) for row in self.grid for stage in stages):
+            cap = (conn.remote_limits or protocol.DEFAULT_LIMITS).max_layers
+            if len(stage.layer_indices) > cap:
+                raise SpecError(
+                    f"{what}, stage {stage.index}: {len(stage.layer_indices)} layers, but {conn.where()} accepts "
+                    f"at most {cap} per stage; start it with a larger --max-layers or balance differently"
+                )
+        return stages
+
+    def _set_up(
+        self,
+        key: str,
+        module: SpecSequential,
+        what: str,
+        stages: Sequence[partition.Stage],
+        weights: Mapping[int, StageWeights],
+        shared: Mapping[int, list[list[str]]],
+        **options: Any,
+    ) -> None:
+        """Send every worker its stage (SETUP, `_setup`), then read their replies, sending each the
+        tensors it could not read from the files (`placement.send_unread`)."""
+        digests = {name: source_digest(name) for name in user_code_modules(module.entries)}
+        code_digests = {n: d for n, d in digests.items() if d is not None}
+        placed = [(r, stage) for r in range(len(self.grid)) for stage in stages]
+        ids = []
+        for r, stage in placed:
+            setup = self._setup(
+                key, module, r, stage, weights[stage.index], shared[stage.index], code_digests, **options
+            )
+            try:
+                ids.append(self.grid[r][stage.index].send(protocol.SETUP, setup.body()))
+            except protocol.LimitExceeded:
+                raise
+            except protocol.ProtocolError as err:
+                raise SpecError(
+                    f"{what}, stage {stage.index}: a layer's kwargs cannot be sent to a worker: {err}"
+                ) from None
+        conns = [self.grid[r][stage.index] for r, stage in placed]
+        with shown(self.heartbeat, conns, f"{what}: reading weights"):
+            for conn, (_, stage), i in zip(conns, placed, ids):
+                send_unread(conn, key, conn.recv(i, what="setup", bounded=False), weights[stage.index][1], what)
+
+    def _setup(
+        self,
+        key: str,
+        module: SpecSequential,
+        replica: int,
+        stage: partition.Stage,
+        weights: StageWeights,
+        shared: list[list[str]],
+        code_digests: dict[str, str],
+        *,
+        borrows: str | None,
+        split_backward: SplitBackward,
+        deferred_batch_norm: bool,
+        compression: str | None,
+        schedule_stages: int | None,
+    ) -> Setup:
+        """The SETUP of ``stage`` for its worker in row ``replica`` of the grid."""
+        row = self.grid[replica]
+        conn = row[stage.index]
+        peers = [k for k, _ in (*stage.sources, *stage.targets) if k != partition.DRIVER]
+        return Setup(
+            key=key,
+            stage=stage.index,
+            start=stage.start,
+            entries=[module.entries[i].to_wire() for i in stage.layer_indices],
+            exports=stage.exports,
+            sources=stage.sources,
+            targets=stage.targets,
+            peers={k: self.peer_address(row[k], conn) for k in peers},
+            # With CURVE, the keys of those peers: this worker checks them when it connects to one,
+            # and lets them connect to it for this session's forward and backward messages.
+            peer_keys={
+                k: self.worker_keys[row[k].address].decode("ascii") for k in peers if self.worker_keys is not None
+            },
+            state=weights[0],
+            files=weights[1],
+            init_seed=module.init_seed,
+            split_backward=split_backward,
+            code_digests=code_digests,
+            # A view leaves the worker's random stream where it is: reseeding would replay it.
+            seed=None
+            if borrows is not None
+            else (self.seed + 1_000_003 * (replica * self.topology.stages + stage.index)) % 2**62,
+            frozen=[
+                f"{i}.{name}"
+                for i in stage.layer_indices
+                for name, p in module.layers[i].named_parameters()
+                if not p.requires_grad
+            ],
+            shared=shared,
+            deferred_batch_norm=deferred_batch_norm,
+            compression=compression,
+            stages=schedule_stages,
+            borrows=borrows,
+        )
+
+    def _attach(
+        self, key: str, module: SpecSequential, remote: RemoteSpec, lender: Placement | None, tied: bool
+    ) -> None:
+        """From now on ``module``'s forward runs through ``remote``, kept as a placement of its own
+        or as a view of its lender's. A loss's gradient is deferred (`RemoteSpec.loss_grads`) only
+        for the one module placed on these workers, and only without tied weights."""
         remote.loss_grads.enabled = remote.loss_grads.enabled and not tied and not self.placements
         for other in self.placements.values():
             other.remote.loss_grads.enabled = False
         module.attach(remote)
         if lender is None:
             self.placements[key] = Placement(key, module, remote)
-            self.placements[key].base = sources.pretrained.root if sources and sources.pretrained else None
         else:
             lender.views.append(remote)
 
@@ -628,56 +513,41 @@ class DriverSession:
         return left
 
     def close(self) -> None:
-        for c in self.conns:
-            # The session is over: nothing more to confirm, and nothing held may run now (a step
-            # could overtake a backward that is still running there).
-            c.before_send.clear()
-            c.discard_carried(after=0)
-        live = [c for c in self.conns if not c.closed and c.lost_reason is None]
-        ids = []
-        for c in live:
-            with contextlib.suppress(Exception):
-                ids.append((c, c.send(protocol.BYE)))
-        for c, i in ids:
-            try:
-                c.recv(i, timeout=2.0, what="bye")
-            except Exception as err:  # the session is over either way
-                log.debug("%s: bye not acknowledged: %s", c.where(), err)
-        if self.heartbeat is not None:
-            self.heartbeat.close()
-        for c in self.conns:
-            c.close()
-        self._close_switchboard()
+        super().close()
         self.groups.store = None
 
 
-#: A session whose driver has been silent this long (seconds) is taken for one whose driver is gone:
-#: a live driver pings every second.
-_SILENT_SESSION = 2.0
-#: A worker that will drop its session within this many seconds saw its connection close.
-_DROPPED_SOON = 3.5
+def _refuse_dropping_training(module: SpecSequential, what: str, sources: WeightSources | None) -> None:
+    """Refuse to place a module on the meta device whose only trained weights an earlier run's
+    workers held, with nothing to load them from: starting again from its seed would drop them."""
+    if module.is_meta and not module.pending_state and not sources and module.weights_left_on_workers:
+        raise SpecError(
+            f"{what} lives on the meta device and was trained by an earlier run whose workers held its only "
+            "weights; starting again from its seed would silently drop that training. Pass ckpt_path= "
+            "(or load a state dict into the module) to continue from a checkpoint."
+        )
 
 
-def _wait_for_silent_session(conn: Connection, err: WorkerError, deadline: float) -> float | None:
-    """Seconds to wait before asking a busy worker again, when its session's driver has gone silent
-    and the worker will drop that session before ``deadline``; ``None`` to give up (a live session)."""
-    if err.remote_type != "WorkerBusy":
-        return None
-    silent, expires = err.details.get("silent_for"), err.details.get("expires_in")
-    if not isinstance(silent, (int, float)) or not isinstance(expires, (int, float)):
-        return None
-    # Silent for a while, or about to be dropped because its connection closed (a killed driver).
-    if silent < _SILENT_SESSION and expires > _DROPPED_SOON:
-        return None
-    if time.monotonic() + expires > deadline:
-        return None
-    log.info(
-        "%s still holds a session whose driver has been silent for %.1f s (gone?); it drops it within %.1f s: waiting",
-        conn.where(),
-        silent,
-        expires,
-    )
-    return min(expires + 0.2, max(0.0, deadline - time.monotonic()))
+def _weights_by_stage(
+    module: SpecSequential, stages: Sequence[partition.Stage], what: str, borrowed: bool, sources: WeightSources | None
+) -> dict[int, StageWeights]:
+    """Each stage's tensors: those the driver sends and those its worker reads from ``sources``'
+    files (`placement.stage_weights`); none for a view (``borrowed``: they are its lender's); for a
+    seeded spec on the meta device, the state loaded into it, or nothing (its seed)."""
+    weights: dict[int, StageWeights] = {}
+    meta = module.is_meta
+    for stage in stages:
+        if borrowed:
+            weights[stage.index] = (None, {})
+        elif sources or module.init_seed is None or not meta:
+            where = f"{what}, stage {stage.index}"
+            weights[stage.index] = stage_weights(module, stage, sources or WeightSources(), where)
+        else:  # a seeded spec on the meta device: the state loaded, or its seed
+            weights[stage.index] = (meta_stage_state(module, stage), {})
+    if sources:
+        read, sent = (sum(len(w[k] or {}) for w in weights.values()) for k in (1, 0))
+        log.info("%s: the workers read %d tensors from %s; this driver sends %d", what, read, sources.roots(), sent)
+    return weights
 
 
 def _gib(n: float) -> str:

@@ -14,10 +14,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import shutil
-import tempfile
 import warnings
-from pathlib import Path
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -28,12 +25,12 @@ from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_remote_mp.driver import checkpoint as sharded
 from lightning_remote_mp.driver.checkpoint import ShardedCheckpoint
-from lightning_remote_mp.driver.launch import LocalWorkers
 from lightning_remote_mp.driver.options import (
     DEFAULT_GATHER_LIMIT,
     CurveOptions,
     LocalWorkerOptions,
     Topology,
+    balance_for,
     check_balance,
     check_count,
     check_curve,
@@ -46,10 +43,11 @@ from lightning_remote_mp.driver.options import (
     check_timeout,
 )
 from lightning_remote_mp.driver.pipeline import check_checkpoint_mode
-from lightning_remote_mp.driver.placement import WeightSources
-from lightning_remote_mp.driver.preflight import allow_modules_for, checked_for_workers
+from lightning_remote_mp.driver.placement import WeightSources, mark_placed, mark_trained_elsewhere
+from lightning_remote_mp.driver.preflight import allow_modules_for, checked_for_workers, checked_traced
 from lightning_remote_mp.driver.session import DriverSession
-from lightning_remote_mp.errors import ConfigurationError, LrmpError, SpecError, TraceError, WeightsError
+from lightning_remote_mp.driver.workers import Workers, load_keys
+from lightning_remote_mp.errors import ConfigurationError, LrmpError, WeightsError
 from lightning_remote_mp.flow import SplitBackward
 from lightning_remote_mp.lightning import intercept
 from lightning_remote_mp.lightning.timeline import TimelineCallback
@@ -59,10 +57,8 @@ from lightning_remote_mp.model.meta import fill_meta_buffers, kept_on_meta, on_m
 from lightning_remote_mp.model.spec import SpecSequential
 from lightning_remote_mp.model.trace import find_modules
 from lightning_remote_mp.model.traced import TracedSequential
-from lightning_remote_mp.model.weights import TensorFiles
 from lightning_remote_mp.schedule import check_schedule
 from lightning_remote_mp.wire import protocol
-from lightning_remote_mp.wire.keys import KeyPair, generate_keypair, load_keypair, load_public_key, write_public_key
 from lightning_remote_mp.wire.transport import DEFAULT_CALL_TIMEOUT, DEFAULT_CONNECT_TIMEOUT, DEFAULT_HEARTBEAT_TIMEOUT
 
 log = logging.getLogger(__name__)
@@ -281,11 +277,8 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
         )
         self._traced: list[TracedForward] = []
         self._device_given = device is not None
-        self._local: LocalWorkers | None = None
-        self._local_keys_dir: str | None = None
+        self._workers: Workers | None = None  # between setup and teardown
         self._session: DriverSession | None = None
-        self._keys: KeyPair | None = None
-        self._worker_keys: dict[str, bytes] | None = None
         self._resume: ShardedCheckpoint | None = None  # a sharded checkpoint being loaded
         self._loaded: dict[str, dict[str, torch.Tensor]] = {}  # a full checkpoint's values for meta modules
         self._loaded_full = False  # a full checkpoint was loaded into the modules (they are its values)
@@ -301,18 +294,6 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
         if self.topology.replicas == 1:
             return list(self.topology.rows[0])
         return [list(row) for row in self.topology.rows]
-
-    def _load_keys(self) -> tuple[KeyPair | None, dict[str, bytes] | None]:
-        """This driver's key pair, and each given worker's public key by address (``None`` without
-        CURVE, or for local workers, which get fresh keys): read at setup, never at construction."""
-        if self.curve is None:
-            return None, None
-        keys = load_keypair(self.curve.secret_key)
-        if self.topology is None:
-            return keys, None
-        flat = self.topology.addresses
-        worker_keys = [load_public_key(p) for p in self.curve.worker_public_keys]
-        return keys, dict(zip(flat, worker_keys * len(flat) if len(worker_keys) == 1 else worker_keys))
 
     @property
     def root_device(self) -> torch.device:
@@ -358,40 +339,35 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
             return
         fitting = self._fitting = trainer.state.fn == TrainerFn.FITTING
         # Fail before any worker is started or contacted.
-        balances = {key: self._balance_for(key, {**modules, **traced}) for key in {**modules, **traced}}
-        checks = {key: self._check_before_workers(key, module) for key, module in modules.items()}
+        names = list({**modules, **traced})
+        balances = {key: balance_for(self.balance, key, names) for key in names}
+        checks = {
+            key: checked_for_workers(module, f"SpecSequential {key!r}", self.num_stages)
+            for key, module in modules.items()
+        }
         try:
-            self._keys, self._worker_keys = self._load_keys()
-            topology, processes, worker_keys = self._workers(modules)
+            keys, worker_keys = load_keys(self.curve, self.topology)
+            if self.topology is not None:
+                self._workers = Workers(self.topology, worker_keys)
+            else:
+                assert self.local_workers is not None
+                allow = allow_modules_for(modules, self.optimizers)
+                self._workers = Workers.start(self.local_workers, self.replicas, keys, self.limits, allow)
             self._session = DriverSession(
-                topology,
+                self._workers.topology,
                 heartbeat_timeout=self.heartbeat_timeout,
                 connect_timeout=self.connect_timeout,
                 call_timeout=self.call_timeout,
-                processes=processes,
+                processes=self._workers.processes,
                 store_host=self.store_host,
-                keys=self._keys,
-                worker_keys=worker_keys,
+                keys=keys,
+                worker_keys=self._workers.worker_keys,
                 limits=self.limits,
                 allow_plaintext_allreduce=self.curve is not None and self.curve.allow_plaintext_allreduce,
                 listen=self.listen,
             )
             for key, module in modules.items():
-                self._session.place(
-                    key,
-                    module,
-                    balances[key],
-                    self.microbatches,
-                    self.split_backward,
-                    training=fitting,
-                    checkpoint=self.checkpoint,
-                    deferred_batch_norm=self.deferred_batch_norm,
-                    compression=self.compression,
-                    checked=checks[key],
-                    schedule=self.schedule,
-                    sources=self._sources(key, module),
-                )
-                vars(module)[_PLACED] = True
+                self._place(key, module, balances[key], fitting, checked=checks[key])
             for key, sub in traced.items():
                 if on_meta(sub):
                     fill_meta_buffers(sub)  # rotary frequencies and the like: in no file
@@ -406,25 +382,24 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
             self._close()
             raise
 
-    def _place_traced(self, key: str, balance: Any, fitting: bool, module: TracedSequential, view: str = "") -> None:
-        """Ship a module traced at its first call; its optimizers are mirrored from then on. A ``view``:
-        another call signature's units, placed as that key on the stages and tensors of ``key``'s."""
-        session = self._session
-        if session is None:
-            raise LrmpError(f"module {key!r} was first called outside a session with the workers")
-        if len(module.layers) < self.num_stages:
-            raise TraceError(
-                f"module {key!r} was cut into {len(module.layers)} units ({', '.join(e.name for e in module.entries)})"
-                ", "
-                f"fewer than the {self.num_stages} stages: use fewer workers, split a larger module, or mark where "
-                "plain code may be cut with torch.distributed.pipelining.pipe_split() (a module whose running "
-                "statistics are used in several places keeps every unit between its uses in one)"
+    def _place(
+        self, key: str, module: SpecSequential, balance: Any, fitting: bool, checked: Any, view: str = ""
+    ) -> None:
+        """Place ``module`` as ``key`` (a ``view``: as that key, on ``key``'s stages and tensors) with
+        this strategy's options, its tensors read from where they are now (`WeightSources.of`)."""
+        assert self._session is not None
+        sources = None
+        if not view:
+            sources = WeightSources.of(
+                key,
+                module,
+                checkpoint=self._resume.weights_for(key) if self._resume is not None else None,
+                loaded=self._loaded.pop(key, {}),
+                pretrained=self.pretrained.get(key),
+                loaded_full=self._loaded_full,
+                base=self._resume.base_for(key) if self._resume is not None else None,
             )
-        if isinstance(balance, list) and all(isinstance(b, str) for b in balance):
-            balance = module.counts_at(balance, self.num_stages)
-        if self.microbatches > 1 or self.replicas > 1:
-            module.check_batch_split(module.example)
-        session.place(
+        self._session.place(
             view or key,
             module,
             balance,
@@ -434,48 +409,29 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
             checkpoint=self.checkpoint,
             deferred_batch_norm=self.deferred_batch_norm,
             compression=self.compression,
-            checked=module.compute,
+            checked=checked,
             schedule=self.schedule,
-            sources=None if view else self._sources(key, module),
+            sources=sources,
             borrows=key if view else None,
         )
+        if not view:
+            mark_placed(module)
+
+    def _place_traced(self, key: str, balance: Any, fitting: bool, module: TracedSequential, view: str = "") -> None:
+        """Ship a module traced at its first call; its optimizers are mirrored from then on. A ``view``:
+        another call signature's units, placed as that key on the stages and tensors of ``key``'s."""
+        session = self._session
+        if session is None:
+            raise LrmpError(f"module {key!r} was first called outside a session with the workers")
+        split = self.microbatches > 1 or self.replicas > 1
+        balance = checked_traced(key, module, balance, self.num_stages, split)
+        self._place(key, module, balance, fitting, checked=module.compute, view=view)
         if view:
             return
-        vars(module.state_owner).pop(_TRAINED_ELSEWHERE, None)
-        vars(module.state_owner)[_PLACED] = True
         if fitting:
             self.optimizers = self.optimizers  # mirrors them over the newly remote parameters
             if self._resume is not None and self.lightning_module is not None:
                 self._resume.load_optimizers(session, self.lightning_module, key)
-
-    def _sources(self, key: str, module: SpecSequential) -> WeightSources:
-        """Where the tensors of the module placed as ``key`` come from (`WeightSources`): values a
-        full checkpoint loaded while it had no storage, a sharded checkpoint being resumed, its
-        pretrained files (for every tensor at its first placement, then only for those on meta)."""
-        owner = module.state_owner
-        checkpoint = self._resume.weights_for(key) if self._resume is not None else None
-        loaded = self._loaded.pop(key, {})
-        if vars(owner).get(_TRAINED_ELSEWHERE) and checkpoint is None and not loaded:
-            raise WeightsError(
-                f"module {key!r} was trained by an earlier run whose workers and checkpoints hold its trained weights "
-                "(they did not come back here: it is larger than gather_limit, or on the meta device); pass "
-                "ckpt_path= with a checkpoint of that run"
-            )
-        path = self.pretrained.get(key)
-        if path is None and module.is_meta:
-            # A HuggingFace model built on the meta device from a local directory's config.
-            name = getattr(owner, "name_or_path", None)
-            if isinstance(name, str) and name and Path(name).is_dir():
-                path = name
-        if path is None and self._resume is not None:
-            path = self._resume.base_for(key)  # the files a QLoRA checkpoint's frozen base came from
-        first = not vars(owner).get(_PLACED) and not self._loaded_full
-        return WeightSources(
-            loaded=loaded,
-            checkpoint=checkpoint,
-            pretrained=TensorFiles.of(path) if path is not None else None,
-            pretrained_first=first,
-        )
 
     def model_to_device(self) -> None:
         assert self.model is not None
@@ -592,65 +548,6 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
         assert self.local_workers is not None
         return self.local_workers.count // self.replicas
 
-    def _check_before_workers(self, key: str, module: SpecSequential) -> list[float]:
-        what = f"SpecSequential {key!r}"
-        if len(module.layers) < self.num_stages:
-            raise SpecError(
-                f"{what} has {len(module.layers)} layers but there are {self.num_stages} stages (one per worker "
-                "of a pipeline); each stage needs at least one layer: use fewer workers"
-            )
-        return checked_for_workers(module, what)
-
-    def _workers(
-        self, modules: dict[str, SpecSequential]
-    ) -> tuple[Topology, dict[str, Any] | None, dict[str, bytes] | None]:
-        if self.topology is not None:
-            return self.topology, None, self._worker_keys
-        local = self.local_workers
-        assert local is not None
-        secret_files, authorized, worker_keys = None, None, None
-        if self._keys is not None:
-            # Local workers with CURVE: a key pair each, and this driver's public key as the only authorized one.
-            self._local_keys_dir = tempfile.mkdtemp(prefix="lrmp-keys-")
-            pairs = [generate_keypair(self._local_keys_dir, f"worker{i}") for i in range(local.count)]
-            secret_files = [str(secret) for _, secret in pairs]
-            worker_keys = [load_public_key(public) for public, _ in pairs]
-            authorized_dir = Path(self._local_keys_dir) / "authorized"
-            authorized_dir.mkdir()
-            write_public_key(authorized_dir / "driver.key", self._keys.public)
-            authorized = str(authorized_dir)
-        extra = []
-        if self.limits.max_message_bytes != protocol.DEFAULT_LIMITS.max_message_bytes:
-            extra = ["--max-message-bytes", str(self.limits.max_message_bytes)]
-        self._local = LocalWorkers(
-            local.count,
-            devices=local.devices,
-            threads=local.threads,
-            allow_modules=allow_modules_for(modules, self.optimizers),
-            secret_keys=secret_files,
-            authorized_keys=authorized,
-            extra_args=extra,
-        )
-        addresses = self._local.start()
-        processes = dict(zip(addresses, self._local.procs))
-        keys_by_address = dict(zip(addresses, worker_keys)) if worker_keys is not None else None
-        return Topology.in_rows(addresses, self.replicas), processes, keys_by_address
-
-    def _balance_for(self, key: str, modules: dict[str, SpecSequential]) -> Any:
-        if isinstance(self.balance, dict):
-            unknown = set(self.balance) - set(modules)
-            if unknown:
-                raise LrmpError(
-                    f"balance names {sorted(unknown)}, but the SpecSequentials and split modules are {sorted(modules)}"
-                )
-            return self.balance.get(key)
-        if isinstance(self.balance, list) and len(modules) > 1:
-            raise LrmpError(
-                f"balance {self.balance} is ambiguous with several SpecSequentials ({sorted(modules)}); "
-                "give a dict from their names to layer counts"
-            )
-        return self.balance
-
     def teardown(self) -> None:
         self._close()
         with kept_on_meta(self.lightning_module, self.split):
@@ -670,28 +567,19 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
                     left = session.restore(self.gather_limit, trained=self._fitting)
                     for owner in left:
                         if not isinstance(owner, SpecSequential):  # a spec records it itself (weights_left_on_workers)
-                            vars(owner)[_TRAINED_ELSEWHERE] = True
+                            mark_trained_elsewhere(owner)
                 finally:
                     session.close()
         finally:
-            if self._local is not None:
-                self._local.stop()
-                self._local = None
-            if self._local_keys_dir is not None:
-                shutil.rmtree(self._local_keys_dir, ignore_errors=True)
-                self._local_keys_dir = None
+            workers, self._workers = self._workers, None
+            if workers is not None:
+                workers.stop()
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register(
             cls.strategy_name, cls, description="layers of SpecSequential modules trained on remote lrmp-workers"
         )
-
-
-#: Marks a split module whose trained weights stayed with the workers and checkpoints of a run.
-_TRAINED_ELSEWHERE = "_lrmp_trained_elsewhere"
-#: Marks a module placed before: its values here are the trained ones, not the pretrained files'.
-_PLACED = "_lrmp_placed"
 
 
 if RemoteModelParallelStrategy.strategy_name not in StrategyRegistry:

@@ -1,6 +1,8 @@
 """The model: what a user's network is to lrmp, before any socket is opened.
 
-- `spec`: layer specs, class resolution under an allowlist, `SpecSequential`;
+- `entries`: a layer spec's entries, read and normalised;
+- `build`: classes resolved from dotted paths and layers built, under a worker's allowlist;
+- `spec`: `SpecSequential`, the module a layer spec builds;
 - `wiring`: residual variables: who produces and consumes each, and running layers under that convention;
 - `graph`: traced programs as plain data, the operator allowlist, and `GraphLayer` that runs them;
 - `export`: the ``torch.export`` front end: an unchanged ``nn.Module`` as an ATen graph;

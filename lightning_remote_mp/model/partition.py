@@ -22,7 +22,7 @@ from torch import nn
 
 from lightning_remote_mp.errors import SpecError
 from lightning_remote_mp.flow import DRIVER
-from lightning_remote_mp.model.spec import LayerEntry
+from lightning_remote_mp.model.entries import LayerEntry
 from lightning_remote_mp.model.wiring import Wiring
 
 #: Bytes kept per float32 parameter while training: the weight, its gradient and two optimizer moments.

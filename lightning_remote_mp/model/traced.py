@@ -23,9 +23,10 @@ from torch.fx.experimental.symbolic_shapes import is_concrete_int
 from torch.utils import _pytree as pytree
 
 from lightning_remote_mp.errors import TraceError
+from lightning_remote_mp.model.entries import LayerEntry
 from lightning_remote_mp.model.graph import GraphLayer
 from lightning_remote_mp.model.joins import Join, join_of
-from lightning_remote_mp.model.spec import LayerEntry, SpecSequential
+from lightning_remote_mp.model.spec import Keep, SpecSequential
 
 
 @dataclasses.dataclass(frozen=True)
@@ -280,8 +281,9 @@ class Interface:
         """Which pipeline outputs the last stage keeps until the driver reads them
         (`lightning_remote_mp.driver.outputs`): those that carry the batch. When the module computes
         its own loss, always: a step that reads the loss alone never needs them here. Else in a call
-        where they come to `KEEP_BYTES` or more: a loss from ``torch.nn.functional`` over them is
-        then computed where they are (`lightning_remote_mp.driver.losses`). Smaller outputs (a
+        where they come to `lightning_remote_mp.model.spec.KEEP_BYTES` or more: a loss from
+        ``torch.nn.functional`` over them is then computed where they are
+        (`lightning_remote_mp.driver.losses`). Smaller outputs (a
         classifier's ten logits per row) travel with the result, where a fetch would cost a round
         trip for nothing."""
         batch = [join == "batch" for join in self.joins_out]
@@ -364,49 +366,6 @@ class Interface:
             else:
                 flat.append(leaf[1])
         return pytree.tree_unflatten(flat, self.out_spec)
-
-
-#: A call's outputs that come to this many bytes stay on the last stage until read (`Keep`): about
-#: what a 1 Gbit/s link carries in the time a round trip to fetch them costs.
-KEEP_BYTES = 64 * 1024
-
-
-@dataclasses.dataclass(frozen=True)
-class Keep:
-    """Which of a traced module's outputs the last stage keeps until they are read (`Interface.kept`).
-
-    ``outputs``: the candidates (those carrying the batch). ``row_bytes``: each output's bytes per
-    row of the batch; a candidate is kept in a call where its rows come to `KEEP_BYTES` or more.
-    ``None``: always kept (a module that computes its own loss).
-
-    >>> Keep([True, False], [4096, 4]).at(8), Keep([True, False], [4096, 4]).at(16)
-    (None, [True, False])
-    >>> Keep([True], [0]).learned([torch.zeros(4, 2048)], 4).at(8)
-    [True]
-    """
-
-    outputs: list[bool]
-    row_bytes: list[int] | None
-
-    def learned(self, parts: Sequence[Any], rows: int) -> Keep:
-        """This rule with each output's bytes per row as a call of ``rows`` rows returned them
-        (``parts``: its micro-batches' outputs, a tensor or a tuple each): for a model whose output
-        sizes are not known before it runs (a layer spec)."""
-        if self.row_bytes is None or rows < 1:
-            return self
-        sizes = [0] * len(self.outputs)
-        for part in parts:
-            for i, t in enumerate(part if isinstance(part, tuple) else (part,)):
-                if i < len(sizes) and isinstance(t, torch.Tensor):
-                    sizes[i] += t.nbytes
-        return Keep(self.outputs, [max(old, n // rows) for old, n in zip(self.row_bytes, sizes)])
-
-    def at(self, rows: int) -> list[bool] | None:
-        """What to keep of a call of ``rows`` rows (``None``: nothing)."""
-        if self.row_bytes is None:
-            return list(self.outputs)
-        flags = [c and rows * n >= KEEP_BYTES for c, n in zip(self.outputs, self.row_bytes)]
-        return flags if any(flags) else None
 
 
 def call_difference(traced: Any, now: Any) -> str:

@@ -7,7 +7,8 @@
 - `collect`: a pipeline's answers from several workers at once, and what counts as a stall;
 - `keys`: CURVE key pairs and their files;
 - `messages`: the pipeline's typed messages (a micro-batch's forward and backward);
-- `requests`: the driver's other typed requests.
+- `requests`: the driver's other typed requests;
+- `carry`: the driver's quiet requests carried along the pipeline, each sealed for its worker.
 
 The wire knows no layers and no Lightning: it imports neither `lightning_remote_mp.model` nor the
 layers above it.

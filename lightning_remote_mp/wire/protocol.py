@@ -123,7 +123,7 @@ REQUEST_KINDS = frozenset(Kind) - {RESULT, DONE, OK, ERROR}
 QUIET_KINDS = frozenset({OPTIM_STEP, ZERO_GRAD, RELEASE, LOSS_GRAD})
 
 #: Requests that may travel along the pipeline instead of straight to their worker
-#: (`lightning_remote_mp.wire.requests.Carry`): the quiet ones, which the driver never waits for.
+#: (`lightning_remote_mp.wire.carry.Carry`): the quiet ones, which the driver never waits for.
 CARRIED_KINDS = QUIET_KINDS
 
 _EXT_TENSOR = 1
@@ -547,7 +547,7 @@ def _message(header: list[Any], buffers: Sequence[memoryview], limits: Limits) -
         if len(buf) == 0:
             tensors.append(torch.empty(shape, dtype=dtype))
         else:
-            # A frame kept as bytes (a request carried along the pipeline, `requests.Carried`) is
+            # A frame kept as bytes (a request carried along the pipeline, `carry.Carried`) is
             # read-only: torch would warn, and a tensor over it must not be written. It is small: copied.
             view = memoryview(bytearray(buf)) if buf.readonly else buf
             tensors.append(torch.frombuffer(view, dtype=torch.uint8).view(dtype).reshape(shape))

@@ -1,23 +1,24 @@
 """The driver's control requests, typed: what it asks of a worker besides running micro-batches.
 
 `messages` holds the pipeline's data (`~lightning_remote_mp.wire.messages.Forward`,
-`~lightning_remote_mp.wire.messages.Backward`), which stages also send each other; this module holds
-every other request, which only the driver sends: placing a stage (`Setup`), moving weights
-(`GetState`, `LoadState`), the optimizer mirror (`OptimCreate`, `OptimStep`, `ZeroGrad`,
-`GetOptimState`, `LoadOptimState`, and the `Grads` operations), and the rest (`Release`,
-`Profile`, `Timeline`, `GroupInit`), and the session's first request, `Hello`. Each is built by the
-driver, becomes a body with ``body()``, and is checked once on the worker by ``from_body``, both
-made from the fields each declares (`lightning_remote_mp.wire.fields`): a malformed body raises
-`lightning_remote_mp.errors.ProtocolError` naming the kind and the field (except `Hello`'s, read
-leniently: see there). `REQUESTS` maps every kind a worker accepts to its class, the pipeline's
-two included: the worker parses what arrives there, and nowhere else. Only the shape is
-checked here; what the fields mean (a layer entry, a class path, a weight's shape) is checked by
-the code that uses them (`lightning_remote_mp.model.spec.normalize_entry`, the stage, the optimizer).
+`~lightning_remote_mp.wire.messages.Backward`), which stages also send each other; `state` the
+requests that move a stage's tensors (`~lightning_remote_mp.wire.state.GetState` and the rest),
+`grads` the optimizer's operations on gradients, and `carry` the quiet requests carried along the
+pipeline (`~lightning_remote_mp.wire.carry.Carry`). This module holds every other request, which
+only the driver sends: placing a stage (`Setup`), the optimizer mirror (`OptimCreate`,
+`OptimStep`, `ZeroGrad`), the loss on the last stage (`Loss`, `LossGrad`), and the rest
+(`Release`, `Fetch`, `Sync`, `Profile`, `Timeline`, `GroupInit`), and the session's own: `Hello`,
+`Ping`, `Bye`. Each is built by the driver, becomes a body with ``body()``, and is checked once on
+the worker by ``from_body``, both made from the fields each declares
+(`lightning_remote_mp.wire.fields`): a malformed body raises `lightning_remote_mp.errors.ProtocolError`
+naming the kind and the field (except `Hello`'s, read leniently: see there). The worker reads
+every kind through one table (`lightning_remote_mp.worker.request.REQUESTS`), and nowhere else.
+Only the shape is checked here; what the fields mean (a layer entry, a class path, a weight's
+shape) is checked by the code that uses them (`lightning_remote_mp.model.entries.normalize_entry`, the
+stage, the optimizer).
 
 >>> ZeroGrad.from_body(ZeroGrad(index=0).body())
 ZeroGrad(index=0, set_to_none=True)
->>> Grads.from_body({"index": 0, "op": "clamp", "value": 1})
-GradClamp(index=0, value=1.0)
 >>> OptimStep.from_body({"index": 0, "hparams": {"lr": 0.1}})
 Traceback (most recent call last):
 ...
@@ -27,14 +28,11 @@ lightning_remote_mp.errors.ProtocolError: optim_step message: field 'hparams' mu
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import hmac
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, Literal
 
 import torch
 
-from lightning_remote_mp.errors import ProtocolError
 from lightning_remote_mp.flow import Routes, SplitBackward, is_split_backward
 from lightning_remote_mp.wire import protocol
 from lightning_remote_mp.wire.fields import (
@@ -47,7 +45,6 @@ from lightning_remote_mp.wire.fields import (
     choice,
     each,
     field,
-    is_direction,
     is_int,
     is_int_list,
     is_scalar,
@@ -61,17 +58,8 @@ from lightning_remote_mp.wire.fields import (
     number,
     refuse,
 )
-from lightning_remote_mp.wire.grads import Grads
 from lightning_remote_mp.wire.keys import is_z85_key
-from lightning_remote_mp.wire.messages import Backward, Forward
 from lightning_remote_mp.wire.state import (
-    GetOptimState,
-    GetState,
-    LoadOptimState,
-    LoadState,
-    ReadOptim,
-    Save,
-    Saved,
     is_file_source,
     is_tensor_map,
 )
@@ -131,7 +119,7 @@ class Setup(Body):
 
     Attributes:
         key: the SpecSequential's name; ``stage``: the stage's number; ``start``: its first layer's index.
-        entries: its layer entries as `lightning_remote_mp.model.spec.LayerEntry.to_wire` writes them.
+        entries: its layer entries as `lightning_remote_mp.model.entries.LayerEntry.to_wire` writes them.
         exports: the residual variables it produces for later stages.
         sources, targets: its forward routes (`lightning_remote_mp.model.partition.Stage`).
         peers: the worker address of every other stage on its routes (the driver is no peer).
@@ -141,7 +129,7 @@ class Setup(Body):
             model's, a sharded checkpoint's), by name: ``{"<layer index>.<name>": [path, name in the
             file]}``, or ``[path, name, how]`` for a part of a 4-bit weight the worker quantizes as it reads
             it (`lightning_remote_mp.model.weights.QUANTIZE`); ``state`` then holds the rest.
-        init_seed: layer ``i`` starts from seed ``init_seed + i`` (`lightning_remote_mp.model.spec.build_layer`).
+        init_seed: layer ``i`` starts from seed ``init_seed + i`` (`lightning_remote_mp.model.build.build_layer`).
         split_backward: defer the weight gradients of linear layers: ``True``, ``False``, or ``"auto"``
             for the calls whose product is large enough (`lightning_remote_mp.worker.deferred_grads`).
         code_digests: the driver's source digest of each user module the entries import.
@@ -240,7 +228,7 @@ class Loss(Body):
         key, call: the model and the forward call whose kept output the loss reads.
         position: which of the model's outputs it reads.
         program: the loss program's number on this worker; ``entries`` (its layer entries, as
-            `lightning_remote_mp.model.spec.LayerEntry.to_wire` writes them) and ``state`` (each
+            `lightning_remote_mp.model.entries.LayerEntry.to_wire` writes them) and ``state`` (each
             entry's tensors) come with the first use.
         inputs: for each of the program's inputs, the argument it takes: 0 the kept output, 1 the
             target, ``2 + i`` the ``i``-th of ``whole``.
@@ -367,160 +355,6 @@ class LossGrad(Body):
     )
 
 
-#: The requests a `Carry` may bring, by kind (`protocol.CARRIED_KINDS`).
-_CARRIED: dict[str, type[Body]] = {c.KIND: c for c in (OptimStep, ZeroGrad, Release, LossGrad)}
-assert set(_CARRIED) == protocol.CARRIED_KINDS
-
-#: The most requests one `Carry` brings for one stage: a few per optimizer and step.
-MAX_CARRIED = 1024
-
-
-#: Bytes of the key that seals the requests the driver sends a worker along the pipeline (`Carried`).
-SEAL_KEY_BYTES = 32
-
-
-def _seal(key: bytes, after: int, frames: Sequence[bytes]) -> bytes:
-    """HMAC-SHA256, under ``key``, of ``after`` and the request's frames (each with its length)."""
-    mac = hmac.new(key, after.to_bytes(8, "little"), hashlib.sha256)
-    for frame in frames:
-        mac.update(len(frame).to_bytes(8, "little"))
-        mac.update(frame)
-    return mac.digest()
-
-
-@dataclasses.dataclass(frozen=True)
-class Carried:
-    """One request that travels along the pipeline to its worker (`Carry`), sealed for it.
-
-    The request travels as the frames the driver would send that worker straight (`protocol.encode`:
-    its kind, id, session and body), with a seal: an HMAC under a key only the driver and that
-    worker know (each worker's own, from the driver's HELLO). The stages it crosses on the way pass
-    it on as it came; they can neither forge nor alter it for another worker.
-
-    Attributes:
-        id: its id among the driver's requests to that worker, as if it had been sent straight there.
-        after: the id of the driver's request to that worker just before it: the worker runs it
-            only once that one has run, so a request that came the short way is never overtaken.
-        request: the request (`protocol.CARRIED_KINDS`).
-        frames: the request as encoded for its worker; ``seal``: their HMAC (`sealed`, `sealed_by`).
-        session: the session its frames name.
-
-    >>> key = bytes(SEAL_KEY_BYTES)
-    >>> c = Carried.sealed(ZeroGrad(0), 7, 6, "s", key)
-    >>> c.sealed_by(key, "s"), c.sealed_by(bytes(range(SEAL_KEY_BYTES)), "s"), c.sealed_by(key, "other")
-    (True, False, False)
-    """
-
-    id: int
-    after: int
-    request: Body
-    frames: tuple[bytes, ...] = ()
-    seal: bytes = b""
-    session: str = ""
-
-    @classmethod
-    def sealed(
-        cls,
-        request: Body,
-        req_id: int,
-        after: int,
-        session: str,
-        key: bytes,
-        limits: protocol.Limits | None = None,
-    ) -> Carried:
-        """``request``, the driver's ``req_id``-th to a worker, sealed with that worker's ``key``;
-        encoded within that worker's ``limits``, so that its frames may also go to it straight."""
-        frames = tuple(bytes(f) for f in protocol.encode(request.KIND, req_id, session, request.body(), limits))
-        return cls(req_id, after, request, frames, _seal(key, after, frames), session)
-
-    def sealed_by(self, key: bytes | None, session: str) -> bool:
-        """Whether the driver of ``session`` sealed this request with ``key`` (its worker's)."""
-        if not key or self.session != session:
-            return False
-        return hmac.compare_digest(self.seal, _seal(key, self.after, self.frames))
-
-    def wire(self) -> list[Any]:
-        return [self.after, list(self.frames), self.seal]
-
-
-def _carried(kind: str, name: str, value: Any) -> dict[int, tuple[Carried, ...]]:
-    """``{stage: [[after, frames, seal], ...]}``, ids rising, each request's frames decoded and read
-    as its kind's request (its seal is checked by the worker it is for: `Carried.sealed_by`). Read
-    here alone, as a pipelined message is in `lightning_remote_mp.wire.fields`: a stage reads one
-    with every call's micro-batches."""
-    if not isinstance(value, dict):
-        raise refuse(kind, f"field {name!r} must be a dict, got {type(value).__name__}")
-    out = {}
-    for stage, entries in value.items():
-        if not (type(stage) is int and stage >= 0 and isinstance(entries, list) and 0 < len(entries) <= MAX_CARRIED):
-            raise refuse(
-                kind,
-                f"field {name!r} must map stage numbers to lists of at most {MAX_CARRIED} requests; "
-                f"entry {stage!r:.40} does not",
-            )
-        read: list[Carried] = []
-        for i, e in enumerate(entries):
-            message = None
-            if (
-                isinstance(e, list)
-                and len(e) == 3
-                and type(e[0]) is int
-                and isinstance(e[1], list)
-                and all(isinstance(f, bytes) for f in e[1])
-                and isinstance(e[2], bytes)
-                and len(e[2]) == hashlib.sha256().digest_size
-            ):
-                try:
-                    message = protocol.decode(e[1])
-                except ProtocolError:
-                    message = None
-            if not (
-                message is not None
-                and message.kind in _CARRIED
-                and 0 <= e[0] < message.id
-                and (not read or message.id > read[-1].id)
-            ):
-                raise refuse(
-                    kind,
-                    f"field {name!r}: request {i} for stage {stage} must be [after, frames, seal] with frames "
-                    f"that decode to a request of kind one of {sorted(_CARRIED)}, after < its id, ids rising",
-                )
-            request = _CARRIED[message.kind].from_body(message.body)
-            read.append(Carried(message.id, e[0], request, tuple(e[1]), e[2], message.session))
-        out[stage] = tuple(read)
-    return out
-
-
-@dataclasses.dataclass(frozen=True)
-class Carry(Body):
-    """CARRY: the driver's quiet requests (`protocol.CARRIED_KINDS`: the optimizer's step,
-    zero_grad, releases) for the stages of one pipeline, travelling with its micro-batches instead of one
-    message per worker: the driver bundles one with a call's forward (to stage 0) or backward (to
-    the last stage), and each stage passes on what is not its own to the next stage ``toward``,
-    before it runs its own. A step then costs the driver no message of its own.
-
-    Attributes:
-        key, call: the SpecSequential and the call whose messages it travels with.
-        sender: the stage that passed it on, or `lightning_remote_mp.flow.DRIVER` (``from``).
-        toward: ``1``: on down the pipeline (with a forward); ``-1``: up it (with a backward).
-        requests: by stage, its requests (`Carried`), in the order the driver made them.
-
-    >>> c = Carry("net", 3, -1, 1, {1: (Carried.sealed(ZeroGrad(0), 7, 6, "s", bytes(SEAL_KEY_BYTES)),)})
-    >>> Carry.from_body(c.body()).requests[1][0].request
-    ZeroGrad(index=0, set_to_none=True)
-    """
-
-    KIND: ClassVar[str] = protocol.CARRY
-
-    key: str = field(STR)
-    call: int = field(INT)
-    sender: int = field(INT, wire="from")
-    toward: int = field(must(is_direction, "field 'toward' must be 1 or -1"))
-    requests: Mapping[int, Sequence[Carried]] = field(
-        _carried, write=lambda m: {stage: [c.wire() for c in entries] for stage, entries in m.items()}
-    )
-
-
 # --- observing and replicas -----------------------------------------------------------------
 
 
@@ -557,6 +391,11 @@ class GroupInit(Body):
     backend: str = field(STR)
     timeout: float = field(number)
     params: Sequence[str] | None = field(list_of(is_str, "parameter names"), default=None, write=list, omit_none=True)
+
+
+#: Bytes of the key that seals the requests the driver sends a worker along the pipeline
+#: (`lightning_remote_mp.wire.carry.Carried`): each worker's own, given in the driver's `Hello`.
+SEAL_KEY_BYTES = 32
 
 
 # --- the session -----------------------------------------------------------------------------
@@ -598,7 +437,7 @@ class Hello(Body):
         lenient(protocol.Limits.from_dict), default=protocol.DEFAULT_LIMITS, write=protocol.Limits.as_dict
     )
     #: This worker's key for the session: the driver seals with it what it sends the worker along the
-    #: pipeline (`Carried`), so that no other worker can forge or alter it. ``None``: none may come.
+    #: pipeline (`carry.Carried`), so that no other worker can forge or alter it. ``None``: none may come.
     seal_key: bytes | None = field(
         lenient(lambda v: v if isinstance(v, bytes) and len(v) == SEAL_KEY_BYTES else None), default=None
     )
@@ -621,38 +460,3 @@ class Bye(Body):
     """BYE: the driver ends its session. It carries nothing."""
 
     KIND: ClassVar[str] = protocol.BYE
-
-
-#: Every kind a worker accepts, and the type its body is read as: the one table a received message
-#: is parsed through (`lightning_remote_mp.worker.request`).
-REQUESTS: dict[str, type[Body]] = {
-    c.KIND: c
-    for c in (
-        Hello,
-        Ping,
-        Bye,
-        Setup,
-        Forward,
-        Backward,
-        Release,
-        GetState,
-        LoadState,
-        Profile,
-        OptimCreate,
-        OptimStep,
-        ZeroGrad,
-        GetOptimState,
-        LoadOptimState,
-        Grads,
-        Timeline,
-        GroupInit,
-        Sync,
-        Fetch,
-        Loss,
-        Carry,
-        LossGrad,
-        Save,
-        Saved,
-        ReadOptim,
-    )
-}

@@ -33,7 +33,8 @@ from lightning_remote_mp.errors import (
 )
 from lightning_remote_mp.wire import protocol
 from lightning_remote_mp.wire.addresses import dial_name, endpoint_of, why_unreachable
-from lightning_remote_mp.wire.requests import SEAL_KEY_BYTES, Carried
+from lightning_remote_mp.wire.carry import Carried
+from lightning_remote_mp.wire.requests import SEAL_KEY_BYTES
 from lightning_remote_mp.wire.sockets import HANDSHAKE_EVENTS, Curve, dealer, handshake_failure
 
 if TYPE_CHECKING:
@@ -162,7 +163,7 @@ class Connection:
         go before ``bodies`` (again, for the latter: the worker runs a request once, whichever way
         it came first), so nothing sent straight to the worker overtakes them. ``lead``: messages
         ``(kind, body)`` that go before everything but the worker's loss gradients, in the same
-        bundle, with no place in the order of requests (id 0): a `lightning_remote_mp.wire.requests.Carry`,
+        bundle, with no place in the order of requests (id 0): a `lightning_remote_mp.wire.carry.Carry`,
         which the worker passes on before it runs its other quiet requests. ``link=False`` leaves the
         workers linked to the held requests (`carry`) to the caller, which sends them theirs another
         way first (`flush_linked`).
@@ -198,7 +199,7 @@ class Connection:
 
     def carry(self, request: Any, linked: Sequence[Connection] = ()) -> None:
         """Post ``request`` (of `protocol.CARRIED_KINDS`) to travel with the next call's micro-batches
-        along the pipeline (`take_carried`, `lightning_remote_mp.wire.requests.Carry`) instead of in a
+        along the pipeline (`take_carried`, `lightning_remote_mp.wire.carry.Carry`) instead of in a
         message of its own; whatever is sent straight to the worker first sends it (`send_all`).
         Like `post`, a failure is raised by whichever later call reads the reply.
 
@@ -220,7 +221,7 @@ class Connection:
         self._linked.extend(c for c in linked if c is not self and c not in self._linked)
 
     def take_carried(self) -> list[Carried]:
-        """The requests `carry` holds, for a `lightning_remote_mp.wire.requests.Carry`: from now on
+        """The requests `carry` holds, for a `lightning_remote_mp.wire.carry.Carry`: from now on
         they travel along the pipeline (until known to have run, `send_all` sends them again). The
         caller sends the `Carry`, then calls `flush_linked`."""
         self._confirm_first()

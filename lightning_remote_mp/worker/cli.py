@@ -27,7 +27,8 @@ from lightning_remote_mp.errors import ConfigurationError
 from lightning_remote_mp.model import operators
 from lightning_remote_mp.wire import addresses, protocol
 from lightning_remote_mp.worker import allocator, weights
-from lightning_remote_mp.worker.server import DEFAULT_SESSION_TIMEOUT, WorkerServer
+from lightning_remote_mp.worker.admission import DEFAULT_SESSION_TIMEOUT
+from lightning_remote_mp.worker.server import WorkerServer
 from lightning_remote_mp.worker.signals import StopSignal
 
 log = logging.getLogger("lightning_remote_mp.worker")

@@ -16,7 +16,7 @@ import queue
 import threading
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import zmq
 
@@ -25,9 +25,6 @@ from lightning_remote_mp.wire import protocol, sockets
 from lightning_remote_mp.wire.addresses import RELAY
 from lightning_remote_mp.wire.keys import KeyPair
 from lightning_remote_mp.worker.request import error_body
-
-if TYPE_CHECKING:
-    from lightning_remote_mp.worker.server import WorkerServer
 
 #: How long a stage keeps trying to hand a message to the next stage before it reports that stage
 #: unreachable (the driver's heartbeat_timeout, when its HELLO says).
@@ -82,6 +79,16 @@ class _CopyWaiter:
             wake.close(0)
 
 
+class SocketHolder(Protocol):
+    """Who holds the socket to the driver and lends it for each send (the `WorkerServer`)."""
+
+    sock: zmq.Socket
+
+    def socket(self) -> contextlib.AbstractContextManager[None]:
+        """Hold the socket for the duration of a send."""
+        ...
+
+
 class Outbox:
     """The serving thread's way out: to the driver through the server's socket, to peers directly.
 
@@ -97,7 +104,7 @@ class Outbox:
     """
 
     def __init__(
-        self, holder: WorkerServer, wake_endpoint: str, keys: KeyPair | None = None, relay_via: str = ""
+        self, holder: SocketHolder, wake_endpoint: str, keys: KeyPair | None = None, relay_via: str = ""
     ) -> None:
         self.holder = holder  # the server: its socket to the driver, lent to this thread for each send
         self.wake_endpoint = wake_endpoint  # wakes the serving loop when a held copy is done

@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from lightning_remote_mp.model.spec import LayerEntry, build_layer, normalize_entry
+from lightning_remote_mp.model.build import build_layer
+from lightning_remote_mp.model.entries import LayerEntry, normalize_entry
 from lightning_remote_mp.model.wiring import call_layer, variables_of
 
 

@@ -1,8 +1,8 @@
 """A request that arrived on a worker: read as the typed message its kind names, and the reply when
 it fails.
 
-`parse` is the one place a received body is read (through `lightning_remote_mp.wire.requests.REQUESTS`,
-one class per kind): everything after it handles typed messages. A body that cannot be read becomes
+`parse` is the one place a received body is read (through `REQUESTS`, one class per kind):
+everything after it handles typed messages. A body that cannot be read becomes
 a `Request` that carries the refusal, answered in its turn like any request's failure. The server
 runs a request in its turn (`lightning_remote_mp.worker.runtime.Order.run`: a micro-batch goes to
 its stage's runtime, another request to the session's handler for its type); `failure_reply` makes
@@ -14,24 +14,74 @@ from __future__ import annotations
 
 import dataclasses
 import traceback
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from lightning_remote_mp.errors import ProtocolError
 from lightning_remote_mp.flow import DRIVER
 from lightning_remote_mp.wire import protocol
+from lightning_remote_mp.wire.carry import Carry
 from lightning_remote_mp.wire.fields import Body
+from lightning_remote_mp.wire.grads import Grads
 from lightning_remote_mp.wire.messages import Backward, Forward, salvage
-from lightning_remote_mp.wire.requests import REQUESTS, Carry
-from lightning_remote_mp.worker.session import WorkerSession
+from lightning_remote_mp.wire.requests import (
+    Bye,
+    Fetch,
+    GroupInit,
+    Hello,
+    Loss,
+    LossGrad,
+    OptimCreate,
+    OptimStep,
+    Ping,
+    Profile,
+    Release,
+    Setup,
+    Sync,
+    Timeline,
+    ZeroGrad,
+)
+from lightning_remote_mp.wire.state import GetOptimState, GetState, LoadOptimState, LoadState, ReadOptim, Save, Saved
 from lightning_remote_mp.worker.throttle import Throttle
-
-if TYPE_CHECKING:
-    from lightning_remote_mp.worker.outbox import Outbox  # which reports failures with `error_body`
 
 #: The kinds of the worker's own tasks, queued beside requests: drop a session, start one.
 DROP, NEW = "__drop__", "__new__"
+
+#: Every kind a worker accepts, and the type its body is read as: the one table a received message
+#: is parsed through (`parse`).
+REQUESTS: dict[str, type[Body]] = {
+    c.KIND: c
+    for c in (
+        Hello,
+        Ping,
+        Bye,
+        Setup,
+        Forward,
+        Backward,
+        Release,
+        GetState,
+        LoadState,
+        Profile,
+        OptimCreate,
+        OptimStep,
+        ZeroGrad,
+        GetOptimState,
+        LoadOptimState,
+        Grads,
+        Timeline,
+        GroupInit,
+        Sync,
+        Fetch,
+        Loss,
+        Carry,
+        LossGrad,
+        Save,
+        Saved,
+        ReadOptim,
+    )
+}
 
 #: Kinds that stages send each other too; a failure of one is reported to the driver, whoever sent it.
 _PIPELINE_KINDS = frozenset({protocol.FORWARD, protocol.BACKWARD, protocol.CARRY})
@@ -93,9 +143,13 @@ def device_failed(err: BaseException) -> bool:
     return isinstance(err, RuntimeError) and "CUDA error" in str(err)
 
 
-def error_body(err: BaseException, session: WorkerSession | None = None, *, trace: bool = True) -> dict[str, Any]:
-    """The body of an ERROR reply. ``trace=False`` leaves the traceback out: for malformed input
-    from anyone, it is costly to format and tells a stranger about this worker's files."""
+def error_body(
+    err: BaseException, layer_name: Callable[[int], str | None] | None = None, *, trace: bool = True
+) -> dict[str, Any]:
+    """The body of an ERROR reply; ``layer_name`` names the failing layer by its index (the session's
+    `~lightning_remote_mp.worker.session.WorkerSession.layer_name`). ``trace=False`` leaves the
+    traceback out: for malformed input from anyone, it is costly to format and tells a stranger
+    about this worker's files."""
     layer = getattr(err, "lrmp_layer", None)
     body: dict[str, Any] = {
         "type": type(err).__name__,
@@ -106,25 +160,28 @@ def error_body(err: BaseException, session: WorkerSession | None = None, *, trac
     actions = getattr(err, "lrmp_actions", None)
     if isinstance(actions, str):
         body["actions"] = actions  # the stage's action list, the failing action marked (`runtime.StageRuntime`)
-    if body["layer"] is not None and session is not None:
-        for stage in session.stages.values():
-            if name := stage.layer_name(body["layer"]):
-                body["layer_name"] = name
+    if body["layer"] is not None and layer_name is not None and (name := layer_name(body["layer"])):
+        body["layer_name"] = name
     return body
 
 
 def failure_reply(
-    request: Request, session: WorkerSession | None, err: Exception, outbox: Outbox, throttle: Throttle
+    request: Request,
+    err: Exception,
+    throttle: Throttle,
+    to_driver: Callable[[str, dict[str, Any]], None],
+    layer_name: Callable[[int], str | None] | None = None,
 ) -> list[Any] | None:
     """The reply to ``request`` for ``err``, the failure it raised (logged, without flooding the log):
-    an ERROR to its sender, or ``None`` for pipelined work, whose failure goes to the driver through
-    the ``outbox`` whoever sent the micro-batch."""
+    an ERROR to its sender, or ``None`` for pipelined work, whose failure goes ``to_driver`` (the
+    `~lightning_remote_mp.worker.outbox.Outbox`'s) whoever sent the micro-batch. ``layer_name``: as
+    for `error_body`."""
     if not isinstance(err, ProtocolError):
         throttle.warning("failed:" + request.kind, "request %s failed: %s: %s", request.kind, type(err).__name__, err)
-    error = error_body(err, session)
+    error = error_body(err, layer_name)
     if request.kind in _PIPELINE_KINDS:
         error.update(request.about)  # pipelined work answers to the driver, whoever sent the message
-        outbox.to_driver(protocol.ERROR, error)
+        to_driver(protocol.ERROR, error)
         return None
     if request.kind in protocol.QUIET_KINDS:
         error["posted"] = request.kind  # the driver did not wait for it: its next read raises this

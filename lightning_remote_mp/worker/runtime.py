@@ -14,7 +14,7 @@ This module is the one place that decides when a worker runs something. Two thin
   gradients times it to ``.grad``. Releasing a call drops what waits for it.
 - **the driver's requests** (`Order`, one per worker). They run in the order the driver sent them
   (their ids), whichever way they came: straight from the driver, or along the pipeline
-  (`lightning_remote_mp.wire.requests.Carry`). Three things wait: a peer's micro-batch, for the
+  (`lightning_remote_mp.wire.carry.Carry`). Three things wait: a peer's micro-batch, for the
   driver's requests its ``fence`` names (`Order.hold_back`); a request that came along the
   pipeline, for the one the driver sent before it (`Order.next_carried`); every request the driver
   sent after a loss's gradient (`requests.LossGrad`), until the stage has run its part of that
@@ -47,9 +47,10 @@ from lightning_remote_mp import schedule
 from lightning_remote_mp.errors import LrmpError, ProtocolError, SpecError
 from lightning_remote_mp.flow import DRIVER
 from lightning_remote_mp.schedule import BACKWARD, FORWARD, WEIGHTS
+from lightning_remote_mp.wire.carry import Carried, Carry
 from lightning_remote_mp.wire.messages import Backward, Forward
 from lightning_remote_mp.wire.protocol import CARRIED_KINDS, CARRY
-from lightning_remote_mp.wire.requests import Carried, Carry, LossGrad, Release
+from lightning_remote_mp.wire.requests import LossGrad, Release
 from lightning_remote_mp.worker.route import Outgoing, RoutedStage
 
 if TYPE_CHECKING:

@@ -5,8 +5,9 @@ hand-off between threads on the way (each hand-off cost a thread wake-up and a f
 interpreter lock: a round trip through a worker was 10x a raw pyzmq one). While a request runs
 longer than `STAND_IN_AFTER`, the main thread takes the socket over and answers heartbeats at once,
 admits or refuses drivers, and queues requests for the serving thread; it hands the socket back as
-soon as the request returns. Either thread expires a session whose driver falls silent. The main
-thread also handles signals.
+soon as the request returns. Either thread expires a session whose driver falls silent (which
+driver is served, and until when: `lightning_remote_mp.worker.admission`). The main thread also
+handles signals.
 
 Each message is read once, as it arrives, into a typed request (`lightning_remote_mp.worker.request`);
 the serving thread runs it in its turn (`worker.runtime.Order.run`: a micro-batch through its
@@ -30,14 +31,14 @@ from typing import Any
 import torch
 import zmq
 
-from lightning_remote_mp._version import __version__
 from lightning_remote_mp.errors import ConfigurationError, ProtocolError, ProtocolVersionError
 from lightning_remote_mp.wire import protocol, sockets
 from lightning_remote_mp.wire.keys import KeyPair
 from lightning_remote_mp.wire.requests import Hello
 from lightning_remote_mp.wire.traffic import MIN_PROGRESS, Traffic
 from lightning_remote_mp.worker import allocator
-from lightning_remote_mp.worker.auth import DRIVER, WorkerAuth
+from lightning_remote_mp.worker.admission import DEFAULT_SESSION_TIMEOUT, Admission, describe_duration, versions
+from lightning_remote_mp.worker.auth import WorkerAuth
 from lightning_remote_mp.worker.outbox import DEFAULT_PEER_TIMEOUT, Outbox
 from lightning_remote_mp.worker.request import DROP, NEW, Request, device_failed, error_body, failure_reply, parse
 from lightning_remote_mp.worker.runtime import NO_REPLY
@@ -48,10 +49,6 @@ from lightning_remote_mp.worker.uplink import Uplink
 
 log = logging.getLogger(__name__)
 
-DEFAULT_SESSION_TIMEOUT = 20.0
-#: Seconds of driver silence, after one of the session's connections closed, before the session is
-#: dropped (a killed driver's kernel closes its connections; a live driver pings every second).
-DISCONNECT_GRACE = 3.0
 #: How long a stopping worker waits for a request that is still running (a layer stuck for good,
 #: say) before it leaves without it.
 _COMPUTE_GRACE = 0.5
@@ -60,19 +57,6 @@ _COMPUTE_GRACE = 0.5
 STAND_IN_AFTER = 0.2
 #: A worker that finished a request this recently still counts as computing (between a pipeline's short requests).
 _BUSY_WINDOW = 1.0
-
-
-def describe_duration(seconds: float) -> str:
-    """``"0.4 s"``, ``"12 s"``, ``"3 min 12 s"``, ``"2 h 5 min"``: a span of time as people say it."""
-    seconds = max(0.0, seconds)
-    if seconds < 10:
-        return f"{seconds:.1f} s"
-    whole = round(seconds)
-    if whole < 60:
-        return f"{whole} s"
-    if whole < 3600:
-        return f"{whole // 60} min {whole % 60} s"
-    return f"{whole // 3600} h {whole % 3600 // 60} min"
 
 
 def _warm_up() -> None:
@@ -119,7 +103,7 @@ class WorkerServer:
         name: str = "",
         driver_key: bytes | None = None,
     ) -> None:
-        from lightning_remote_mp.model.spec import DEFAULT_ALLOWED_PREFIXES
+        from lightning_remote_mp.model.build import DEFAULT_ALLOWED_PREFIXES
 
         self.uplink: Uplink | None = None
         if connect is not None:
@@ -139,20 +123,15 @@ class WorkerServer:
                 raise ConfigurationError(f"--device {device}: this machine has no CUDA device visible to torch")
             torch.cuda.set_device(self.device)
         self.allowed_prefixes = list(dict.fromkeys([*DEFAULT_ALLOWED_PREFIXES, *allowed_prefixes]))
-        self.session_timeout = session_timeout
         self.parent = parent
         self.limits = limits
         self.keys = keys
-        # I/O-thread state of the current session.
-        self._session_id: str | None = None
-        self._session_peer = ""
-        self._last_seen = 0.0
-        self._session_started = 0.0
+        # I/O-thread state: the session served (which driver, until when), and whether a request runs.
+        self.admission = Admission(session_timeout)
         self._busy_since: float | None = None
-        self._session_peer_keys: dict[str, frozenset[bytes]] = {}  # session -> announced peer keys
         # The authenticator must answer before the first client can complete a handshake.
         self.auth = (
-            WorkerAuth(sockets.context(), authorized_keys, self._current_peer_keys)
+            WorkerAuth(sockets.context(), authorized_keys, self.admission.peer_keys)
             if keys is not None and authorized_keys is not None and connect is None
             else None
         )
@@ -165,7 +144,6 @@ class WorkerServer:
         self._monitor = self.sock.get_monitor_socket(
             zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_DISCONNECTED
         )
-        self._disconnected_at: float | None = None  # a connection closed during the session: its driver's?
         self._throttle = Throttle(log)
         self._device_failure: Exception | None = None  # a CUDA error a request raised (`_answer`)
         self._traffic = Traffic()  # sampled by the thread that holds the socket, for heartbeats
@@ -189,13 +167,6 @@ class WorkerServer:
     @property
     def secure(self) -> bool:
         return self.auth is not None or (self.uplink is not None and self.uplink.curve is not None)
-
-    def _current_peer_keys(self) -> frozenset[bytes]:
-        return self._session_peer_keys.get(self._session_id or "", frozenset())
-
-    def announce_peer_keys(self, session: str, keys: Sequence[bytes]) -> None:
-        """Called by the serving thread at SETUP: the keys of this session's other workers."""
-        self._session_peer_keys = {session: self._session_peer_keys.get(session, frozenset()) | frozenset(keys)}
 
     def serve_forever(self) -> None:
         """Serve until `stop`: requests on a thread of their own, signals and stand-in on this one."""
@@ -310,8 +281,8 @@ class WorkerServer:
     def _poll_timeout(self, cap: float | None = None) -> float | None:
         """Milliseconds to sleep: until the session would expire, or ``cap`` seconds."""
         timeout = cap
-        if self._session_id is not None:
-            left = max(0.0, self._expires_in()) + 0.01
+        if self.admission.session is not None:
+            left = max(0.0, self.admission.expires_in()) + 0.01
             timeout = left if timeout is None else min(timeout, left)
         return None if timeout is None else timeout * 1000
 
@@ -342,8 +313,7 @@ class WorkerServer:
 
         event = parse_monitor_message(frames)
         if event["event"] == zmq.EVENT_DISCONNECTED:
-            if self._session_id is not None and self._disconnected_at is None:
-                self._disconnected_at = time.monotonic()
+            self.admission.disconnected()
             return
         if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and (
             event["value"] == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH
@@ -357,7 +327,7 @@ class WorkerServer:
 
     def _reply(self, peer: bytes, kind: str, req_id: int, body: Any) -> None:
         try:
-            frames = protocol.encode(kind, req_id, self._session_id or "", body)
+            frames = protocol.encode(kind, req_id, self.admission.session or "", body)
         except ProtocolError as err:
             frames = protocol.encode(protocol.ERROR, req_id, "", error_body(err))
         self.sock.send_multipart([peer, *frames], copy=False)
@@ -371,9 +341,6 @@ class WorkerServer:
             body = {"type": error, "message": message}
         self._reply(peer, protocol.ERROR, req_id, {**extra, **body})
 
-    def _versions(self) -> dict[str, Any]:
-        return {"protocol": protocol.PROTOCOL_VERSION, "lrmp": __version__, "torch": torch.__version__}
-
     def _on_frames(self, frames: list[Any]) -> None:
         if len(frames) < 2:
             return  # not even an identity and a header: nothing to answer
@@ -383,7 +350,7 @@ class WorkerServer:
         except ProtocolVersionError as err:
             theirs = err.info.get("lrmp", "?")
             mismatch = protocol.version_mismatch("the message", err.remote_version, theirs, "this worker")
-            self._refuse(peer, protocol.peek_id(payload), "ProtocolVersionError", mismatch, **self._versions())
+            self._refuse(peer, protocol.peek_id(payload), "ProtocolVersionError", mismatch, **versions())
             return
         except ProtocolError as err:
             self._throttle.warning("malformed", "dropped a malformed message from peer %s: %s", peer.hex()[:16], err)
@@ -397,9 +364,9 @@ class WorkerServer:
 
     def _on_message(self, header: Any, request: Request) -> None:
         """Answer what the I/O side answers (heartbeats, drivers' greetings, refusals); queue the rest."""
-        peer, from_peer = request.peer, request.from_peer
+        peer, from_peer, admission = request.peer, request.from_peer, self.admission
         if (self.auth is not None and not self._authorized(header, request)) or (
-            self.uplink is not None and not self._relay_authorized(request)
+            self.uplink is not None and not admission.relay_authorized(request)
         ):
             self._refuse(
                 peer,
@@ -410,9 +377,7 @@ class WorkerServer:
             )
             return
         if request.kind == protocol.PING:
-            alive = request.session == self._session_id
-            if alive:
-                self._last_seen = time.monotonic()
+            alive = admission.heard(request.session)
             # The bytes this worker's connections moved: a large message on a slow link is progress.
             self._moved = self._traffic.sample()
             answer = {"session_alive": alive, "busy": self._computing(), "moved": self._moved}
@@ -424,10 +389,10 @@ class WorkerServer:
         if isinstance(request.message, Hello):
             self._on_hello(request, request.message)
             return
-        if from_peer and request.session != self._session_id:
+        if from_peer and request.session != admission.session:
             log.debug("dropped a peer message for session %s, which this worker does not serve", request.session[:8])
             return
-        if self._session_id is None or request.session != self._session_id:
+        if admission.session is None or request.session != admission.session:
             self._refuse(
                 peer,
                 request.id,
@@ -437,7 +402,7 @@ class WorkerServer:
             )
             return
         if not from_peer:
-            self._last_seen = time.monotonic()
+            admission.heard(request.session)
         if request.kind == protocol.BYE:
             self._end_session("driver said bye")
             self._reply(peer, protocol.OK, request.id, None)
@@ -445,67 +410,30 @@ class WorkerServer:
         self._pending.append(request)
 
     def _authorized(self, header: Any, request: Request) -> bool:
-        """With CURVE: drivers may send anything; a peer worker's key only its session's pipeline."""
+        """With CURVE, by the key the message came with (`Admission.authorized`)."""
         try:
             user_id = header.get("User-Id")
         except (zmq.ZMQError, AttributeError):
             user_id = None
         role = self.auth.role(user_id) if self.auth is not None else None
-        if role == DRIVER:
-            return True
-        if request.from_peer and user_id and request.session == self._session_id:
-            return user_id.encode() in self._current_peer_keys()
-        return False
-
-    def _relay_authorized(self, request: Request) -> bool:
-        """Dialed in: a peer's message relayed by the driver (origin ``r:``) may only be its session's pipeline."""
-        if not request.peer.startswith(b"r:"):
-            return True
-        return request.from_peer and request.session == self._session_id
+        return self.admission.authorized(request, role, user_id)
 
     def _on_hello(self, request: Request, hello: Hello) -> None:
         """Answered by the thread that holds the socket, at once, so a driver hears back even while
         a request runs (the main thread stands in then)."""
         peer = request.peer
-        if not request.session:
-            self._refuse(peer, request.id, ProtocolError("hello without a session id"))
+        refusal = self.admission.refusal(request.session, hello, computing=self._busy_since is not None)
+        if refusal is not None:
+            self._refuse(peer, request.id, refusal.error, refusal.message, **refusal.extra)
             return
-        if hello.protocol_version != protocol.PROTOCOL_VERSION:
-            mismatch = protocol.version_mismatch("the driver", hello.protocol_version, hello.lrmp, "this worker")
-            self._refuse(peer, request.id, "ProtocolVersionError", mismatch, **self._versions())
-            return
-        if self._session_id is not None and self._session_id != request.session:
-            self._refuse(
-                peer,
-                request.id,
-                "WorkerBusy",
-                self._busy_message(),
-                silent_for=time.monotonic() - self._last_seen,
-                expires_in=max(0.0, self._expires_in()),
-            )
-            return
-        if self._session_id is None:
-            self._session_id = request.session
-            self._session_peer = hello.driver
-            self._session_started = time.monotonic()
-            log.info("session %s started by %s", request.session[:8], hello.driver)
-            if (hello.lrmp, hello.torch) != (__version__, torch.__version__):
-                log.warning(
-                    "driver %s runs lrmp %s / torch %s; this worker runs lrmp %s / torch %s",
-                    hello.driver,
-                    hello.lrmp,
-                    hello.torch,
-                    __version__,
-                    torch.__version__,
-                )
+        if self.admission.admit(request.session, hello):
             self._pending.append(Request(peer, NEW, 0, request.session, hello))
-        self._last_seen = time.monotonic()
         self._reply(
             peer,
             protocol.OK,
             request.id,
             {
-                **self._versions(),
+                **versions(),
                 "pid": os.getpid(),
                 "allowed_prefixes": self.allowed_prefixes,
                 "limits": self.limits.as_dict(),
@@ -518,57 +446,19 @@ class WorkerServer:
         """Whether this worker computes: a request runs, or one ended within `_BUSY_WINDOW`."""
         return self._busy_since is not None or time.monotonic() - self._last_busy < _BUSY_WINDOW
 
-    def _busy_message(self) -> str:
-        """Why another driver is refused, with what it needs to decide whether to wait: how long the
-        running session has lasted, and when it would expire if its driver were gone."""
-        now = time.monotonic()
-        silent = now - self._last_seen
-        computing = ", computing now" if self._busy_since is not None else ""
-        return (
-            f"busy, serving {self._session_peer} (session {(self._session_id or '')[:8]}) for "
-            f"{describe_duration(now - self._session_started)}{computing}; its driver was last heard from "
-            f"{describe_duration(silent)} ago. A session is dropped after {describe_duration(self.session_timeout)} "
-            f"of driver silence (--session-timeout; {describe_duration(DISCONNECT_GRACE)} once its connection "
-            f"closed), so if that driver is gone this one ends within {describe_duration(self._expires_in())}; "
-            "otherwise try again when its run ends, or start another worker"
-        )
-
     def _end_session(self, why: str) -> None:
-        self._disconnected_at = None
-        if self._session_id is not None:
-            log.info("session %s ended: %s", self._session_id[:8], why)
-            self._pending.append(Request(b"", DROP, 0, self._session_id, None))
-            self._session_peer_keys.pop(self._session_id, None)
-            self._session_id = None
-            self._session_peer = ""
-
-    def _expires_in(self) -> float:
-        """Seconds until the current session is dropped unless its driver is heard from.
-
-        A killed driver's connections are closed by its kernel: once a connection closes, a session
-        whose driver stays silent for `DISCONNECT_GRACE` (three of its heartbeats) is dropped then,
-        not after the whole --session-timeout. A live driver pings every second, so a connection of
-        somebody else closing (a refused driver, a scanner) cannot end its session.
-        """
-        now = time.monotonic()
-        left = self.session_timeout - (now - self._last_seen)
-        if self._disconnected_at is not None:
-            if self._last_seen > self._disconnected_at:
-                self._disconnected_at = None  # the driver spoke since: not its connection
-            else:
-                left = min(left, DISCONNECT_GRACE - (now - self._disconnected_at))
-        return left
+        ended = self.admission.end(why)
+        if ended is not None:
+            self._pending.append(Request(b"", DROP, 0, ended, None))
 
     def _expire_session(self) -> None:
-        if self._session_id is None or self._expires_in() > 0:
+        why = self.admission.overdue()
+        if why is None:
             return
         if self.uplink is not None and self._still_moving():
-            self._last_seen = time.monotonic()  # the driver's pings queue behind a large message
+            self.admission.last_seen = time.monotonic()  # the driver's pings queue behind a large message
             return
-        if time.monotonic() - self._last_seen > self.session_timeout:
-            self._end_session(f"driver silent for more than {self.session_timeout:.0f} s")
-        else:
-            self._end_session(f"a connection closed and the driver has been silent for {DISCONNECT_GRACE:.0f} s since")
+        self._end_session(why)
 
     def _still_moving(self) -> bool:
         """Whether bytes moved since the last heartbeat (which waits behind a large message on an uplink)."""
@@ -670,7 +560,8 @@ class WorkerServer:
         except Exception as err:  # the worker stays up, unless its GPU failed
             if device_failed(err):
                 self._device_failure = err
-            return failure_reply(request, session, err, self._outbox, self._throttle)
+            layer_name = session.layer_name if session is not None else None
+            return failure_reply(request, err, self._throttle, self._outbox.to_driver, layer_name)
 
     def _new_session(self, session_id: str, hello: Hello) -> None:
         self._drop_session(None)
@@ -680,7 +571,7 @@ class WorkerServer:
             self.allowed_prefixes,
             self._outbox,
             limits=self.limits,
-            announce_peer_keys=lambda keys: self.announce_peer_keys(session_id, keys),
+            announce_peer_keys=lambda keys: self.admission.announce_peer_keys(session_id, keys),
             seal_key=hello.seal_key,
         )
         self._outbox.peer_timeout = hello.heartbeat_timeout or DEFAULT_PEER_TIMEOUT

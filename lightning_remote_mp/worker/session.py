@@ -20,32 +20,27 @@ import torch
 
 from lightning_remote_mp.errors import LrmpError, ProtocolError, SpecError
 from lightning_remote_mp.flow import DRIVER
+from lightning_remote_mp.model.build import build_layer, resolve_class, source_digest
+from lightning_remote_mp.model.entries import normalize_entry
 from lightning_remote_mp.model.graph import GraphLayer
-from lightning_remote_mp.model.spec import build_layer, normalize_entry, resolve_class, source_digest
 from lightning_remote_mp.wire import protocol
 from lightning_remote_mp.wire.fields import Body
 from lightning_remote_mp.wire.grads import GradAllreduce, GradClamp, GradNorms, Grads, GradScale
 from lightning_remote_mp.wire.messages import Backward, Forward
 from lightning_remote_mp.wire.requests import (
     Fetch,
-    GetOptimState,
-    GetState,
     GroupInit,
-    LoadOptimState,
-    LoadState,
     Loss,
     OptimCreate,
     OptimStep,
     Profile,
-    ReadOptim,
     Release,
-    Save,
-    Saved,
     Setup,
     Sync,
     Timeline,
     ZeroGrad,
 )
+from lightning_remote_mp.wire.state import GetOptimState, GetState, LoadOptimState, LoadState, ReadOptim, Save, Saved
 from lightning_remote_mp.worker.collective import GradGroup
 from lightning_remote_mp.worker.profile import profile_layers
 from lightning_remote_mp.worker.route import Outgoing, RoutedStage
@@ -93,7 +88,7 @@ class WorkerSession:
         self._optim_params: dict[int, list[str]] = {}
         self._writes: dict[str, Future[dict[str, Any]]] = {}  # checkpoint files, by name (`Save`)
         self._optim_copies: dict[int, frozenset[str]] = {}  # copies of tied weights, by optimizer (OptimCreate)
-        # The handler of each typed request (`lightning_remote_mp.wire.requests.REQUESTS` reads them).
+        # The handler of each typed request (`lightning_remote_mp.worker.request.REQUESTS` reads them).
         self._handlers: dict[type[Body], Callable[[Any], Any]] = {
             Setup: self.setup,
             Release: self.release,
@@ -134,8 +129,13 @@ class WorkerSession:
         run, and how far a long piece of work has come (`PROGRESS`)."""
         return {**self.order.held_back(), "ran": self.order.driver_ran, **PROGRESS.answer()}
 
+    def layer_name(self, index: int) -> str | None:
+        """The name of layer ``index`` among this session's stages (for an error's report), if one holds it."""
+        names = [name for stage in self.stages.values() if (name := stage.layer_name(index))]
+        return names[-1] if names else None
+
     def handle(self, message: Body) -> Any:
-        """Run ``message`` (as `lightning_remote_mp.wire.requests.REQUESTS` read it) through its handler."""
+        """Run ``message`` (as `lightning_remote_mp.worker.request.REQUESTS` read it) through its handler."""
         return self._handlers[type(message)](message)
 
     # --- stages ---------------------------------------------------------------
