@@ -1,9 +1,34 @@
-"""Pipeline schedules as data: for one call, each stage's list of actions, checked and printable.
+"""Pipeline schedules as data: the actions a stage runs, each stage's list of them for a call, checked and printable.
 
-An action is a stage doing one thing to one micro-batch: ``F`` (forward), ``B`` (backward of the
-input: the gradient the previous stage waits for) or ``W`` (backward of the weights: deferred
-linear-layer weight gradients, `lightning_remote_mp.worker.deferred_grads`). It prints as
-torch.distributed.pipelining prints its actions: ``2F0`` is stage 2's forward of micro-batch 0.
+Every kind of action a stage runs is a letter defined here (`KINDS`), and printed as
+torch.distributed.pipelining prints its actions: ``2F0`` is stage 2's forward of micro-batch 0,
+``2S`` stage 2's loss scale of the call (a kind that runs once a call, or once a step, has no
+micro-batch):
+
+====  ==============================================================  ==========================================
+kind  what the stage does                                             its input
+====  ==============================================================  ==========================================
+F     forward of a micro-batch                                        the previous stage's output (`Forward`)
+B     backward of the input: the gradient the previous stage waits    the next stages' gradients (`Backward`
+      for (an early call's last stage starts it at the loss, as 1)    naming B), or the driver's
+W     backward of the weights: a micro-batch's deferred linear-layer  none: the stage's own B
+      weight gradients (`lightning_remote_mp.worker.deferred_grads`)
+S     the loss's scale: an early call's weight gradients times the    the driver's gradient of the loss
+      driver's gradient of the loss, added to ``.grad``               (`LossGrad`, or `Backward` naming S)
+Z     ``zero_grad``: the stage's gradients cleared                    the driver's `ZeroGrad`
+O     the optimizer's step on the stage's parameters                  the driver's `OptimStep`
+D     one decoding step of a generation: a micro-batch's new tokens   the previous stage's output
+      through the stage's layers, with the stage's own key/value
+      cache (generation runs a call of D's, as a forward runs F's)
+====  ==============================================================  ==========================================
+
+(`Forward`, `Backward`: `lightning_remote_mp.wire.messages`; `LossGrad`, `ZeroGrad`, `OptimStep`:
+`lightning_remote_mp.wire.requests`.) A call under grad whose backward starts at the driver ("late",
+GPipe) runs F, B and W of each micro-batch; one whose backward the last stage starts at the model's
+loss ("early", `Forward.seed`) ends with S, whose input is the driver's gradient of the loss. A call
+without grad runs F's alone. Z and O are the driver's requests, run in the order the driver sent
+them (`lightning_remote_mp.worker.runtime.Order`); a step's lists (`step`) show where they fall.
+
 The driver names a schedule; each worker builds its own stage's list from the name and the counts
 (`actions`), and runs it in order, each action once what it waits for has arrived
 (`lightning_remote_mp.worker.runtime`). The lists are data: `validate` checks them,
@@ -40,12 +65,30 @@ step  stage 0  stage 1
   10      0W2
 >>> [peak_in_flight(row) for row in lists], round(simulate(lists).bubble, 3)
 ([2, 1], 0.182)
+
+A training step of an early call, as a step without gradient accumulation runs it: ``zero_grad``
+once the forward has returned to the driver, the loss's scale, the step:
+
+>>> print(format_grid(build("1f1b", stages=2, microbatches=2, scale=True, step=True)))
+step  stage 0  stage 1
+   0      0F0
+   1      0F1      1F0
+   2               1B0
+   3      0B0      1W0
+   4      0W0      1F1
+   5               1B1
+   6      0B1      1W1
+   7      0W1       1Z
+   8       0Z       1S
+   9       0S       1O
+  10       0O
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 from collections.abc import Mapping, Sequence
 from typing import Literal
 
@@ -56,6 +99,20 @@ Schedule = Literal["gpipe", "1f1b", "zero_bubble"]
 SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "zero_bubble")
 
 FORWARD, BACKWARD, WEIGHTS = "F", "B", "W"
+SCALE, ZERO_GRAD, STEP = "S", "Z", "O"
+DECODE = "D"
+#: Every kind of action a stage runs, by letter (the module docstring's table says each one's input).
+KINDS: dict[str, str] = {
+    FORWARD: "forward",
+    BACKWARD: "backward of the input",
+    WEIGHTS: "backward of the weights",
+    SCALE: "the loss's scale",
+    ZERO_GRAD: "zero_grad",
+    STEP: "the optimizer's step",
+    DECODE: "decoding step",
+}
+#: The kinds that run once per micro-batch (``2F0``); the others run once per call or step (``2S``).
+PER_MICROBATCH: tuple[str, ...] = (FORWARD, BACKWARD, WEIGHTS, DECODE)
 
 
 class ScheduleError(ConfigurationError):
@@ -64,14 +121,15 @@ class ScheduleError(ConfigurationError):
 
 @dataclasses.dataclass(frozen=True)
 class Action:
-    """Stage ``stage`` does ``kind`` (`FORWARD`, `BACKWARD`, `WEIGHTS`) to micro-batch ``mb``."""
+    """Stage ``stage`` does ``kind`` (one of `KINDS`) to micro-batch ``mb``; ``mb`` is ``None`` for
+    a kind that runs once per call or step (`PER_MICROBATCH` says which)."""
 
     stage: int
     kind: str
-    mb: int
+    mb: int | None = None
 
     def __str__(self) -> str:
-        return f"{self.stage}{self.kind}{self.mb}"
+        return f"{self.stage}{self.kind}{'' if self.mb is None else self.mb}"
 
 
 def check_schedule(schedule: str) -> str:
@@ -81,61 +139,98 @@ def check_schedule(schedule: str) -> str:
     return schedule
 
 
-def actions(schedule: str, stages: int, stage: int, microbatches: int, grad: bool = True) -> list[Action]:
-    """Stage ``stage``'s list of actions for one call of ``microbatches`` under ``schedule``;
-    without ``grad`` (validation, prediction), its forwards alone, in order."""
-    check_schedule(schedule)
+def _check_counts(stages: int, stage: int, microbatches: int) -> None:
     if stages < 1 or not 0 <= stage < stages or microbatches < 1:
         raise ConfigurationError(
             f"a schedule needs stages >= 1, 0 <= stage < stages and microbatches >= 1; "
             f"got stages={stages}, stage={stage}, microbatches={microbatches}"
         )
+
+
+def actions(
+    schedule: str, stages: int, stage: int, microbatches: int, grad: bool = True, scale: bool = False
+) -> list[Action]:
+    """Stage ``stage``'s list of actions for one call of ``microbatches`` under ``schedule``;
+    without ``grad`` (validation, prediction), its forwards alone, in order. ``scale``: an early
+    call (its backward starts at the loss on the last stage), whose last action is the loss's
+    scale (`SCALE`)."""
+    check_schedule(schedule)
+    _check_counts(stages, stage, microbatches)
     m = microbatches
     act = functools.partial(Action, stage)
     if not grad:
         return [act(FORWARD, mb) for mb in range(m)]
     if schedule == "gpipe":
-        return [act(kind, mb) for kind in (FORWARD, BACKWARD, WEIGHTS) for mb in range(m)]
-    warmup = min(m, stages - 1 - stage)
-    held = stage if schedule == "zero_bubble" else 0  # W's each stage holds back
-    out = [act(FORWARD, mb) for mb in range(warmup)]
-    forwards, backwards, weights = warmup, 0, 0
-    while backwards < m:
-        if forwards < m:
-            out.append(act(FORWARD, forwards))
-            forwards += 1
-        out.append(act(BACKWARD, backwards))
-        backwards += 1
-        if backwards - weights > held:
-            out.append(act(WEIGHTS, weights))
-            weights += 1
-    out += [act(WEIGHTS, mb) for mb in range(weights, m)]
-    return out
+        out = [act(kind, mb) for kind in (FORWARD, BACKWARD, WEIGHTS) for mb in range(m)]
+    else:
+        warmup = min(m, stages - 1 - stage)
+        held = stage if schedule == "zero_bubble" else 0  # W's each stage holds back
+        out = [act(FORWARD, mb) for mb in range(warmup)]
+        forwards, backwards, weights = warmup, 0, 0
+        while backwards < m:
+            if forwards < m:
+                out.append(act(FORWARD, forwards))
+                forwards += 1
+            out.append(act(BACKWARD, backwards))
+            backwards += 1
+            if backwards - weights > held:
+                out.append(act(WEIGHTS, weights))
+                weights += 1
+        out += [act(WEIGHTS, mb) for mb in range(weights, m)]
+    return [*out, act(SCALE)] if scale else out
 
 
-def build(schedule: str, stages: int, microbatches: int) -> list[list[Action]]:
-    """Every stage's list (`actions`), stage 0 first."""
-    return [actions(schedule, stages, s, microbatches) for s in range(stages)]
+def decoding(stages: int, stage: int, microbatches: int) -> list[Action]:
+    """Stage ``stage``'s list for one decoding step of a generation: each micro-batch's `DECODE`, in order."""
+    _check_counts(stages, stage, microbatches)
+    return [Action(stage, DECODE, mb) for mb in range(microbatches)]
+
+
+def training_step(row: Sequence[Action]) -> list[Action]:
+    """A call's list as a training step without gradient accumulation runs it: `ZERO_GRAD` before
+    the first action that adds to ``.grad`` (the loss's scale where there is one: an early call's
+    B and W keep their gradients apart until then), and the optimizer's `STEP` last."""
+    stage = row[0].stage if row else 0
+    kinds = [a.kind for a in row]
+    writes = (SCALE,) if SCALE in kinds else (BACKWARD, WEIGHTS)
+    at = next((i for i, kind in enumerate(kinds) if kind in writes), len(row))
+    return [*row[:at], Action(stage, ZERO_GRAD), *row[at:], Action(stage, STEP)]
+
+
+def build(
+    schedule: str, stages: int, microbatches: int, *, scale: bool = False, step: bool = False
+) -> list[list[Action]]:
+    """Every stage's list (`actions`), stage 0 first; ``step``: each as a training step (`training_step`)."""
+    lists = [actions(schedule, stages, s, microbatches, scale=scale) for s in range(stages)]
+    return [training_step(row) for row in lists] if step else lists
+
+
+_PRINTED = re.compile(rf"(\d+)([{''.join(KINDS)}])(\d*)")
 
 
 def parse(text: str) -> Action:
-    """An action from its printed form (``"2F0"``)."""
-    for kind in (FORWARD, BACKWARD, WEIGHTS):
-        stage, sep, mb = text.partition(kind)
-        if sep and stage.isdigit() and mb.isdigit():
-            return Action(int(stage), kind, int(mb))
-    raise ScheduleError(f"{text!r} is no action (stage, F/B/W, micro-batch: '2F0')")
+    """An action from its printed form (``"2F0"``, ``"2S"``)."""
+    match = _PRINTED.fullmatch(text)
+    if match is not None and (match[3] != "") == (match[2] in PER_MICROBATCH):
+        return Action(int(match[1]), match[2], int(match[3]) if match[3] else None)
+    raise ScheduleError(
+        f"{text!r} is no action (stage, kind, and for {'/'.join(PER_MICROBATCH)} the micro-batch: "
+        f"'2F0', '2S'; kinds: {', '.join(KINDS)})"
+    )
 
 
-def _depends(action: Action, stages: int) -> list[Action]:
+def _depends(action: Action, stages: int, microbatches: int) -> list[Action]:
     """What ``action`` waits for on any stage (its own stage's order aside)."""
-    s, mb = action.stage, action.mb
-    if action.kind == FORWARD:
-        return [Action(s - 1, FORWARD, mb)] if s > 0 else []
-    if action.kind == BACKWARD:
+    s, mb, kind = action.stage, action.mb, action.kind
+    if kind in (FORWARD, DECODE):
+        return [Action(s - 1, kind, mb)] if s > 0 else []
+    if kind == BACKWARD:
         later = [Action(s + 1, BACKWARD, mb)] if s < stages - 1 else []
         return [Action(s, FORWARD, mb), *later]
-    return [Action(s, BACKWARD, mb)]
+    if kind == WEIGHTS:
+        return [Action(s, BACKWARD, mb)]
+    # The driver sends these once the call's forward has returned: every micro-batch's last F.
+    return [Action(stages - 1, FORWARD, i) for i in range(microbatches)]
 
 
 @dataclasses.dataclass
@@ -153,12 +248,16 @@ class Simulation:
         return 1.0 - sum(self.busy) / total if total else 0.0
 
 
+def _microbatches(lists: Sequence[Sequence[Action]]) -> int:
+    return max((a.mb + 1 for row in lists for a in row if a.mb is not None), default=0)
+
+
 def simulate(lists: Sequence[Sequence[Action]], costs: Mapping[str, float] | None = None) -> Simulation:
     """Play each stage's list in order, each action starting once its stage is free and what it waits
     for (`_depends`) has ended. ``costs``: seconds per kind (default 1 each). Raises `ScheduleError`
     if the lists wait on each other forever."""
-    cost = {FORWARD: 1.0, BACKWARD: 1.0, WEIGHTS: 1.0, **(costs or {})}
-    stages = len(lists)
+    cost = {**dict.fromkeys(KINDS, 1.0), **(costs or {})}
+    stages, m = len(lists), _microbatches(lists)
     spans: dict[Action, tuple[float, float]] = {}
     cursor = [0] * stages
     free = [0.0] * stages
@@ -169,7 +268,7 @@ def simulate(lists: Sequence[Sequence[Action]], costs: Mapping[str, float] | Non
         for s, row in enumerate(lists):
             while cursor[s] < len(row):
                 action = row[cursor[s]]
-                deps = _depends(action, stages)
+                deps = _depends(action, stages, m)
                 if any(d not in spans for d in deps):
                     break
                 start = max([free[s], *(spans[d][1] for d in deps)])
@@ -182,7 +281,7 @@ def simulate(lists: Sequence[Sequence[Action]], costs: Mapping[str, float] | Non
                 progressed = True
         if not progressed:
             waiting = ", ".join(
-                f"{row[cursor[s]]} waits for {' and '.join(str(d) for d in _depends(row[cursor[s]], stages))}"
+                f"{row[cursor[s]]} waits for {' and '.join(str(d) for d in _depends(row[cursor[s]], stages, m))}"
                 for s, row in enumerate(lists)
                 if cursor[s] < len(row)
             )
@@ -191,26 +290,63 @@ def simulate(lists: Sequence[Sequence[Action]], costs: Mapping[str, float] | Non
 
 
 def validate(lists: Sequence[Sequence[Action]]) -> None:
-    """Check that every stage does F, B and W of every micro-batch exactly once, in that order, that
-    each action is on its own stage's list, and that the lists run to the end together (no action
-    waits for one that never comes). Raises `ScheduleError` quoting the grid."""
-    mbs = {a.mb for row in lists for a in row}
-    m = max(mbs) + 1 if mbs else 0
+    """Check the lists, and raise `ScheduleError` quoting the grid where they cannot run:
+
+    - each action is one of `KINDS`, on its own stage's list, once;
+    - every stage runs each micro-batch's actions, in order: a call under grad F, B and W; a call
+      without grad F; a decoding step D, alone;
+    - the kinds that run once a call fall where they may: the loss's scale (S) after every B and W,
+      ``zero_grad`` (Z) before anything that adds to ``.grad`` (S where there is one, else B and W),
+      the optimizer's step (O) after every gradient and Z;
+    - the lists run to the end together (no action waits for one that never comes, `simulate`)."""
+    m = _microbatches(lists)
     for s, row in enumerate(lists):
-        seen: dict[tuple[str, int], int] = {}
-        for i, a in enumerate(row):
-            if a.stage != s:
-                raise ScheduleError(f"{a} is on stage {s}'s list\n{format_grid(lists)}")
-            if (a.kind, a.mb) in seen:
-                raise ScheduleError(f"{a} comes twice on stage {s}'s list\n{format_grid(lists)}")
-            seen[(a.kind, a.mb)] = i
-        for mb in range(m):
-            for kind in (FORWARD, BACKWARD, WEIGHTS):
-                if (kind, mb) not in seen:
-                    raise ScheduleError(f"stage {s} never runs {Action(s, kind, mb)}\n{format_grid(lists)}")
-            if not seen[(FORWARD, mb)] < seen[(BACKWARD, mb)] < seen[(WEIGHTS, mb)]:
-                raise ScheduleError(f"stage {s} runs micro-batch {mb} out of F, B, W order\n{format_grid(lists)}")
+        problem = _row_problem(s, row, m)
+        if problem is not None:
+            raise ScheduleError(f"{problem}\n{format_grid(lists)}")
     simulate(lists)
+
+
+def _row_problem(s: int, row: Sequence[Action], m: int) -> str | None:
+    """What is wrong with stage ``s``'s list (`validate`), or ``None``."""
+    seen: dict[tuple[str, int | None], int] = {}
+    for i, a in enumerate(row):
+        if a.kind not in KINDS or (a.mb is None) == (a.kind in PER_MICROBATCH):
+            return f"{a!r} is no action (kinds: {', '.join(KINDS)}; a micro-batch for {'/'.join(PER_MICROBATCH)})"
+        if a.stage != s:
+            return f"{a} is on stage {s}'s list"
+        if (a.kind, a.mb) in seen:
+            return f"{a} comes twice on stage {s}'s list"
+        seen[(a.kind, a.mb)] = i
+    kinds = {a.kind for a in row}
+    each = (
+        (DECODE,)
+        if DECODE in kinds
+        else (FORWARD, BACKWARD, WEIGHTS)
+        if kinds & {BACKWARD, WEIGHTS, SCALE}
+        else (FORWARD,)
+    )
+    stray = next((a for a in row if a.kind not in each and (a.kind in PER_MICROBATCH or DECODE in kinds)), None)
+    if stray is not None:
+        return f"stage {s} runs {stray} in a decoding step's list, which runs D's alone"
+    for mb in range(m):
+        missing = next((kind for kind in each if (kind, mb) not in seen), None)
+        if missing is not None:
+            return f"stage {s} never runs {Action(s, missing, mb)}"
+        if len(each) > 1 and not seen[(FORWARD, mb)] < seen[(BACKWARD, mb)] < seen[(WEIGHTS, mb)]:
+            return f"stage {s} runs micro-batch {mb} out of F, B, W order"
+    where = [a.kind for a in row]
+    at = {kind: seen[(kind, None)] for kind in (SCALE, ZERO_GRAD, STEP) if (kind, None) in seen}
+    gradients = [i for i, kind in enumerate(where) if kind in (BACKWARD, WEIGHTS)]
+    if SCALE in at and gradients and gradients[-1] > at[SCALE]:
+        return f"stage {s} runs {s}S before {row[gradients[-1]]}: the loss's scale multiplies every weight gradient"
+    adds = [at[SCALE]] if SCALE in at else gradients  # an early call's B and W keep theirs apart until S
+    if ZERO_GRAD in at and adds and adds[0] < at[ZERO_GRAD]:
+        return f"stage {s} runs {s}Z after {row[adds[0]]}, clearing the gradient it added"
+    before = [i for i, kind in enumerate(where) if kind in (BACKWARD, WEIGHTS, SCALE, ZERO_GRAD)]
+    if STEP in at and before and before[-1] > at[STEP]:
+        return f"stage {s} steps ({s}O) before {row[before[-1]]}: the step needs every gradient of the call"
+    return None
 
 
 def peak_in_flight(row: Sequence[Action]) -> int:
@@ -228,6 +364,8 @@ def format_row(row: Sequence[Action], marked: Action, around: int = 8) -> str:
 
     >>> format_row(actions("gpipe", 2, 1, 2), Action(1, BACKWARD, 0))
     '1F0 1F1 [1B0] 1B1 1W0 1W1'
+    >>> format_row(training_step(actions("1f1b", 2, 0, 2, scale=True)), Action(0, SCALE), around=3)
+    '... 0B1 0W1 0Z [0S] 0O'
     """
     at = list(row).index(marked) if marked in row else 0
     start, end = max(0, at - around), min(len(row), at + around + 1)
@@ -257,15 +395,19 @@ def format_grid(lists: Sequence[Sequence[Action]], spans: Mapping[Action, tuple[
 
 def checked(schedule: str, stages: int, microbatches: int) -> str:
     """Build and `validate` ``schedule``'s lists, and describe them: what each stage holds at most,
-    the bubble at equal costs, and the grid.
+    the bubble of the call's F, B and W at equal costs, and the grid of a training step as the
+    driver runs it (`training_step`): under GPipe the backward starts at the driver; under the
+    others at the model's loss on the last stage, and the call ends with the loss's scale.
 
     >>> print(checked("1f1b", 2, 2).splitlines()[0])
     schedule '1f1b' over 2 stages, 2 micro-batches (a stage holds at most 2, 1 of them; bubble 25% at equal costs):
     """
     lists = build(schedule, stages, microbatches)
     validate(lists)
+    steps = build(schedule, stages, microbatches, scale=schedule != "gpipe", step=True)
+    validate(steps)
     peaks = ", ".join(str(peak_in_flight(row)) for row in lists)
     return (
         f"schedule {schedule!r} over {stages} stages, {microbatches} micro-batches (a stage holds at most {peaks} "
-        f"of them; bubble {100 * simulate(lists).bubble:.0f}% at equal costs):\n{format_grid(lists)}"
+        f"of them; bubble {100 * simulate(lists).bubble:.0f}% at equal costs):\n{format_grid(steps)}"
     )

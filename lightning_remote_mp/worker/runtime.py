@@ -10,7 +10,7 @@ This module is the one place that decides when a worker runs something. Two thin
   others, or the next stages' gradients). `lightning_remote_mp.worker.route.RoutedStage` runs it.
   Under 1F1B and zero-bubble with the loss inside the model, the last stage starts each
   micro-batch's backward at the loss, taken as 1 (an "early" call); the driver's real gradient of
-  the loss follows, the input of the call's last action (S, `SCALE`), which adds the weight
+  the loss follows, the input of the call's last action (S, `schedule.SCALE`), which adds the weight
   gradients times it to ``.grad``. Releasing a call drops what waits for it.
 - **the driver's requests** (`Order`, one per worker). They run in the order the driver sent them
   (their ids), whichever way they came: straight from the driver, or along the pipeline
@@ -20,6 +20,8 @@ This module is the one place that decides when a worker runs something. Two thin
   sent after a loss's gradient (`requests.LossGrad`), until the stage has run its part of that
   call's backward and applied it (`Order.park`): the optimizer's step on those gradients, and the
   next call's forward, come right behind it. `Order.run` runs each request in its turn.
+  ``zero_grad`` (Z) and the optimizer's step (O) are actions of the schedule's vocabulary too, but
+  of no call's list (a step may follow several calls); `schedule.training_step` draws where they fall.
 
 What the message-saving parts buy, measured (`benchmarks/README.md`, sections 1h and 1j): carrying
 the driver's requests along the pipeline, the unwaited backward and `LossGrad` together 10-15% of a
@@ -46,7 +48,7 @@ import torch
 from lightning_remote_mp import schedule
 from lightning_remote_mp.errors import LrmpError, ProtocolError, SpecError
 from lightning_remote_mp.flow import DRIVER
-from lightning_remote_mp.schedule import BACKWARD, FORWARD, WEIGHTS
+from lightning_remote_mp.schedule import BACKWARD, FORWARD, SCALE, WEIGHTS
 from lightning_remote_mp.wire.carry import Carried, Carry
 from lightning_remote_mp.wire.messages import Backward, Forward
 from lightning_remote_mp.wire.protocol import CARRIED_KINDS, CARRY
@@ -62,9 +64,6 @@ _M = TypeVar("_M", Forward, Backward)
 #: What a request's handler returns where nothing is sent back: its answer travels on its own (a
 #: micro-batch's results go on along the pipeline), or it runs later (`Order.run`).
 NO_REPLY = object()
-#: An early call's last action, and the kind of its input: the driver's gradient of the loss, by
-#: which the stage multiplies the weight gradients its backward gave before adding them to ``.grad``.
-SCALE = "S"
 
 
 @dataclasses.dataclass
@@ -215,9 +214,7 @@ class StageRuntime:
                 raise ProtocolError(f"stage {self.index}: a schedule, but setup did not say how many stages there are")
             if len(self._plans) >= self.limit:
                 raise ProtocolError(f"stage {self.index}: more than {self.limit} calls run a schedule at once")
-            actions = schedule.actions(name, stages, self.index, first.microbatches, grad=first.grad)
-            if early:  # last, the driver's gradient of the loss: the weight gradients times it go to .grad
-                actions.append(schedule.Action(self.index, SCALE, 0))
+            actions = schedule.actions(name, stages, self.index, first.microbatches, grad=first.grad, scale=early)
             seed = first.seed if early else None
             plan = self._plans[first.call] = _Plan(
                 collections.deque(actions),
