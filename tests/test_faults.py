@@ -329,6 +329,7 @@ def test_a_stage_that_cannot_reach_the_next_reports_it(pool):
         setup = {
             "key": "net",
             "stage": 0,
+            "stages": 2,
             "start": 0,
             "entries": [["torch.nn.Identity", {}, [2]]],
             "exports": [],

@@ -100,6 +100,7 @@ def test_the_worker_enforces_its_limits_on_raw_messages(limited):
         body = {
             "key": "net",
             "stage": 0,
+            "stages": 1,
             "start": 0,
             "entries": [["torch.nn.Identity", {}, [1]]] * 4,
             "exports": [],

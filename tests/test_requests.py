@@ -35,6 +35,7 @@ PEER_KEY = zmq.curve_keypair()[0].decode("ascii")
 SETUP = Setup(
     key="net",
     stage=1,
+    stages=3,
     start=3,
     entries=[
         {"layer": "torch.nn.Linear", "kwargs": {"in_features": 4, "out_features": 4}, "input_shape": [2, 4]},
@@ -58,6 +59,7 @@ SENT = [
     Setup(  # a stage built from its seed, every optional field left out
         key="net",
         stage=0,
+        stages=1,
         start=0,
         entries=[],
         exports=[],
@@ -154,6 +156,9 @@ GOOD_SETUP = SETUP.body()
         (Setup, [1, 2], "setup message: the body must be a dict"),
         (Setup, {"key": "net"}, "setup message: field 'stage' is missing"),
         (Setup, {**GOOD_SETUP, "stage": "1"}, "setup message: field 'stage' must be an int, got str"),
+        (Setup, {**GOOD_SETUP, "stages": None}, "setup message: field 'stages' is missing"),
+        (Setup, {**GOOD_SETUP, "stages": 0}, "setup message: field 'stages' must be at least 1, got 0"),
+        (Setup, {**GOOD_SETUP, "stages": 1}, "field 'stage' must be in \\[0, stages=1\\), got 1"),
         (Setup, {**GOOD_SETUP, "entries": {}}, "setup message: field 'entries' must be a list, got dict"),
         (Setup, {**GOOD_SETUP, "exports": ["a", 1]}, "field 'exports' must be a list of variable names; item 1"),
         (Setup, {**GOOD_SETUP, "sources": [[0, "res"]]}, "field 'sources' must be a list of \\[stage, \\[variable"),
@@ -290,7 +295,7 @@ def _golden() -> dict[str, object]:
 # sha256 of each request's frames. A change here changes what older workers receive: bump
 # protocol.PROTOCOL_VERSION with it (and say so in the CHANGELOG), then update these.
 GOLDEN = {
-    "setup": "d8a243156163bb1d",
+    "setup": "d5fcdd23ba2bf6d1",
     "release": "afc655ab3ea4727f",
     "get_state": "efe38831b8f9c93b",
     "load_state": "967cba4ff02d4c40",

@@ -320,6 +320,7 @@ def test_a_peer_key_may_only_send_its_sessions_pipeline(curve_workers, keyring):
         setup = {
             "key": "net",
             "stage": 1,
+            "stages": 2,
             "start": 1,
             "entries": [["torch.nn.Linear", {"in_features": 4, "out_features": 2}, [4, 4]]],
             "exports": [],

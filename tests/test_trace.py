@@ -282,6 +282,7 @@ def test_a_received_graph_with_a_disallowed_operator_is_refused_and_the_worker_s
         body = {
             "key": "g",
             "stage": 0,
+            "stages": 1,
             "start": 0,
             "exports": [],
             "sources": [[-1, []]],

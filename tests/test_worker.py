@@ -208,6 +208,7 @@ def _stage_body(key: str = "net", paths: tuple[str, str] = ("torch.nn.Linear", "
     return {
         "key": key,
         "stage": 0,
+        "stages": 1,
         "start": 0,
         "entries": [
             [paths[0], {"in_features": 3, "out_features": 2}, [4, 3]],

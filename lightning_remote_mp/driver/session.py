@@ -266,7 +266,6 @@ class DriverSession(WorkerLinks):
             split_backward=split_backward,
             deferred_batch_norm=deferred_batch_norm,
             compression=compression,
-            schedule_stages=len(stages) if schedule != "gpipe" else None,
         )
         if tied:
             self.groups.form_tie_groups(key, tied)
@@ -328,7 +327,7 @@ class DriverSession(WorkerLinks):
         ids = []
         for r, stage in placed:
             setup = self._setup(
-                key, module, r, stage, weights[stage.index], shared[stage.index], code_digests, **options
+                key, module, r, stage, len(stages), weights[stage.index], shared[stage.index], code_digests, **options
             )
             try:
                 ids.append(self.grid[r][stage.index].send(protocol.SETUP, setup.body()))
@@ -349,6 +348,7 @@ class DriverSession(WorkerLinks):
         module: SpecSequential,
         replica: int,
         stage: partition.Stage,
+        stages: int,
         weights: StageWeights,
         shared: list[list[str]],
         code_digests: dict[str, str],
@@ -357,15 +357,15 @@ class DriverSession(WorkerLinks):
         split_backward: SplitBackward,
         deferred_batch_norm: bool,
         compression: str | None,
-        schedule_stages: int | None,
     ) -> Setup:
-        """The SETUP of ``stage`` for its worker in row ``replica`` of the grid."""
+        """The SETUP of ``stage``, one of ``stages``, for its worker in row ``replica`` of the grid."""
         row = self.grid[replica]
         conn = row[stage.index]
         peers = [k for k, _ in (*stage.sources, *stage.targets) if k != partition.DRIVER]
         return Setup(
             key=key,
             stage=stage.index,
+            stages=stages,
             start=stage.start,
             entries=[module.entries[i].to_wire() for i in stage.layer_indices],
             exports=stage.exports,
@@ -395,7 +395,6 @@ class DriverSession(WorkerLinks):
             shared=shared,
             deferred_batch_norm=deferred_batch_norm,
             compression=compression,
-            stages=schedule_stages,
             borrows=borrows,
         )
 

@@ -43,6 +43,7 @@ from lightning_remote_mp.wire.fields import (
     Body,
     anything,
     choice,
+    count,
     each,
     field,
     is_int,
@@ -119,6 +120,8 @@ class Setup(Body):
 
     Attributes:
         key: the SpecSequential's name; ``stage``: the stage's number; ``start``: its first layer's index.
+        stages: how many stages the pipeline has: each stage builds its list of actions for a call
+            from it (`lightning_remote_mp.schedule.actions`), whatever the schedule.
         entries: its layer entries as `lightning_remote_mp.model.entries.LayerEntry.to_wire` writes them.
         exports: the residual variables it produces for later stages.
         sources, targets: its forward routes (`lightning_remote_mp.model.partition.Stage`).
@@ -140,8 +143,6 @@ class Setup(Body):
         deferred_batch_norm: update batch norms' running statistics once per mini-batch, from the
             whole mini-batch (`lightning_remote_mp.worker.deferred_bn`).
         compression: how the stage's pipelined messages carry floating tensors (`protocol.COMPRESSIONS`).
-        stages: how many stages the pipeline has (each stage builds its list of a schedule's actions
-            from it, `lightning_remote_mp.schedule`); ``None``: the stage runs no schedule.
         borrows: the key of a stage on this worker whose tensors this one holds, by the same names
             and as the same tensors (``state`` and ``files`` are then empty): another call signature
             of a traced module (`lightning_remote_mp.model.calls.TracedForward`), training its weights.
@@ -151,6 +152,7 @@ class Setup(Body):
 
     key: str = field(STR)
     stage: int = field(INT)
+    stages: int = field(count)
     start: int = field(INT)
     entries: Sequence[Any] = field(LIST, write=list)
     exports: Sequence[str] = field(list_of(is_str, "variable names"), write=list)
@@ -176,11 +178,12 @@ class Setup(Body):
     )
     deferred_batch_norm: bool = field(BOOL, default=False)
     compression: str | None = field(choice(("bf16", "int8")), default=None, omit_none=True)
-    stages: int | None = field(INT, default=None, omit_none=True)
     borrows: str | None = field(STR, default=None, omit_none=True)
 
     @classmethod
     def _check(cls, values: dict[str, Any]) -> None:
+        if not 0 <= values["stage"] < values["stages"]:
+            raise refuse(cls.KIND, f"field 'stage' must be in [0, stages={values['stages']}), got {values['stage']}")
         strangers = [k for k in values["peer_keys"] if k not in values["peers"]]
         if strangers:
             raise refuse(cls.KIND, f"field 'peer_keys' must map {_PEER_KEYS}; entry {strangers[0]!r:.40} does not")

@@ -123,7 +123,7 @@ class StageRuntime:
         route: RoutedStage,
         send: Callable[[list[Outgoing]], None],
         *,
-        stages: int | None = None,
+        stages: int,
         limit: int = 4096,
     ) -> None:
         self.route = route
@@ -209,12 +209,9 @@ class StageRuntime:
         if plan is None:
             early = first.seed is not None and first.schedule is not None and first.grad
             name = first.schedule if early and first.schedule is not None else "gpipe"
-            stages = self.stages if self.stages is not None else (None if early else self.index + 1)
-            if stages is None or not self.index < stages:
-                raise ProtocolError(f"stage {self.index}: a schedule, but setup did not say how many stages there are")
             if len(self._plans) >= self.limit:
                 raise ProtocolError(f"stage {self.index}: more than {self.limit} calls run a schedule at once")
-            actions = schedule.actions(name, stages, self.index, first.microbatches, grad=first.grad, scale=early)
+            actions = schedule.actions(name, self.stages, self.index, first.microbatches, grad=first.grad, scale=early)
             seed = first.seed if early else None
             plan = self._plans[first.call] = _Plan(
                 collections.deque(actions),
