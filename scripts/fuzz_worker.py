@@ -304,7 +304,7 @@ class Fuzzer:
 
     def _scheduled(self, body: dict[str, Any], kind: str) -> None:
         """Sometimes the fields of a call that runs a schedule: its name and the loss's output on a
-        forward, an early gradient or the driver's scale on a backward."""
+        forward, the action whose input a backward brings (B, or the loss's scale S) and the scale."""
         r = self.rng
         if r.random() >= 0.25:
             return
@@ -312,10 +312,10 @@ class Fuzzer:
         if kind == protocol.FORWARD:
             body["schedule"] = r.choice(["1f1b", "zero_bubble", "gpipe", "2f2b", 3])
             body["seed"] = r.choice([0, 0, 1, -1, "loss"])
-        elif r.random() < 0.5:
-            body["early"] = r.choice([True, True, "yes"])
         else:
-            body["scale"] = r.choice([torch.tensor(0.5), torch.ones(2), torch.tensor(1), 0.5])
+            body["action"] = r.choice(["B", "S", "S", "W", 1])
+            if r.random() < 0.5:
+                body["scale"] = r.choice([torch.tensor(0.5), torch.ones(2), torch.tensor(1), 0.5])
 
     def modes(self) -> Any:
         """Train/eval flags, well-formed or not."""

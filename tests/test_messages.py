@@ -94,6 +94,8 @@ def test_a_malformed_forward_is_refused_naming_the_field(change, match):
         ([1, 2], "the body must be a dict"),
         ({**GOOD, "grad_out": [1.0]}, "'grad_out' must be a tensor, a tuple of tensors or None"),
         ({**GOOD, "grads": {"a": "b"}}, "'grads' must map names to tensors"),
+        ({**GOOD, "action": "W"}, "field 'action' must be one of 'B', 'S', got 'W'"),
+        ({**GOOD, "scale": torch.tensor(0.5)}, "field 'scale' comes with action 'S' alone"),
     ],
 )
 def test_a_malformed_backward_is_refused_naming_the_field(body, match):
@@ -116,11 +118,11 @@ def test_the_fence_travels_and_a_malformed_one_is_refused():
 # sha256 of a forward and a backward message's frames: a change here changes what older workers
 # receive. Bump protocol.PROTOCOL_VERSION with it (and say so in the CHANGELOG), then update these.
 PIPELINED_GOLDEN = {
-    "forward": "84b843b7361f456a",
-    "backward": "9e91aa029dec5822",
-    "scheduled forward": "c41527b305883c70",
-    "early backward": "3f4da1bfcff4774f",
-    "scale": "cd980c1748927578",
+    "forward": "d0bd5bee068b0081",
+    "backward": "a40a74a4247f7dd9",
+    "scheduled forward": "012974d772b78f51",
+    "the driver's scale": "f5b4fe8f5d142490",
+    "scale": "7c3e88b0789d7fc1",
 }
 
 
@@ -148,10 +150,10 @@ def test_the_wire_format_of_pipelined_messages_is_pinned():
             key="net", call=3, mb=1, sender=1, grad_out=t, grads={"r": None}, fence={0: 2}, microbatches=4
         ),
         # What a schedule adds (`lightning_remote_mp.schedule`): the forward names it and the loss's
-        # output; the last stage's gradients go early; the driver's gradient follows as a scale.
+        # output; the driver's gradient of the loss follows as the input of each stage's S action.
         "scheduled forward": Forward(key="net", call=3, mb=1, sender=0, x=t, grad=True, schedule="1f1b", seed=0),
-        "early backward": Backward(key="net", call=3, mb=1, sender=1, grad_out=t, early=True, microbatches=4),
-        "scale": Backward(key="net", call=3, mb=1, sender=1, scale=torch.tensor(0.25), microbatches=4),
+        "the driver's scale": Backward(key="net", call=3, mb=1, sender=-1, action="S", grad_out=t, microbatches=4),
+        "scale": Backward(key="net", call=3, mb=1, sender=1, action="S", scale=torch.tensor(0.25), microbatches=4),
     }
     got = {}
     for name, msg in messages.items():

@@ -501,6 +501,8 @@ class RemoteSpec:
                 backwards = [
                     Backward(
                         **self._from_driver(call, mb, len(row), fence),
+                        # an early call's backward ran on the stages: this brings its S action's input
+                        action=schedule.SCALE if record.early else schedule.BACKWARD,
                         grad_out=next(grads),
                         loss_grads=_any_of(loss_grads.get((r, mb))),
                     ).body()

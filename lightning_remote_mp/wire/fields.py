@@ -222,10 +222,6 @@ def true_only(value: Any) -> bool:
     return value is True
 
 
-def true_or_none(value: Any) -> bool | None:
-    return True if value is True else None
-
-
 def float_or_none(value: Any) -> float | None:
     return value if isinstance(value, float) else None
 

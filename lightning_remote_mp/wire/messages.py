@@ -27,12 +27,14 @@ from typing import Any, ClassVar
 import torch
 
 from lightning_remote_mp.flow import is_main
+from lightning_remote_mp.schedule import BACKWARD, SCALE
 from lightning_remote_mp.wire import protocol
 from lightning_remote_mp.wire.fields import (
     INT,
     STR,
     Body,
     bool_or_list_or_none,
+    choice,
     count,
     field,
     float_or_none,
@@ -51,8 +53,8 @@ from lightning_remote_mp.wire.fields import (
     list_of,
     map_of,
     must,
+    refuse,
     true_only,
-    true_or_none,
 )
 
 
@@ -115,8 +117,8 @@ class Forward(_Pipelined):
             (the backward starts at the driver). Stages pass it on.
         seed: the position of the model's output that is the loss (a sum over the micro-batch):
             the last stage runs each micro-batch's backward as soon as its forward is done, with
-            the loss's gradient taken as 1; the driver's backward then brings the real gradient
-            (`Backward.scale`). Stages pass it on.
+            the loss's gradient taken as 1 (an "early" call); the driver's backward then brings the
+            real gradient, the input of the call's S action (`Backward.action`). Stages pass it on.
     """
 
     KIND: ClassVar[str] = protocol.FORWARD
@@ -144,29 +146,36 @@ class Backward(_Pipelined):
 
     Attributes:
         key, call, mb, sender, sent_at, fence, microbatches: see `_Pipelined`.
+        action: the action whose input this is (`lightning_remote_mp.schedule`): ``"B"``, the
+            backward of the micro-batch (the gradients of what the stage sent on); or ``"S"``, an
+            early call's loss scale (`Forward.seed`): the driver's gradient of the loss, in
+            ``grad_out`` (from the driver) or ``scale`` (from the next stage).
         grad_out: the gradient of the main value the sender received from this stage (``None``
             when it needs none; a tuple for a traced model's tuple).
         grads: the gradients of the residual variables the sender imported from this stage.
         loss_grads: from the driver to the last stage: for each loss the stage computed over this
             micro-batch's kept outputs (`requests.Loss`, in their order), the gradient of its
             value, or ``None`` for a loss the step does not differentiate.
-        early: the gradients of a call whose backward the last stage started during the forward
-            (`Forward.seed`), with the loss's gradient taken as 1.
-        scale: between stages, for such a call, the gradient the driver's backward brought for
-            the loss: each stage adds its weight gradients times ``scale`` to ``.grad``.
+        scale: an S input between stages: the gradient the driver's backward brought for the loss;
+            each stage adds its weight gradients times ``scale`` to ``.grad``.
     """
 
     KIND: ClassVar[str] = protocol.BACKWARD
 
+    action: str = field(choice((BACKWARD, SCALE)), default=BACKWARD)
     grad_out: Any = field(must(is_grad_out, "'grad_out' must be a tensor, a tuple of tensors or None"), default=None)
     grads: dict[str, Any] = _tensors()
     loss_grads: list[Any] | None = field(
         list_of(is_tensor_or_none, "tensors or None"), default=None, omit_none=True, write=list
     )
-    early: bool | None = field(lenient(true_or_none), default=None, omit_none=True)
     scale: torch.Tensor | None = field(
         must(is_scalar, "'scale' must be a floating tensor of one value"), default=None, omit_none=True
     )
+
+    @classmethod
+    def _check(cls, values: dict[str, Any]) -> None:
+        if values["scale"] is not None and values["action"] != SCALE:
+            raise refuse(cls.KIND, "field 'scale' comes with action 'S' alone")
 
 
 def salvage(body: Any) -> tuple[int | None, dict[str, Any]]:

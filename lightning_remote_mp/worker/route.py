@@ -208,7 +208,7 @@ class RoutedStage:
         if self.x_to == DRIVER:
             grad_out = self._with_loss_grads(call, mb, grad_out, first.loss_grads)
         grad_x, grad_imports, needs = self.run_backward(call, mb, grad_out, parts, early=False)
-        return self.gradients(first, grad_x, grad_imports, needs, early=False)
+        return self.gradients(first, grad_x, grad_imports, needs)
 
     def run_backward(
         self, call: int, mb: int, grad_out: Any, parts: dict[int, Backward], early: bool
@@ -231,9 +231,9 @@ class RoutedStage:
         return grad_x, grad_imports, needs
 
     def gradients(
-        self, first: Forward | Backward, grad_x: Any, grad_imports: dict[str, Any], needs: dict[str, Any], early: bool
+        self, first: Forward | Backward, grad_x: Any, grad_imports: dict[str, Any], needs: dict[str, Any]
     ) -> list[Outgoing]:
-        """A micro-batch's gradients, to each of its sources."""
+        """A micro-batch's gradients, to each of its sources: the inputs of their B actions."""
         return [
             (
                 source,
@@ -246,7 +246,6 @@ class RoutedStage:
                     grads={n: grad_imports.get(n) for n in names if needs.get(n)},
                     fence=first.fence,
                     microbatches=first.microbatches,
-                    early=True if early and source != DRIVER else None,
                 ),
             )
             for source, names in self.sources.items()

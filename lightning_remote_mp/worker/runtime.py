@@ -3,15 +3,17 @@
 This module is the one place that decides when a worker runs something. Two things enter it:
 
 - **micro-batches** (`StageRuntime`, one per stage). Every forward call, GPipe's included, and
-  without grad too, runs its stage's list of actions from `lightning_remote_mp.schedule`: F, B
-  and W of each micro-batch in the list's order. A message brings one input of an action; inputs
-  are buffered by (call, kind, micro-batch), and an action runs when it is next on its list and
-  every input it waits for is in (the previous stage's output and the residual variables of
-  others, or the next stages' gradients). `lightning_remote_mp.worker.route.RoutedStage` runs it.
-  Under 1F1B and zero-bubble with the loss inside the model, the last stage starts each
-  micro-batch's backward at the loss, taken as 1 (an "early" call); the driver's real gradient of
-  the loss follows, the input of the call's last action (S, `schedule.SCALE`), which adds the weight
-  gradients times it to ``.grad``. Releasing a call drops what waits for it.
+  without grad too, runs its stage's list of actions from `lightning_remote_mp.schedule`, where
+  every kind of action is defined: F, B and W of each micro-batch in the list's order. A message
+  brings one input of an action and says which (a `Forward` an F's; a `Backward` a B's or an S's,
+  `Backward.action`); inputs are buffered by (call, kind, micro-batch), and an action runs when
+  it is next on its list and every input it waits for is in (the previous stage's output and the
+  residual variables of others, or the next stages' gradients).
+  `lightning_remote_mp.worker.route.RoutedStage` runs it. Under 1F1B and zero-bubble with the
+  loss inside the model, the last stage starts each micro-batch's backward at the loss, taken as
+  1 (an "early" call); the driver's real gradient of the loss follows, the input of the call's
+  last action (S, `schedule.SCALE`), which adds the weight gradients times it to ``.grad``.
+  Releasing a call drops what waits for it.
 - **the driver's requests** (`Order`, one per worker). They run in the order the driver sent them
   (their ids), whichever way they came: straight from the driver, or along the pipeline
   (`lightning_remote_mp.wire.carry.Carry`). Three things wait: a peer's micro-batch, for the
@@ -72,6 +74,7 @@ class _Plan:
 
     actions: collections.deque[schedule.Action]  # those left to run, the next first
     listing: tuple[schedule.Action, ...]  # all of them (an error quotes them)
+    kinds: frozenset[str]  # the kinds of action in it: a message brings the input of one of them
     seed: int | None  # the model's output that is the loss, where the backward starts here; None: at the driver
     schedule: str
     microbatches: int
@@ -133,13 +136,14 @@ class StageRuntime:
         self.limit = limit
         self._inputs: dict[tuple[int, str, int], dict[int, Any]] = {}  # (call, kind, mb) -> parts arrived so far
         self._plans: dict[int, _Plan] = {}  # by call, while actions are left
-        self._failed: collections.OrderedDict[int, Exception] = collections.OrderedDict()  # calls whose action failed
+        # Calls whose action failed, and whether they were early (the driver heard of it from the failure).
+        self._failed: collections.OrderedDict[int, tuple[Exception, bool]] = collections.OrderedDict()
         self._released: collections.deque[int] = collections.deque(maxlen=1024)
         #: A W action of a call whose backward the driver ran failed: raised when ``.grad`` is next read.
         self.weights_failed: Exception | None = None
 
     def _collect(self, kind: str, expected: Iterable[int], msg: _M) -> dict[int, _M] | None:
-        """File ``msg``, an input of ``kind`` (`FORWARD`, `BACKWARD`, `SCALE`) of its micro-batch,
+        """File ``msg``, an input of a ``kind`` action (`FORWARD`, `BACKWARD`, `SCALE`) of its micro-batch,
         with the other parts of it; all of them, once every expected sender's part is in."""
         expected = set(expected)
         if msg.sender not in expected:
@@ -177,27 +181,32 @@ class StageRuntime:
         self._advance(first.call)
 
     def backward(self, msg: Backward) -> None:
-        """File a backward's input (a gradient, or an early call's scale) and run what may run now."""
+        """File a backward's input, for the action it names (`Backward.action`: a B's gradients, or
+        an early call's S), and run what may run now."""
         if msg.call in self._released:
             return  # a late message of a call the driver gave up on
-        if msg.early and msg.call in self._failed:
-            return
         plan = self._plans.get(msg.call)
-        if plan is not None and plan.grad and (msg.early or not plan.early):  # a B action's input
-            self._check_mb(msg, plan)
-            parts = self._collect(BACKWARD, self.route.targets, msg)
-            if parts is None:
-                return
+        if plan is None or msg.action not in plan.kinds:
+            self._unplanned(msg)
+            return
+        self._check_mb(msg, plan)
+        if msg.action == SCALE:
+            self._scale(msg, plan)
+            return
+        parts = self._collect(BACKWARD, self.route.targets, msg)
+        if parts is not None:
             plan.ready[(BACKWARD, msg.mb)] = parts
             self._advance(msg.call)
+
+    def _unplanned(self, msg: Backward) -> None:
+        """A backward's input for an action the call does not run here (now): dropped where it is a
+        B's of an early call that failed (the driver heard of the failure from it), else an error."""
+        failed = self._failed.get(msg.call)
+        if failed is not None and failed[1] and msg.action == BACKWARD:
             return
-        if plan is not None and plan.early:
-            self._scale(msg, plan)  # the driver's gradient of a loss whose backward ran here already
-            return
-        if msg.call in self._failed:
-            self._check_applicable(msg.call)
-        if msg.early:
-            raise ProtocolError(f"stage {self.index}: an early gradient for call {msg.call}, which runs no schedule")
+        self._check_applicable(msg.call)
+        if msg.action == SCALE:
+            raise ProtocolError(f"stage {self.index}: a loss scale (S) for call {msg.call}, which runs no S here")
         raise ProtocolError(
             f"stage {self.index}: backward of micro-batch {(msg.call, msg.mb)} without a forward under grad"
         )
@@ -216,6 +225,7 @@ class StageRuntime:
             plan = self._plans[first.call] = _Plan(
                 collections.deque(actions),
                 tuple(actions),
+                frozenset(a.kind for a in actions),
                 seed,
                 name,
                 first.microbatches,
@@ -239,10 +249,10 @@ class StageRuntime:
         try:
             self._run_actions(call)
         except Exception as err:
-            self._failed[call] = err
+            plan = self._plans.pop(call, None)
+            self._failed[call] = (err, plan is not None and plan.early)
             while len(self._failed) > self.limit:
                 self._failed.popitem(last=False)
-            plan = self._plans.pop(call, None)
             if plan is not None and plan.actions:  # the error reply quotes the list, the failing action marked
                 listing = schedule.format_row(plan.listing, plan.actions[0])
                 with contextlib.suppress(AttributeError):  # an exception type that takes no attributes
@@ -326,10 +336,11 @@ class StageRuntime:
     def _check_applicable(self, call: int) -> None:
         failed = self._failed.get(call)
         if failed is not None:
+            err = failed[0]
             raise LrmpError(
                 f"stage {self.index}: an action of call {call}'s schedule failed before its backward: "
-                f"{type(failed).__name__}: {failed}"
-            ) from failed
+                f"{type(err).__name__}: {err}"
+            ) from err
         if call in self._released:
             raise LrmpError(f"stage {self.index}: call {call} was released before its loss's gradient was applied")
 
@@ -362,7 +373,7 @@ class StageRuntime:
         plan.filings[mb] = self.route.stage.filing
         if self.route.x_to == DRIVER:
             plan.differentiable = list(self.route.stage.differentiable)
-        outgoing = self.route.gradients(first, grad_x, grad_imports, needs, early=True)
+        outgoing = self.route.gradients(first, grad_x, grad_imports, needs)
         if self.route.x_from == DRIVER:  # stage 0: the input's gradient waits for the driver's scale
             plan.to_driver[mb] = next(m for target, m in outgoing if target == DRIVER and isinstance(m, Backward))
             outgoing = [(t, m) for t, m in outgoing if t != DRIVER]
@@ -371,7 +382,6 @@ class StageRuntime:
     def _scale(self, msg: Backward, plan: _Plan) -> None:
         """File the driver's gradient of an early call's loss (from the driver, or passed on by the
         next stage) for the call's S action."""
-        self._check_mb(msg, plan)
         if msg.mb in plan.scales:
             raise ProtocolError(f"stage {self.index}: the gradient of micro-batch {(msg.call, msg.mb)} came twice")
         parts = self._collect(SCALE, self.route.targets, msg)
@@ -412,6 +422,7 @@ class StageRuntime:
                             call=call,
                             mb=mb,
                             sender=self.index,
+                            action=SCALE,
                             scale=scale,
                             fence=first.fence,
                             microbatches=first.microbatches,
