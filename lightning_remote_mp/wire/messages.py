@@ -53,7 +53,6 @@ from lightning_remote_mp.wire.fields import (
     list_of,
     map_of,
     must,
-    refuse,
     true_only,
 )
 
@@ -171,11 +170,6 @@ class Backward(_Pipelined):
     scale: torch.Tensor | None = field(
         must(is_scalar, "'scale' must be a floating tensor of one value"), default=None, omit_none=True
     )
-
-    @classmethod
-    def _check(cls, values: dict[str, Any]) -> None:
-        if values["scale"] is not None and values["action"] != SCALE:
-            raise refuse(cls.KIND, "field 'scale' comes with action 'S' alone")
 
 
 def salvage(body: Any) -> tuple[int | None, dict[str, Any]]:
