@@ -276,7 +276,9 @@ class StageRuntime:
                 if parts is None:
                     break
                 if action.kind == FORWARD:
-                    out, y = self.route.run_forward(parts)  # type: ignore[arg-type]
+                    generation = parts[self.route.x_from].generation  # type: ignore[union-attr]
+                    with self.route.stage.caches.step(generation, action.mb):  # a step of generate()
+                        out, y = self.route.run_forward(parts)  # type: ignore[arg-type]
                     if plan.early and self.route.x_to == DRIVER:
                         plan.outputs[action.mb] = y
                         # the loss's gradient, taken as 1, is here already
