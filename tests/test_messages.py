@@ -116,11 +116,12 @@ def test_the_fence_travels_and_a_malformed_one_is_refused():
 # sha256 of a forward and a backward message's frames: a change here changes what older workers
 # receive. Bump protocol.PROTOCOL_VERSION with it (and say so in the CHANGELOG), then update these.
 PIPELINED_GOLDEN = {
-    "forward": "84b843b7361f456a",
-    "backward": "9e91aa029dec5822",
-    "scheduled forward": "c41527b305883c70",
-    "early backward": "3f4da1bfcff4774f",
-    "scale": "cd980c1748927578",
+    "forward": "d0bd5bee068b0081",
+    "backward": "2035f46e8a66b0d9",
+    "scheduled forward": "012974d772b78f51",
+    "early backward": "7cb6823f0707c379",
+    "scale": "8edcc61b4efcaae7",
+    "generation step": "c2acefd623b6d032",
 }
 
 
@@ -152,6 +153,8 @@ def test_the_wire_format_of_pipelined_messages_is_pinned():
         "scheduled forward": Forward(key="net", call=3, mb=1, sender=0, x=t, grad=True, schedule="1f1b", seed=0),
         "early backward": Backward(key="net", call=3, mb=1, sender=1, grad_out=t, early=True, microbatches=4),
         "scale": Backward(key="net", call=3, mb=1, sender=1, scale=torch.tensor(0.25), microbatches=4),
+        # A step of generate(): the stage's cache of generation 7 (134 tokens), its rows reordered first.
+        "generation step": Forward(key="net", call=3, mb=1, sender=0, x=t, generation=[7, 134, [1, 0]]),
     }
     got = {}
     for name, msg in messages.items():

@@ -60,7 +60,7 @@ class TracedForward:
         #: The programs of ``generate()``'s steps (`lightning_remote_mp.model.generation`): "prefill", "decode".
         self.generation: dict[str, TracedSequential] = {}
         self._generations = itertools.count()
-        self.hooks = GenerateHooks(module, self._release)
+        self.hooks = GenerateHooks(module, self._release, self._step)
 
     def _earlier_trace(self, args: tuple, kwargs: dict) -> TracedSequential | None:
         kept = vars(self.module).get("_lrmp_trace")

@@ -44,6 +44,18 @@ _IGNORED = ("use_cache", "return_dict", "logits_to_keep", "output_attentions", "
 _REFUSED_MODES = ("assisted_generation", "contrastive_search", "dola_generation")
 
 
+def generating_model(module: nn.Module) -> nn.Module | None:
+    """The model whose ``generate`` runs the decoding: the module itself (a HuggingFace model), or
+    the model a peft wrapper's ``generate`` calls (``get_base_model()``); ``None`` for a module that
+    does not generate."""
+    for candidate in (module, getattr(module, "get_base_model", lambda: None)()):
+        if isinstance(candidate, nn.Module) and callable(
+            getattr(type(candidate), "_prepare_cache_for_generation", None)
+        ):
+            return candidate
+    return None
+
+
 def step_cache(kwargs: dict[str, Any]) -> Any:
     """The counting cache a call of the module carries, if it is a step of ``generate`` on the stages."""
     for name in CACHE_KEYWORDS:
@@ -86,18 +98,25 @@ def step_inputs(args: tuple, kwargs: dict[str, Any], cache: Any) -> dict[str, to
 @contextlib.contextmanager
 def generation_forward(module: nn.Module) -> Iterator[None]:
     """While tracing a step: the module's forward takes the step's tensors (`step_inputs`), runs its
-    own forward with a `tracing_cache` and returns the last position's logits alone."""
-    own = type(module).forward
-    params = inspect.signature(own).parameters
+    own forward with a `tracing_cache` and returns the last position's logits alone. A peft wrapper
+    passes the cache on to the model it wraps, whose forward says what the cache is called."""
+    target = generating_model(module)
+    config = getattr(target, "config", None)
+    if getattr(config, "is_encoder_decoder", False):
+        raise TraceError(
+            f"generate() on {type(target).__name__} through the workers: an encoder-decoder's cache (the encoder's "
+            "keys and values beside the decoder's) does not stay on the stages yet; decoder-only models do"
+        )
+    params = _forward_params(target) if target is not None else {}
     keyword = next((k for k in CACHE_KEYWORDS if k in params), None)
-    config = getattr(module, "config", None)
-    layers = getattr(config, "num_hidden_layers", None) if config is not None else None
+    layers = getattr(config, "num_hidden_layers", None)
     if keyword is None or layers is None:
         raise TraceError(
             f"{type(module).__name__} takes no key/value cache (no 'cache' or 'past_key_values' argument, or no "
             "config.num_hidden_layers): generate() through the workers needs a HuggingFace decoder that does"
         )
     keep = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
+    own = type(module).forward
 
     def forward(input_ids: torch.Tensor, attention_mask: torch.Tensor, **more: torch.Tensor) -> torch.Tensor:
         cache = tracing_cache(attention_mask.shape[1], input_ids.shape[1], layers)
@@ -125,17 +144,20 @@ def step_output(module: nn.Module, logits: torch.Tensor, cache: Any) -> Any:
 
 
 class GenerateHooks:
-    """While a module is split: its ``generate`` frees the caches it used on the workers when it
-    returns, and prepares a `counting_cache` of its ``max_length`` (see the module docstring)."""
+    """While a module is split, its generating model (`generating_model`): ``generate`` frees the
+    caches it used on the workers when it returns, and prepares a `counting_cache` of its
+    ``max_length`` (see the module docstring). Where that model is inside a peft wrapper, its own
+    forward sends the steps (calls with a counting cache) to ``step``, the split module's."""
 
-    def __init__(self, module: nn.Module, release: Callable[[Any], None]) -> None:
-        self.module = module
+    def __init__(self, module: nn.Module, release: Callable[[Any], None], step: Callable[..., Any]) -> None:
         self.release = release
         self.caches: list[Any] = []
-        self._own = {name: vars(module).get(name) for name in ("generate", "_prepare_cache_for_generation")}
-        if not callable(getattr(type(module), "_prepare_cache_for_generation", None)):
-            return  # not a GenerationMixin model
-        generate = module.generate
+        self.target = target = generating_model(module)
+        names = ("generate", "_prepare_cache_for_generation", "forward")
+        self._own = {name: vars(target).get(name) for name in names} if target is not None else {}
+        if target is None:
+            return
+        generate = target.generate
 
         @functools.wraps(generate)
         def generate_here(*args: Any, **kwargs: Any) -> Any:
@@ -152,8 +174,19 @@ class GenerateHooks:
                     self.release(cache)
                 del self.caches[started:]
 
-        module.generate = generate_here  # type: ignore[method-assign]
-        module._prepare_cache_for_generation = self._prepare  # type: ignore[method-assign]
+        target.generate = generate_here  # type: ignore[method-assign]
+        target._prepare_cache_for_generation = self._prepare  # type: ignore[method-assign]
+        if target is not module:  # a peft wrapper's model: its steps go to the split module
+            inner = target.forward
+
+            def forward(*args: Any, **kwargs: Any) -> Any:
+                cache = step_cache(kwargs)
+                return step(args, kwargs, cache) if cache is not None else inner(*args, **kwargs)
+
+            forward.__signature__ = inspect.signature(inner)  # type: ignore[attr-defined]
+            target.forward = forward  # type: ignore[method-assign]
+        else:
+            self._own.pop("forward")
 
     def _prepare(
         self, generation_config: Any, model_kwargs: dict, generation_mode: Any, batch_size: int, max_cache_length: int
@@ -173,14 +206,14 @@ class GenerateHooks:
             raise TraceError("generate(use_cache=False) would run every token's whole sequence through every stage")
         cache = counting_cache(max_cache_length + 1)
         self.caches.append(cache)
-        model_kwargs["cache" if "cache" in _forward_params(self.module) else "past_key_values"] = cache
+        model_kwargs["cache" if "cache" in _forward_params(self.target) else "past_key_values"] = cache
 
     def detach(self) -> None:
         for name, own in self._own.items():
             if own is None:
-                vars(self.module).pop(name, None)
+                vars(self.target).pop(name, None)
             else:
-                setattr(self.module, name, own)
+                setattr(self.target, name, own)
 
 
 def _forward_params(module: nn.Module) -> Any:
