@@ -58,7 +58,7 @@ def local_run(path: str, epochs: int) -> H.FineTune:
     return model
 
 
-def shards(directory) -> dict[str, torch.Tensor]:
+def shards_of(directory) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for name in os.listdir(directory):
         if name.endswith(".safetensors"):
@@ -97,7 +97,7 @@ def test_a_meta_model_trains_with_no_weights_on_the_driver_and_checkpoints_by_wo
     last = tmp_path / "last.ckpt"
     manifest = json.loads((last / "lrmp-checkpoint.json").read_text())
     assert sorted(f["stage"] for f in manifest["files"]) == [0, 1]
-    saved = shards(last)
+    saved = shards_of(last)
     for name, value in local.state_dict().items():
         torch.testing.assert_close(saved[name], value, rtol=0, atol=1e-4)
         # Adam's moments travelled too, keyed by the same name
@@ -131,7 +131,7 @@ def test_with_async_checkpoint_io_the_workers_write_while_training_goes_on(pretr
     names = sorted(os.listdir(tmp_path))
     assert len(names) == 2 and names[0].startswith("epoch=2-") and names[1] == "last.ckpt", names
     for name in names:
-        saved = shards(tmp_path / name)
+        saved = shards_of(tmp_path / name)
         for key, value in local.state_dict().items():
             torch.testing.assert_close(saved[key], value, rtol=0, atol=1e-4)
 
@@ -155,7 +155,7 @@ def test_a_sharded_checkpoint_resumes_onto_another_number_of_stages(pretrained, 
     run.fit(second, H.padded_data(), ckpt_path=str(tmp_path / "last.ckpt"))
     assert_same_losses(local.losses, first.losses + second.losses, TOL)
     (last,) = (tmp_path / "second").iterdir()
-    saved = shards(last)
+    saved = shards_of(last)
     assert len(json.loads((last / "lrmp-checkpoint.json").read_text())["files"]) == stages
     for name, value in local.state_dict().items():
         torch.testing.assert_close(saved[name], value, rtol=0, atol=1e-4)
@@ -244,8 +244,13 @@ def test_a_sharded_checkpoint_exports_to_transformers_and_consolidates_into_one_
         remote, H.padded_data()
     )
     (checkpoint,) = (tmp_path / "ckpt").iterdir()
-    main(["export", str(checkpoint), str(tmp_path / "hf")])
-    assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
+    main(["export", str(checkpoint), str(tmp_path / "hf"), "--max-shard-size", "20KB"])
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    shards = shards_of(tmp_path / "hf")
+    assert len(set(index["weight_map"].values())) > 2  # by size, not one per stage
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in shards.values())
+    main(["export", str(checkpoint), str(tmp_path / "one")])  # save_pretrained's default: one file for a small model
+    assert sorted(os.listdir(tmp_path / "one")) == ["config.json", "model.safetensors"]
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     for name, value in local.model.state_dict().items():
         torch.testing.assert_close(exported.state_dict()[name], value, rtol=0, atol=1e-4)
