@@ -50,6 +50,7 @@ from lightning_remote_mp.driver.workers import Workers, load_keys
 from lightning_remote_mp.errors import ConfigurationError, LrmpError, WeightsError
 from lightning_remote_mp.flow import SplitBackward
 from lightning_remote_mp.lightning import intercept
+from lightning_remote_mp.lightning.checkpoint_io import FileCheckpointIO
 from lightning_remote_mp.lightning.timeline import TimelineCallback
 from lightning_remote_mp.logs import follow_lightning
 from lightning_remote_mp.model.calls import TracedForward
@@ -257,7 +258,7 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
         super().__init__(
             device=device or "cpu",
             accelerator=accelerator,
-            checkpoint_io=checkpoint_io,
+            checkpoint_io=checkpoint_io if checkpoint_io is not None else FileCheckpointIO(),
             precision_plugin=precision_plugin,
         )
         self.balance = balance
