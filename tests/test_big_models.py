@@ -211,6 +211,30 @@ def test_a_worker_lost_during_a_save_leaves_the_previous_checkpoint_whole(pretra
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".")]
 
 
+def test_a_run_removes_the_unfinished_checkpoints_a_crashed_run_left_and_nothing_else(pretrained, pool, tmp_path):
+    """Hidden directories of a save that never finished (a worker killed mid-save, a driver that
+    died) go at a run's first save there; one that holds a file lrmp never writes stays."""
+    ours = tmp_path / ".last.ckpt.lrmp-partial-0123abcd"
+    ours.mkdir()
+    (ours / "model-stage0.safetensors").write_bytes(b"half")
+    (ours / ".model-stage1.safetensors.partial").write_bytes(b"half")
+    replaced = tmp_path / ".epoch=0.ckpt.lrmp-old-89abcdef"
+    replaced.mkdir()
+    (replaced / "lightning.ckpt").write_bytes(b"old")
+    theirs = tmp_path / ".notes.lrmp-partial-ffffffff"
+    theirs.mkdir()
+    (theirs / "notes.txt").write_text("mine")
+    strategy = RemoteModelParallelStrategy(
+        hosts=pool[:2], split=["model"], pretrained=pretrained, state_dict_type="sharded"
+    )
+    trainer(strategy, 1, enable_checkpointing=True, callbacks=[ModelCheckpoint(dirpath=tmp_path)]).fit(
+        loaded(pretrained), H.padded_data()
+    )
+    assert not ours.exists() and not replaced.exists()
+    assert (theirs / "notes.txt").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".notes.lrmp-partial-ffffffff", "epoch=0-step=2.ckpt"]
+
+
 def test_weights_of_another_model_are_refused_naming_the_tensor_and_the_file(pretrained, pool, tmp_path):
     other = tmp_path / "other"
     H.llama(tie_word_embeddings=False, intermediate_size=48).save_pretrained(other)

@@ -30,7 +30,7 @@ class FileCheckpointIO(TorchCheckpointIO):
             return super().save_checkpoint(checkpoint, path, storage_options=storage_options)
         target = Path(local)
         target.parent.mkdir(parents=True, exist_ok=True)
-        partial = target.with_name(f".{target.name}.partial-{uuid.uuid4().hex[:8]}")
+        partial = target.with_name(f".{target.name}.{uuid.uuid4().hex[:8]}.partial")
         try:
             with open(partial, "wb") as f:
                 torch.save(checkpoint, f)
