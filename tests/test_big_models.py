@@ -27,6 +27,7 @@ from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
 from lightning_remote_mp import RemoteModelParallelStrategy  # noqa: E402
 from lightning_remote_mp.errors import LrmpError, WeightsError  # noqa: E402
+from lightning_remote_mp.lightning.checkpoint_io import FileCheckpointIO  # noqa: E402
 
 TOL = 2e-5
 
@@ -127,6 +128,7 @@ def test_with_async_checkpoint_io_the_workers_write_while_training_goes_on(pretr
     run = trainer(strategy, 3, enable_checkpointing=True, callbacks=[seen, checkpoints], plugins=[AsyncCheckpointIO()])
     run.fit(remote, H.padded_data())
     assert seen.pending == [False, True, True]  # a save from the epoch before was still being named
+    assert isinstance(run.strategy.checkpoint_io.checkpoint_io, FileCheckpointIO)  # the plugin wraps lrmp's
     assert_same_losses(local.losses, remote.losses, TOL)
     names = sorted(os.listdir(tmp_path))
     assert len(names) == 2 and names[0].startswith("epoch=2-") and names[1] == "last.ckpt", names

@@ -136,47 +136,53 @@ class TracedForward:
             self.hooks.detach()
 
     def _step(self, args: tuple, kwargs: dict, cache: Any) -> Any:
-        """A step of ``generate()``: its program (a prefill, or a decode step), traced at its first
-        use and placed on the stages and tensors of the module's first trace, through the stages with
-        the generation's cache there (`lightning_remote_mp.model.generation`)."""
+        """A step of ``generate()``, through the stages with the generation's cache there
+        (`lightning_remote_mp.model.generation`): a prefill (the prompt) or a decode step (a token)."""
         step = step_inputs(args, kwargs, cache)
         ids = step.pop("input_ids")
         phase = "decode" if ids.shape[1] == 1 else "prefill"
-        traced = self.generation.get(phase)
-        if traced is None:
-            with torch.inference_mode(False):
-                ids, step = _plain(ids), {k: _plain(v) for k, v in step.items()}
-                self.detach(hooks=False)
-                # A module on the meta device (trained past gather_limit) is traced with its inputs there too.
-                on_meta = any(t.is_meta for t in self.module.parameters())
-                example = {k: v.to("meta") for k, v in step.items()} if on_meta else step
-                try:
-                    with generation_forward(self.module):
-                        traced = trace_module(self.module, (ids.to("meta") if on_meta else ids,), example, self.name)
-                finally:
-                    self.module.forward = self  # type: ignore[method-assign]
-                traced.generation = phase  # type: ignore[attr-defined]
-                if self.traced is None:
-                    self._place(traced, (ids,), step)
-                    self.traced = traced
-                elif not _shares(traced, self.traced):
-                    raise TraceError(
-                        f"module {self.name!r}: generate()'s {phase} program is cut into other units "
-                        f"({', '.join(e.name for e in traced.entries)}) than the module's first trace, so it cannot "
-                        "run on the stages placed then"
-                    )
-                else:
-                    self._place(traced, (ids,), step, f"{self.name}@{phase}")
-            self.generation[phase] = traced
+        traced = self.generation.get(phase) or self._trace_step(phase, ids, step)
         if cache.generation is None:
             cache.generation, cache.remote = next(self._generations), traced.remote
         interface: Interface = traced.interface  # type: ignore[attr-defined]
         inputs = tuple(interface.inputs((ids,), _in_order(step, interface.in_spec)))  # type: ignore[attr-defined]
-        logits = interface.outputs(
-            list(traced.remote.generation_step(inputs, (cache.generation, cache.capacity, cache.take_reorder())))
-        )
+        generation = (cache.generation, cache.capacity, cache.take_reorder())
+        logits = interface.outputs(list(traced.remote.generation_step(inputs, generation)))
         cache.tokens += ids.shape[1]
         return step_output(self.module, logits, cache)
+
+    def _trace_step(self, phase: str, ids: torch.Tensor, step: dict[str, torch.Tensor]) -> TracedSequential:
+        """The program of ``phase``, traced at its first use (a module on the meta device, trained past
+        gather_limit, with its inputs there too) and placed on the stages and tensors of the module's
+        first trace, or as its first."""
+        with torch.inference_mode(False):
+            ids, step = _plain(ids), {k: _plain(v) for k, v in step.items()}
+            meta = any(t.is_meta for t in self.module.parameters())
+            self.detach(hooks=False)
+            try:
+                with generation_forward(self.module):
+                    traced = trace_module(
+                        self.module,
+                        (ids.to("meta") if meta else ids,),
+                        {k: v.to("meta") for k, v in step.items()} if meta else step,
+                        self.name,
+                    )
+            finally:
+                self.module.forward = self  # type: ignore[method-assign]
+            traced.generation = phase  # type: ignore[attr-defined]
+            if self.traced is None:
+                self._place(traced, (ids,), step)
+                self.traced = traced
+            elif not _shares(traced, self.traced):
+                raise TraceError(
+                    f"module {self.name!r}: generate()'s {phase} program is cut into other units "
+                    f"({', '.join(e.name for e in traced.entries)}) than the module's first trace, so it cannot "
+                    "run on the stages placed then"
+                )
+            else:
+                self._place(traced, (ids,), step, f"{self.name}@{phase}")
+        self.generation[phase] = traced
+        return traced
 
     def _release(self, cache: Any) -> None:
         """Free a finished generation's caches on the workers."""
