@@ -23,7 +23,9 @@ What happens:
    do not hold, come from the driver.
 4. ``state_dict_type="sharded"``: every checkpoint is a directory each worker writes its stage into;
    ``ModelCheckpoint(save_last=True)`` keeps ``checkpoints/last.ckpt``.
-5. At the end, ``lightning_remote_mp.model.convert.export_pretrained`` turns the last checkpoint into
+5. ``trainer.predict`` writes a few answers with the model's own ``generate()``, through the
+   workers: each keeps the key/value cache of its own layers (docs/generation.md).
+6. At the end, ``lightning_remote_mp.model.convert.export_pretrained`` turns the last checkpoint into
    ``save_pretrained``'s layout (or, with ``--lora`` and ``--qlora``, the adapter alone), one file at a
    time, and the script loads it back with ``from_pretrained`` (``PeftModel.from_pretrained``, over the
    4-bit base with ``--qlora``) to show it works.
@@ -124,6 +126,10 @@ class FineTune(L.LightningModule):
         self.log("loss", loss, prog_bar=True)
         return loss
 
+    def predict_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        """Continue each prompt: transformers' own generate(), the key/value cache on the workers."""
+        return self.model.generate(batch["input_ids"][:, :4], max_new_tokens=8, do_sample=False, pad_token_id=0)
+
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=3e-3)
 
@@ -154,7 +160,14 @@ def main(
         callbacks=[checkpoints],
         enable_model_summary=False,
     )
-    trainer.fit(FineTune(path, lora, qlora), DataLoader(Counting(), batch_size=8))
+    module = FineTune(path, lora, qlora)
+    trainer.fit(module, DataLoader(Counting(), batch_size=8))
+    # A few answers, written by the workers from the trained weights, which are only in the checkpoint:
+    # the model is on the meta device here (the data counts up by one).
+    prompts = DataLoader([Counting()[i] for i in (0, 3)], batch_size=2)
+    last = os.path.join(workdir, "checkpoints", "last.ckpt")
+    for row in torch.cat(trainer.predict(module, prompts, ckpt_path=last)).tolist():
+        print(f"prompt {row[:4]} -> {row[4:]}")
     exported = os.path.join(workdir, "exported")
     export_pretrained(os.path.join(workdir, "checkpoints", "last.ckpt"), exported)
 

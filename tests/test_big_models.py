@@ -27,6 +27,7 @@ from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
 from lightning_remote_mp import RemoteModelParallelStrategy  # noqa: E402
 from lightning_remote_mp.errors import LrmpError, WeightsError  # noqa: E402
+from lightning_remote_mp.lightning.checkpoint_io import FileCheckpointIO  # noqa: E402
 
 TOL = 2e-5
 
@@ -58,7 +59,7 @@ def local_run(path: str, epochs: int) -> H.FineTune:
     return model
 
 
-def shards(directory) -> dict[str, torch.Tensor]:
+def shards_of(directory) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for name in os.listdir(directory):
         if name.endswith(".safetensors"):
@@ -97,7 +98,7 @@ def test_a_meta_model_trains_with_no_weights_on_the_driver_and_checkpoints_by_wo
     last = tmp_path / "last.ckpt"
     manifest = json.loads((last / "lrmp-checkpoint.json").read_text())
     assert sorted(f["stage"] for f in manifest["files"]) == [0, 1]
-    saved = shards(last)
+    saved = shards_of(last)
     for name, value in local.state_dict().items():
         torch.testing.assert_close(saved[name], value, rtol=0, atol=1e-4)
         # Adam's moments travelled too, keyed by the same name
@@ -127,11 +128,12 @@ def test_with_async_checkpoint_io_the_workers_write_while_training_goes_on(pretr
     run = trainer(strategy, 3, enable_checkpointing=True, callbacks=[seen, checkpoints], plugins=[AsyncCheckpointIO()])
     run.fit(remote, H.padded_data())
     assert seen.pending == [False, True, True]  # a save from the epoch before was still being named
+    assert isinstance(run.strategy.checkpoint_io.checkpoint_io, FileCheckpointIO)  # the plugin wraps lrmp's
     assert_same_losses(local.losses, remote.losses, TOL)
     names = sorted(os.listdir(tmp_path))
     assert len(names) == 2 and names[0].startswith("epoch=2-") and names[1] == "last.ckpt", names
     for name in names:
-        saved = shards(tmp_path / name)
+        saved = shards_of(tmp_path / name)
         for key, value in local.state_dict().items():
             torch.testing.assert_close(saved[key], value, rtol=0, atol=1e-4)
 
@@ -155,7 +157,7 @@ def test_a_sharded_checkpoint_resumes_onto_another_number_of_stages(pretrained, 
     run.fit(second, H.padded_data(), ckpt_path=str(tmp_path / "last.ckpt"))
     assert_same_losses(local.losses, first.losses + second.losses, TOL)
     (last,) = (tmp_path / "second").iterdir()
-    saved = shards(last)
+    saved = shards_of(last)
     assert len(json.loads((last / "lrmp-checkpoint.json").read_text())["files"]) == stages
     for name, value in local.state_dict().items():
         torch.testing.assert_close(saved[name], value, rtol=0, atol=1e-4)
@@ -211,6 +213,30 @@ def test_a_worker_lost_during_a_save_leaves_the_previous_checkpoint_whole(pretra
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".")]
 
 
+def test_a_run_removes_the_unfinished_checkpoints_a_crashed_run_left_and_nothing_else(pretrained, pool, tmp_path):
+    """Hidden directories of a save that never finished (a worker killed mid-save, a driver that
+    died) go at a run's first save there; one that holds a file lrmp never writes stays."""
+    ours = tmp_path / ".last.ckpt.lrmp-partial-0123abcd"
+    ours.mkdir()
+    (ours / "model-stage0.safetensors").write_bytes(b"half")
+    (ours / ".model-stage1.safetensors.partial").write_bytes(b"half")
+    replaced = tmp_path / ".epoch=0.ckpt.lrmp-old-89abcdef"
+    replaced.mkdir()
+    (replaced / "lightning.ckpt").write_bytes(b"old")
+    theirs = tmp_path / ".notes.lrmp-partial-ffffffff"
+    theirs.mkdir()
+    (theirs / "notes.txt").write_text("mine")
+    strategy = RemoteModelParallelStrategy(
+        hosts=pool[:2], split=["model"], pretrained=pretrained, state_dict_type="sharded"
+    )
+    trainer(strategy, 1, enable_checkpointing=True, callbacks=[ModelCheckpoint(dirpath=tmp_path)]).fit(
+        loaded(pretrained), H.padded_data()
+    )
+    assert not ours.exists() and not replaced.exists()
+    assert (theirs / "notes.txt").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".notes.lrmp-partial-ffffffff", "epoch=0-step=2.ckpt"]
+
+
 def test_weights_of_another_model_are_refused_naming_the_tensor_and_the_file(pretrained, pool, tmp_path):
     other = tmp_path / "other"
     H.llama(tie_word_embeddings=False, intermediate_size=48).save_pretrained(other)
@@ -244,8 +270,13 @@ def test_a_sharded_checkpoint_exports_to_transformers_and_consolidates_into_one_
         remote, H.padded_data()
     )
     (checkpoint,) = (tmp_path / "ckpt").iterdir()
-    main(["export", str(checkpoint), str(tmp_path / "hf")])
-    assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
+    main(["export", str(checkpoint), str(tmp_path / "hf"), "--max-shard-size", "20KB"])
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    shards = shards_of(tmp_path / "hf")
+    assert len(set(index["weight_map"].values())) > 2  # by size, not one per stage
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in shards.values())
+    main(["export", str(checkpoint), str(tmp_path / "one")])  # save_pretrained's default: one file for a small model
+    assert sorted(os.listdir(tmp_path / "one")) == ["config.json", "model.safetensors"]
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     for name, value in local.model.state_dict().items():
         torch.testing.assert_close(exported.state_dict()[name], value, rtol=0, atol=1e-4)

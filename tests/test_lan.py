@@ -172,3 +172,37 @@ def test_the_lan_leaves_nothing_behind(make_lan):
     lan.close()
     left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert not any(n in left for n in names), left
+
+
+def test_zeromq_closes_a_half_open_connection_within_its_heartbeat(make_lan):
+    """A cable pulled leaves the TCP connection half-open: nothing closes it for minutes, and a
+    socket would send into it. ZeroMQ's own heartbeat, on every link lrmp keeps, closes it after
+    `sockets.ZMTP_TIMEOUT` of silence (a connecting socket then dials again once the peer is back)."""
+    import zmq
+
+    from lightning_remote_mp.wire import sockets
+
+    lan = make_lan(2, "1gbit")
+    (address,) = _workers(lan, 1)
+    sock = sockets.dealer(address, connect=False)
+    monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+    sock.connect(address)
+
+    def wait(event: int, within: float) -> float | None:
+        started = time.monotonic()
+        while time.monotonic() - started < within:
+            if monitor.poll(200):
+                if zmq.utils.monitor.recv_monitor_message(monitor)["event"] == event:
+                    return time.monotonic() - started
+        return None
+
+    try:
+        assert wait(zmq.EVENT_HANDSHAKE_SUCCEEDED, 30) is not None
+        lan.unplug(1)
+        closed = wait(zmq.EVENT_DISCONNECTED, sockets.ZMTP_TIMEOUT + 10)
+        assert closed is not None, "the half-open connection stayed open"
+        assert closed < sockets.ZMTP_TIMEOUT + 5, f"closed after {closed:.1f} s"
+    finally:
+        sock.disable_monitor()
+        monitor.close(0)
+        sock.close(0)

@@ -122,6 +122,7 @@ PIPELINED_GOLDEN = {
     "scheduled forward": "012974d772b78f51",
     "the driver's scale": "f5b4fe8f5d142490",
     "scale": "7c3e88b0789d7fc1",
+    "generation step": "c2acefd623b6d032",
 }
 
 
@@ -153,6 +154,8 @@ def test_the_wire_format_of_pipelined_messages_is_pinned():
         "scheduled forward": Forward(key="net", call=3, mb=1, sender=0, x=t, grad=True, schedule="1f1b", seed=0),
         "the driver's scale": Backward(key="net", call=3, mb=1, sender=-1, action="S", grad_out=t, microbatches=4),
         "scale": Backward(key="net", call=3, mb=1, sender=1, action="S", scale=torch.tensor(0.25), microbatches=4),
+        # A step of generate(): the stage's cache of generation 7 (134 tokens), its rows reordered first.
+        "generation step": Forward(key="net", call=3, mb=1, sender=0, x=t, generation=[7, 134, [1, 0]]),
     }
     got = {}
     for name, msg in messages.items():

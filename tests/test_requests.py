@@ -250,7 +250,7 @@ def _golden() -> dict[str, object]:
                 ],
             },
         ),
-        "release": Release({"net": [1, 2]}),
+        "release": Release({"net": [1, 2]}, generations={"net": [3]}),
         "get_state": GetState(),
         "load_state": LoadState({"net": {"2.bias": torch.ones(2)}}),
         "profile": Profile([["torch.nn.ReLU", {}, [2, 3]]], repeats=3),
@@ -296,7 +296,7 @@ def _golden() -> dict[str, object]:
 # protocol.PROTOCOL_VERSION with it (and say so in the CHANGELOG), then update these.
 GOLDEN = {
     "setup": "d5fcdd23ba2bf6d1",
-    "release": "afc655ab3ea4727f",
+    "release": "20faa1bf66f85778",
     "get_state": "efe38831b8f9c93b",
     "load_state": "967cba4ff02d4c40",
     "profile": "b025ef90f38a9175",

@@ -88,6 +88,9 @@ def save(
         raise WeightsError(f"sharded checkpoints go to a file system path every worker sees, not {str(path)!r}")
     target = Path(path).absolute()  # the workers resolve it, from their own working directories
     target.parent.mkdir(parents=True, exist_ok=True)
+    if target.parent not in _CLEANED:  # what a run that crashed left there, once per directory and process
+        _CLEANED.add(target.parent)
+        clean_leftovers(target.parent)
     partial = target.parent / f".{target.name}{PARTIAL}{uuid.uuid4().hex[:8]}"
     partial.mkdir()
     try:
@@ -99,7 +102,7 @@ def save(
         for key, pl in session.placements.items():
             _write_configs(pl.module.state_owner, key, partial)
     except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
+        _remove(partial)
         raise
     return PendingSave(session, partial, target, manifest, conns, started, time.monotonic() - started)
 
@@ -146,7 +149,7 @@ class PendingSave:
         return True
 
     def discard(self) -> None:
-        shutil.rmtree(self.partial, ignore_errors=True)
+        _remove(self.partial)
 
 
 def _write_shards(
@@ -224,6 +227,49 @@ def _write_configs(owner: torch.nn.Module, key: str, directory: Path) -> None:
         )
 
 
+#: The directories whose leftovers this process has cleaned (`clean_leftovers`).
+_CLEANED: set[Path] = set()
+#: What lrmp writes into a checkpoint's hidden directory: a leftover holding anything else is not ours.
+_OURS = (".safetensors", ".partial", ".json", ".ckpt")
+_OLD = ".lrmp-old-"
+
+
+def _is_leftover(path: Path) -> bool:
+    """A hidden directory lrmp made beside a checkpoint (`PARTIAL` while written, `_OLD` while
+    replaced) holding only the files lrmp writes there."""
+    name = path.name
+    if not (name.startswith(".") and (PARTIAL in name or _OLD in name)) or path.is_symlink() or not path.is_dir():
+        return False
+    return all(f.is_file() and not f.is_symlink() and f.name.endswith(_OURS) for f in path.iterdir())
+
+
+def clean_leftovers(directory: Path) -> list[Path]:
+    """Remove the checkpoints half-written or half-replaced that a run which crashed (or whose
+    worker was killed mid-save) left in ``directory``; never anything else (a directory holding a
+    file lrmp does not write is left, with a warning). Returns what was removed."""
+    removed = []
+    for path in sorted(directory.iterdir()) if directory.is_dir() else ():
+        if _is_leftover(path):
+            _remove(path)
+            removed.append(path)
+        elif path.name.startswith(".") and (PARTIAL in path.name or _OLD in path.name):
+            log.warning("%s looks like an unfinished lrmp checkpoint but holds other files: left as it is", path)
+    if removed:
+        log.info("removed %d unfinished checkpoint(s) an earlier run left in %s", len(removed), directory)
+    return removed
+
+
+def _remove(path: Path, attempts: int = 20) -> None:
+    """``rmtree`` that outlasts a worker still writing its file into the directory (its last
+    write can land between the listing and the removal): tried again for up to a second."""
+    for _ in range(attempts):
+        shutil.rmtree(path, ignore_errors=True)
+        if not path.exists():
+            return
+        time.sleep(0.05)
+    log.warning("could not remove %s (a worker still writing there?); the next run in this directory will", path)
+
+
 def _swap_in(partial: Path, target: Path) -> None:
     """Give ``partial`` the name ``target``; a previous checkpoint there is moved aside, then removed."""
     old = None
@@ -232,12 +278,12 @@ def _swap_in(partial: Path, target: Path) -> None:
             f"{target} is a directory but no lrmp checkpoint: a checkpoint never replaces it; choose another path"
         )
     if target.exists() or target.is_symlink():
-        old = target.parent / f".{target.name}.lrmp-old-{uuid.uuid4().hex[:8]}"
+        old = target.parent / f".{target.name}{_OLD}{uuid.uuid4().hex[:8]}"
         target.rename(old)
     partial.rename(target)
     if old is not None:
         if old.is_dir() and not old.is_symlink():
-            shutil.rmtree(old, ignore_errors=True)
+            _remove(old)
         else:
             old.unlink()
 

@@ -15,6 +15,7 @@ a release follows with the next forward).
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -29,7 +30,7 @@ from lightning_remote_mp import schedule
 from lightning_remote_mp.driver.loss_grads import DeferredLossGrads
 from lightning_remote_mp.driver.losses import Losses
 from lightning_remote_mp.driver.outputs import Kept, KeptOutputs
-from lightning_remote_mp.errors import ConfigurationError, ProtocolError, RemoteInputError
+from lightning_remote_mp.errors import ConfigurationError, LrmpError, ProtocolError, RemoteInputError
 from lightning_remote_mp.flow import DRIVER, Main, is_floating, is_main
 from lightning_remote_mp.model.joins import Join, join_parts
 from lightning_remote_mp.model.partition import Stage
@@ -103,6 +104,29 @@ def _autocast_state(device_type: str) -> dict[str, Any] | None:
 def _any_of(grads: list[torch.Tensor | None] | None) -> list[torch.Tensor | None] | None:
     """``grads``, unless none of them is a tensor."""
     return grads if grads and any(g is not None for g in grads) else None
+
+
+def _generation_steps(generation: tuple[int, int, torch.Tensor | None] | None, sizes: Sequence[int]) -> list[Any]:
+    """Each micro-batch's `messages.Forward.generation`: beam search's reordering of the whole batch's
+    rows, as each micro-batch's own rows (a reordering that moves a row to another micro-batch or
+    replica would need its cache there: refused, naming what to change)."""
+    if generation is None:
+        return [None] * len(sizes)
+    ident, capacity, rows = generation
+    out, start = [], 0
+    for size in sizes:
+        local = None
+        if rows is not None:
+            local = (rows[start : start + size] - start).tolist()
+            if any(not 0 <= r < size for r in local):
+                raise ConfigurationError(
+                    f"beam search reorders the rows of the batch across micro-batches or replicas (rows "
+                    f"{start}-{start + size - 1} take rows from elsewhere), whose caches are on other stages' "
+                    "micro-batches: use a number of micro-batches and replicas that divides the number of prompts"
+                )
+        out.append([ident, capacity, local])
+        start += size
+    return out
 
 
 def _split(n: int, parts: int) -> list[int]:
@@ -368,19 +392,45 @@ class RemoteSpec:
         """The header fields of micro-batch ``mb`` of ``call`` as the driver sends it (`messages._Pipelined`)."""
         return {"key": self.key, "call": call, "mb": mb, "sender": DRIVER, "microbatches": microbatches, "fence": fence}
 
+    def generation_step(self, x: Main, generation: tuple[int, int, torch.Tensor | None]) -> Main:
+        """One step of ``generate()`` (`messages.Forward.generation`): ``x`` through the stages without
+        grad, each stage writing its keys and values to its cache of the generation; ``generation``
+        is its id, its capacity in tokens, and beam search's reordering of the batch's rows."""
+        autocast = _autocast_state((x[0] if isinstance(x, tuple) else x).device.type)
+        with torch.no_grad():
+            return self.forward(x, grad=False, x_needs_grad=False, autocast=autocast, generation=generation)[0]
+
+    def release_generation(self, generation: int) -> None:
+        """Free the caches of ``generation`` on every stage (``generate()`` returned or failed)."""
+        for conn in self.conns:
+            with contextlib.suppress(LrmpError):  # a lost worker's cache went with it
+                conn.send(protocol.RELEASE, Release({}, {}, {self.key: [generation]}).body())
+
     def forward(
-        self, x: Main, *, grad: bool, x_needs_grad: bool | list[bool], autocast: dict[str, Any] | None
+        self,
+        x: Main,
+        *,
+        grad: bool,
+        x_needs_grad: bool | list[bool],
+        autocast: dict[str, Any] | None,
+        generation: tuple[int, int, torch.Tensor | None] | None = None,
     ) -> tuple[Main, int]:
         self._forwarding = True  # the loss gradients posted since the last forward go with this one
         try:
-            return self._forward(x, grad=grad, x_needs_grad=x_needs_grad, autocast=autocast)
+            return self._forward(x, grad=grad, x_needs_grad=x_needs_grad, autocast=autocast, generation=generation)
         finally:
             self._forwarding = False
             if self.loss_grads.calls:  # the forward failed before its results confirmed them
                 self.confirm_before_sending(True)
 
     def _forward(
-        self, x: Main, *, grad: bool, x_needs_grad: bool | list[bool], autocast: dict[str, Any] | None
+        self,
+        x: Main,
+        *,
+        grad: bool,
+        x_needs_grad: bool | list[bool],
+        autocast: dict[str, Any] | None,
+        generation: tuple[int, int, torch.Tensor | None] | None = None,
     ) -> tuple[Main, int]:
         confirm_outstanding(self.conns)  # the last backward, before anything is posted for this call
         self._flush_releases()
@@ -393,6 +443,7 @@ class RemoteSpec:
         ]
         flat = [m for row in sizes for m in row]
         chunks = iter(self._chunks(x, flat))
+        steps = iter(_generation_steps(generation, flat))
         keep = self.keep.at(n) if self.keep is not None else None
         early = grad and self.loss is not None and self.schedule != "gpipe"
         if grad and self.schedule != "gpipe" and self.loss is None:
@@ -425,6 +476,7 @@ class RemoteSpec:
                         keep=keep,
                         schedule=self.schedule if early else None,
                         seed=self.loss if early else None,
+                        generation=next(steps),
                     ).body()
                     for mb in range(len(row))
                 ]

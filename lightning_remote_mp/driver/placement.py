@@ -352,13 +352,18 @@ class Placement:
         return out
 
     def pull(self) -> None:
-        """Copy the workers' weights and buffers into the local module."""
+        """Copy the workers' weights and buffers into the local module, a stage at a time: the
+        driver holds one stage's received copy at most (the whole model's doubled the driver's
+        memory for a full checkpoint)."""
         with torch.no_grad():
-            for name, t in self.fetch().items():
-                index, _, rest = name.partition(".")
-                local = self.module.layers[int(index)].state_dict(keep_vars=True)[rest]
-                if not local.is_meta:  # a tensor on meta keeps no value here (its files or checkpoints do)
-                    local.copy_(t)
+            for rs in self.remote.stages:  # replica 0
+                (reply,) = broadcast([rs.conn], protocol.GET_STATE, GetState().body(), bounded=False)
+                for name, t in reply.get(self.key, {}).items():
+                    index, _, rest = name.partition(".")
+                    local = self.module.layers[int(index)].state_dict(keep_vars=True)[rest]
+                    if not local.is_meta:  # a tensor on meta keeps no value here (its files or checkpoints do)
+                        local.copy_(t)
+                del reply
 
     def push(self, state: dict[str, torch.Tensor]) -> None:
         """Send weights and buffers (named ``"<layer index>.<name>"``) to the workers holding them."""

@@ -48,6 +48,7 @@ from lightning_remote_mp.errors import LrmpError, SpecError, WorkerError, Worker
 from lightning_remote_mp.flow import SplitBackward
 from lightning_remote_mp.model import partition
 from lightning_remote_mp.model.build import source_digest, user_code_modules
+from lightning_remote_mp.model.meta import to_meta
 from lightning_remote_mp.model.spec import SpecSequential
 from lightning_remote_mp.schedule import check_schedule
 from lightning_remote_mp.wire import protocol
@@ -497,7 +498,7 @@ class DriverSession(WorkerLinks):
                     log.info("%s %r: its trained weights stay in the workers' checkpoints", pl.module.kind, key)
                     left.append(pl.module.state_owner)
                     if not gather:
-                        pl.module.state_owner.to("meta")  # no stale weights here: a later run loads the trained ones
+                        to_meta(pl.module.state_owner)  # no stale weights here: a later run loads the trained ones
             except (WorkerError, WorkerLostError) as err:
                 failures.append(err)
             pl.detach()

@@ -19,7 +19,8 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.plugins.io import AsyncCheckpointIO
+from lightning.pytorch.plugins.io import AsyncCheckpointIO, CheckpointIO
+from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
 from lightning.pytorch.strategies import SingleDeviceStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 
@@ -50,6 +51,7 @@ from lightning_remote_mp.driver.workers import Workers, load_keys
 from lightning_remote_mp.errors import ConfigurationError, LrmpError, WeightsError
 from lightning_remote_mp.flow import SplitBackward
 from lightning_remote_mp.lightning import intercept
+from lightning_remote_mp.lightning.checkpoint_io import FileCheckpointIO
 from lightning_remote_mp.lightning.timeline import TimelineCallback
 from lightning_remote_mp.logs import follow_lightning
 from lightning_remote_mp.model.calls import TracedForward
@@ -285,6 +287,21 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
         self._dumping_sharded = False
         self._saves = sharded.Saves()  # a sharded checkpoint written in the background (AsyncCheckpointIO)
         self._fitting = False
+
+    @property
+    def checkpoint_io(self) -> CheckpointIO:
+        """The checkpoint I/O: the one given (to the strategy or in ``Trainer(plugins=...)``), else
+        ``FileCheckpointIO``, which writes the driver's part of a full checkpoint without a second copy.
+        Lightning's ``AsyncCheckpointIO`` without its own I/O wraps ``FileCheckpointIO`` too."""
+        if self._checkpoint_io is None:
+            self._checkpoint_io = FileCheckpointIO()
+        elif isinstance(self._checkpoint_io, _WrappingCheckpointIO):
+            self._checkpoint_io.checkpoint_io = FileCheckpointIO()  # kept when it has one already
+        return self._checkpoint_io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: CheckpointIO | None) -> None:
+        self._checkpoint_io = io
 
     @property
     def hosts(self) -> list[str] | list[list[str]] | None:

@@ -11,6 +11,7 @@ stages and tensors of the first, up to `SIGNATURES` ways of calling the module i
 from __future__ import annotations
 
 import inspect
+import itertools
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -20,6 +21,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from lightning_remote_mp.errors import TraceError
+from lightning_remote_mp.model.generation import GenerateHooks, generation_forward, step_cache, step_inputs, step_output
 from lightning_remote_mp.model.trace import trace_module
 from lightning_remote_mp.model.traced import Interface, TracedSequential, as_tuple, call_difference
 
@@ -53,6 +55,12 @@ class TracedForward:
         self._had_forward = "forward" in vars(module)
         self._own_forward = vars(module).get("forward")
         module.forward = self  # type: ignore[method-assign]
+        # What the module's own forward takes, as generate() reads it (it passes position_ids where taken).
+        self.__signature__ = inspect.signature(type(module).forward.__get__(module))
+        #: The programs of ``generate()``'s steps (`lightning_remote_mp.model.generation`): "prefill", "decode".
+        self.generation: dict[str, TracedSequential] = {}
+        self._generations = itertools.count()
+        self.hooks = GenerateHooks(module, self._release, self._step)
 
     def _earlier_trace(self, args: tuple, kwargs: dict) -> TracedSequential | None:
         kept = vars(self.module).get("_lrmp_trace")
@@ -66,7 +74,7 @@ class TracedForward:
         return kept[1]
 
     def _trace(self, args: tuple, kwargs: dict, keep: bool = True) -> TracedSequential:
-        self.detach()  # torch.export calls the module's own forward
+        self.detach(hooks=False)  # torch.export calls the module's own forward
         try:
             traced = trace_module(self.module, args, kwargs, self.name)
         finally:
@@ -118,14 +126,73 @@ class TracedForward:
         finally:
             traced.example = None  # type: ignore[attr-defined]  # the first batch, no longer needed
 
-    def detach(self) -> None:
-        """Give the module its own ``forward`` back."""
+    def detach(self, hooks: bool = True) -> None:
+        """Give the module its own ``forward`` back (and, with ``hooks``, its own ``generate``)."""
         if self._had_forward:
             self.module.forward = self._own_forward  # type: ignore[method-assign]
         else:
             vars(self.module).pop("forward", None)
+        if hooks:
+            self.hooks.detach()
+
+    def _step(self, args: tuple, kwargs: dict, cache: Any) -> Any:
+        """A step of ``generate()``, through the stages with the generation's cache there
+        (`lightning_remote_mp.model.generation`): a prefill (the prompt) or a decode step (a token)."""
+        step = step_inputs(args, kwargs, cache)
+        ids = step.pop("input_ids")
+        phase = "decode" if ids.shape[1] == 1 else "prefill"
+        traced = self.generation.get(phase) or self._trace_step(phase, ids, step)
+        if cache.generation is None:
+            cache.generation, cache.remote = next(self._generations), traced.remote
+        interface: Interface = traced.interface  # type: ignore[attr-defined]
+        inputs = tuple(interface.inputs((ids,), _in_order(step, interface.in_spec)))  # type: ignore[attr-defined]
+        generation = (cache.generation, cache.capacity, cache.take_reorder())
+        logits = interface.outputs(list(traced.remote.generation_step(inputs, generation)))
+        cache.tokens += ids.shape[1]
+        return step_output(self.module, logits, cache)
+
+    def _trace_step(self, phase: str, ids: torch.Tensor, step: dict[str, torch.Tensor]) -> TracedSequential:
+        """The program of ``phase``, traced at its first use (a module on the meta device, trained past
+        gather_limit, with its inputs there too) and placed on the stages and tensors of the module's
+        first trace, or as its first."""
+        with torch.inference_mode(False):
+            ids, step = _plain(ids), {k: _plain(v) for k, v in step.items()}
+            meta = any(t.is_meta for t in self.module.parameters())
+            self.detach(hooks=False)
+            try:
+                with generation_forward(self.module):
+                    traced = trace_module(
+                        self.module,
+                        (ids.to("meta") if meta else ids,),
+                        {k: v.to("meta") for k, v in step.items()} if meta else step,
+                        self.name,
+                    )
+            finally:
+                self.module.forward = self  # type: ignore[method-assign]
+            traced.generation = phase  # type: ignore[attr-defined]
+            if self.traced is None:
+                self._place(traced, (ids,), step)
+                self.traced = traced
+            elif not _shares(traced, self.traced):
+                raise TraceError(
+                    f"module {self.name!r}: generate()'s {phase} program is cut into other units "
+                    f"({', '.join(e.name for e in traced.entries)}) than the module's first trace, so it cannot "
+                    "run on the stages placed then"
+                )
+            else:
+                self._place(traced, (ids,), step, f"{self.name}@{phase}")
+        self.generation[phase] = traced
+        return traced
+
+    def _release(self, cache: Any) -> None:
+        """Free a finished generation's caches on the workers."""
+        if getattr(cache, "generation", None) is not None and cache.remote is not None:
+            cache.remote.release_generation(cache.generation)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        cache = step_cache(kwargs)
+        if cache is not None:
+            return self._step(args, kwargs, cache)
         kwargs = _without_cache(self.module, kwargs)
         if self.traced is None:
             with torch.inference_mode(False):

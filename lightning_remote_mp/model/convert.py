@@ -22,13 +22,23 @@ import logging
 import pickle
 import shutil
 import time
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from lightning_remote_mp.errors import WeightsError
-from lightning_remote_mp.model.weights import HF_INDEX, SHARDED_MANIFEST, read_metadata, write_tensors
+from lightning_remote_mp.model.weights import (
+    HF_INDEX,
+    HF_SINGLE,
+    SHARDED_MANIFEST,
+    FileTensor,
+    TensorFiles,
+    iter_tensors,
+    read_metadata,
+    write_tensors,
+)
 
 log = logging.getLogger(__name__)
 
@@ -51,12 +61,23 @@ def _load(path: Path) -> dict[str, torch.Tensor]:
     return load_file(str(path))
 
 
+#: ``save_pretrained``'s default shard size (transformers 5).
+MAX_SHARD_SIZE = "50GB"
+
+
 def export_pretrained(
-    checkpoint: str | Path, output: str | Path, module: str = "model", adapter_only: bool | None = None
+    checkpoint: str | Path,
+    output: str | Path,
+    module: str = "model",
+    adapter_only: bool | None = None,
+    max_shard_size: int | str = MAX_SHARD_SIZE,
 ) -> list[str]:
     """Write the split module ``module`` of sharded checkpoint ``checkpoint`` as ``save_pretrained``
     writes it, into ``output``; a peft model's adapter alone unless ``adapter_only=False`` (then its
-    base model, under its pretrained names). Returns the files written."""
+    base model, under its pretrained names). The weights are cut into shards of at most
+    ``max_shard_size`` (a shard holds at least one tensor) by huggingface_hub's own splitter, with
+    the index's ``total_size`` the tensors' bytes, as transformers writes them; each shard is read
+    from the stages' files as it is written, so no more than one is in memory. Returns the files written."""
     started = time.monotonic()
     checkpoint, output = Path(checkpoint), Path(output)
     manifest = _manifest(checkpoint)
@@ -75,46 +96,62 @@ def export_pretrained(
             "(without --with-base) and load it over that base with PeftModel.from_pretrained"
         )
     output.mkdir(parents=True, exist_ok=True)
-    written: list[str] = []
-    weight_map: dict[str, str] = {}
-    adapter_tensors: dict[str, torch.Tensor] = {}
-    count = len(files)
-    adapter_names = _adapter_names(checkpoint, module) if adapter else {}
-    for n, entry in enumerate(sorted(files, key=lambda f: f["stage"])):
-        tensors = {
-            k[len(head) :]: v
-            for k, v in _load(checkpoint / entry["file"]).items()
-            if k.startswith(head) and manifest["tensors"].get(k) == entry["file"]
-        }
-        if adapter:
-            adapter_tensors.update({out: tensors[k] for k, out in adapter_names.items() if k in tensors})
-            continue
+    stored = TensorFiles.of(checkpoint, [f["file"] for f in files])
+    sources = {  # the name it is exported under -> where it is in the checkpoint
+        k[len(head) :]: stored.tensors[k]
+        for k, file in manifest["tensors"].items()
+        if k.startswith(head) and k in stored.tensors and any(f["file"] == file for f in files)
+    }
+    if adapter:
+        names = _adapter_names(checkpoint, module)
+        tensors = dict(_read({out: sources[k] for k, out in names.items() if k in sources}))
+        write_tensors(str(output), "adapter_model.safetensors", tensors, {"format": "pt"})
+        shutil.copyfile(checkpoint / ADAPTER_CONFIG.format(key=module), output / "adapter_config.json")
+        written = ["adapter_model.safetensors", "adapter_config.json"]
+    else:
         if peft:
-            tensors = {
+            sources = {
                 k.replace(".base_layer.", ".").removeprefix(_PEFT_HEAD): v
-                for k, v in tensors.items()
+                for k, v in sources.items()
                 if "lora_" not in k
             }
-        name = f"model-{n + 1:05d}-of-{count:05d}.safetensors"
-        size = write_tensors(str(output), name, tensors, {"format": "pt"})
-        log.info("%s (%.1f MB, stage %d of %d): %.1f s", name, size / 1e6, n + 1, count, time.monotonic() - started)
-        weight_map.update(dict.fromkeys(tensors, name))
-        written.append(name)
-        del tensors  # one stage's file at a time
-    if adapter:
-        write_tensors(str(output), "adapter_model.safetensors", adapter_tensors, {"format": "pt"})
-        shutil.copyfile(checkpoint / ADAPTER_CONFIG.format(key=module), output / "adapter_config.json")
-        written += ["adapter_model.safetensors", "adapter_config.json"]
-    else:
-        size = sum((output / f).stat().st_size for f in written)
-        index = {"metadata": {"total_size": size}, "weight_map": dict(sorted(weight_map.items()))}
-        (output / HF_INDEX).write_text(json.dumps(index, indent=2))
-        written.append(HF_INDEX)
+        written = _write_shards(sources, output, max_shard_size, started)
         config = checkpoint / CONFIG.format(key=module)
         if config.is_file():
             shutil.copyfile(config, output / "config.json")
             written.append("config.json")
     log.info("exported %r of %s to %s in %.1f s: %s", module, checkpoint, output, time.monotonic() - started, written)
+    return written
+
+
+def _read(sources: Mapping[str, FileTensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    return iter_tensors({name: (t.path, t.name) for name, t in sources.items()})
+
+
+def _write_shards(
+    sources: Mapping[str, FileTensor], output: Path, max_shard_size: int | str, started: float
+) -> list[str]:
+    """``save_pretrained``'s layout of ``sources``: ``model.safetensors``, or shards and their index."""
+    try:
+        from huggingface_hub import split_torch_state_dict_into_shards
+    except ImportError:  # one shard of everything, as a small model's save_pretrained writes it
+        shards = {HF_SINGLE: list(sources)}
+        index = None
+    else:
+        meta = {name: torch.empty(t.shape, dtype=t.dtype, device="meta") for name, t in sources.items()}
+        split = split_torch_state_dict_into_shards(meta, max_shard_size=max_shard_size)
+        shards = split.filename_to_tensors
+        index = {"metadata": split.metadata, "weight_map": dict(sorted(split.tensor_to_filename.items()))}
+        if not split.is_sharded:
+            index = None
+    written = []
+    for n, (name, members) in enumerate(shards.items(), 1):
+        size = write_tensors(str(output), name, dict(_read({m: sources[m] for m in members})), {"format": "pt"})
+        log.info("%s (%.1f MB, %d of %d): %.1f s", name, size / 1e6, n, len(shards), time.monotonic() - started)
+        written.append(name)
+    if index is not None:
+        (output / HF_INDEX).write_text(json.dumps(index, indent=2))
+        written.append(HF_INDEX)
     return written
 
 
@@ -190,6 +227,11 @@ def main(argv: list[str] | None = None) -> None:
     export.add_argument("output")
     export.add_argument("--module", default="model", help="the split module's name (default: model)")
     export.add_argument("--with-base", action="store_true", help="a peft model: its base weights, not the adapter")
+    export.add_argument(
+        "--max-shard-size",
+        default=MAX_SHARD_SIZE,
+        help=f"the largest shard (default {MAX_SHARD_SIZE}, as save_pretrained)",
+    )
     merge = sub.add_parser("consolidate", help="write one single-file Lightning checkpoint")
     merge.add_argument("checkpoint")
     merge.add_argument("output")
@@ -198,7 +240,13 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         if args.command == "export":
-            export_pretrained(args.checkpoint, args.output, args.module, adapter_only=False if args.with_base else None)
+            export_pretrained(
+                args.checkpoint,
+                args.output,
+                args.module,
+                adapter_only=False if args.with_base else None,
+                max_shard_size=args.max_shard_size,
+            )
         else:
             consolidate(args.checkpoint, args.output, trust_pickle=args.trust_pickle)
     except WeightsError as err:

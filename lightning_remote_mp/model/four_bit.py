@@ -339,7 +339,7 @@ def dequantize(parts: Mapping[str, torch.Tensor], fmt: Format, dtype: torch.dtyp
 # --- the operator workers run -------------------------------------------------------------------
 # Registered with torch.library's plain ``Library`` API: ``torch.library.custom_op``'s wrappers import
 # torch's compiler stack (~800 modules, 68 MB of a worker's memory) at the first call.
-_LIBRARY = torch.library.Library("lrmp", "DEF")  # noqa: TOR901 (one library, defined once at import)
+_LIBRARY = torch.library.Library("lrmp", "FRAGMENT")  # noqa: TOR901 (one library, defined once at import)
 _LIBRARY.define(
     "linear_4bit(Tensor x, Tensor packed, Tensor absmax, Tensor quant_map, Tensor? nested_absmax, "
     "Tensor? nested_quant_map, Tensor? offset, Tensor? bias, int[] shape, int blocksize, ScalarType dtype) -> Tensor"

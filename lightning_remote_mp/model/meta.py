@@ -1,7 +1,7 @@
 """Split modules on the meta device: the driver holds no storage for their tensors, which only
 ever exist on the workers (read there from files). `kept_on_meta` keeps Lightning's moves of the
 whole LightningModule from touching them; `fill_meta_buffers` gives their few non-persistent
-buffers, which no file holds, their values."""
+buffers, which no file holds, their values; `to_meta` moves a trained module there, ties kept."""
 
 from __future__ import annotations
 
@@ -46,6 +46,22 @@ def kept_on_meta(model: torch.nn.Module | None, split: list[str]) -> Iterator[No
     finally:
         for m in meta:
             vars(m).pop("_apply", None)
+
+
+def to_meta(module: torch.nn.Module) -> None:
+    """Move ``module`` to the meta device keeping its tied weights tied: ``Module.to("meta")`` makes
+    each module's parameter a new one, and a tie (an embedding and its head) would become two
+    weights, which a later run could not find in a checkpoint that holds the tie once."""
+    names: dict[int, list[tuple[torch.nn.Module, str]]] = {}
+    for m in module.modules():
+        for name, p in m._parameters.items():
+            if p is not None:
+                names.setdefault(id(p), []).append((m, name))
+    module.to("meta")
+    for held in names.values():
+        first = held[0][0]._parameters[held[0][1]]
+        for m, name in held[1:]:
+            m._parameters[name] = first
 
 
 def fill_meta_buffers(module: torch.nn.Module) -> None:

@@ -13,8 +13,9 @@ An operator of the ``aten`` namespace is allowed (`allowed_operator`) when it is
   own check before it sends a program, ``LRMP_ALLOW_OPERATORS=aten::NAME``), never one on `DENIED`.
 
 Outside ATen, a program may name only lrmp's own operators (`OWN_OPERATORS`: ``lrmp::linear_4bit``,
-a 4-bit frozen weight's linear layer, `lightning_remote_mp.model.four_bit`), which are part of the
-worker's own code. Other custom operators (Python code registered as an operator), other namespaces
+a 4-bit frozen weight's linear layer, `lightning_remote_mp.model.four_bit`; ``lrmp::kv_cache``, a
+generation's key/value cache on the stage, `lightning_remote_mp.model.kv_cache`), which are part of
+the worker's own code. Other custom operators (Python code registered as an operator), other namespaces
 and control-flow operators stay refused: nothing here calls back into user code or reads a file.
 
 >>> import torch
@@ -32,12 +33,12 @@ from collections.abc import Iterable
 
 import torch
 
-from lightning_remote_mp.model import four_bit
+from lightning_remote_mp.model import four_bit, kv_cache
 
 #: Operator namespaces whose operators a traced program may call.
 ALLOWED_NAMESPACES = ("aten", "lrmp")
 #: lrmp's own operators, defined in this package: the only ones of the ``lrmp`` namespace a program may call.
-OWN_OPERATORS = frozenset(four_bit.OPERATORS)
+OWN_OPERATORS = {**four_bit.OPERATORS, **kv_cache.OPERATORS}
 #: ATen operators a program may call besides those tagged ``core`` (ATen's core IR, ~160 functional
 #: operators): the composite ones that traced training graphs keep (torch.export's default IR is
 #: pre-dispatch: ``linear``, ``batch_norm``, ``dropout``... stay whole). Reviewed by name: each reads
@@ -197,7 +198,7 @@ def allowed_operator(op: torch._ops.OpOverload) -> bool:
     """Whether a worker runs ``op`` (see the module docstring)."""
     namespace, _, name = op._schema.name.partition("::")
     if namespace == "lrmp":
-        return name in OWN_OPERATORS and op is four_bit.OPERATORS[name].default
+        return name in OWN_OPERATORS and op is OWN_OPERATORS[name].default
     if namespace not in ALLOWED_NAMESPACES or name.endswith("_backward"):
         return False
     if name in COMPOSITE_OPERATORS or name in DROPPED_OPERATORS or _core(op.overloadpacket):

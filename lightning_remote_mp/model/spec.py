@@ -199,6 +199,8 @@ class SpecSequential(nn.Module):
         (`lightning_remote_mp.driver.outputs`, `Keep`): a traced
         module's interface says; a spec's one output is kept in calls where it is large, its size
         learned from the first call."""
+        if getattr(self, "generation", None):
+            return None  # a step of generate(): its logits (the last position's) go to the driver at once
         interface = getattr(self, "interface", None)
         if interface is not None:
             return interface.kept()

@@ -128,6 +128,8 @@ class TracedSequential(SpecSequential):
         run the first call's first rows here (eval mode, no grad) whole and in two halves, whose
         outputs, joined, must be the whole's: a sequence-first model (dim 0 is time) or one whose
         samples interact fails."""
+        if getattr(self, "generation", None):
+            return  # a step of generate(): each row's logits, run only with a generation's cache on the stages
         call: Interface = self.interface  # type: ignore[attr-defined]
         unjoinable = call.unjoinable()
         if unjoinable:

@@ -62,6 +62,15 @@ def _tensors() -> Any:
     return field(map_of(is_str, is_tensor_or_none, "names to tensors"), default_factory=dict, write=dict)
 
 
+def is_generation(value: Any) -> bool:
+    """A step of a generation: ``[id, capacity, reorder]``, its id, how many tokens its cache holds,
+    and before this step, beam search's new order of the micro-batch's rows (or ``None``)."""
+    if not (isinstance(value, list) and len(value) == 3 and is_index(value[0]) and type(value[1]) is int):
+        return False
+    rows = value[2]
+    return rows is None or (isinstance(rows, list) and all(type(r) is int and r >= 0 for r in rows))
+
+
 @dataclasses.dataclass(frozen=True)
 class _Pipelined(Body):
     """What every pipelined message carries: whose micro-batch it is and who sent it.
@@ -118,6 +127,8 @@ class Forward(_Pipelined):
             the last stage runs each micro-batch's backward as soon as its forward is done, with
             the loss's gradient taken as 1 (an "early" call); the driver's backward then brings the
             real gradient, the input of the call's S action (`Backward.action`). Stages pass it on.
+        generation: a step of ``generate()`` (`Generation`): the forward writes its keys and values
+            to the stage's cache of that generation and micro-batch. Stages pass it on.
     """
 
     KIND: ClassVar[str] = protocol.FORWARD
@@ -137,6 +148,9 @@ class Forward(_Pipelined):
     )
     schedule: str | None = field(must(is_schedule, "'schedule' must name a schedule"), default=None, omit_none=True)
     seed: int | None = field(must(is_index, "'seed' must be an output position"), default=None, omit_none=True)
+    generation: list[Any] | None = field(
+        must(is_generation, "'generation' must be [id, capacity, rows or None]"), default=None, omit_none=True
+    )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -199,13 +199,17 @@ class Release(Body):
     """RELEASE: forget what the stages hold for these forward calls (the driver is done with them, or
     gave up on them); answered only if it fails (`protocol.QUIET_KINDS`). ``calls``: the calls, by
     SpecSequential key; ``outputs``: calls whose kept outputs alone the driver no longer reads
-    (their backward may still come)."""
+    (their backward may still come); ``generations``: generations whose caches the stages of those
+    keys free (``generate()`` returned or failed)."""
 
     KIND: ClassVar[str] = protocol.RELEASE
 
     calls: Mapping[str, Sequence[int]] = field(map_of(is_str, is_int_list, "keys to lists of calls"), write=each(list))
     outputs: Mapping[str, Sequence[int]] = field(
         map_of(is_str, is_int_list, "keys to lists of calls"), default_factory=dict, write=each(list)
+    )
+    generations: Mapping[str, Sequence[int]] = field(
+        map_of(is_str, is_int_list, "keys to lists of generations"), default_factory=dict, write=each(list)
     )
 
 

@@ -25,6 +25,22 @@ def context() -> zmq.Context:
     return zmq.Context.instance()
 
 
+#: ZeroMQ's own heartbeat on every TCP connection lrmp keeps (ZMTP PING/PONG): a connection whose
+#: peer went silent without closing it (a host powered off, a cable pulled: half-open TCP) is closed
+#: after `ZMTP_TIMEOUT` seconds of silence, and a connecting socket dials again, instead of sending
+#: into it until TCP gives up (minutes). A second net under lrmp's own heartbeats, which name a lost
+#: worker; this one makes the link itself recover once the peer is back.
+ZMTP_INTERVAL, ZMTP_TIMEOUT = 2.0, 10.0
+
+
+def keep_alive(sock: zmq.Socket) -> zmq.Socket:
+    """Turn ZeroMQ's heartbeat on for ``sock``'s TCP connections (`ZMTP_INTERVAL`, `ZMTP_TIMEOUT`)."""
+    sock.setsockopt(zmq.HEARTBEAT_IVL, int(ZMTP_INTERVAL * 1000))
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(ZMTP_TIMEOUT * 1000))
+    sock.setsockopt(zmq.HEARTBEAT_TTL, int(ZMTP_TIMEOUT * 1000))
+    return sock
+
+
 #: The ZAP domain of lrmp's server sockets (what the worker's authenticator is configured for).
 ZAP_DOMAIN = "lrmp"
 
@@ -74,7 +90,7 @@ def bind_router(
     With ``keys`` the socket is a CURVE server: clients must know its public key, and their own keys
     are checked by the ZAP handler of this process (which must be running before any client comes).
     """
-    sock = context().socket(zmq.ROUTER)
+    sock = keep_alive(context().socket(zmq.ROUTER))
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting driver takes its identity back
     sock.setsockopt(zmq.MAXMSGSIZE, limits.frame_cap)  # an oversized frame drops its sender as it arrives
@@ -115,6 +131,7 @@ def dealer(
         sock.curve_secretkey = curve.keys.secret
         sock.curve_publickey = curve.keys.public
         sock.curve_serverkey = curve.server_key
+    keep_alive(sock)  # (an in-process link has no ZMTP connection to watch: the options do nothing there)
     if connect:
         sock.connect(endpoint_of(address))
     return sock

@@ -116,7 +116,7 @@ class Switchboard:
         log.info("listening on %s for workers that dial in", self.endpoint)
 
     def _listening(self, listen: str, limits: protocol.Limits) -> zmq.Socket:
-        sock = self._ctx.socket(zmq.ROUTER)
+        sock = sockets.keep_alive(self._ctx.socket(zmq.ROUTER))
         _router_options(sock)
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a worker that reconnects takes its name back
         sock.setsockopt(zmq.MAXMSGSIZE, limits.frame_cap)

@@ -20,6 +20,8 @@ import ctypes.util
 import logging
 import sys
 
+import torch
+
 log = logging.getLogger(__name__)
 
 _M_TRIM_THRESHOLD = -1
@@ -46,6 +48,19 @@ def keep_freed_memory() -> bool:
     ok = libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD) == 1 and libc.mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD) == 1
     log.debug("malloc keeps freed memory for reuse: %s", ok)
     return ok
+
+
+def device_memory(device: torch.device) -> tuple[int, int]:
+    """The memory of ``device`` still available, and in all, in bytes (a GPU's; the host's for the CPU)."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return int(free), int(total)
+    try:
+        with open("/proc/meminfo") as f:
+            info = dict(line.split(":", 1) for line in f)
+        return int(info["MemAvailable"].split()[0]) * 1024, int(info["MemTotal"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return 0, 0
 
 
 def release() -> None:

@@ -5,15 +5,17 @@ This module is the one place that decides when a worker runs something. Two thin
 - **micro-batches** (`StageRuntime`, one per stage). Every forward call, GPipe's included, and
   without grad too, runs its stage's list of actions from `lightning_remote_mp.schedule`, where
   every kind of action is defined: F, B and W of each micro-batch in the list's order. A message
-  brings one input of an action and says which (a `Forward` an F's; a `Backward` a B's or an S's,
-  `Backward.action`); inputs are buffered by (call, kind, micro-batch), and an action runs when
-  it is next on its list and every input it waits for is in (the previous stage's output and the
-  residual variables of others, or the next stages' gradients).
-  `lightning_remote_mp.worker.route.RoutedStage` runs it. Under 1F1B and zero-bubble with the
-  loss inside the model, the last stage starts each micro-batch's backward at the loss, taken as
-  1 (an "early" call); the driver's real gradient of the loss follows, the input of the call's
-  last action (S, `schedule.SCALE`), which adds the weight gradients times it to ``.grad``.
-  Releasing a call drops what waits for it.
+  brings one input of an action and says which (a `Forward` an F's, or a D's for a step of
+  ``generate()``, `Forward.generation`; a `Backward` a B's or an S's, `Backward.action`); inputs are
+  buffered by (call, kind, micro-batch), and an action runs when it is next on its list and every
+  input it waits for is in (the previous stage's output and the residual variables of others, or the
+  next stages' gradients). `lightning_remote_mp.worker.route.RoutedStage` runs it. Under 1F1B and
+  zero-bubble with the loss inside the model, the last stage starts each micro-batch's backward at
+  the loss, taken as 1 (an "early" call); the driver's real gradient of the loss follows, the input
+  of the call's last action (S, `schedule.SCALE`), which adds the weight gradients times it to
+  ``.grad``. A decoding step runs D's alone, each inside the stage's key/value cache of its
+  generation and micro-batch (`lightning_remote_mp.worker.caches`). Releasing a call drops what
+  waits for it.
 - **the driver's requests** (`Order`, one per worker). They run in the order the driver sent them
   (their ids), whichever way they came: straight from the driver, or along the pipeline
   (`lightning_remote_mp.wire.carry.Carry`). Three things wait: a peer's micro-batch, for the
@@ -50,7 +52,7 @@ import torch
 from lightning_remote_mp import schedule
 from lightning_remote_mp.errors import LrmpError, ProtocolError, SpecError
 from lightning_remote_mp.flow import DRIVER
-from lightning_remote_mp.schedule import BACKWARD, FORWARD, SCALE, WEIGHTS
+from lightning_remote_mp.schedule import BACKWARD, DECODE, FORWARD, SCALE, WEIGHTS
 from lightning_remote_mp.wire.carry import Carried, Carry
 from lightning_remote_mp.wire.messages import Backward, Forward
 from lightning_remote_mp.wire.protocol import CARRIED_KINDS, CARRY
@@ -121,14 +123,7 @@ class StageRuntime:
         limit: the most micro-batches (and calls) that may wait here at once.
     """
 
-    def __init__(
-        self,
-        route: RoutedStage,
-        send: Callable[[list[Outgoing]], None],
-        *,
-        stages: int,
-        limit: int = 4096,
-    ) -> None:
+    def __init__(self, route: RoutedStage, send: Callable[[list[Outgoing]], None], *, stages: int, limit: int = 4096):
         self.route = route
         self.send = send
         self.index = route.index
@@ -169,7 +164,8 @@ class StageRuntime:
         """File a forward's input (from the driver or a peer) and run what of its call's list may run now."""
         if msg.call in self._released:
             return  # a call the driver gave up on, whose forward waited here behind a loss gradient
-        parts = self._collect(FORWARD, self.route.sources, msg)
+        kind = FORWARD if msg.generation is None else DECODE  # a step of generate() decodes
+        parts = self._collect(kind, self.route.sources, msg)
         if parts is None:
             return
         first = parts[self.route.x_from]
@@ -177,7 +173,7 @@ class StageRuntime:
             return  # an earlier action of the call failed: the driver heard of it
         plan = self._plan_of(first)
         self._check_mb(first, plan)
-        plan.ready[(FORWARD, first.mb)] = parts
+        plan.ready[(kind, first.mb)] = parts
         self._advance(first.call)
 
     def backward(self, msg: Backward) -> None:
@@ -213,14 +209,19 @@ class StageRuntime:
 
     def _plan_of(self, first: Forward) -> _Plan:
         """``first``'s call's plan: its stage's actions under the call's schedule (GPipe where the
-        backward starts at the driver), or the forwards alone for a call without grad."""
+        backward starts at the driver), the forwards alone for a call without grad, or a decoding
+        step's D's for a step of ``generate()``."""
         plan = self._plans.get(first.call)
         if plan is None:
             early = first.seed is not None and first.schedule is not None and first.grad
             name = first.schedule if early and first.schedule is not None else "gpipe"
             if len(self._plans) >= self.limit:
                 raise ProtocolError(f"stage {self.index}: more than {self.limit} calls run a schedule at once")
-            actions = schedule.actions(name, self.stages, self.index, first.microbatches, grad=first.grad, scale=early)
+            m = first.microbatches
+            if first.generation is not None:
+                name, actions = "decoding", schedule.decoding(self.stages, self.index, m)
+            else:
+                actions = schedule.actions(name, self.stages, self.index, m, grad=first.grad, scale=early)
             seed = first.seed if early else None
             plan = self._plans[first.call] = _Plan(
                 collections.deque(actions),
@@ -279,7 +280,11 @@ class StageRuntime:
                 parts = plan.ready.pop((action.kind, action.mb), None)
                 if parts is None:
                     break
-                if action.kind == FORWARD:
+                if action.kind == DECODE:  # the stage's layers write its cache of this generation
+                    generation = parts[self.route.x_from].generation  # type: ignore[union-attr]
+                    with self.route.stage.caches.step(generation, action.mb):
+                        out, _ = self.route.run_forward(parts)  # type: ignore[arg-type]
+                elif action.kind == FORWARD:
                     out, y = self.route.run_forward(parts)  # type: ignore[arg-type]
                     if plan.early and self.route.x_to == DRIVER:
                         plan.outputs[action.mb] = y

@@ -41,6 +41,7 @@ from lightning_remote_mp.wire.requests import (
     ZeroGrad,
 )
 from lightning_remote_mp.wire.state import GetOptimState, GetState, LoadOptimState, LoadState, ReadOptim, Save, Saved
+from lightning_remote_mp.worker.allocator import device_memory
 from lightning_remote_mp.worker.collective import GradGroup
 from lightning_remote_mp.worker.profile import profile_layers
 from lightning_remote_mp.worker.route import Outgoing, RoutedStage
@@ -303,6 +304,9 @@ class WorkerSession:
         return layers
 
     def release(self, msg: Release) -> Any:
+        for key, generations in msg.generations.items():
+            if key in self.stages:
+                self.stages[key].caches.release(generations)
         for key, calls in msg.outputs.items():
             if key in self.runtimes:
                 self.runtimes[key].route.release_outputs(calls)
@@ -554,20 +558,11 @@ def describe_device(device: torch.device) -> Mapping[str, Any]:
     """What the driver needs to plan stages: device name and free memory in bytes; for a GPU, its
     UUID too (two workers on one GPU cannot join one NCCL group)."""
     gpu: dict[str, Any] = {}
+    free, total = device_memory(device)
+    name = "cpu"
     if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
         name = torch.cuda.get_device_name(device)
         uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
         if uuid is not None:
             gpu["device_uuid"] = str(uuid)
-    else:
-        free = total = 0
-        try:
-            with open("/proc/meminfo") as f:
-                info = dict(line.split(":", 1) for line in f)
-            free = int(info["MemAvailable"].split()[0]) * 1024
-            total = int(info["MemTotal"].split()[0]) * 1024
-        except (OSError, KeyError, ValueError):
-            pass
-        name = "cpu"
     return {"device": str(device), "device_name": name, **gpu, "free_memory": free, "total_memory": total}

@@ -21,6 +21,7 @@ from lightning_remote_mp.model.entries import LayerEntry, normalize_entry
 from lightning_remote_mp.model.graph import LAYER_PATH
 from lightning_remote_mp.model.spec import apply_modes
 from lightning_remote_mp.model.wiring import run_layers
+from lightning_remote_mp.worker.caches import GenerationCaches
 from lightning_remote_mp.worker.deferred_bn import DeferredStatistics
 from lightning_remote_mp.worker.deferred_grads import DeferredWeightGrads, accumulate_grad, auto_min_macs
 from lightning_remote_mp.worker.device_io import DeviceIO
@@ -158,6 +159,8 @@ class StageExecutor:
         min_macs = auto_min_macs(device) if split_backward == "auto" else 0
         self.deferred = DeferredWeightGrads(self.layers, min_macs) if split_backward else None
         self.statistics = DeferredStatistics() if deferred_batch_norm else None
+        #: The key/value caches of the generations the driver runs through this stage (`worker.caches`).
+        self.caches = GenerationCaches(device)
         self._forwards: dict[int, int] = {}  # with deferred statistics: micro-batches of each call seen so far
         # On a GPU, tensors come and go through side streams (see `device_io`).
         self.io = DeviceIO(device) if device.type == "cuda" else None
@@ -211,6 +214,7 @@ class StageExecutor:
             table, leaf = self._slot(name)
             table[leaf] = theirs[name]
         self.borrowed = other.key
+        self.caches = other.caches  # a prefill's and a decode's programs write one cache
         if self.deferred is not None:
             self.deferred.parameters_replaced()
 

@@ -1,0 +1,193 @@
+"""``generate()`` on a split model (issue #48): transformers' own generation in ``predict_step`` and
+``validation_step``, the key/value cache on the stages, every decoding mode equal to the same model's
+``generate()`` in one process, token for token.
+
+The prompts are right-padded rows of different lengths, as `lrmp_hf.Padded` makes them (generate's
+positions skip the padding, which the workers' programs take as an input).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import lrmp_hf as H  # noqa: E402
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from test_strategy import assert_same_losses, trainer  # noqa: E402
+
+from lightning_remote_mp import RemoteModelParallelStrategy  # noqa: E402
+from lightning_remote_mp.errors import LrmpError, TraceError  # noqa: E402
+
+PROMPT, NEW = 6, 5
+
+
+def prompts(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {"input_ids": batch["input_ids"][:, :PROMPT], "attention_mask": batch["attention_mask"][:, :PROMPT]}
+
+
+class Writes(H.FineTune):
+    """Fine-tunes as `lrmp_hf.FineTune` does, and writes: greedy, beam search and sampling in
+    ``predict_step``; greedy in ``validation_step`` (kept in ``written``) beside the loss."""
+
+    def __init__(self, model: torch.nn.Module, **kwargs) -> None:
+        super().__init__(model, "lm", **kwargs)
+        self.written: list[torch.Tensor] = []
+
+    def predict_step(self, batch, batch_idx):
+        p = prompts(batch)
+        greedy = self.model.generate(**p, max_new_tokens=NEW, do_sample=False, pad_token_id=0)
+        beams = self.model.generate(
+            **p, max_new_tokens=NEW - 1, num_beams=2, num_return_sequences=2, do_sample=False, pad_token_id=0
+        )
+        torch.manual_seed(batch_idx)
+        sampled = self.model.generate(
+            **p, max_new_tokens=NEW, do_sample=True, top_k=10, top_p=0.9, temperature=0.8, pad_token_id=0
+        )
+        return greedy, beams, sampled
+
+    def validation_step(self, batch, batch_idx):
+        super().validation_step(batch, batch_idx)
+        self.written.append(self.model.generate(**prompts(batch), max_new_tokens=NEW, do_sample=False, pad_token_id=0))
+
+
+def assert_same_writing(local: list, remote: list) -> None:
+    assert len(local) == len(remote) and local
+    for a, b in zip(local, remote):
+        for x, y in zip(a if isinstance(a, tuple) else (a,), b if isinstance(b, tuple) else (b,)):
+            assert torch.equal(x, y), (x.tolist(), y.tolist())
+
+
+FAMILIES = {"llama": (H.llama, 2), "gpt2": (H.gpt2, 1), "mixtral": (H.mixtral, 1), "lora_llama": (H.lora_llama, 2)}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_every_decoding_mode_writes_what_the_model_writes_in_one_process(family, pool):
+    """Greedy, beam search with several returned sequences, and seeded sampling with temperature,
+    top-k and top-p, in ``predict_step``: the same tokens as the same model's ``generate()`` locally
+    (a peft model's ``generate`` calls the model it wraps, whose steps go through the workers too)."""
+    build, microbatches = FAMILIES[family]
+    torch.manual_seed(0)
+    local = Writes(build())
+    remote = copy.deepcopy(local)
+    data = H.padded_data(n=8, batch=4)
+    want = trainer(None, 1).predict(local, data)
+    strategy = RemoteModelParallelStrategy(hosts=pool[:2], split=["model"], microbatches=microbatches)
+    assert_same_writing(want, trainer(strategy, 1).predict(remote, data))
+
+
+def test_generation_in_validation_between_training_steps_shares_the_trained_weights(pool):
+    """A validation that generates, before training and after each epoch: the losses, the
+    validation losses and the words written all equal local training's."""
+    torch.manual_seed(0)
+    local = Writes(H.llama(), lr=0.01, optimizer="AdamW")
+    remote = copy.deepcopy(local)
+    trainer(None, 2, num_sanity_val_steps=1).fit(local, H.padded_data(), H.padded_data(n=4, seed=1))
+    strategy = RemoteModelParallelStrategy(hosts=pool[:2], split=["model"], microbatches=2)
+    trainer(strategy, 2, num_sanity_val_steps=1).fit(remote, H.padded_data(), H.padded_data(n=4, seed=1))
+    assert_same_losses(local.losses, remote.losses, 2e-5)
+    assert_same_losses(local.val_losses, remote.val_losses, 2e-5)
+    assert_same_writing(local.written, remote.written)
+
+
+def test_a_model_past_the_gather_limit_writes_from_its_sharded_checkpoint(pool, tmp_path):
+    """After ``fit`` a model larger than ``gather_limit`` is on the meta device here: ``predict``
+    with ``ckpt_path=`` generates from the weights the workers read from the checkpoint."""
+    torch.manual_seed(0)
+    local = Writes(H.llama(), lr=0.01, optimizer="AdamW")
+    remote = copy.deepcopy(local)
+    trainer(None, 1).fit(local, H.padded_data())
+    strategy = RemoteModelParallelStrategy(hosts=pool[:2], split=["model"], state_dict_type="sharded", gather_limit=1)
+    checkpoints = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    trainer(strategy, 1, enable_checkpointing=True, callbacks=[checkpoints]).fit(remote, H.padded_data())
+    assert all(p.is_meta for p in remote.model.parameters())
+    data = H.padded_data(n=4, batch=4)
+    want = trainer(None, 1).predict(local, data)
+    strategy = RemoteModelParallelStrategy(hosts=pool[:2], split=["model"])
+    got = trainer(strategy, 1).predict(remote, data, ckpt_path=str(tmp_path / "last.ckpt"))
+    assert_same_writing(want, got)
+
+
+class ManyWrites(H.FineTune):
+    def predict_step(self, batch, batch_idx):
+        return [
+            self.model.generate(**prompts(batch), max_new_tokens=NEW, do_sample=False, pad_token_id=0)
+            for _ in range(50)
+        ]
+
+
+def test_caches_are_freed_when_generate_returns_and_bounded_before_the_first_token(start_workers):
+    """50 generations leave no cache behind (the workers' memory does not grow after the first few),
+    and a generation that cannot fit is refused before its first token, saying what fits."""
+    workers = start_workers(2)
+    torch.manual_seed(0)
+    model = ManyWrites(H.llama(), "lm")
+    strategy = RemoteModelParallelStrategy(hosts=workers.addresses, split=["model"])
+    samples: list[list[int]] = []
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            samples.append([_rss_anon(p.pid) for p in workers.procs])
+            time.sleep(0.05)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        out = trainer(strategy, 1).predict(model, H.padded_data(n=4, batch=4))
+    finally:
+        done.set()
+        sampler.join()
+    assert len(out[0]) == 50 and all(torch.equal(o, out[0][0]) for o in out[0])
+    settled = samples[len(samples) // 4 :]  # after the traces and the first generations
+    for worker in range(2):
+        grown = max(s[worker] for s in settled) - settled[0][worker]
+        assert grown < 8 * 2**20, f"worker {worker} grew by {grown / 2**20:.1f} MB over the generations"
+    huge = ManyWrites(H.llama(max_position_embeddings=2**30), "lm")
+
+    class Huge(ManyWrites):
+        def predict_step(self, batch, batch_idx):
+            return self.model.generate(**prompts(batch), max_new_tokens=2**28, do_sample=False, pad_token_id=0)
+
+    huge = Huge(H.llama(max_position_embeddings=2**30), "lm")
+    strategy = RemoteModelParallelStrategy(hosts=workers.addresses, split=["model"])
+    with pytest.raises(LrmpError, match=r"cache of 26843\d+ tokens .* about \d+ tokens fit"):
+        trainer(strategy, 1).predict(huge, H.padded_data(n=4, batch=4))
+
+
+def _rss_anon(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
+
+
+def test_decoding_that_rewinds_the_cache_is_refused_naming_it(pool):
+    class PromptLookup(H.FineTune):  # assisted decoding with the prompt as the assistant
+        def predict_step(self, batch, batch_idx):
+            return self.model.generate(**prompts(batch), max_new_tokens=2, prompt_lookup_num_tokens=2, pad_token_id=0)
+
+    strategy = RemoteModelParallelStrategy(hosts=pool[:2], split=["model"])
+    with pytest.raises(TraceError, match="assisted generation rewinds or reads the key/value cache"):
+        trainer(strategy, 1).predict(PromptLookup(H.llama(), "lm"), H.padded_data(n=4, batch=4))
+
+
+def test_a_worker_killed_during_generation_is_named(start_workers):
+    workers = start_workers(2)
+
+    class Slow(H.FineTune):
+        def predict_step(self, batch, batch_idx):
+            if batch_idx == 1:
+                os.kill(workers.procs[1].pid, signal.SIGKILL)
+            return self.model.generate(**prompts(batch), max_new_tokens=NEW, do_sample=False, pad_token_id=0)
+
+    strategy = RemoteModelParallelStrategy(hosts=workers.addresses, split=["model"], heartbeat_timeout=3.0)
+    started = time.monotonic()
+    with pytest.raises(LrmpError, match=rf"worker {workers.addresses[1]} \(stage 1\) (died|stopped answering)"):
+        trainer(strategy, 1).predict(Slow(H.llama(), "lm"), H.padded_data(n=8, batch=4))
+    assert time.monotonic() - started < 60
