@@ -30,6 +30,57 @@ os.environ.setdefault(MIN_MACS_ENV, "0")
 logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
 
 
+#: What the default run (CI's, `python -m pytest`) leaves to the full one (`python -m pytest -m ""`):
+#: a second family, schedule or micro-batch count of a test whose first case
+#: runs by default, and the benchmarks whose own runs are in benchmarks/README.md. Each feature keeps a
+#: case in the default run, which fits in 15 minutes on 2 cores; the full run takes about 35.
+SLOW = {
+    "test_benchmarks.py::test_quick_mode_prints_a_table": (
+        "throughput.py",
+        "memory.py",
+        "tracing.py",
+        "lan.py",
+        "compression.py",
+        "loss_placement.py",
+    ),
+    "test_examples.py::test_finetune_pretrained_exports_a_model_transformers_loads": ("", "lora"),
+    "test_hf_sweep.py::test_a_family_of_each_kind_trains_remotely_as_it_does_locally": (
+        "rotary",
+        "ALiBi",
+        "sliding window",
+        "soft-capping",
+        "state space",
+        "encoder-decoder",
+        "classification head",
+        "attention swapped inside forward",
+        "latent cross-attention",
+    ),
+    "test_hf_zoo.py::test_a_family_fine_tunes_remotely_as_it_does_locally": tuple(
+        f"{family}-1" for family in ("gpt2", "llama", "qwen2", "mixtral", "bert", "t5", "vit", "lora_llama")
+    )
+    + ("t5-4",),  # t5 also trains in test_t5_stages_may_start_anywhere_its_shared_embedding_is_held_by_three
+    "test_hf_zoo.py::test_a_family_trains_under_zero_bubble_as_locally": ("t5", "bert"),
+    "test_schedules.py::test_the_timeline_shows_each_stage_running_its_list": ("gpipe", "zero_bubble"),
+    "test_schedules.py::test_accumulated_clipped_steps_and_replicas_train_as_locally": ("1f1b",),
+    "test_schedules.py::test_three_stages_with_values_that_skip_a_stage_and_lora_train_as_locally": ("1f1b",),
+    "test_generate.py::test_every_decoding_mode_writes_what_the_model_writes_in_one_process": ("gpt2", "mixtral"),
+    "test_signatures.py::test_trained_with_labels_and_validated_without_them_trains_as_locally": (
+        "True-2-SGD",
+        "False-4-SGD",
+    ),
+    "test_trace.py::test_huggingface_decoders_unchanged": ("gpt2",),
+    "test_signatures.py::test_a_fifth_way_of_calling_is_refused_naming_the_argument_that_differs": ("",),
+    "test_lan.py::test_a_large_message_on_a_slow_link_is_no_stall": ("dial-in",),
+}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        test, _, case = item.nodeid.rpartition("/")[2].partition("[")
+        if case[:-1] in SLOW.get(test, ()):  # "name[case]", or "name" (case "")
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture
 def start_workers() -> Iterator[Callable[..., LocalWorkers]]:
     """``start_workers(n, allow_modules=[...])`` starts ``n`` real workers; all are stopped at test end."""
