@@ -281,21 +281,22 @@ def _dequantize(
     dtype: torch.dtype,
     scratch: bool = False,
 ) -> torch.Tensor:
-    # One lookup per byte in a 256-entry table of value pairs (its high and its low code). With
+    # One lookup per byte in a 256-entry table of value pairs (its high and its low code), each pair
+    # read as one 8-byte element: a flat gather, twice as fast as gathering rows of two floats. With
     # ``scratch``, into this thread's buffers (`_scratch`), which the caller uses before the next call.
     n, data = int(shape[0]) * int(shape[1]), packed.reshape(-1).view(torch.uint8)
     if not (0 < n <= 2 * data.numel() and blocksize in BLOCKSIZES and len(shape) == 2):
         raise ValueError(f"a 4-bit weight of shape {list(shape)} in blocks of {blocksize} is not {data.numel()} bytes")
     scales = _scales(absmax, nested_absmax, nested_quant_map, offset)
     byte = torch.arange(256, device=quant_map.device)
-    pairs = torch.stack([quant_map[byte >> 4], quant_map[byte & 0xF]], dim=-1)
+    pairs = torch.stack([quant_map[byte >> 4], quant_map[byte & 0xF]], dim=-1).float().view(torch.int64).view(-1)
     if scratch:
         index = _scratch("index", data.numel(), torch.int32, data.device).copy_(data)
-        into = _scratch("float32", 2 * data.numel(), torch.float32, data.device).view(-1, 2)
+        into = _scratch("pairs", data.numel(), torch.int64, data.device)
         out = torch.index_select(pairs, 0, index, out=into)
     else:
         out = pairs[data.int()]
-    out = out.reshape(-1)[:n]
+    out = out.view(torch.float32)[:n]
     full = n - n % blocksize
     out[:full].view(-1, blocksize).mul_(scales[: full // blocksize].view(-1, 1))
     if full < n:
