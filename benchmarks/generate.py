@@ -484,7 +484,6 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[tuple[str, Mode], list[dict[str, Any]]] = {}
     started = time.perf_counter()
     pools = {s: LocalWorkers(s, threads=max(1, CORES // s)) for s in (2, 4)}
-    lan = None
     try:
         hosts = {s: w.start() for s, w in pools.items()}
         for r in range(args.rounds):
@@ -505,12 +504,10 @@ def main(argv: list[str] | None = None) -> int:
         for w in pools.values():
             w.stop()
         if args.lan:
-            lan = lan_modes(args, every, prompts, model, results)
+            lan_modes(args, every, prompts, model, results)
     finally:
         for w in pools.values():
             w.stop()
-        if lan is not None:
-            lan.close()
 
     want = {b: results[("loopback", Mode("local", b, threads=CORES))][0]["tokens"] for b in batches}
     first, second = tables(results, want, args.new_tokens)
@@ -550,8 +547,8 @@ def lan_modes(
     prompts: dict[int, Any],
     model: Any,
     results: dict[tuple[str, Mode], list[dict[str, Any]]],
-) -> Any:
-    """The lrmp modes over emulated hosts (``tests/lrmp_lan.py``); the LAN, to close, or None."""
+) -> None:
+    """The lrmp modes over emulated hosts (``tests/lrmp_lan.py``), which are gone when it returns or fails."""
     sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
     from lrmp_lan import Lan, LanUnavailable
 
@@ -560,20 +557,22 @@ def lan_modes(
         lan = Lan(1 + stages, args.rate)
     except LanUnavailable as err:
         print(f"no emulated LAN here ({err}): the --lan rows are skipped", flush=True)
-        return None
-    workers = {i: lan.start_worker(i, "--log-level", "WARNING") for i in range(1, stages + 1)}  # 1 torch thread each
-    for mode in (m for m in every if m.kind == "lrmp"):
-        mode = dataclasses.replace(mode, threads=1)
-        t = time.perf_counter()
-        hosts = [workers[i] for i in range(1, mode.stages + 1)]
-        runs = run_lrmp(model, mode, hosts, prompts[mode.batch], args.new_tokens, args.repeats)
-        results.setdefault((args.rate, mode), []).extend(runs)
-        print(
-            f"  {args.rate}: {mode.label:18s} batch {mode.batch:3d} m={mode.m}: "
-            f"{_common.median(x['decode_s'] for x in runs) * 1e3:8.2f} ms/token ({time.perf_counter() - t:.0f} s)",
-            flush=True,
-        )
-    return lan
+        return
+    try:
+        workers = {i: lan.start_worker(i, "--log-level", "WARNING") for i in range(1, stages + 1)}  # 1 thread each
+        for mode in (m for m in every if m.kind == "lrmp"):
+            mode = dataclasses.replace(mode, threads=1)
+            t = time.perf_counter()
+            hosts = [workers[i] for i in range(1, mode.stages + 1)]
+            runs = run_lrmp(model, mode, hosts, prompts[mode.batch], args.new_tokens, args.repeats)
+            results.setdefault((args.rate, mode), []).extend(runs)
+            print(
+                f"  {args.rate}: {mode.label:18s} batch {mode.batch:3d} m={mode.m}: "
+                f"{_common.median(x['decode_s'] for x in runs) * 1e3:8.2f} ms/token ({time.perf_counter() - t:.0f} s)",
+                flush=True,
+            )
+    finally:
+        lan.close()
 
 
 if __name__ == "__main__":
