@@ -343,12 +343,16 @@ class Placement:
         loaded, self._loaded = self._loaded, {}
         self.push(loaded)
 
+    def _states(self, conns: list[Any]) -> list[dict[str, torch.Tensor]]:
+        """The weights and buffers of the stages behind ``conns``, named ``"<layer index>.<name>"``."""
+        replies = broadcast(conns, protocol.GET_STATE, GetState().body(), bounded=False)
+        return [reply.get(self.key, {}) for reply in replies]
+
     def fetch(self) -> dict[str, torch.Tensor]:
-        """The workers' weights and buffers, named ``"<layer index>.<name>"``."""
+        """The workers' weights and buffers, named ``"<layer index>.<name>"``, every stage's at once."""
         out: dict[str, torch.Tensor] = {}
-        conns = [rs.conn for rs in self.remote.stages]  # replica 0
-        for reply in broadcast(conns, protocol.GET_STATE, GetState().body(), bounded=False):
-            out.update(reply.get(self.key, {}))
+        for state in self._states([rs.conn for rs in self.remote.stages]):  # replica 0
+            out.update(state)
         return out
 
     def pull(self) -> None:
@@ -357,13 +361,13 @@ class Placement:
         memory for a full checkpoint)."""
         with torch.no_grad():
             for rs in self.remote.stages:  # replica 0
-                (reply,) = broadcast([rs.conn], protocol.GET_STATE, GetState().body(), bounded=False)
-                for name, t in reply.get(self.key, {}).items():
+                (state,) = self._states([rs.conn])
+                for name, t in state.items():
                     index, _, rest = name.partition(".")
                     local = self.module.layers[int(index)].state_dict(keep_vars=True)[rest]
                     if not local.is_meta:  # a tensor on meta keeps no value here (its files or checkpoints do)
                         local.copy_(t)
-                del reply
+                del state  # before the next stage's arrives
 
     def push(self, state: dict[str, torch.Tensor]) -> None:
         """Send weights and buffers (named ``"<layer index>.<name>"``) to the workers holding them."""
