@@ -5,8 +5,9 @@ into the file (``_atomic_save``: a ``BytesIO``, then ``getvalue()``), so a full 
 driver its state two more times at once: a 776 MB Llama with AdamW grew the driver by 5,230 MB
 (6.7x the model; its weights and two moments are 3x). `FileCheckpointIO` lets ``torch.save`` write
 into a temporary file beside the target and renames it into place when whole, as the sharded
-checkpoints' files are: whole or absent, and the state held once (benchmarks/README.md, 1l). A
-path that is not on a local file system (``s3://``...) goes through Lightning's own.
+checkpoints' files are: whole or absent, and the state held once (benchmarks/README.md, "A full
+checkpoint on the driver"). A path that is not on a local file system (``s3://``...) goes through
+Lightning's own.
 """
 
 from __future__ import annotations

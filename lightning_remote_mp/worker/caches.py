@@ -50,12 +50,9 @@ class GenerationCaches:
         return sum(store.nbytes for store in self._stores.values())
 
     @contextlib.contextmanager
-    def step(self, generation: list[Any] | None, mb: int) -> Iterator[None]:
-        """While a forward of micro-batch ``mb`` runs: the store of its ``generation``
-        (`messages.Forward.generation`) is the one ``lrmp::kv_cache`` writes to."""
-        if generation is None:
-            yield
-            return
+    def step(self, generation: list[Any], mb: int) -> Iterator[None]:
+        """While a decoding step (a D action) of micro-batch ``mb`` runs: the store of its
+        ``generation`` (`messages.Forward.generation`) is the one ``lrmp::kv_cache`` writes to."""
         ident, capacity, rows = generation
         store = self._stores.get((ident, mb))
         if store is None:
