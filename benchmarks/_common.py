@@ -214,6 +214,19 @@ def echo_until_quit(sock: Any, protocol: Any | None, idle_exit_s: float) -> None
         sock.close(0)
 
 
+def rss_anon(pid: int | str) -> int:
+    """Process ``pid``'s anonymous memory in bytes (``RssAnon`` of ``/proc/PID/status``; ``"self"``
+    for this one; pages of memory-mapped files apart), or 0 once it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 def timed_trainer(strategy: Any, max_steps: int, callbacks: Sequence[Any]) -> Any:
     """A Lightning Trainer for timing: CPU, ``max_steps`` in one epoch, no sanity check, logger,
     checkpoints, progress bar or summary (Lightning is imported here: not every script needs it)."""

@@ -38,22 +38,11 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import environment, markdown_table, python  # noqa: E402
+from _common import environment, markdown_table, python, rss_anon  # noqa: E402
 
 #: fp32 GB -> (hidden, layers): vocab 32000, intermediate 2.75 x hidden, untied embeddings.
 SHAPES = {0.2: (512, 5), 0.8: (1024, 10), 2.4: (1536, 18)}
 MODES = ("lrmp", "lrmp-async", "lrmp-gather", "local")
-
-
-def rss_anon(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("RssAnon:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
 
 
 def children(pid: int) -> list[int]:

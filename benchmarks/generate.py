@@ -321,14 +321,7 @@ def run_lrmp(model: Any, mode: Mode, hosts: list[str], ids: Any, new: int, repea
 
     writer = Writer()
     strategy = RemoteModelParallelStrategy(hosts=hosts, split=["model"], microbatches=mode.m)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        strategy=strategy,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = _common.timed_trainer(strategy, max_steps=-1, callbacks=())  # its step bounds are fit's, not predict's
     trainer.predict(writer, torch.utils.data.DataLoader([ids] * (1 + repeats), batch_size=None))
     return writer.records
 

@@ -74,7 +74,7 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import environment, exit_now, markdown_table, median, python, timed_trainer  # noqa: E402
+from _common import environment, exit_now, markdown_table, median, python, rss_anon, timed_trainer  # noqa: E402
 
 #: bf16 GB -> (hidden, intermediate, layers, heads, key/value heads): vocab 32000, untied. The
 #: largest is TinyLlama-1.1B's shape.
@@ -87,17 +87,6 @@ MODES = ("lrmp-qlora", "lrmp-lora-bf16", "local-qlora")
 BATCH, SEQ, VOCAB = 4, 64, 32000
 #: The dtype of the saved files: a frozen tensor the model holds in another dtype is copied.
 FILE_DTYPE = "bfloat16"
-
-
-def rss_anon(pid: int | str) -> int:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("RssAnon:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
 
 
 # --- the child: one run --------------------------------------------------------------------
