@@ -394,14 +394,18 @@ class Saves:
     def __init__(self) -> None:
         self.pending: PendingSave | None = None
         self.removals: list[Callable[[], None]] = []
+        self.whole: Callable[[], None] | None = None  # told when the pending save is whole
 
-    def start(self, pending: PendingSave, background: bool) -> None:
-        """A save begun: the last one is finished first (at most one is written at a time)."""
+    def start(self, pending: PendingSave, background: bool, whole: Callable[[], None] | None = None) -> None:
+        """A save begun: the last one is finished first (at most one is written at a time);
+        ``whole`` is called once its checkpoint is whole."""
         self.wait()
         if background:
-            self.pending = pending
-        else:
-            pending.finish()
+            self.pending, self.whole = pending, whole
+            return
+        pending.finish()
+        if whole is not None:
+            whole()
 
     def poll(self) -> None:
         """Between steps: name the checkpoint if its files are written (one short request per worker)."""
@@ -418,11 +422,13 @@ class Saves:
         try:
             done = pending.finish(wait)
         except BaseException:
-            self.pending = None
+            self.pending = self.whole = None
             self.removals.clear()  # the checkpoints it was to replace are all that is left
             raise
         if done or wait:
-            self.pending = None
+            whole, self.pending, self.whole = self.whole, None, None
+            if whole is not None:
+                whole()
             self._done()
 
     def remove(self, remove: Callable[[], None]) -> None:

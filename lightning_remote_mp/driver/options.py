@@ -1,5 +1,5 @@
 """The strategy's configuration as typed values: its option groups (`LocalWorkerOptions`,
-`CurveOptions`), the `Topology` that ``hosts`` describes, and the checks of the other arguments.
+`CurveOptions`, `RecoveryOptions`), the `Topology` that ``hosts`` describes, and the checks of the other arguments.
 
 Everything here is checked when it is built, without reading a file or starting a process, and a
 mistake raises `ConfigurationError` naming the argument: a typo in a YAML config fails before any
@@ -72,6 +72,68 @@ class LocalWorkerOptions:
                 )
             object.__setattr__(self, "devices", list(self.devices))
         check_count("local_workers.threads", self.threads, optional=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class RecoveryOptions:
+    """What ``fit`` does when it loses a worker (docs/recovery.md): it places the lost stage again,
+    restores every stage from the last whole checkpoint and runs the steps since then again, on the
+    same batches, so that the run ends where an uninterrupted one would.
+
+    Args:
+        spares: idle workers' addresses, tried in order for a lost stage (with ``hosts``).
+        wait: seconds to wait for the lost worker to answer again at its own address (a restarted
+            ``lrmp-worker`` service, a cable plugged back in) when no spare answers.
+        rebalance: when neither comes, split the model over the workers that remain (one stage
+            fewer; with replicas, the lost worker's row goes). Needs an automatic ``balance``.
+        max_recoveries: recoveries per ``fit``; the next loss ends the run, naming every loss.
+        max_seconds: the most seconds the recoveries of one ``fit`` may take together, from each
+            loss to the end of its placement.
+        max_replay_batches: the most training batches kept here to run again (those since the last
+            whole checkpoint); past it, the next recovery resumes as Lightning does, with the
+            loader's position only if it is stateful, and says so.
+
+    >>> RecoveryOptions(spares=["10.0.0.9:5555"]).spares
+    ['tcp://10.0.0.9:5555']
+    """
+
+    spares: list[str] = dataclasses.field(default_factory=list)
+    wait: float = 60.0
+    rebalance: bool = True
+    max_recoveries: int = 3
+    max_seconds: float = 600.0
+    max_replay_batches: int = 1000
+
+    @classmethod
+    def of(cls, value: Any) -> RecoveryOptions | None:
+        """The strategy's ``recovery`` argument: ``None``/``False`` (off), ``True`` (the defaults), a
+        `RecoveryOptions`, or a dict of its fields (a YAML config's)."""
+        if value is None or value is False:
+            return None
+        if value is True:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, dict):
+            unknown = sorted(set(value) - {f.name for f in dataclasses.fields(cls)})
+            if unknown:
+                names = ", ".join(f.name for f in dataclasses.fields(cls))
+                raise ConfigurationError(f"recovery: no option {unknown[0]!r}; RecoveryOptions has {names}")
+            return cls(**value)
+        raise ConfigurationError(
+            f"recovery must be True, False, a RecoveryOptions or a dict of its fields, got {value!r}"
+        )
+
+    def __post_init__(self) -> None:
+        if isinstance(self.spares, str) or not isinstance(self.spares, Sequence):
+            raise ConfigurationError(f"recovery.spares must be a list of worker addresses, got {self.spares!r}")
+        object.__setattr__(self, "spares", [normalize_address(a) for a in self.spares])
+        check_timeout("recovery.wait", self.wait)
+        check_timeout("recovery.max_seconds", self.max_seconds)
+        if not isinstance(self.rebalance, bool):
+            raise ConfigurationError(f"recovery.rebalance must be True or False, got {self.rebalance!r}")
+        check_count("recovery.max_recoveries", self.max_recoveries)
+        check_count("recovery.max_replay_batches", self.max_replay_batches)
 
 
 @dataclasses.dataclass(frozen=True)

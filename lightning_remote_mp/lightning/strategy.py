@@ -30,6 +30,7 @@ from lightning_remote_mp.driver.options import (
     DEFAULT_GATHER_LIMIT,
     CurveOptions,
     LocalWorkerOptions,
+    RecoveryOptions,
     Topology,
     balance_for,
     check_balance,
@@ -46,12 +47,14 @@ from lightning_remote_mp.driver.options import (
 from lightning_remote_mp.driver.pipeline import check_checkpoint_mode
 from lightning_remote_mp.driver.placement import WeightSources, mark_placed, mark_trained_elsewhere
 from lightning_remote_mp.driver.preflight import allow_modules_for, checked_for_workers, checked_traced
+from lightning_remote_mp.driver.recovery import answers
 from lightning_remote_mp.driver.session import DriverSession
 from lightning_remote_mp.driver.workers import Workers, load_keys
-from lightning_remote_mp.errors import ConfigurationError, LrmpError, WeightsError
+from lightning_remote_mp.errors import ConfigurationError, LrmpError, WeightsError, WorkerLostError
 from lightning_remote_mp.flow import SplitBackward
 from lightning_remote_mp.lightning import intercept
 from lightning_remote_mp.lightning.checkpoint_io import FileCheckpointIO
+from lightning_remote_mp.lightning.recovery import FitRecovery, RecoveringLauncher
 from lightning_remote_mp.lightning.timeline import TimelineCallback
 from lightning_remote_mp.logs import follow_lightning
 from lightning_remote_mp.model.calls import TracedForward
@@ -184,6 +187,11 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
             gets its trained weights back as after local training (default 1 GiB). A larger model's
             trained weights stay in the checkpoints; its split modules are left on the meta device, and
             a later ``validate``, ``test`` or ``predict`` needs ``ckpt_path=``.
+        recovery: what ``fit`` does when it loses a worker: ``None`` (the default) fails the run
+            naming the worker; ``True`` (or `RecoveryOptions`: spares, how long to wait for the
+            worker to come back, bounds) places the lost stage again, restores every stage from the
+            newest whole checkpoint and runs the steps since then again on the same batches
+            (docs/recovery.md). It needs checkpoints: ``ModelCheckpoint(every_n_train_steps=N)``.
 
     Every argument is checked here, before any file is read or worker started; a mistake raises
     `ConfigurationError` (a ``ValueError``) naming the argument.
@@ -217,6 +225,7 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
         pretrained: str | dict[str, str] | None = None,
         state_dict_type: Literal["auto", "full", "sharded"] = "auto",
         gather_limit: int = DEFAULT_GATHER_LIMIT,
+        recovery: RecoveryOptions | dict[str, Any] | bool | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         checkpoint_io: Any = None,
         precision_plugin: Any = None,
@@ -256,6 +265,12 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
         self.state_dict_type = state_dict_type
         check_count("gather_limit", gather_limit)
         self.gather_limit = gather_limit
+        self.recovery = RecoveryOptions.of(recovery)
+        if self.recovery and self.recovery.spares and curve is not None and len(curve.worker_public_keys) > 1:
+            raise ConfigurationError(
+                "recovery.spares with curve.worker_public_keys naming one key per host: a spare has no key there; "
+                "give one public key shared by every worker (spares included)"
+            )
         super().__init__(
             device=device or "cpu",
             accelerator=accelerator,
@@ -287,6 +302,10 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
         self._dumping_sharded = False
         self._saves = sharded.Saves()  # a sharded checkpoint written in the background (AsyncCheckpointIO)
         self._fitting = False
+        self._hosts_given = self.topology  # recovery changes self.topology; keys stay by address
+        self._connect_wait: float | None = None  # the next setup's connect timeout, after a recovery
+        self._fit_recovery: FitRecovery | None = None  # this fit's losses, batches and checkpoints
+        self._discarding = False  # a run torn down by recovery: nothing comes back from the workers
 
     @property
     def checkpoint_io(self) -> CheckpointIO:
@@ -363,7 +382,7 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
             for key, module in modules.items()
         }
         try:
-            keys, worker_keys = load_keys(self.curve, self.topology)
+            keys, worker_keys = self._keys(self.topology)
             if self.topology is not None:
                 self._workers = Workers(self.topology, worker_keys)
             else:
@@ -373,7 +392,7 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
             self._session = DriverSession(
                 self._workers.topology,
                 heartbeat_timeout=self.heartbeat_timeout,
-                connect_timeout=self.connect_timeout,
+                connect_timeout=self._connect_wait or self.connect_timeout,
                 call_timeout=self.call_timeout,
                 processes=self._workers.processes,
                 store_host=self.store_host,
@@ -383,6 +402,9 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
                 allow_plaintext_allreduce=self.curve is not None and self.curve.allow_plaintext_allreduce,
                 listen=self.listen,
             )
+            self._connect_wait = None
+            if self._fit_recovery is not None:
+                self._fit_recovery.losses.placed()
             for key, module in modules.items():
                 self._place(key, module, balances[key], fitting, checked=checks[key])
             for key, sub in traced.items():
@@ -495,8 +517,11 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         dumped, self._dumping_sharded = self._dumping_sharded, False
+        trainer = self.lightning_module._trainer if self.lightning_module is not None else None
+        whole = self._fit_recovery.saving(trainer, filepath) if self._fit_recovery and trainer else None
         if not dumped or self._session is None:
-            return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+            super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+            return whole() if whole else None
         assert self.lightning_module is not None
         # With Lightning's AsyncCheckpointIO, the workers write in the background; the small
         # Lightning state is written at once, by the plugin it wraps, before the directory is named.
@@ -511,9 +536,11 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
             lambda ckpt, path: io.save_checkpoint(ckpt, path, storage_options=storage_options),
             background,
         )
-        self._saves.start(pending, background)
+        self._saves.start(pending, background, whole)
 
     def remove_checkpoint(self, filepath: Any) -> None:
+        if self._fit_recovery is not None:
+            self._fit_recovery.whole.removed(filepath)
         self._saves.remove(functools.partial(super().remove_checkpoint, filepath))
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -581,7 +608,9 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
             if session is not None:
                 try:
                     self._saves.wait()
-                    left = session.restore(self.gather_limit, trained=self._fitting)
+                    # After a loss the run resumes from a checkpoint: nothing comes back (gather_limit -1).
+                    discard = self._discarding
+                    left = session.restore(-1 if discard else self.gather_limit, trained=self._fitting and not discard)
                     for owner in left:
                         if not isinstance(owner, SpecSequential):  # a spec records it itself (weights_left_on_workers)
                             mark_trained_elsewhere(owner)
@@ -591,6 +620,48 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
             workers, self._workers = self._workers, None
             if workers is not None:
                 workers.stop()
+
+    # --- recovery (lightning/recovery.py: the launcher, the batches; driver/recovery.py: the places) ---
+    def _configure_launcher(self) -> None:
+        self._launcher = RecoveringLauncher(self.recover, self._begin_recovery) if self.recovery else None
+
+    def _begin_recovery(self) -> None:
+        assert self.recovery is not None
+        self._fit_recovery = FitRecovery(self.recovery, self.topology, self.balance, self._answers)
+
+    def _keys(self, topology: Topology | None) -> tuple[Any, dict[str, bytes] | None]:
+        """This driver's key pair and the workers' public keys by address (`load_keys`): a key shared
+        by all fits any address (a spare); keys per host fit the hosts given."""
+        shared = self.curve is not None and len(self.curve.worker_public_keys) == 1
+        return load_keys(self.curve, topology if shared else self._hosts_given)
+
+    def _answers(self, address: str, timeout: float) -> bool:
+        keys, worker_keys = self._keys(Topology.of([address]))
+        return answers(address, timeout, keys=keys, worker_keys=worker_keys, limits=self.limits, listen=self.listen)
+
+    def process_dataloader(self, dataloader: object) -> object:
+        trainer = self.lightning_module._trainer if self.lightning_module is not None else None
+        return self._fit_recovery.wrap(dataloader, trainer) if self._fit_recovery and trainer else dataloader
+
+    def recover(self, trainer: pl.Trainer, err: WorkerLostError) -> str:
+        """After ``fit`` lost a worker (`RecoveringLauncher`): end the run, place its stages again and
+        return the checkpoint ``fit`` resumes from (`FitRecovery.resume`); past a bound, or with no
+        whole checkpoint, raise the run's end, naming every loss."""
+        assert self._fit_recovery is not None
+        self._fit_recovery.lost(err)
+        try:
+            self._saves.wait()
+        except LrmpError as lost:
+            log.warning("the checkpoint being written in the background is lost: %s", lost)
+        self._discarding = True  # the stages come from a checkpoint: nothing comes back here
+        try:
+            trainer._teardown()
+        finally:
+            self._discarding = False
+        placement, path = self._fit_recovery.resume(err, self.connect_timeout)
+        self.topology = placement.topology or self.topology
+        self._connect_wait = placement.connect_timeout
+        return path
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
