@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from lightning_remote_mp._version import __version__
-from lightning_remote_mp.driver.options import CurveOptions, LocalWorkerOptions
+from lightning_remote_mp.driver.options import CurveOptions, LocalWorkerOptions, RecoveryOptions
 from lightning_remote_mp.errors import (
     AuthenticationError,
     ConfigurationError,
@@ -42,6 +42,7 @@ __all__ = [
     "LrmpError",
     "ProtocolError",
     "ProtocolVersionError",
+    "RecoveryOptions",
     "RefusedClassError",
     "RefusedOperatorError",
     "RemoteInputError",

@@ -105,10 +105,12 @@ class Recovery:
             raise self.gave_up(f"recoveries took {self.spent:.0f} s, recovery.max_seconds={self.options.max_seconds:g}")
 
     def placed(self) -> None:
-        """The recovered run is placed: the time since the loss counts against ``max_seconds``."""
+        """The recovered run has its workers: the time since the loss counts against ``max_seconds``."""
         if self._since is not None:
-            self.spent += time.monotonic() - self._since
+            took = time.monotonic() - self._since
+            self.spent += took
             self._since = None
+            log.info("recovery: the workers are connected again, %.1f s after the loss", took)
 
     def gave_up(self, why: str) -> WorkerLostError:
         """The run's end: the last loss, naming every loss and why recovery stopped."""

@@ -1,7 +1,7 @@
 """Every place lrmp bends Lightning, in one room, and what it refuses because it cannot bend it.
 
 Lightning's loop drives training unchanged: the strategy's hooks (`lightning_remote_mp.lightning.strategy`)
-do most of the work. Five things no hook reaches are intercepted instead:
+do most of the work. Six things no hook reaches are intercepted instead:
 
 | # | what is intercepted | where | what breaks without it |
 |---|---|---|---|
@@ -10,6 +10,7 @@ do most of the work. Five things no hook reaches are intercepted instead:
 | 3 | the precision plugin's clipping | `patch_clipping`, `unpatch_clipping` | only the driver's ``.grad`` is clipped |
 | 4 | the default ``ModelSummary`` callback | `use_remote_summary` | the summary has no ``Where`` column |
 | 5 | the strategy's ``optimizers`` setter | `mirror_assigned` | ``lr_find``'s optimizers step the driver's share only |
+| 6 | ``fit`` run again after a loss | `lightning_remote_mp.lightning.recovery` | a lost worker ends the run |
 
 Why each is intercepted rather than hooked:
 
@@ -26,6 +27,11 @@ Why each is intercepted rather than hooked:
    `lightning_remote_mp.lightning.summary.RemoteModelSummary`.
 5. Optimizers assigned while workers hold layers (the tuner does this) must be mirrored before
    Lightning builds its ``LightningOptimizer`` wrappers, which copy the optimizer's class.
+6. With ``recovery=``, the strategy's launcher (a hook) runs ``fit`` again from a checkpoint after a
+   loss; it recognises ``fit`` by ``Trainer._fit_impl``, tears the lost run down with
+   ``Trainer._teardown`` (what Lightning does after any failure), and the train loader's wrapper
+   checks ``fit_loop._combined_loader`` for a second train loader. All three are private to Lightning
+   (2.6); `tests/test_recovery.py` fails if one changes.
 
 What cannot be bent is refused before anything starts (`refuse_unsupported`): the callbacks of
 `refused_callbacks`, and a precision with a ``GradScaler``.

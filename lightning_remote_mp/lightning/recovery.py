@@ -192,8 +192,9 @@ class RecoveringLauncher(_Launcher):
         while True:
             try:
                 with warnings.catch_warnings():
-                    if recovered:  # the batches are replayed: the loader's position is restored
+                    if recovered:  # the batches are replayed, and the checkpoints are this run's own
                         warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before")
+                        warnings.filterwarnings("ignore", message="Checkpoint directory .* exists and is not empty")
                     return function(*call.args, **call.kwargs)
             except WorkerLostError as err:
                 started = time.monotonic()

@@ -1,0 +1,266 @@
+"""Recovery inside fit (#50): a worker is SIGKILLed mid-run; the strategy places its stage again (on a
+spare, on the same address once a worker is back there, or on the workers that remain), restores every
+stage from the newest whole checkpoint and replays the batches since then, so that the run ends with the
+losses and weights of an uninterrupted one. Real workers, real processes, real checkpoints."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.plugins.io import AsyncCheckpointIO
+from test_strategy import Net, assert_same_weights, residual_spec, trainer
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_remote_mp import RemoteModelParallelStrategy, WorkerLostError
+from lightning_remote_mp.driver.options import RecoveryOptions
+from lightning_remote_mp.errors import ConfigurationError
+from lightning_remote_mp.lightning.recovery import BatchReplay
+
+pytestmark = pytest.mark.timeout(180)
+
+HEARTBEAT = 2.0
+BALANCE = [4, 6]
+EPOCHS = 3  # 7 batches an epoch: 21 steps
+
+
+def data() -> DataLoader:
+    """Shuffled, from a seeded generator: only the lost run's own iterator gives the same batches again."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.rand(100, 1, generator=g)
+    return DataLoader(
+        TensorDataset(x, (x > 0.5).float()), batch_size=16, shuffle=True, generator=torch.Generator().manual_seed(3)
+    )
+
+
+class Kill(L.Callback):
+    """SIGKILLs ``pid()`` once, at the start of the first batch past global step ``step``; ``then`` runs after."""
+
+    def __init__(self, pid, step: int, then=None) -> None:
+        self.pid, self.step, self.then, self.at = pid, step, then, None
+
+    def on_train_batch_start(self, trainer, *args) -> None:
+        if self.at is None and trainer.global_step >= self.step:
+            os.kill(self.pid(), signal.SIGKILL)
+            self.at = time.monotonic()
+            if self.then is not None:
+                self.then()
+
+
+def local_pid(index: int):
+    return lambda: L_trainer[0].strategy._workers.local.procs[index].pid
+
+
+L_trainer: list = []
+
+
+@pytest.fixture(scope="module")
+def straight():
+    """The uninterrupted reference, and the model both runs start from."""
+    torch.manual_seed(21)
+    base = Net(residual_spec(probe=False), local_head=True)
+    import copy
+
+    ref = copy.deepcopy(base)
+    trainer(RemoteModelParallelStrategy(balance=BALANCE), epochs=EPOCHS).fit(ref, data())
+    return base, ref
+
+
+def _recovered(straight, strategy, tmp_path, kill, every: int = 3, io=None, expect_same: bool = True):
+    import copy
+
+    base, ref = straight
+    model = copy.deepcopy(base)
+    checkpoints = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=every, save_last=True, save_top_k=-1)
+    t = trainer(
+        strategy, epochs=EPOCHS, enable_checkpointing=True, callbacks=[checkpoints, kill], plugins=[io] if io else None
+    )
+    L_trainer[:] = [t]
+    t.fit(model, data())
+    assert kill.at is not None, "the worker was never killed"
+    # The steps since the checkpoint ran twice (the failed one too): the last ten are the run's.
+    assert len(model.losses) > len(ref.losses)
+    if expect_same:
+        assert model.losses[-10:] == ref.losses[-10:]
+        assert_same_weights(ref, model, tol=0.0)
+    assert not [p for p in os.listdir(tmp_path) if "partial" in p], os.listdir(tmp_path)
+    return model
+
+
+def test_local_workers_recover_and_end_as_an_uninterrupted_run(straight, tmp_path, caplog):
+    strategy = RemoteModelParallelStrategy(balance=BALANCE, recovery=True, heartbeat_timeout=HEARTBEAT)
+    with caplog.at_level("WARNING"):
+        _recovered(straight, strategy, tmp_path, Kill(local_pid(1), 11))  # checkpoint at 9, lost in 12
+    text = caplog.text
+    assert "stage 1" in text and "recovering (1 of at most 3)" in text, text
+    assert "new local workers" in text and "last.ckpt" in text, text
+
+
+def test_a_spare_takes_the_lost_stage(straight, start_workers, tmp_path):
+    w = start_workers(3)
+    spare = w.addresses[2]
+    strategy = RemoteModelParallelStrategy(
+        hosts=w.addresses[:2],
+        balance=BALANCE,
+        heartbeat_timeout=HEARTBEAT,
+        recovery=RecoveryOptions(spares=[spare]),
+    )
+    _recovered(straight, strategy, tmp_path, Kill(lambda: w.procs[1].pid, 7))  # across an epoch's end
+    assert strategy.hosts == [w.addresses[0], spare]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker_at(port: int) -> subprocess.Popen:
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "lightning_remote_mp.worker",
+            "--bind",
+            f"tcp://127.0.0.1:{port}",
+            "--allow-module",
+            "lrmp_testlayers",
+            "--threads",
+            "1",
+            "--exit-with-parent",
+        ],
+        env={
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]),
+        },
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    return proc
+
+
+def test_the_worker_restarted_at_its_address_takes_its_stage_back(straight, start_workers, tmp_path):
+    w = start_workers(1)
+    port = _free_port()
+    procs = [_worker_at(port)]
+    try:
+        restart = lambda: threading.Timer(1.0, lambda: procs.append(_worker_at(port))).start()  # noqa: E731
+        address = f"tcp://127.0.0.1:{port}"
+        strategy = RemoteModelParallelStrategy(
+            hosts=[w.addresses[0], address],
+            balance=BALANCE,
+            heartbeat_timeout=HEARTBEAT,
+            connect_timeout=60,
+            recovery=RecoveryOptions(wait=60),
+        )
+        _recovered(straight, strategy, tmp_path, Kill(lambda: procs[0].pid, 11, then=restart))
+        assert strategy.hosts == [w.addresses[0], address]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+def test_with_no_spare_the_survivors_take_every_stage(straight, start_workers, tmp_path, caplog):
+    w = start_workers(2)
+    strategy = RemoteModelParallelStrategy(
+        hosts=w.addresses,
+        heartbeat_timeout=HEARTBEAT,
+        recovery=RecoveryOptions(wait=1.0),
+    )
+    base, ref = straight
+    with caplog.at_level("WARNING"):
+        model = _recovered(straight, strategy, tmp_path, Kill(lambda: w.procs[1].pid, 11), expect_same=False)
+    assert strategy.hosts == [w.addresses[0]]
+    assert "the 1 workers that remain" in caplog.text
+    # One stage instead of two: the same sums in the same order, up to float rounding.
+    assert max(abs(a - b) for a, b in zip(model.losses[-10:], ref.losses[-10:])) < 1e-6
+    assert_same_weights(ref, model, tol=1e-6)
+
+
+def test_a_loss_during_a_background_save_resumes_from_the_checkpoint_before(straight, tmp_path, caplog):
+    """The worker dies as the workers begin a sharded checkpoint written in the background
+    (AsyncCheckpointIO): that save is lost, nothing partial stays, and the whole checkpoint before
+    it is the one resumed."""
+    strategy = RemoteModelParallelStrategy(
+        balance=BALANCE, recovery=True, heartbeat_timeout=HEARTBEAT, state_dict_type="sharded"
+    )
+
+    class KillDuringSave(Kill):
+        def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+            if self.at is None and trainer.global_step >= self.step:
+                os.kill(self.pid(), signal.SIGKILL)
+                self.at = time.monotonic()
+
+        def on_train_batch_start(self, trainer, *args) -> None:
+            pass
+
+    with caplog.at_level("WARNING"):
+        _recovered(straight, strategy, tmp_path, KillDuringSave(local_pid(1), 6), io=AsyncCheckpointIO())
+    assert "died during sharded checkpoint save" in caplog.text, caplog.text
+    assert "restored from" in caplog.text and "last.ckpt" in caplog.text, caplog.text
+
+
+def test_past_max_recoveries_the_run_fails_naming_every_loss(straight, tmp_path):
+    strategy = RemoteModelParallelStrategy(
+        balance=BALANCE, heartbeat_timeout=HEARTBEAT, recovery=RecoveryOptions(max_recoveries=1)
+    )
+    kills = [Kill(local_pid(1), 5), Kill(local_pid(0), 8)]
+    import copy
+
+    model = copy.deepcopy(straight[0])
+    checkpoints = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, save_last=True)
+    t = trainer(strategy, epochs=EPOCHS, enable_checkpointing=True, callbacks=[checkpoints, *kills])
+    L_trainer[:] = [t]
+    with pytest.raises(WorkerLostError, match="recovery gave up") as info:
+        t.fit(model, data())
+    text = str(info.value)
+    assert "max_recoveries=1" in text and "1. " in text and "2. " in text and "stage 1" in text and "stage 0" in text
+
+
+def test_without_a_checkpoint_recovery_says_what_to_save(straight):
+    strategy = RemoteModelParallelStrategy(balance=BALANCE, heartbeat_timeout=HEARTBEAT, recovery=True)
+    import copy
+
+    t = trainer(strategy, epochs=EPOCHS, callbacks=[Kill(local_pid(1), 2)])
+    L_trainer[:] = [t]
+    with pytest.raises(WorkerLostError, match=r"no whole checkpoint.*every_n_train_steps"):
+        t.fit(copy.deepcopy(straight[0]), data())
+
+
+def test_recovery_options_are_checked_when_built():
+    with pytest.raises(ConfigurationError, match="recovery.max_recoveries"):
+        RemoteModelParallelStrategy(recovery={"max_recoveries": 0})
+    with pytest.raises(ConfigurationError, match="no option 'spare'"):
+        RemoteModelParallelStrategy(recovery={"spare": ["a:1"]})
+    with pytest.raises(ConfigurationError, match="recovery.wait"):
+        RecoveryOptions(wait=-1)
+    with pytest.raises(ConfigurationError, match="recovery must be"):
+        RemoteModelParallelStrategy(recovery="yes")
+    assert RemoteModelParallelStrategy().recovery is None
+    assert RemoteModelParallelStrategy(recovery=True).recovery == RecoveryOptions()
+
+
+def test_batch_replay_keeps_what_follows_the_newest_whole_checkpoint():
+    replay = BatchReplay(limit=100)
+    first = list(replay.iterate(range(5)))  # epoch 0, read to the end
+    it = replay.iterate(range(10, 15))  # epoch 1, read three batches
+    seen = [next(it) for _ in range(3)]
+    assert first == [0, 1, 2, 3, 4] and seen == [10, 11, 12]
+    replay.trim((0, 4))  # a checkpoint after batch 3 of epoch 0
+    assert replay.can_resume((0, 4)) and not replay.can_resume((0, 3))
+    replay.resume((0, 4))
+    assert list(replay.iterate(range(5))) == [4]  # the rest of epoch 0 as it was
+    assert list(replay.iterate(range(10, 15))) == [10, 11, 12, 13, 14]  # epoch 1: kept, then the same iterator
+    small = BatchReplay(limit=2)
+    list(small.iterate(range(5)))
+    assert not small.can_resume((0, 1)) and small.can_resume((0, 3))
