@@ -8,7 +8,9 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -17,7 +19,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))  # the workers import lrmp_testlayers from here too
 
-from lightning_remote_mp.driver.launch import LocalWorkers  # noqa: E402
+import lrmp_lan  # noqa: E402
+
+from lightning_remote_mp.driver.launch import LocalWorkers, WorkerOutput  # noqa: E402
 from lightning_remote_mp.worker.deferred_grads import MIN_MACS_ENV  # noqa: E402
 
 torch.set_num_threads(1)
@@ -33,7 +37,7 @@ logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
 #: What the default run (CI's, `python -m pytest`) leaves to the full one (`python -m pytest -m ""`):
 #: a second family, schedule or micro-batch count of a test whose first case
 #: runs by default, and the benchmarks whose own runs are in benchmarks/README.md. Each feature keeps a
-#: case in the default run, which fits in 15 minutes on 2 cores; the full run (42 more cases) about 20.
+#: case in the default run, which fits in 15 minutes on 2 cores; the full run (44 more cases) about 20.
 SLOW = {
     "test_benchmarks.py::test_quick_mode_prints_a_table": (
         "throughput.py",
@@ -65,6 +69,8 @@ SLOW = {
     "test_schedules.py::test_the_timeline_shows_each_stage_running_its_list": ("gpipe", "zero_bubble"),
     # a bound: the refusal without a checkpoint stays in the default run
     "test_recovery.py::test_past_max_recoveries_the_run_fails_naming_every_loss": ("",),
+    # the same address coming back, as test_the_worker_restarted_at_its_address... runs it by default
+    "test_recovery.py::test_a_worker_that_dials_in_again_under_its_name_takes_its_stage_back": ("",),
     "test_schedules.py::test_accumulated_clipped_steps_and_replicas_train_as_locally": ("1f1b",),
     "test_schedules.py::test_three_stages_with_values_that_skip_a_stage_and_lora_train_as_locally": ("1f1b",),
     "test_generate.py::test_every_decoding_mode_writes_what_the_model_writes_in_one_process": ("gpt2", "mixtral"),
@@ -100,6 +106,27 @@ def start_workers() -> Iterator[Callable[..., LocalWorkers]]:
     yield start
     for w in started:
         w.stop()
+
+
+@pytest.fixture
+def dial_in():
+    """``dial_in(port, name, *args)`` starts a worker that dials ``tcp://127.0.0.1:port`` as
+    ``name``; returns its address (``dial://name``). Every one is killed when the test ends."""
+    procs: list[subprocess.Popen] = []
+
+    def start(port: int, name: str, *args: str) -> str:
+        argv = ["--connect", f"tcp://127.0.0.1:{port}", "--name", name, "--allow-module", "lrmp_testlayers", *args]
+        proc = subprocess.Popen(lrmp_lan.worker_command(*argv), **lrmp_lan.WORKER_OUTPUT)
+        procs.append(proc)
+        start.pids[name] = proc.pid
+        return WorkerOutput(proc).wait_ready(time.monotonic() + 120)
+
+    start.pids = {}
+    yield start
+    for proc in procs:
+        proc.kill()
+    for proc in procs:
+        proc.wait(10)
 
 
 @pytest.fixture

@@ -14,7 +14,9 @@ class Relay:
 
     ``captured()`` returns the byte stream of each direction of each connection (up to ``max_capture``
     in all);
-    ``partition()`` starts dropping everything; ``close()`` stops the thread and closes every socket.
+    ``partition()`` starts dropping everything; ``heal()`` ends the partition (the connections it cut
+are reset, as TCP's are after a long outage, and new ones pass); ``close()`` stops the thread and
+closes every socket.
     ``delay`` holds back what the *first* client to connect sends by that many seconds (a slow link
     for that client only; later clients' bytes pass at once).
     """
@@ -30,6 +32,7 @@ class Relay:
         self._captured = 0
         self._lock = threading.Lock()
         self._dropping = threading.Event()
+        self._healing = threading.Event()
         self._stop = threading.Event()
         self._socks: list[socket.socket] = []
         self.delay = delay
@@ -45,6 +48,9 @@ class Relay:
     def partition(self) -> None:
         self._dropping.set()
 
+    def heal(self) -> None:
+        self._healing.set()
+
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
@@ -54,6 +60,16 @@ class Relay:
         sel.register(self.listener, selectors.EVENT_READ, None)
         try:
             while not self._stop.is_set():
+                if self._healing.is_set():
+                    for s in self._socks:
+                        try:
+                            sel.unregister(s)
+                        except (KeyError, ValueError):
+                            pass
+                        s.close()
+                    self._socks.clear()
+                    self._dropping.clear()
+                    self._healing.clear()
                 for key, _ in sel.select(0.005 if self._held else 0.05):
                     if key.data is None:
                         self._accept(sel)

@@ -16,36 +16,14 @@ import lightning as L
 import pytest
 import torch
 import zmq
-from lrmp_lan import WORKER_OUTPUT, free_port, worker_command
+from lrmp_lan import free_port
 from test_strategy import Net, assert_same_losses, assert_same_weights, data, residual_spec, trainer
 
 from lightning_remote_mp import ConfigurationError, CurveOptions, RemoteModelParallelStrategy, WorkerLostError
-from lightning_remote_mp.driver.launch import WorkerOutput
 from lightning_remote_mp.wire import protocol, sockets
 from lightning_remote_mp.wire.keys import generate_keypair, load_keypair, load_public_key, write_public_key
 from lightning_remote_mp.wire.requests import Hello
 from lightning_remote_mp.wire.switchboard import Switchboard
-
-
-@pytest.fixture
-def dial_in():
-    """``dial_in(port, name, *args)`` starts a worker that dials ``tcp://127.0.0.1:port`` as
-    ``name``; returns its address (``dial://name``). Every one is killed when the test ends."""
-    procs: list[subprocess.Popen] = []
-
-    def start(port: int, name: str, *args: str) -> str:
-        argv = ["--connect", f"tcp://127.0.0.1:{port}", "--name", name, "--allow-module", "lrmp_testlayers", *args]
-        proc = subprocess.Popen(worker_command(*argv), **WORKER_OUTPUT)
-        procs.append(proc)
-        start.pids[name] = proc.pid
-        return WorkerOutput(proc).wait_ready(time.monotonic() + 120)
-
-    start.pids = {}
-    yield start
-    for proc in procs:
-        proc.kill()
-    for proc in procs:
-        proc.wait(10)
 
 
 def _fit_both(twin, strategy, epochs: int = 2, microbatches: int = 2) -> None:

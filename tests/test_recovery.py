@@ -42,18 +42,23 @@ def data() -> DataLoader:
     )
 
 
-class Kill(L.Callback):
-    """SIGKILLs ``pid()`` once, at the start of the first batch past global step ``step``; ``then`` runs after."""
+class At(L.Callback):
+    """Runs ``fault()`` once, at the start of the first batch past global step ``step``; ``then`` after."""
 
-    def __init__(self, pid, step: int, then=None) -> None:
-        self.pid, self.step, self.then, self.at = pid, step, then, None
+    def __init__(self, step: int, fault, then=None) -> None:
+        self.step, self.fault, self.then, self.at = step, fault, then, None
 
     def on_train_batch_start(self, trainer, *args) -> None:
         if self.at is None and trainer.global_step >= self.step:
-            os.kill(self.pid(), signal.SIGKILL)
+            self.fault()
             self.at = time.monotonic()
             if self.then is not None:
                 self.then()
+
+
+def Kill(pid, step: int, then=None) -> At:  # noqa: N802 (reads as the fault it injects)
+    """SIGKILLs the process ``pid()`` names, at ``step`` (`At`)."""
+    return At(step, lambda: os.kill(pid(), signal.SIGKILL), then)
 
 
 def local_pid(index: int):
@@ -197,17 +202,16 @@ def test_a_loss_during_a_background_save_resumes_from_the_checkpoint_before(stra
         balance=BALANCE, recovery=True, heartbeat_timeout=HEARTBEAT, state_dict_type="sharded"
     )
 
-    class KillDuringSave(Kill):
+    class KillDuringSave(At):
         def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
-            if self.at is None and trainer.global_step >= self.step:
-                os.kill(self.pid(), signal.SIGKILL)
-                self.at = time.monotonic()
+            At.on_train_batch_start(self, trainer)
 
         def on_train_batch_start(self, trainer, *args) -> None:
             pass
 
+    kill = KillDuringSave(6, lambda: os.kill(local_pid(1)(), signal.SIGKILL))
     with caplog.at_level("WARNING"):
-        _recovered(straight, strategy, tmp_path, KillDuringSave(local_pid(1), 6), io=AsyncCheckpointIO(), resumed=3)
+        _recovered(straight, strategy, tmp_path, kill, io=AsyncCheckpointIO(), resumed=3)
     assert "died during sharded checkpoint save" in caplog.text, caplog.text
     assert "restored from" in caplog.text and "last.ckpt" in caplog.text, caplog.text
 
@@ -266,3 +270,60 @@ def test_batch_replay_keeps_what_follows_the_newest_whole_checkpoint():
     small = BatchReplay(limit=2)
     list(small.iterate(range(5)))
     assert not small.can_resume((0, 1)) and small.can_resume((0, 3))
+
+
+def test_replicas_recover_and_train_as_one_pipeline(straight, tmp_path):
+    """Two pipelines (4 local workers); replica 1's stage 1 is killed: every worker starts afresh, every
+    stage is restored from the checkpoint, and the run ends as the uninterrupted one (data parallel
+    equals one pipeline up to float rounding)."""
+    from lightning_remote_mp import LocalWorkerOptions
+
+    strategy = RemoteModelParallelStrategy(
+        balance=BALANCE,
+        replicas=2,
+        local_workers=LocalWorkerOptions(count=4),
+        heartbeat_timeout=HEARTBEAT,
+        recovery=True,
+    )
+    model, after = _recovered(straight, strategy, tmp_path, Kill(local_pid(3), 10), expect_same=False)
+    ref = straight[1]
+    assert max(abs(a - b) for a, b in zip(model.losses[-after:], ref.losses[-after:])) < 1e-5
+    assert_same_weights(ref, model, tol=1e-5)
+
+
+def test_a_worker_that_dials_in_again_under_its_name_takes_its_stage_back(straight, tmp_path, dial_in):
+    """Workers behind NAT dial the driver (``listen=``); the lost one's service restarts and dials
+    in again under the same name: its stage goes back to it, every stage from the checkpoint."""
+    port = _free_port()
+    hosts = [dial_in(port, "a"), dial_in(port, "b")]
+    restart = lambda: threading.Timer(1.0, lambda: dial_in(port, "b")).start()  # noqa: E731
+    strategy = RemoteModelParallelStrategy(
+        hosts=["a", "b"],
+        listen=f"tcp://127.0.0.1:{port}",
+        balance=BALANCE,
+        heartbeat_timeout=HEARTBEAT,
+        recovery=RecoveryOptions(wait=60),
+    )
+    _recovered(straight, strategy, tmp_path, Kill(lambda: dial_in.pids["b"], 10, then=restart))
+    assert strategy.hosts == hosts
+
+
+def test_a_pulled_cable_that_comes_back_gives_the_stage_back_to_its_worker(straight, start_workers, pool, tmp_path):
+    """Stage 1's link goes silent mid-run (a relay drops everything): the heartbeat names it lost;
+    the cable is back 4 s later and the same worker, at the same address, takes its stage again."""
+    from lrmp_relay import Relay
+
+    w = start_workers(1)
+    relay = Relay(w.addresses[0])  # every connection to stage 1 (the driver's, stage 0's) crosses it
+    try:
+        heal = lambda: threading.Timer(4.0, relay.heal).start()  # noqa: E731
+        strategy = RemoteModelParallelStrategy(
+            hosts=[pool[0], relay.address],
+            balance=BALANCE,
+            heartbeat_timeout=HEARTBEAT,
+            recovery=RecoveryOptions(wait=60),
+        )
+        _recovered(straight, strategy, tmp_path, At(10, relay.partition, then=heal))
+        assert strategy.hosts == [pool[0], relay.address] and w.procs[0].poll() is None
+    finally:
+        relay.close()

@@ -81,7 +81,8 @@ class RecoveryOptions:
     same batches, so that the run ends where an uninterrupted one would.
 
     Args:
-        spares: idle workers' addresses, tried in order for a lost stage (with ``hosts``).
+        spares: idle workers' addresses, tried in order for a lost stage (with ``hosts``;
+            ``dial://NAME`` for one that dials in).
         wait: seconds to wait for the lost worker to answer again at its own address (a restarted
             ``lrmp-worker`` service, a cable plugged back in) when no spare answers.
         rebalance: when neither comes, split the model over the workers that remain (one stage
