@@ -227,20 +227,24 @@ def rss_anon(pid: int | str) -> int:
     return 0
 
 
-def timed_trainer(strategy: Any, max_steps: int, callbacks: Sequence[Any]) -> Any:
+def timed_trainer(strategy: Any, max_steps: int, callbacks: Sequence[Any], **options: Any) -> Any:
     """A Lightning Trainer for timing: CPU, ``max_steps`` in one epoch, no sanity check, logger,
-    checkpoints, progress bar or summary (Lightning is imported here: not every script needs it)."""
+    checkpoints, progress bar or summary, unless ``options`` (the Trainer's own) say otherwise
+    (Lightning is imported here: not every script needs it)."""
     import lightning as L
 
     return L.Trainer(
-        max_steps=max_steps,
-        max_epochs=1,
-        accelerator="cpu",
-        strategy=strategy,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        callbacks=list(callbacks),
+        **{
+            "max_steps": max_steps,
+            "max_epochs": 1,
+            "accelerator": "cpu",
+            "strategy": strategy,
+            "logger": False,
+            "enable_checkpointing": False,
+            "enable_progress_bar": False,
+            "enable_model_summary": False,
+            "num_sanity_val_steps": 0,
+            "callbacks": list(callbacks),
+            **options,
+        }
     )

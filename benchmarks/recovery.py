@@ -49,7 +49,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import environment, exit_now, markdown_table, median, python  # noqa: E402
+from _common import environment, exit_now, markdown_table, median, python, timed_trainer  # noqa: E402
 
 #: Nominal fp32 MB -> (hidden, intermediate, layers, heads); vocab 8000, untied.
 SHAPES = {25: (256, 688, 4, 4), 250: (768, 2048, 8, 12)}
@@ -142,16 +142,11 @@ def child(args: argparse.Namespace) -> None:
         split=["model"], microbatches=2, recovery=True, heartbeat_timeout=args.heartbeat, state_dict_type="sharded"
     )
     checkpoints = ModelCheckpoint(dirpath=args.dir, every_n_train_steps=args.every, save_last=True, save_top_k=-1)
-    trainer = L.Trainer(
-        max_steps=kill,
-        max_epochs=1,
-        accelerator="cpu",
-        strategy=strategy,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        callbacks=[checkpoints, Events()],
+    trainer = timed_trainer(
+        strategy,
+        kill,
+        [checkpoints, Events()],
+        enable_checkpointing=True,
         plugins=[AsyncCheckpointIO()] if args.child == "async" else None,
     )
     mark("fit")
