@@ -11,6 +11,7 @@ from lightning_remote_mp import (
     ConfigurationError,
     CurveOptions,
     LocalWorkerOptions,
+    RecoveryOptions,
     RemoteModelParallelStrategy,
     SpecSequential,
     WorkerError,
@@ -39,7 +40,9 @@ def configured(hosts: list[str]) -> RemoteModelParallelStrategy:
         call_timeout=None,
         split=["model"],
     )
-    return local if remote.hosts is None else remote
+    recovering = RemoteModelParallelStrategy(hosts, recovery=RecoveryOptions(spares=["gpu-c:5555"], wait=30.0))
+    assert RemoteModelParallelStrategy(recovery=True).recovery == RecoveryOptions()
+    return local if remote.hosts is None else recovering
 
 
 def spec() -> SpecSequential:
