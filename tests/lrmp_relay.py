@@ -12,13 +12,13 @@ import time
 class Relay:
     """Forwards ``127.0.0.1:<port>`` to ``target`` (``"tcp://127.0.0.1:N"``) in a background thread.
 
-    ``captured()`` returns the byte stream of each direction of each connection (up to ``max_capture``
-    in all);
-    ``partition()`` starts dropping everything; ``heal()`` ends the partition (the connections it cut
-are reset, as TCP's are after a long outage, and new ones pass); ``close()`` stops the thread and
-closes every socket.
-    ``delay`` holds back what the *first* client to connect sends by that many seconds (a slow link
-    for that client only; later clients' bytes pass at once).
+        ``captured()`` returns the byte stream of each direction of each connection (up to ``max_capture``
+        in all);
+        ``partition()`` starts dropping everything; ``heal()`` ends the partition (the connections it cut
+    are reset, as TCP's are after a long outage, and new ones pass); ``close()`` stops the thread and
+    closes every socket.
+        ``delay`` holds back what the *first* client to connect sends by that many seconds (a slow link
+        for that client only; later clients' bytes pass at once).
     """
 
     def __init__(self, target: str, max_capture: int = 64 * 1024 * 1024, delay: float = 0.0) -> None:
