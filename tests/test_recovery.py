@@ -327,3 +327,28 @@ def test_a_pulled_cable_that_comes_back_gives_the_stage_back_to_its_worker(strai
         assert strategy.hosts == [pool[0], relay.address] and w.procs[0].poll() is None
     finally:
         relay.close()
+
+
+def test_a_loss_during_validation_recovers_into_training(straight, tmp_path):
+    """The worker dies while fit validates: the run goes on training (not validating: Trainer.fit's
+    stage is set again), and its weights are the uninterrupted run's."""
+    import copy
+
+    base, ref = straight
+    model = copy.deepcopy(base)
+
+    class KillInValidation(At):
+        def on_validation_batch_start(self, trainer, *args) -> None:
+            At.on_train_batch_start(self, trainer)
+
+        def on_train_batch_start(self, trainer, *args) -> None:
+            pass
+
+    kill = KillInValidation(7, lambda: os.kill(local_pid(1)(), signal.SIGKILL))
+    strategy = RemoteModelParallelStrategy(balance=BALANCE, recovery=True, heartbeat_timeout=HEARTBEAT)
+    checkpoints = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_last=True)
+    t = trainer(strategy, epochs=EPOCHS, enable_checkpointing=True, val_check_interval=3, callbacks=[checkpoints, kill])
+    L_trainer[:] = [t]
+    t.fit(model, data(), data())
+    assert kill.at is not None and t.global_step == len(ref.losses)
+    assert_same_weights(ref, model, tol=0.0)

@@ -29,7 +29,8 @@ Why each is intercepted rather than hooked:
    Lightning builds its ``LightningOptimizer`` wrappers, which copy the optimizer's class.
 6. With ``recovery=``, the strategy's launcher (a hook) runs ``fit`` again from a checkpoint after a
    loss; it recognises ``fit`` by ``Trainer._fit_impl``, tears the lost run down with
-   ``Trainer._teardown`` (what Lightning does after any failure), and the train loader's wrapper
+   ``Trainer._teardown`` (what Lightning does after any failure), sets the trainer's state as
+   ``Trainer.fit`` does before calling ``_fit_impl`` again, and the train loader's wrapper
    checks ``fit_loop._combined_loader`` for a second train loader. All three are private to Lightning
    (2.6); `tests/test_recovery.py` fails if one changes.
 

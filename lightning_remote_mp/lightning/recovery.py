@@ -26,6 +26,7 @@ from typing import Any
 
 from lightning.fabric.utilities.types import _Stateful
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 
 from lightning_remote_mp.driver.options import RecoveryOptions, Topology
 from lightning_remote_mp.driver.recovery import Placement, Recovery, WholeCheckpoints
@@ -200,6 +201,9 @@ class RecoveringLauncher(_Launcher):
                 started = time.monotonic()
                 call.arguments["ckpt_path"] = self._recover(trainer, err)
                 recovered = True
+                # What Trainer.fit sets before it runs _fit_impl: a loss during validation left VALIDATING.
+                trainer.state.fn, trainer.state.status = TrainerFn.FITTING, TrainerStatus.RUNNING
+                trainer.training = True
                 log.info("recovery: %.1f s from the loss to running fit again", time.monotonic() - started)
 
 
