@@ -352,3 +352,44 @@ def test_a_loss_during_validation_recovers_into_training(straight, tmp_path):
     t.fit(model, data(), data())
     assert kill.at is not None and t.global_step == len(ref.losses)
     assert_same_weights(ref, model, tol=0.0)
+
+
+def test_the_places_are_tried_in_order_and_the_bounds_end_the_run():
+    """`Recovery.place`: the first spare that answers, else the lost address once it answers, else the
+    workers that remain; the bounds on losses and seconds end the run naming every loss."""
+    from lightning_remote_mp.driver.options import Topology
+    from lightning_remote_mp.driver.recovery import Recovery
+
+    a, b, c, d = (f"tcp://127.0.0.1:{p}" for p in (1, 2, 3, 4))
+    up: set[str] = {d}
+    asked: list[str] = []
+
+    def answers(address: str, timeout: float) -> bool:
+        asked.append(address)
+        return address in up
+
+    def lost(address: str, stage: int) -> WorkerLostError:
+        return WorkerLostError(f"worker {address} (stage {stage}) died", address=address, stage=stage)
+
+    options = RecoveryOptions(spares=[c, d], wait=1.0, max_recoveries=3)
+    r = Recovery(options, Topology(((a, b),)), "", answers)
+    r.lost(lost(b, 1))
+    assert r.place(b, 5.0).topology == Topology(((a, d),)) and asked == [c, d]  # c does not answer
+    r.lost(lost(d, 1))
+    up.add(d)  # d's service is back
+    assert r.place(d, 5.0).how == f"the worker back at {d}"
+    up.clear()
+    r.lost(lost(d, 1))
+    assert r.place(d, 5.0).topology == Topology(((a,),))  # no spare left, d silent: a alone
+    with pytest.raises(WorkerLostError, match=r"max_recoveries=3 .*1\. .*2\. .*3\. .*4\. "):
+        r.lost(lost(a, 0))
+    fixed = Recovery(RecoveryOptions(wait=1.0), Topology(((a, b),)), "balance= gives each stage's layers", answers)
+    fixed.lost(lost(b, 1))
+    with pytest.raises(WorkerLostError, match="did not answer within recovery.wait=1 s, and balance= gives"):
+        fixed.place(b, 5.0)
+    slow = Recovery(RecoveryOptions(max_seconds=0.001), Topology(((a, b),)), "", answers)
+    slow.lost(lost(b, 1))
+    time.sleep(0.01)
+    slow.placed()
+    with pytest.raises(WorkerLostError, match="recovery.max_seconds=0.001"):
+        slow.lost(lost(b, 1))
