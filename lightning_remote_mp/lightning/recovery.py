@@ -29,7 +29,7 @@ from lightning.pytorch.strategies.launchers.launcher import _Launcher
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 
 from lightning_remote_mp.driver.options import RecoveryOptions, Topology
-from lightning_remote_mp.driver.recovery import Placement, Recovery, WholeCheckpoints
+from lightning_remote_mp.driver.recovery import Placement, Recovery, Saved, WholeCheckpoints
 from lightning_remote_mp.errors import WorkerLostError
 
 log = logging.getLogger(__name__)
@@ -256,15 +256,21 @@ class FitRecovery:
         fit_loop = trainer.fit_loop
         return ReplayLoader(dataloader, self.replay, lambda: len(fit_loop._combined_loader.flattened) == 1)
 
-    def resume(self, err: WorkerLostError, connect_timeout: float) -> tuple[Placement, str]:
-        """After the lost run is torn down: where its stages go, and the checkpoint to resume from,
-        with the batch replay set to start where that checkpoint stands."""
+    def checkpoint(self) -> Saved:
+        """The newest whole checkpoint, or the run's end when there is none: asked before the lost run
+        is torn down, so that a run that cannot recover ends as it does without recovery (the
+        survivors' weights brought back)."""
         saved = self.whole.newest()
         if saved is None:
             raise self.losses.gave_up(
                 "no whole checkpoint was written before the loss: save one every few steps, e.g. "
                 "ModelCheckpoint(every_n_train_steps=N)"
             )
+        return saved
+
+    def resume(self, err: WorkerLostError, saved: Saved, connect_timeout: float) -> Placement:
+        """After the lost run is torn down: where its stages go, with the batch replay set to start
+        where ``saved`` (the checkpoint ``fit`` resumes from) stands."""
         placement = self.losses.place(err.address, connect_timeout)
         if self.replay.can_resume(saved.position):
             self.replay.resume(saved.position)
@@ -277,4 +283,4 @@ class FitRecovery:
                 why,
             )
         log.warning("recovery: the stages go to %s, restored from %s", placement.how, saved.path)
-        return placement, saved.path
+        return placement

@@ -647,21 +647,23 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
         """After ``fit`` lost a worker (`RecoveringLauncher`): end the run, place its stages again and
         return the checkpoint ``fit`` resumes from (`FitRecovery.resume`); past a bound, or with no
         whole checkpoint, raise the run's end, naming every loss."""
-        assert self._fit_recovery is not None
-        self._fit_recovery.lost(err)
+        fit = self._fit_recovery
+        assert fit is not None
+        fit.lost(err)
         try:
             self._saves.wait()
         except LrmpError as lost:
             log.warning("the checkpoint being written in the background is lost: %s", lost)
+        saved = fit.checkpoint()
         self._discarding = True  # the stages come from a checkpoint: nothing comes back here
         try:
             trainer._teardown()
         finally:
             self._discarding = False
-        placement, path = self._fit_recovery.resume(err, self.connect_timeout)
+        placement = fit.resume(err, saved, self.connect_timeout)
         self.topology = placement.topology or self.topology
         self._connect_wait = placement.connect_timeout
-        return path
+        return saved.path
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
