@@ -33,6 +33,17 @@ log = logging.getLogger(__name__)
 BALANCE_MODES = ("memory", "parameters", "time")
 
 
+def _fields_of(cls: type, values: dict[str, Any], argument: str) -> dict[str, Any]:
+    """``values`` (an option group as a dict, from a YAML config), each key a field of ``cls``; else
+    the error naming the first that is not, and the fields there are."""
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(values) - set(names))
+    if unknown:
+        give = ", ".join(names[:-1]) + " and/or " + names[-1]
+        raise ConfigurationError(f"{argument}: no option {unknown[0]!r}; give {give} ({cls.__name__})")
+    return values
+
+
 @dataclasses.dataclass(frozen=True)
 class LocalWorkerOptions:
     """The ``lrmp-worker`` processes the strategy starts on this machine when ``hosts`` is ``None``.
@@ -51,12 +62,7 @@ class LocalWorkerOptions:
     @classmethod
     def of(cls, values: dict[str, Any]) -> LocalWorkerOptions:
         """From a dict of its fields (a YAML config's), naming a key that is none of them."""
-        unknown = sorted(set(values) - {f.name for f in dataclasses.fields(cls)})
-        if unknown:
-            raise ConfigurationError(
-                f"local_workers: no option {unknown[0]!r}; give count, devices and/or threads (LocalWorkerOptions)"
-            )
-        return cls(**values)
+        return cls(**_fields_of(cls, values, "local_workers"))
 
     def __post_init__(self) -> None:
         check_count("local_workers.count", self.count)
@@ -116,11 +122,7 @@ class RecoveryOptions:
         if isinstance(value, cls):
             return value
         if isinstance(value, dict):
-            unknown = sorted(set(value) - {f.name for f in dataclasses.fields(cls)})
-            if unknown:
-                names = ", ".join(f.name for f in dataclasses.fields(cls))
-                raise ConfigurationError(f"recovery: no option {unknown[0]!r}; RecoveryOptions has {names}")
-            return cls(**value)
+            return cls(**_fields_of(cls, value, "recovery"))
         raise ConfigurationError(
             f"recovery must be True, False, a RecoveryOptions or a dict of its fields, got {value!r}"
         )

@@ -46,7 +46,7 @@ def answers(
             [address],
             connect_timeout=timeout,
             keys=keys,
-            worker_keys={address: worker_keys[address]} if keys is not None and worker_keys else None,
+            worker_keys=worker_keys,
             limits=limits,
             listen=listen,
         )
@@ -58,13 +58,11 @@ def answers(
 
 
 @dataclasses.dataclass
-class Placement:
-    """Where a recovered run's stages go: its ``topology`` (``None``: new local workers), said as
-    ``how``, and how long its setup waits for each worker's first answer."""
+class Replacement:
+    """Where a recovered run's stages go: its ``topology`` (``None``: new local workers), said as ``how``."""
 
     topology: Topology | None
     how: str
-    connect_timeout: float
 
 
 class Recovery:
@@ -125,20 +123,20 @@ class Recovery:
         err.__cause__ = last
         return err
 
-    def place(self, lost: str, connect_timeout: float) -> Placement:
+    def place(self, lost: str, connect_timeout: float) -> Replacement:
         """Where the stages go after losing ``lost`` (see the module's docstring)."""
         if self.topology is None:
-            return Placement(None, "new local workers", connect_timeout)
+            return Replacement(None, "new local workers")
         budget = max(1.0, self.options.max_seconds - self.spent)
         for spare in list(self.spares):
             self.spares.remove(spare)
             if self.answers(spare, min(connect_timeout, budget)):
                 self.topology = _replaced(self.topology, lost, spare)
-                return Placement(self.topology, f"spare {spare}", connect_timeout)
+                return Replacement(self.topology, f"spare {spare}")
         if lost in self.topology.addresses:
             log.warning("waiting up to %.0f s for a worker to answer at %s again", self.options.wait, lost)
             if self.answers(lost, min(self.options.wait, budget)):
-                return Placement(self.topology, f"the worker back at {lost}", connect_timeout)
+                return Replacement(self.topology, f"the worker back at {lost}")
         why = self._why_not_rebalance(lost)
         if why:
             raise self.gave_up(
@@ -152,7 +150,7 @@ class Recovery:
             left = (tuple(a for a in rows[0] if a != lost),)
             how = f"the {len(left[0])} workers that remain"
         self.topology = Topology(left)
-        return Placement(self.topology, how, connect_timeout)
+        return Replacement(self.topology, how)
 
     def _why_not_rebalance(self, lost: str) -> str:
         assert self.topology is not None

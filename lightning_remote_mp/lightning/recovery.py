@@ -29,7 +29,7 @@ from lightning.pytorch.strategies.launchers.launcher import _Launcher
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 
 from lightning_remote_mp.driver.options import RecoveryOptions, Topology
-from lightning_remote_mp.driver.recovery import Placement, Recovery, Saved, WholeCheckpoints
+from lightning_remote_mp.driver.recovery import Recovery, Replacement, Saved, WholeCheckpoints
 from lightning_remote_mp.errors import WorkerLostError
 
 log = logging.getLogger(__name__)
@@ -50,11 +50,9 @@ class BatchReplay:
         self.limit = limit
         self.kept: dict[int, list[Any]] = {}
         self.first: dict[int, int] = {}
-        self.ended: set[int] = set()  # generations whose iterator ran out (kept whole from first on)
         self.live: Iterator[Any] | None = None
         self.live_generation = -1
-        self.next_generation = 0
-        self.current = -1  # the generation being read
+        self.current = -1  # the generation being read; the next epoch's is the one after it
         self.resume_at: Position | None = None
         self.disabled = ""  # why nothing is kept
 
@@ -98,17 +96,16 @@ class BatchReplay:
     def iterate(self, inner: Iterable[Any]) -> Iterator[Any]:
         """One epoch's batches: after a recovery, the kept ones from the resume position, then the
         lost run's iterator goes on; otherwise a new iterator of ``inner``, recorded."""
-        g, start = self.resume_at or (self.next_generation, 0)
-        self.resume_at = None
-        self.next_generation, self.current = g + 1, g
+        g, start = self.resume_at or (self.current + 1, 0)
+        self.resume_at, self.current = None, g
         return self._stream(inner, g, start)
 
     def _stream(self, inner: Iterable[Any], g: int, start: int) -> Iterator[Any]:
         if g in self.kept:
             yield from self.kept[g][start - self.first[g] :]
-            if g in self.ended or g != self.live_generation:
-                return
-            source = self.live
+            if g != self.live_generation:
+                return  # an earlier epoch's: all kept
+            source = self.live  # the lost run's; one that ran out stays out (the iterator protocol)
         else:
             source = iter(inner)
             self.live, self.live_generation = source, g
@@ -117,7 +114,6 @@ class BatchReplay:
         for batch in source:
             self._keep(g, batch)
             yield batch
-        self.ended.add(g)
 
     def _keep(self, g: int, batch: Any) -> None:
         self.kept.setdefault(g, []).append(batch)
@@ -130,7 +126,6 @@ class BatchReplay:
     def _drop(self, g: int) -> None:
         self.kept.pop(g, None)
         self.first.pop(g, None)
-        self.ended.discard(g)
 
 
 class ReplayLoader:
@@ -268,10 +263,10 @@ class FitRecovery:
             )
         return saved
 
-    def resume(self, err: WorkerLostError, saved: Saved, connect_timeout: float) -> Placement:
+    def resume(self, err: WorkerLostError, saved: Saved, connect_timeout: float) -> Replacement:
         """After the lost run is torn down: where its stages go, with the batch replay set to start
         where ``saved`` (the checkpoint ``fit`` resumes from) stands."""
-        placement = self.losses.place(err.address, connect_timeout)
+        replacement = self.losses.place(err.address, connect_timeout)
         if self.replay.can_resume(saved.position):
             self.replay.resume(saved.position)
         elif self.replay.kept or self.replay.disabled:
@@ -282,5 +277,5 @@ class FitRecovery:
                 saved.path,
                 why,
             )
-        log.warning("recovery: the stages go to %s, restored from %s", placement.how, saved.path)
-        return placement
+        log.warning("recovery: the stages go to %s, restored from %s", replacement.how, saved.path)
+        return replacement

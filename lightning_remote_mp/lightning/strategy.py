@@ -303,7 +303,6 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
         self._saves = sharded.Saves()  # a sharded checkpoint written in the background (AsyncCheckpointIO)
         self._fitting = False
         self._hosts_given = self.topology  # recovery changes self.topology; keys stay by address
-        self._connect_wait: float | None = None  # the next setup's connect timeout, after a recovery
         self._fit_recovery: FitRecovery | None = None  # this fit's losses, batches and checkpoints
         self._discarding = False  # a run torn down by recovery: nothing comes back from the workers
 
@@ -392,7 +391,7 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
             self._session = DriverSession(
                 self._workers.topology,
                 heartbeat_timeout=self.heartbeat_timeout,
-                connect_timeout=self._connect_wait or self.connect_timeout,
+                connect_timeout=self.connect_timeout,
                 call_timeout=self.call_timeout,
                 processes=self._workers.processes,
                 store_host=self.store_host,
@@ -402,7 +401,6 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
                 allow_plaintext_allreduce=self.curve is not None and self.curve.allow_plaintext_allreduce,
                 listen=self.listen,
             )
-            self._connect_wait = None
             if self._fit_recovery is not None:
                 self._fit_recovery.losses.placed()
             for key, module in modules.items():
@@ -660,9 +658,7 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
             trainer._teardown()
         finally:
             self._discarding = False
-        placement = fit.resume(err, saved, self.connect_timeout)
-        self.topology = placement.topology or self.topology
-        self._connect_wait = placement.connect_timeout
+        self.topology = fit.resume(err, saved, self.connect_timeout).topology or self.topology
         return saved.path
 
     @classmethod
