@@ -9,14 +9,15 @@ three ways, each in a child process of its own whose memory this script samples 
 
 - ``lrmp-qlora``: ``from_pretrained(path, quantization_config=BitsAndBytesConfig(load_in_4bit=True,
   nf4, double quantization, float32 compute), device_map="meta")``, ``prepare_model_for_kbit_training``
-  and ``get_peft_model``, through ``RemoteModelParallelStrategy(split=["model"], microbatches=2,
+  and ``get_peft_model``, through ``RemoteModelParallelStrategy(split=["model"], microbatches=1,
   pretrained=path)`` on two local workers: each worker quantizes its stage as it reads it;
 - ``lrmp-lora-bf16``: the same LoRA over the bf16 base (built on the meta device from the config),
   the same strategy;
 - ``local-qlora``: ``from_pretrained(path, quantization_config=...)`` with bitsandbytes' CPU kernels
   and the same peft recipe, in a plain Lightning Trainer in one process.
 
-The workers get ``cores // 2`` torch threads each and the local run ``cores`` (the same cores),
+At one micro-batch the two stages take turns, so each worker gets all ``cores`` as torch threads,
+as the local run does (``--microbatches 2 --worker-threads 1``: the stages overlap, a core each),
 the driver one. Per run the table gives the seconds to build the model, the seconds from the
 start of that build to the end of step 1 (for lrmp this includes the trace, the workers'
 reading and quantizing, and step 1), the median seconds per step over the later steps, the driver's
@@ -174,7 +175,7 @@ def child(mode: str, path: str, steps: int) -> None:
         session_log.setLevel(logging.INFO)
         session_log.addHandler(Placement())
         # INFO: each worker logs the bytes it read from the files (a check of the needs counted here).
-        workers = LocalWorkers(2, devices=["cpu"] * 2, threads=WORKER_THREADS or max(1, cores // 2), log_level="INFO")
+        workers = LocalWorkers(2, devices=["cpu"] * 2, threads=WORKER_THREADS or cores, log_level="INFO")
         workers.start()
         mark("workers", workers=[{"pid": p.pid, "address": a} for p, a in zip(workers.procs, workers.addresses)])
     try:
@@ -184,7 +185,7 @@ def child(mode: str, path: str, steps: int) -> None:
         strategy = "auto"
         if workers is not None:
             strategy = RemoteModelParallelStrategy(
-                hosts=workers.addresses, split=["model"], microbatches=2, pretrained=path
+                hosts=workers.addresses, split=["model"], microbatches=MICROBATCHES, pretrained=path
             )
         trainer = timed_trainer(strategy, steps, [Marks()])
         if workers is not None:
@@ -416,8 +417,10 @@ def span(pieces: list[str]) -> str:
     return short(pieces[0]) if len(pieces) == 1 else f"{short(pieces[0])}..{short(pieces[-1])}"
 
 
-#: Torch threads per worker (``--worker-threads``; 0: cores // 2), passed to the child runs by environment.
+#: Torch threads per worker (``--worker-threads``; 0: all cores), passed to the child runs by environment.
 WORKER_THREADS = int(os.environ.get("LRMP_BENCH_WORKER_THREADS", "0"))
+#: Micro-batches per step through lrmp (``--microbatches``), passed the same way.
+MICROBATCHES = int(os.environ.get("LRMP_BENCH_MICROBATCHES", "1"))
 
 
 def main() -> None:
@@ -426,12 +429,14 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--steps", type=int, default=4, help="training steps per run")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per run")
-    parser.add_argument("--worker-threads", type=int, default=0, help="torch threads per worker (0: cores // 2)")
+    parser.add_argument("--worker-threads", type=int, default=0, help="torch threads per worker (0: all cores)")
+    parser.add_argument("--microbatches", type=int, default=1, help="micro-batches per step through lrmp")
     parser.add_argument("--child", choices=MODES)
     parser.add_argument("--path")
     args = parser.parse_args()
     if args.worker_threads:
         os.environ["LRMP_BENCH_WORKER_THREADS"] = str(args.worker_threads)
+    os.environ["LRMP_BENCH_MICROBATCHES"] = str(args.microbatches)
     if args.child:
         child(args.child, args.path, args.steps)
         return
@@ -439,8 +444,8 @@ def main() -> None:
     cores = os.cpu_count() or 2
     print(environment())
     print(
-        f"batch {BATCH} x {SEQ} tokens, {args.steps} steps, 2 micro-batches; workers "
-        f"{args.worker_threads or max(1, cores // 2)} threads each, local-qlora {cores}, the driver 1"
+        f"batch {BATCH} x {SEQ} tokens, {args.steps} steps, {args.microbatches} micro-batch(es) through lrmp; workers "
+        f"{args.worker_threads or cores} threads each, local-qlora {cores}, the driver 1"
     )
     mb = 1e6
     fmt = lambda s, d=1: "-" if s is None or s != s else f"{s:,.{d}f}"  # noqa: E731

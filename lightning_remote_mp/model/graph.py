@@ -293,19 +293,19 @@ class _Step:
     call: Callable[..., Any] = dataclasses.field(init=False)  # fn, an ATen operator as its C++ callable
     template: tuple[Any, ...] = dataclasses.field(init=False)  # args, each reference or nested value blank
     refs: tuple[tuple[int, str], ...] = dataclasses.field(init=False)  # (position, name) of top-level references
-    nested: tuple[int, ...] = dataclasses.field(init=False)  # positions `_fill` resolves (lists, the device)
-    plain: bool = dataclasses.field(init=False)  # no keyword arguments, no context: called as it is
+    nested: tuple[int, ...] = dataclasses.field(init=False)  # positions `_fill` resolves (references in lists)
+    plain: bool = dataclasses.field(init=False)  # no context (grad mode, autocast) to enter
 
     def __post_init__(self) -> None:
         refs = tuple((i, a.name) for i, a in enumerate(self.args) if isinstance(a, _Ref))
-        nested = tuple(i for i, a in enumerate(self.args) if a is _DEVICE or isinstance(a, (list, tuple)))
+        nested = tuple(i for i, a in enumerate(self.args) if not isinstance(a, _Ref) and _filled(a))
         blank = {i for i, _ in refs} | set(nested)
         set_ = functools.partial(object.__setattr__, self)
         set_("call", self.fn._op if isinstance(self.fn, torch._ops.OpOverload) else self.fn)
         set_("template", tuple(None if i in blank else a for i, a in enumerate(self.args)))
         set_("refs", refs)
         set_("nested", nested)
-        set_("plain", not self.kwargs and self.grad is None and self.autocast is None)
+        set_("plain", self.grad is None and self.autocast is None)
 
 
 def _context(value: Any, where: str) -> tuple[bool | None, tuple[bool, torch.dtype | None] | None]:
@@ -417,6 +417,13 @@ def _with_drops(steps: Sequence[tuple[Any, ...]], outputs: Sequence[str]) -> tup
     )
 
 
+def _filled(value: Any) -> bool:
+    """Whether ``value`` holds a reference or the device marker, which `_fill` resolves per run."""
+    if isinstance(value, (list, tuple)):
+        return any(_filled(v) for v in value)
+    return isinstance(value, _Ref) or value is _DEVICE
+
+
 def _fill(value: Any, env: Mapping[str, Any], device: torch.device) -> Any:
     if isinstance(value, _Ref):
         return env[value.name]
@@ -444,10 +451,10 @@ def run(program: Program, inputs: Sequence[Any], tensors: Mapping[str, torch.Ten
             args[i] = env[name]
         for i in step.nested:
             args[i] = _fill(step.args[i], env, device)
+        kwargs = {k: _fill(v, env, device) for k, v in step.kwargs.items()} if step.kwargs else {}
         if step.plain:
-            env[step.name] = step.call(*args)
+            env[step.name] = step.call(*args, **kwargs)
         else:
-            kwargs = {k: _fill(v, env, device) for k, v in step.kwargs.items()}
             env[step.name] = _in_context(step, device, args, kwargs)
         for name in step.drop:
             del env[name]
