@@ -527,7 +527,9 @@ def main(argv: list[str] | None = None) -> int:
             f.write(first + "\n\n" + second + "\n")
         raw = {
             f"{link} | {mode.label} | batch {mode.batch} | m {mode.m}": [
-                {k: v for k, v in x.items() if k not in ("tokens", "first_extra")} for x in runs
+                # Without each step's clock readings, which the tables above summarize.
+                {k: v for k, v in x.items() if k not in ("tokens", "first_extra", "times", "calls")}
+                for x in runs
             ]
             for (link, mode), runs in results.items()
         }

@@ -121,16 +121,13 @@ def test_a_model_past_the_gather_limit_writes_from_its_sharded_checkpoint(pool, 
 ROOM = 2048
 
 
-def _after_new(input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
-    return torch.full((input_ids.shape[0],), input_ids.shape[1] >= PROMPT + NEW, dtype=torch.bool)
-
-
 class ManyWrites(H.FineTune):
     def predict_step(self, batch, batch_idx):
         from transformers import StoppingCriteria, StoppingCriteriaList
 
         class AfterNew(StoppingCriteria):
-            __call__ = staticmethod(_after_new)
+            def __call__(self, input_ids, scores, **kwargs):
+                return torch.full((input_ids.shape[0],), input_ids.shape[1] >= PROMPT + NEW, dtype=torch.bool)
 
         return [
             self.model.generate(
