@@ -6,12 +6,15 @@ folder first on ``sys.path``).
 
 from __future__ import annotations
 
+import atexit
 import os
 import platform
+import shutil
 import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterable, Sequence
 from typing import Any, NoReturn
@@ -176,12 +179,24 @@ def exit_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
 
+_ROOTS: list[str] = []  # timed_trainer's root directories, removed at exit (exit_now's too)
+
+
+def _remove_roots() -> None:
+    while _ROOTS:
+        shutil.rmtree(_ROOTS.pop(), ignore_errors=True)
+
+
+atexit.register(_remove_roots)
+
+
 def exit_now(code: int | None = 0) -> NoReturn:
     """End this process without the interpreter's teardown of torch's (and Lightning's) module graph,
     which takes a second or two on a small machine (the lrmp-worker skips it too). Only for the end of
     a script whose children are stopped and whose files are written and closed."""
     import logging
 
+    _remove_roots()
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -230,8 +245,13 @@ def rss_anon(pid: int | str) -> int:
 def timed_trainer(strategy: Any, max_steps: int, callbacks: Sequence[Any], **options: Any) -> Any:
     """A Lightning Trainer for timing: CPU, ``max_steps`` in one epoch, no sanity check, logger,
     checkpoints, progress bar or summary, unless ``options`` (the Trainer's own) say otherwise
-    (Lightning is imported here: not every script needs it)."""
+    (Lightning is imported here: not every script needs it). Its root directory is a temporary one,
+    removed at exit: a model past ``gather_limit`` saves its last step there at the end of ``fit``,
+    which would otherwise land, gigabytes of it, in the directory the benchmark ran from."""
     import lightning as L
+
+    root = tempfile.mkdtemp(prefix="lrmp-bench-")
+    _ROOTS.append(root)
 
     return L.Trainer(
         **{
@@ -245,6 +265,7 @@ def timed_trainer(strategy: Any, max_steps: int, callbacks: Sequence[Any], **opt
             "enable_model_summary": False,
             "num_sanity_val_steps": 0,
             "callbacks": list(callbacks),
+            "default_root_dir": root,
             **options,
         }
     )
