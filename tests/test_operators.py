@@ -448,3 +448,47 @@ def test_a_module_cast_to_its_own_dtype_inside_forward_trains_as_locally(twin, p
     remote_equals_local(
         lambda: Trained(Recasts()), _flat, twin, RemoteModelParallelStrategy(hosts=pool[:2], split=["model"])
     )
+
+
+def _binding_cases() -> list[tuple[object, tuple, dict]]:
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(2, 3, 4, generator=g), torch.randn(2, 3, 4, generator=g)
+    q, k = torch.randn(1, 4, 3, 8, generator=g), torch.randn(1, 2, 3, 8, generator=g)
+    mask = torch.rand(3, 3, generator=g) > 0.3
+    aten = torch.ops.aten
+    return [
+        (aten.add.Tensor, (x, y), {"alpha": 2}),
+        (aten.add.Tensor, (x, 3), {}),
+        (aten.mul.Tensor, (x, 0.5), {}),
+        (aten.neg.default, (x,), {}),
+        (aten.rsqrt.default, (x.abs() + 1,), {}),
+        (aten.pow.Tensor_Scalar, (x, 2), {}),
+        (aten.mean.dim, (x, [-1], True), {"dtype": torch.float64}),
+        (aten.linear.default, (x, torch.randn(5, 4, generator=g), torch.randn(5, generator=g)), {}),
+        (aten.silu.default, (x,), {}),
+        (aten.scaled_dot_product_attention.default, (q, k, k, mask, 0.0, False), {"scale": 0.3, "enable_gqa": True}),
+        (aten.embedding.default, (torch.randn(6, 4, generator=g), torch.tensor([[0, 5, 2]]), -1, False, False), {}),
+        (aten.cat.default, ([x, y], 1), {}),
+        (aten.view.default, (x, [6, 4]), {}),
+        (aten.reshape.default, (x.transpose(0, 1), [6, 4]), {}),
+        (aten.transpose.int, (x, 0, 2), {}),
+        (aten.unsqueeze.default, (x, -1), {}),
+        (aten.expand.default, (x[:, :1], [2, 5, 4]), {"implicit": False}),
+        (aten.to.dtype, (x, torch.float64, False, True), {}),
+        (aten.to.dtype, (x, torch.float32, False, False, torch.preserve_format), {}),  # past the binding's positions
+    ]
+
+
+@pytest.mark.parametrize("op, args, kwargs", _binding_cases(), ids=lambda v: str(v) if hasattr(v, "_schema") else "")
+def test_the_faster_bindings_a_program_calls_give_what_the_operators_give(op, args, kwargs):
+    """The operators a transformer calls most run through torch's Python bindings (`graph._BINDINGS`):
+    a program step of each gives what the operator itself gives, the same values, dtype, shape and
+    strides, with every positional and keyword argument the step may carry."""
+    from lightning_remote_mp.model.graph import _BINDINGS, _Step
+
+    step = _Step("out", op, args, kwargs, ())
+    binding, most = _BINDINGS[op]
+    assert step.call is (binding if len(args) <= most else op._op)
+    got, want = step.call(*args, **kwargs), op(*args, **kwargs)
+    assert (got.dtype, got.shape, got.stride()) == (want.dtype, want.shape, want.stride())
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
