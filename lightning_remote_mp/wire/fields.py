@@ -317,8 +317,13 @@ class Body:
     def from_body(cls: type[_B], body: Any) -> _B:
         """A received body, checked; raises `ProtocolError` naming the kind and the field if it is malformed."""
         values = cls._read(body)
-        init = {f.name for f in dataclasses.fields(cls) if f.init}  # type: ignore[arg-type]
+        init = cls._init_names()
         return cls(**{k: v for k, v in values.items() if k in init})
+
+    @classmethod
+    @functools.cache
+    def _init_names(cls) -> frozenset[str]:
+        return frozenset(f.name for f in dataclasses.fields(cls) if f.init)  # type: ignore[arg-type]
 
     @classmethod
     def _read(cls, body: Any) -> dict[str, Any]:
