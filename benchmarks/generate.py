@@ -12,13 +12,17 @@ padding), ``--new-tokens`` new ones, greedy (``do_sample=False``; no EOS, so eve
 all), at each batch size of ``--batches``, in these modes, all in one run:
 
 - ``local``: the model's ``generate()`` in this process with all the machine's cores as torch
-  threads; ``local, 1 thread`` beside it, what one stage's worker gets for compute;
+  threads; ``local, 1 thread`` beside it, what one stage's worker gets for compute when the
+  stages compute at once;
 - ``lrmp``: ``generate()`` in a ``predict_step`` of a LightningModule whose model is traced with
   ``RemoteModelParallelStrategy(split=["model"], microbatches=m)`` over 2 and 4 local
-  ``lrmp-worker`` processes on loopback, each with ``cores // stages`` torch threads (at least 1);
-  the driver computes with one thread (it only picks tokens). The key/value cache stays on the
-  workers; each decode step is one pipelined forward; ``m`` splits the batch's rows (m = 2 only at
-  the largest batch on 2 stages, the issue's case for both stages decoding at once).
+  ``lrmp-worker`` processes on loopback. At one micro-batch the stages take turns, so each worker
+  has all the machine's cores as torch threads, as a stage on a machine of its own would; at two,
+  ``cores // stages`` (at least 1). The driver computes with one thread (it only picks tokens).
+  The key/value cache stays on the workers; each decode step is one pipelined forward; ``m`` splits
+  the batch's rows (m = 2 only at the largest batch on 2 stages, the issue's case for both stages
+  decoding at once). Over ``--lan``'s emulated hosts, which share this machine's cores, one thread
+  each.
 
 Each mode writes one short warm-up generation (2 tokens: lrmp traces its prefill and decode
 programs there) and ``--repeats`` timed ones, per round; ``--rounds`` rotates the modes' order. Measured:
@@ -90,7 +94,7 @@ def modes(batches: Sequence[int]) -> list[Mode]:
         if CORES > 1:
             out += [Mode("local", b, threads=1)]
         for stages in (2, 4):
-            out.append(Mode("lrmp", b, stages, 1, max(1, CORES // stages)))
+            out.append(Mode("lrmp", b, stages, 1, CORES))  # the stages take turns: all cores each
             if stages == 2 and b == max(batches) and b > 1:
                 out.append(Mode("lrmp", b, stages, 2, max(1, CORES // stages)))
     return out
@@ -471,14 +475,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         f"local: this process, {CORES} torch threads (and 1, for reference); lrmp: local workers on loopback, "
-        f"cores // stages threads each (at least 1), the driver 1 thread; 1 warm-up + {args.repeats} timed "
-        f"generations per mode, {args.rounds} round(s)",
+        f"all cores each at one micro-batch, cores // stages at two, the driver 1 thread; 1 warm-up + "
+        f"{args.repeats} timed generations per mode, {args.rounds} round(s)",
         flush=True,
     )
     prompts = {b: make_prompts(b, args.prompt, args.vocab) for b in batches}
     results: dict[tuple[str, Mode], list[dict[str, Any]]] = {}
     started = time.perf_counter()
-    pools = {s: LocalWorkers(s, threads=max(1, CORES // s)) for s in (2, 4)}
+    pools = {(m.stages, m.threads): LocalWorkers(m.stages, threads=m.threads) for m in every if m.kind == "lrmp"}
     try:
         hosts = {s: w.start() for s, w in pools.items()}
         for r in range(args.rounds):
@@ -488,7 +492,8 @@ def main(argv: list[str] | None = None) -> int:
                 if mode.kind == "local":
                     runs = run_local(model, mode, prompts[mode.batch], args.new_tokens, args.repeats)
                 else:
-                    runs = run_lrmp(model, mode, hosts[mode.stages], prompts[mode.batch], args.new_tokens, args.repeats)
+                    hosts_now = hosts[(mode.stages, mode.threads)]
+                    runs = run_lrmp(model, mode, hosts_now, prompts[mode.batch], args.new_tokens, args.repeats)
                 results.setdefault(("loopback", mode), []).extend(runs)
                 print(
                     f"  round {r}: {mode.label:18s} batch {mode.batch:3d} m={mode.m}: "
