@@ -611,7 +611,7 @@ def test_a_killed_driver_frees_its_workers_at_once(start_workers, tmp_path):
         while not ready.exists() and time.monotonic() < deadline and driver.poll() is None:
             time.sleep(0.1)
         assert ready.exists(), "the first driver never placed its model"
-        # A live session is protected: a second driver is refused at once.
+        # A live session is protected: a second driver is refused (after a second look, 1-2 s later).
         with pytest.raises(WorkerError, match="busy"):
             DriverSession(workers.addresses[:1], connect_timeout=30)
         driver.kill()
@@ -624,6 +624,43 @@ def test_a_killed_driver_frees_its_workers_at_once(start_workers, tmp_path):
         _end(driver)
     print(f"workers reused {reused:.1f} s after the driver was killed (session timeout 60 s)")
     assert reused < 8, reused
+
+
+def test_a_new_driver_waits_out_a_session_whose_driver_just_went_silent(start_workers, tmp_path):
+    """A driver frozen mid-run (SIGSTOP: its connections stay open, its pings stop) was heard from
+    a moment ago when a new driver asks for its workers: the new driver asks again when a live
+    driver would have pinged, finds the session silent and waits for the workers to drop it
+    (``--session-timeout 5``), instead of reporting them busy. A killed driver made the same race
+    when a worker read its closed connection a second after the new driver asked (CI, once)."""
+    ready = tmp_path / "placed"
+    program = (
+        "import sys, time, torch\n"
+        "from lightning_remote_mp.driver.session import DriverSession\n"
+        "from lightning_remote_mp.model.spec import SpecSequential\n"
+        "s = DriverSession(sys.stdin.readline().split())\n"
+        "net = SpecSequential([('torch.nn.Linear', {'in_features': 4, 'out_features': 4}, (2, 4))] * 2)\n"
+        "s.place('net', net)\n"
+        "open(sys.argv[1], 'w').close()\n"
+        "while True:\n"
+        "    net(torch.ones(2, 4)); time.sleep(0.05)\n"
+    )
+    driver = _start_driver(program, str(ready), stderr=subprocess.DEVNULL)
+    try:
+        workers = start_workers(2, extra_args=["--session-timeout", "5"])
+        _hand_over(driver, workers.addresses)
+        deadline = time.monotonic() + 60
+        while not ready.exists() and time.monotonic() < deadline and driver.poll() is None:
+            time.sleep(0.1)
+        assert ready.exists(), "the first driver never placed its model"
+        driver.send_signal(signal.SIGSTOP)
+        stopped = time.monotonic()
+        session = DriverSession(workers.addresses, connect_timeout=30)
+        waited = time.monotonic() - stopped
+        session.close()
+    finally:
+        _end(driver)  # SIGKILL ends a stopped process too
+    print(f"a new driver was served {waited:.1f} s after the first one froze (session timeout 5 s)")
+    assert 2 <= waited < 15, waited
 
 
 def test_a_cuda_error_in_a_layer_is_reported_and_stops_the_worker(start_workers):

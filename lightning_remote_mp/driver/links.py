@@ -210,6 +210,7 @@ class WorkerLinks:
         bodies = {id(c): dataclasses.replace(hello, seal_key=c.seal_key).body() for c in self.conns}
         pending = {id(c): (c, c.send(protocol.HELLO, bodies[id(c)])) for c in self.conns}
         replies: dict[int, dict[str, Any]] = {}
+        looked_again: set[int] = set()  # busy workers already asked a second time
         while pending:
             waits = []
             for key, (c, i) in list(pending.items()):
@@ -219,9 +220,10 @@ class WorkerLinks:
                 except WorkerError as err:
                     if err.remote_type == "ProtocolVersionError":
                         raise ProtocolVersionError(str(err)) from None
-                    wait = _wait_for_silent_session(c, err, deadline)
+                    wait = _wait_for_silent_session(c, err, deadline, looked_again=key in looked_again)
                     if wait is None:
                         raise
+                    looked_again.add(key)
                     waits.append(wait)
             if pending:  # held by sessions of a driver that is gone: ask again once they are dropped
                 time.sleep(max(waits))
@@ -277,9 +279,16 @@ _SILENT_SESSION = 2.0
 _DROPPED_SOON = 3.5
 
 
-def _wait_for_silent_session(conn: Connection, err: WorkerError, deadline: float) -> float | None:
+def _wait_for_silent_session(
+    conn: Connection, err: WorkerError, deadline: float, *, looked_again: bool
+) -> float | None:
     """Seconds to wait before asking a busy worker again, when its session's driver has gone silent
-    and the worker will drop that session before ``deadline``; ``None`` to give up (a live session)."""
+    and the worker will drop that session before ``deadline``; ``None`` to give up (a live session).
+
+    A session whose driver was heard from lately and whose connection the worker still holds open
+    is a live run's, or one whose driver was killed a moment ago and whose closed connection the
+    worker has not read yet (on a loaded machine, a second later than its peer worker did): the
+    worker is asked once more, when a live driver would have pinged again (it pings every second)."""
     if err.remote_type != "WorkerBusy":
         return None
     silent, expires = err.details.get("silent_for"), err.details.get("expires_in")
@@ -287,7 +296,11 @@ def _wait_for_silent_session(conn: Connection, err: WorkerError, deadline: float
         return None
     # Silent for a while, or about to be dropped because its connection closed (a killed driver).
     if silent < _SILENT_SESSION and expires > _DROPPED_SOON:
-        return None
+        wait = _SILENT_SESSION - silent + 0.1
+        if looked_again or time.monotonic() + wait > deadline:
+            return None
+        log.debug("%s is busy with a session heard from %.1f s ago: asking again in %.1f s", conn.where(), silent, wait)
+        return wait
     if time.monotonic() + expires > deadline:
         return None
     log.info(
