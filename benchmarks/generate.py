@@ -482,7 +482,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts = {b: make_prompts(b, args.prompt, args.vocab) for b in batches}
     results: dict[tuple[str, Mode], list[dict[str, Any]]] = {}
     started = time.perf_counter()
-    pools = {(m.stages, m.threads): LocalWorkers(m.stages, threads=m.threads) for m in every if m.kind == "lrmp"}
+    pools = {(s, t): LocalWorkers(s, threads=t) for s, t in {(m.stages, m.threads) for m in every if m.kind == "lrmp"}}
     try:
         hosts = {s: w.start() for s, w in pools.items()}
         for r in range(args.rounds):

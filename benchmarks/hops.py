@@ -205,7 +205,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--quick", action="store_true", help="a tiny model, 16 new tokens")
-    p.add_argument("--out", default=None, help="(unused: the table is printed)")
     args = p.parse_args(argv)
     import logging
     import warnings

@@ -587,30 +587,40 @@ def test_a_request_that_never_returns_fails_after_call_timeout(start_workers, tm
     _stuck_worker_stops_quickly(workers)
 
 
+#: A driver that places two Linear stages, says so by creating the file its first argument names, and
+#: runs forwards until it is stopped.
+_RUNNING_DRIVER = (
+    "import sys, time, torch\n"
+    "from lightning_remote_mp.driver.session import DriverSession\n"
+    "from lightning_remote_mp.model.spec import SpecSequential\n"
+    "s = DriverSession(sys.stdin.readline().split())\n"
+    "net = SpecSequential([('torch.nn.Linear', {'in_features': 4, 'out_features': 4}, (2, 4))] * 2)\n"
+    "s.place('net', net)\n"
+    "open(sys.argv[1], 'w').close()\n"
+    "while True:\n"
+    "    net(torch.ones(2, 4)); time.sleep(0.05)\n"
+)
+
+
+def _placed(driver: subprocess.Popen, addresses: list[str], ready: str) -> None:
+    """Hand ``_RUNNING_DRIVER`` its workers and wait (60 s at most) until it has created ``ready``,
+    having placed its model."""
+    _hand_over(driver, addresses)
+    deadline = time.monotonic() + 60
+    while not os.path.exists(ready) and time.monotonic() < deadline and driver.poll() is None:
+        time.sleep(0.1)
+    assert os.path.exists(ready), "the first driver never placed its model"
+
+
 def test_a_killed_driver_frees_its_workers_at_once(start_workers, tmp_path):
     """SIGKILL the driver mid-run: its kernel closes its connections, the workers drop the session
     within seconds (not after --session-timeout), and a new driver is served without an error; a
     live session stays protected."""
-    ready = tmp_path / "placed"
-    program = (
-        "import sys, time, torch\n"
-        "from lightning_remote_mp.driver.session import DriverSession\n"
-        "from lightning_remote_mp.model.spec import SpecSequential\n"
-        "s = DriverSession(sys.stdin.readline().split())\n"
-        "net = SpecSequential([('torch.nn.Linear', {'in_features': 4, 'out_features': 4}, (2, 4))] * 2)\n"
-        "s.place('net', net)\n"
-        "open(sys.argv[1], 'w').close()\n"
-        "while True:\n"
-        "    net(torch.ones(2, 4)); time.sleep(0.05)\n"
-    )
-    driver = _start_driver(program, str(ready), stderr=subprocess.DEVNULL)
+    ready = str(tmp_path / "placed")
+    driver = _start_driver(_RUNNING_DRIVER, ready, stderr=subprocess.DEVNULL)
     try:
         workers = start_workers(2, extra_args=["--session-timeout", "60"])
-        _hand_over(driver, workers.addresses)
-        deadline = time.monotonic() + 60
-        while not ready.exists() and time.monotonic() < deadline and driver.poll() is None:
-            time.sleep(0.1)
-        assert ready.exists(), "the first driver never placed its model"
+        _placed(driver, workers.addresses, ready)
         # A live session is protected: a second driver is refused (after a second look, 1-2 s later).
         with pytest.raises(WorkerError, match="busy"):
             DriverSession(workers.addresses[:1], connect_timeout=30)
@@ -632,26 +642,11 @@ def test_a_new_driver_waits_out_a_session_whose_driver_just_went_silent(start_wo
     driver would have pinged, finds the session silent and waits for the workers to drop it
     (``--session-timeout 5``), instead of reporting them busy. A killed driver made the same race
     when a worker read its closed connection a second after the new driver asked (CI, once)."""
-    ready = tmp_path / "placed"
-    program = (
-        "import sys, time, torch\n"
-        "from lightning_remote_mp.driver.session import DriverSession\n"
-        "from lightning_remote_mp.model.spec import SpecSequential\n"
-        "s = DriverSession(sys.stdin.readline().split())\n"
-        "net = SpecSequential([('torch.nn.Linear', {'in_features': 4, 'out_features': 4}, (2, 4))] * 2)\n"
-        "s.place('net', net)\n"
-        "open(sys.argv[1], 'w').close()\n"
-        "while True:\n"
-        "    net(torch.ones(2, 4)); time.sleep(0.05)\n"
-    )
-    driver = _start_driver(program, str(ready), stderr=subprocess.DEVNULL)
+    ready = str(tmp_path / "placed")
+    driver = _start_driver(_RUNNING_DRIVER, ready, stderr=subprocess.DEVNULL)
     try:
         workers = start_workers(2, extra_args=["--session-timeout", "5"])
-        _hand_over(driver, workers.addresses)
-        deadline = time.monotonic() + 60
-        while not ready.exists() and time.monotonic() < deadline and driver.poll() is None:
-            time.sleep(0.1)
-        assert ready.exists(), "the first driver never placed its model"
+        _placed(driver, workers.addresses, ready)
         driver.send_signal(signal.SIGSTOP)
         stopped = time.monotonic()
         session = DriverSession(workers.addresses, connect_timeout=30)
