@@ -347,6 +347,29 @@ def test_graph_layer_runs_what_it_was_given():
     assert int(m) == 4 and z.tolist() == [0.0, 1.0, 2.0, 3.0]
 
 
+def test_a_programs_names_and_constants_never_enter_the_source_it_runs_as(tmp_path):
+    """A program runs as generated Python (`graph._compiled`): its value names, weight names, keyword
+    names and constants come from the wire, and none of them may reach the compiler."""
+    planted = tmp_path / "planted"
+    code = f"__import__('os').system('touch {planted}')"
+    x, w, y = f"x'); {code} #", f"w\n{code}", f'y"""; {code}; """'
+    program = {
+        "inputs": [x],
+        "tensors": {w: "weight"},
+        "steps": [
+            [y, ["aten", "mul", "Tensor"], [{"ref": x}, {"ref": w}], {}],
+            ["z", ["aten", "div", "Tensor_mode"], [{"ref": y}, 2.0], {"rounding_mode": "floor"}],
+        ],
+        "outputs": ["z", y],
+    }
+    layer = GraphLayer({"train": program}, {"weight": {"shape": [2], "dtype": "float32"}})
+    layer.weight.fill_(3.0)
+    z, y_out = layer((torch.tensor([1.0, 2.0]),))
+    assert z.tolist() == [1.0, 3.0] and y_out.tolist() == [3.0, 6.0] and not planted.exists()
+    source = layer.programs["train"].fn.source
+    assert not any(text in source for text in ("import", "'", '"', "floor", "weight", "#")), source
+
+
 def test_replicas_gradient_clipping_and_accumulation(twin, pool):
     """Two data-parallel replicas of a two-stage traced pipeline (their gradients all-reduced by
     torch.distributed), micro-batches, clipping over every stage's gradients, accumulation."""

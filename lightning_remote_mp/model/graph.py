@@ -546,7 +546,9 @@ def _compiled(program: Program) -> Callable[..., tuple]:
     # The usual builtins: an operator that imports from C (``PyImport_Import``) reads them from this frame.
     namespace.update(_in_context=_in_context, _scalar=_scalar, _tensor=_tensor)
     exec(compile(source, "<lrmp program>", "exec"), namespace)  # noqa: S102 (the source is checked above)
-    return namespace["program"]  # type: ignore[no-any-return]
+    fn = namespace["program"]
+    fn.source = source  # for a reader (and the tests): what runs
+    return fn  # type: ignore[no-any-return]
 
 
 def _in_context(step: _Step, device: torch.device, args: Any, kwargs: Any) -> Any:
