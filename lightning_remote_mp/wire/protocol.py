@@ -239,18 +239,26 @@ class Message:
 
 
 def _tensor_frame(t: torch.Tensor) -> tuple[list[Any], memoryview]:
+    name = _DTYPE_NAMES.get(t.dtype)
     if t.layout != torch.strided:
         raise ProtocolError(f"cannot send a {t.layout} tensor; only dense (strided) tensors travel")
-    if t.dtype not in _DTYPE_NAMES:
+    if name is None:
         raise ProtocolError(f"cannot send a tensor of dtype {t.dtype}; supported: {sorted(DTYPES)}")
-    t = t.detach()
-    if t.device.type != "cpu":
+    # Each step only where it changes something: a decode step sends a few small tensors per message,
+    # and each call here is a microsecond or more (several after a stage's weights flushed the caches).
+    if t.requires_grad:
+        t = t.detach()
+    if not t.is_cpu:
         t = t.cpu()
-    t = t.resolve_conj().resolve_neg().contiguous()
-    meta = [_DTYPE_NAMES[t.dtype], list(t.shape)]
-    # Viewing as bytes keeps the frame zero-copy for every dtype, bfloat16 included.
-    data = t.reshape(-1).view(torch.uint8).numpy()
-    return meta, memoryview(data)
+    if t.is_conj() or t.is_neg():
+        t = t.resolve_conj().resolve_neg()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    # A zero-copy view of the bytes: numpy's, as bytes (bfloat16, which numpy lacks, and an empty
+    # tensor, which a memoryview cannot cast, are viewed as bytes by torch first).
+    if t.dtype is torch.bfloat16 or t.numel() == 0:
+        return [name, list(t.shape)], memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    return [name, list(t.shape)], memoryview(t.numpy()).cast("B")
 
 
 def encode(
@@ -396,15 +404,18 @@ def _check_meta(meta: Any, frame_len: int, limits: Limits, index: int) -> tuple[
         raise LimitExceeded(
             f"tensor {index}: shape must be a list of at most {limits.max_tensor_dims} sizes", "max_tensor_dims"
         )
-    if not all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s < 2**62 for s in shape):
-        raise ProtocolError(f"tensor {index}: invalid shape {shape!r:.80}")
+    for s in shape:
+        if type(s) is not int or not 0 <= s < 2**62:
+            raise ProtocolError(f"tensor {index}: invalid shape {shape!r:.80}")
     itemsize = dtype.itemsize
-    if math.prod(max(s, 1) for s in shape) * itemsize >= 2**62:
-        # Even with no elements (a zero in the shape), torch overflows computing such strides.
+    count = math.prod(shape)
+    # Even with no elements (a zero in the shape), torch overflows computing such strides.
+    if (count or math.prod(max(s, 1) for s in shape)) * itemsize >= 2**62:
         raise ProtocolError(f"tensor {index}: shape {shape!r:.80} is too large")
-    expected = math.prod(shape) * itemsize
-    if expected != frame_len:
-        raise ProtocolError(f"tensor {index}: {name}{shape} needs {expected} bytes but its frame has {frame_len}")
+    if count * itemsize != frame_len:
+        raise ProtocolError(
+            f"tensor {index}: {name}{shape} needs {count * itemsize} bytes but its frame has {frame_len}"
+        )
     return dtype, shape
 
 
@@ -550,7 +561,7 @@ def _message(header: list[Any], buffers: Sequence[memoryview], limits: Limits) -
             # A frame kept as bytes (a request carried along the pipeline, `carry.Carried`) is
             # read-only: torch would warn, and a tensor over it must not be written. It is small: copied.
             view = memoryview(bytearray(buf)) if buf.readonly else buf
-            tensors.append(torch.frombuffer(view, dtype=torch.uint8).view(dtype).reshape(shape))
+            tensors.append(torch.frombuffer(view, dtype=dtype).reshape(shape))
 
     def ext_hook(code: int, data: bytes) -> Any:
         nonlocal depth
