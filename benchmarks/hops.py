@@ -35,6 +35,7 @@ import argparse
 import functools
 import os
 import shutil
+import socket
 import statistics
 import sys
 import tempfile
@@ -71,23 +72,18 @@ def install(role: str) -> None:
     """Note the clock in this process (``role``: "driver" or "worker") where a message passes."""
     import zmq
 
-    from lightning_remote_mp.wire import protocol
+    from lightning_remote_mp.wire import protocol, sockets, transport
 
-    send, recv = zmq.Socket.send_multipart, zmq.Socket.recv_multipart
-
-    def send_multipart(self: Any, parts: Any, *args: Any, **kwargs: Any) -> Any:
-        mark("send <")
-        try:
-            return send(self, parts, *args, **kwargs)
-        finally:
-            mark("send >")
+    recv = zmq.Socket.recv_multipart
 
     def recv_multipart(self: Any, *args: Any, **kwargs: Any) -> Any:
         frames = recv(self, *args, **kwargs)
         mark("received")
         return frames
 
-    zmq.Socket.send_multipart, zmq.Socket.recv_multipart = send_multipart, recv_multipart  # type: ignore[method-assign]
+    zmq.Socket.recv_multipart = recv_multipart  # type: ignore[method-assign]
+    _around(sockets, "send_frames", "send")  # every send: the workers' (by the module), the driver's (its own name)
+    transport.send_frames = sockets.send_frames
     _around(protocol, "encode", "encode")
     _around(protocol, "decode_all", "decode")
     if role == "worker":
@@ -197,6 +193,79 @@ def hot_and_cold(prompt: int, hidden: int) -> str:
             f"| {name} | {statistics.median(a for a, _ in times):.1f} | {statistics.median(b for _, b in times):.1f} |"
         )
     return "\n".join(rows)
+
+
+def _bare_stage(i: int, works_ms: list[float], endpoints: list[str], back: str, sizes: list[int]) -> None:
+    """One stage of `bare_chain`: wait for a message, compute for its time (a busy loop), pass it on."""
+    import zmq
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.bind(endpoints[i])
+    out = ctx.socket(zmq.DEALER)
+    out.connect(endpoints[i + 1] if i + 1 < len(works_ms) else back)
+    payload = bytes(sizes[i])
+    while True:
+        frames = sock.recv_multipart(copy=False)
+        if frames[1].bytes == b"stop":
+            out.send_multipart([b"stop"])
+            return
+        start = time.perf_counter()
+        while time.perf_counter() - start < works_ms[i] / 1e3:
+            pass
+        out.send_multipart([b"h" * 300, payload], copy=False)
+
+
+def bare_chain(works_ms: list[float], tokens: int = 300) -> float:
+    """The same hops with no lrmp at all: this process sends a token to stage 0 and waits for the
+    last stage's answer, over pyzmq's DEALER and ROUTER sockets on loopback TCP as lrmp's, each stage
+    a process that computes (a busy loop) for its program's measured time, then sends a 1 kB hidden
+    state on (the last stage 128 kB of logits). Returns the median of a token's time less the compute
+    in µs: what the transport and the processes' wake-ups cost on this machine, the floor under
+    lrmp's messages."""
+    import multiprocessing
+
+    import zmq
+
+    held = [socket.socket() for _ in range(len(works_ms))]  # free ports, picked at run time
+    for s in held:
+        s.bind(("127.0.0.1", 0))
+    endpoints = [f"tcp://127.0.0.1:{s.getsockname()[1]}" for s in held]
+    for s in held:
+        s.close()
+    ctx = zmq.Context()
+    answers = ctx.socket(zmq.ROUTER)
+    answers.bind("tcp://127.0.0.1:*")
+    back = answers.getsockopt_string(zmq.LAST_ENDPOINT)
+    sizes = [1024] * (len(works_ms) - 1) + [128_000]
+    spawn = multiprocessing.get_context("spawn")
+    work = (works_ms, endpoints, back, sizes)
+    stages = [spawn.Process(target=_bare_stage, args=(i, *work)) for i in range(len(works_ms))]
+    for p in stages:
+        p.start()
+    first = ctx.socket(zmq.DEALER)
+    first.connect(endpoints[0])
+    try:
+        for _ in range(20):  # until every stage is up: the first round trips wait for the processes to start
+            first.send_multipart([b"h" * 300, b"x" * 8])
+            if not answers.poll(30_000):
+                raise RuntimeError("the bare chain's stages did not answer")
+            answers.recv_multipart()
+        over = []
+        for _ in range(tokens):
+            start = time.perf_counter()
+            first.send_multipart([b"h" * 300, b"x" * 8, b"m" * 520], copy=False)
+            answers.recv_multipart(copy=False)
+            over.append((time.perf_counter() - start) * 1e6 - sum(works_ms) * 1e3)
+            time.sleep(0.001)  # generate()'s own loop between two tokens
+    finally:
+        first.send_multipart([b"stop"])
+        for p in stages:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+        ctx.destroy(0)
+    return statistics.median(over)
 
 
 def main(argv: list[str] | None = None) -> int:

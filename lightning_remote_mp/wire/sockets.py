@@ -1,6 +1,7 @@
-"""Making ZeroMQ sockets. Every socket lrmp opens is made here: the driver's and the workers' client
-sockets (`dealer`), a worker's serving socket (`bind_router`), and the in-process channels that wake
-a thread's loop (`inproc_pull`, `inproc_push`, `wake`).
+"""Making ZeroMQ sockets, and sending on them. Every socket lrmp opens is made here: the driver's and
+the workers' client sockets (`dealer`), a worker's serving socket (`bind_router`), and the in-process
+channels that wake a thread's loop (`inproc_pull`, `inproc_push`, `wake`); every message lrmp sends
+leaves through `send_frames`.
 
 With CURVE keys (`Curve`), every socket encrypts and authenticates: a client socket proves its key
 pair and checks the server's public key; a server socket asks the worker's ZAP handler
@@ -39,6 +40,20 @@ def keep_alive(sock: zmq.Socket) -> zmq.Socket:
     sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(ZMTP_TIMEOUT * 1000))
     sock.setsockopt(zmq.HEARTBEAT_TTL, int(ZMTP_TIMEOUT * 1000))
     return sock
+
+
+_SNDMORE = int(zmq.SNDMORE)
+
+
+def send_frames(sock: zmq.Socket, frames: list[Any], flags: int = 0) -> None:
+    """``sock.send_multipart(frames, flags, copy=False)``, with plain integers for the flags: pyzmq's
+    own combines its flag enums in Python for every frame (a decode step's message of 6 frames sent
+    in 28 µs against 55). As with it, a frame of under 64 kB is copied, a larger one is not, and with
+    ``zmq.NOBLOCK`` only the first frame can fail (``zmq.Again``): a message goes whole or not at all."""
+    more = int(flags) | _SNDMORE
+    last = len(frames) - 1
+    for i, frame in enumerate(frames):
+        sock.send(frame, more if i < last else int(flags), copy=False)
 
 
 #: The ZAP domain of lrmp's server sockets (what the worker's authenticator is configured for).

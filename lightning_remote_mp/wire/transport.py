@@ -35,7 +35,7 @@ from lightning_remote_mp.wire import protocol
 from lightning_remote_mp.wire.addresses import dial_name, endpoint_of, why_unreachable
 from lightning_remote_mp.wire.carry import Carried
 from lightning_remote_mp.wire.requests import SEAL_KEY_BYTES
-from lightning_remote_mp.wire.sockets import HANDSHAKE_EVENTS, Curve, dealer, handshake_failure
+from lightning_remote_mp.wire.sockets import HANDSHAKE_EVENTS, Curve, dealer, handshake_failure, send_frames
 
 if TYPE_CHECKING:
     from lightning_remote_mp.wire.heartbeat import Heartbeat  # which makes its sockets here
@@ -299,7 +299,7 @@ class Connection:
         start = time.monotonic()
         while True:  # bounded: a full queue to a worker that stopped reading ends with the heartbeat
             try:
-                self._sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+                send_frames(self._sock, frames, zmq.NOBLOCK)
                 self.sent_messages += 1
                 return
             except zmq.Again:

@@ -183,7 +183,7 @@ class Outbox:
             self._copies.watch(held.ready)
 
     def _send_driver(self, peer: bytes, frames: list[Any]) -> None:
-        self.holder.sock.send_multipart([peer, *frames], copy=False)
+        sockets.send_frames(self.holder.sock, [peer, *frames])
 
     def flush(self) -> float | None:
         """Send the held messages that can go, in order (by the thread that holds the socket).
@@ -215,7 +215,7 @@ class Outbox:
     def _offer(self, held: _Held) -> bool:
         """Try once to hand a message to its peer; raise once it has been refused for ``peer_timeout``."""
         try:
-            self._socket(held.peer).send_multipart(held.frames, flags=zmq.NOBLOCK, copy=False)
+            sockets.send_frames(self._socket(held.peer), held.frames, zmq.NOBLOCK)
             return True
         except zmq.Again:
             now = time.monotonic()
