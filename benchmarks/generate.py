@@ -17,8 +17,11 @@ all), at each batch size of ``--batches``, in these modes, all in one run:
 - ``lrmp``: ``generate()`` in a ``predict_step`` of a LightningModule whose model is traced with
   ``RemoteModelParallelStrategy(split=["model"], microbatches=m)`` over 2 and 4 local
   ``lrmp-worker`` processes on loopback. At one micro-batch the stages take turns, so each worker
-  has all the machine's cores as torch threads, as a stage on a machine of its own would; at two,
-  ``cores // stages`` (at least 1). The driver computes with one thread (it only picks tokens).
+  has all the machine's cores as torch threads, as a stage on a machine of its own would, and at
+  batch 1 once more with one thread each (what local workers get by default on 2 cores, and on
+  this machine the faster: one token's small products gain nothing from a second thread); at two
+  micro-batches, ``cores // stages`` (at least 1). The driver computes with one thread (it only
+  picks tokens).
   The key/value cache stays on the workers; each decode step is one pipelined forward; ``m`` splits
   the batch's rows (m = 2 only at the largest batch on 2 stages, the issue's case for both stages
   decoding at once). Over ``--lan``'s emulated hosts, which share this machine's cores, one thread
@@ -95,6 +98,8 @@ def modes(batches: Sequence[int]) -> list[Mode]:
             out += [Mode("local", b, threads=1)]
         for stages in (2, 4):
             out.append(Mode("lrmp", b, stages, 1, CORES))  # the stages take turns: all cores each
+            if b == 1 and CORES > 1:  # and one each, as local workers get by default here (cores // stages)
+                out.append(Mode("lrmp", b, stages, 1, 1))
             if stages == 2 and b == max(batches) and b > 1:
                 out.append(Mode("lrmp", b, stages, 2, max(1, CORES // stages)))
     return out
@@ -475,7 +480,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         f"local: this process, {CORES} torch threads (and 1, for reference); lrmp: local workers on loopback, "
-        f"all cores each at one micro-batch, cores // stages at two, the driver 1 thread; 1 warm-up + "
+        f"all cores each at one micro-batch (and one each at batch 1), cores // stages at two, the driver 1 "
+        "thread; 1 warm-up + "
         f"{args.repeats} timed generations per mode, {args.rounds} round(s)",
         flush=True,
     )
@@ -562,8 +568,7 @@ def lan_modes(
         return
     try:
         workers = {i: lan.start_worker(i, "--log-level", "WARNING") for i in range(1, stages + 1)}  # 1 thread each
-        for mode in (m for m in every if m.kind == "lrmp"):
-            mode = dataclasses.replace(mode, threads=1)
+        for mode in dict.fromkeys(dataclasses.replace(m, threads=1) for m in every if m.kind == "lrmp"):
             t = time.perf_counter()
             hosts = [workers[i] for i in range(1, mode.stages + 1)]
             runs = run_lrmp(model, mode, hosts, prompts[mode.batch], args.new_tokens, args.repeats)
