@@ -131,11 +131,32 @@ def _steps(events: list[tuple[int, str, str]]) -> list[list[tuple[int, str, str]
     return steps
 
 
-def table(events: list[tuple[int, str, str]]) -> str:
+def _common_steps(events: list[tuple[int, str, str]]) -> list[list[tuple[int, str, str]]]:
+    """The decode steps that went the most common way (no heartbeat among their messages)."""
     steps = _steps(sorted(events))
     shapes = Counter(tuple((who, what) for _, who, what in s) for s in steps)
-    shape, count = shapes.most_common(1)[0]
-    same = [s for s in steps if tuple((who, what) for _, who, what in s) == shape]
+    shape = shapes.most_common(1)[0][0]
+    return [s for s in steps if tuple((who, what) for _, who, what in s) == shape]
+
+
+def program_times(events: list[tuple[int, str, str]]) -> list[float]:
+    """Each stage's median program time in a decode step, ms, in the stages' order."""
+    same = _common_steps(events)
+    out = []
+    for k, (_, _who, what) in enumerate(same[0]):
+        if what == "program <":
+            out.append(statistics.median((s[k + 1][0] - s[k][0]) / 1e6 for s in same))
+    return out
+
+
+def totals(events: list[tuple[int, str, str]]) -> list[float]:
+    """Each common decode step's time from the driver's ``step <`` to its ``step >``, µs."""
+    return [(s[-1][0] - s[0][0]) / 1e3 for s in _common_steps(events)]
+
+
+def table(events: list[tuple[int, str, str]]) -> str:
+    steps, same = _steps(sorted(events)), _common_steps(events)
+    shape, count = tuple((who, what) for _, who, what in same[0]), len(same)
     rows = ["| from | to | µs (median) | share |", "|---|---|---|---|"]
     total = statistics.median((s[-1][0] - s[0][0]) / 1e3 for s in same)
     program = 0.0
@@ -344,6 +365,13 @@ def main(argv: list[str] | None = None) -> int:
         print(table(events))
         print(f"\nThe same in this process, a stage's input (hidden {shape.hidden}, a mask of {ids.shape[1] + 1}):\n")
         print(hot_and_cold(ids.shape[1], shape.hidden))
+        works = program_times(events)
+        floor, rest = bare_chain(works), statistics.median(totals(events)) - sum(works) * 1e3
+        print(
+            "\nThe same hops with no lrmp (`bare_chain`: pyzmq DEALER/ROUTER on loopback TCP, each stage a process "
+            f"computing {' and '.join(f'{w:.1f}' for w in works)} ms in a busy loop, the same message sizes): "
+            f"a token costs {floor:,.0f} µs beyond the compute, against {rest:,.0f} µs through lrmp."
+        )
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     return 0
