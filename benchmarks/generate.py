@@ -457,14 +457,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    _common.exit_on_sigterm()
+def quiet() -> None:
+    """Warnings off and the libraries' logs at ERROR, as a timed run wants them (also `versions.py`'s)."""
     warnings.filterwarnings("ignore")
     import lightning  # noqa: F401  (before the levels: its import sets its loggers')
 
     for name in ("lightning", "lightning.pytorch", "lightning.fabric", "transformers", "lightning_remote_mp"):
         logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    _common.exit_on_sigterm()
+    quiet()
     from lightning_remote_mp.driver.launch import LocalWorkers
 
     batches = [int(b) for b in args.batches.split(",")]

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import warnings
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -61,13 +60,7 @@ def start_pool(stages: int, threads: int, root: str | None) -> Any:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     _common.exit_on_sigterm()
-    warnings.filterwarnings("ignore")
-    import logging
-
-    import lightning  # noqa: F401  (before the levels: its import sets its loggers')
-
-    for name in ("lightning", "lightning.pytorch", "lightning.fabric", "transformers", "lightning_remote_mp"):
-        logging.getLogger(name).setLevel(logging.ERROR)
+    generate.quiet()
     base = os.path.abspath(args.base)
     if not os.path.isfile(os.path.join(base, "lightning_remote_mp", "_version.py")):
         raise SystemExit(f"--base {args.base}: not a checkout of lightning_remote_mp")
