@@ -15,7 +15,7 @@ import zmq
 
 from lightning_remote_mp.errors import ProtocolError
 from lightning_remote_mp.wire import protocol
-from lightning_remote_mp.wire.sockets import Curve, dealer, inproc_pull, wake
+from lightning_remote_mp.wire.sockets import Curve, dealer, inproc_pull, send_frames, wake
 from lightning_remote_mp.wire.traffic import MIN_PROGRESS, Traffic
 
 
@@ -106,7 +106,7 @@ class Heartbeat:
                 seq += 1
                 for sock in socks.values():
                     try:
-                        sock.send_multipart(protocol.encode(protocol.PING, seq, self.session), zmq.NOBLOCK)
+                        send_frames(sock, protocol.encode(protocol.PING, seq, self.session), zmq.NOBLOCK)
                     except zmq.Again:
                         pass
                 self._count_traffic("", self._traffic.sample())  # what this process receives and sends

@@ -314,7 +314,7 @@ def _router_options(sock: zmq.Socket) -> None:
 def _send(sock: zmq.Socket, frames: list[Any]) -> None:
     """Forward ``frames``; dropped when their first names no connected peer."""
     try:
-        sock.send_multipart(frames, copy=False)
+        sockets.send_frames(sock, frames)
     except zmq.ZMQError as err:
         if err.errno != zmq.EHOSTUNREACH:
             raise

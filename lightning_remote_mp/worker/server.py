@@ -302,10 +302,7 @@ class WorkerServer:
         for _ in range(limit):
             if not self.sock.get(_EVENTS) & _POLLIN:  # asked first: a failed read raises, which costs 3x more
                 return
-            try:
-                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
+            frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)  # one waits: ZMQ_EVENTS says so
             try:
                 self._on_frames(frames)
             except Exception:  # insurance: nothing a peer sends may stop the worker

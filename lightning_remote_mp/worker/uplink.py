@@ -124,7 +124,7 @@ class Uplink:
                     next_announce = now + ANNOUNCE_INTERVAL
                     hello = [ANNOUNCE, HELLO, str(protocol.PROTOCOL_VERSION).encode(), __version__.encode()]
                     with contextlib.suppress(zmq.Again):  # not connected (yet, or any more): the next one goes
-                        up.send_multipart(hello, zmq.NOBLOCK)
+                        sockets.send_frames(up, hello, zmq.NOBLOCK)
                 for sock, _ in poller.poll(int(max(0.0, next_announce - time.monotonic()) * 1000)):
                     if sock is self._wake_rx:
                         sock.recv()
@@ -176,7 +176,7 @@ class Uplink:
                 by_socket[sock] = origin
                 poller.register(sock, zmq.POLLIN)
             used[origin] = time.monotonic()
-            sock.send_multipart(frames[1:], copy=False)
+            sockets.send_frames(sock, frames[1:])
 
     def _up(self, up: zmq.Socket, sock: zmq.Socket, origin: bytes, used: dict[bytes, float]) -> None:
         """What the server answered an origin: up to the driver, naming the origin."""
@@ -187,7 +187,7 @@ class Uplink:
                 return
             used[origin] = time.monotonic()
             try:
-                up.send_multipart([origin, *frames], zmq.NOBLOCK, copy=False)
+                sockets.send_frames(up, [origin, *frames], zmq.NOBLOCK)
             except zmq.Again:
                 self._throttle.warning("lost", "the driver at %s is not connected: an answer was lost", self.connect)
 
