@@ -6,8 +6,10 @@ ZeroMQ hands a message over whole, once its last byte has arrived: a 130 MB mess
 The kernel knows better: for each TCP connection it counts the bytes the peer acknowledged and the
 bytes received (``tcpi_bytes_acked``, ``tcpi_bytes_received``, Linux 4.1 and later). `Traffic` sums
 them over this process's own sockets (those in ``/proc/self/fd``), asking through the netlink
-socket-diagnostics interface that ``ss`` uses, about a millisecond a sample. Workers report the
-total in their heartbeats, and the driver counts a transfer in progress as progress
+socket-diagnostics interface that ``ss`` uses. A sample costs the kernel about 3 ms per address
+family however few sockets there are (it walks its whole connection table), so a worker takes its
+samples on a thread of their own (`Sampler`), never on the thread that runs its stages. Workers
+report the total in their heartbeats, and the driver counts a transfer in progress as progress
 (`lightning_remote_mp.wire.collect`).
 
 Where the kernel does not tell (not Linux, or netlink refused), `Traffic.sample` returns ``None``,
@@ -25,6 +27,7 @@ import os
 import socket
 import struct
 import sys
+import threading
 
 _NETLINK_SOCK_DIAG = 4
 _SOCK_DIAG_BY_FAMILY = 20
@@ -107,3 +110,42 @@ class Traffic:
         self._total += sum(max(0, moved - self._last.get(inode, 0)) for inode, moved in now.items())
         self._last = now
         return self._total
+
+
+class Sampler:
+    """`Traffic` sampled on a thread of its own, for a thread that must not wait for the kernel (a
+    worker's serving thread, which answers heartbeats between two micro-batches): `latest` returns
+    the newest sample at once and asks for the next. A sample is thus one request old: bytes a
+    transfer moves show one heartbeat later than they would, well within the heartbeat timeout that
+    judges a stall.
+
+    >>> sampler = Sampler()
+    >>> first = sampler.latest()
+    >>> first is None or sampler.latest() >= first
+    True
+    >>> sampler.close()
+    """
+
+    def __init__(self) -> None:
+        self._traffic = Traffic()
+        self._latest = self._traffic.sample()  # the first answer is a sample too: None would mean "cannot tell"
+        self._wanted = threading.Event()
+        self._closed = False
+        threading.Thread(target=self._run, name="lrmp-traffic", daemon=True).start()
+
+    def latest(self) -> int | None:
+        """The newest sample (`Traffic.sample`); the next one is taken meanwhile."""
+        self._wanted.set()
+        return self._latest
+
+    def close(self) -> None:
+        self._closed = True
+        self._wanted.set()
+
+    def _run(self) -> None:
+        while True:
+            self._wanted.wait()
+            if self._closed:
+                return
+            self._wanted.clear()
+            self._latest = self._traffic.sample()

@@ -35,7 +35,7 @@ from lightning_remote_mp.errors import ConfigurationError, ProtocolError, Protoc
 from lightning_remote_mp.wire import protocol, sockets
 from lightning_remote_mp.wire.keys import KeyPair
 from lightning_remote_mp.wire.requests import Hello
-from lightning_remote_mp.wire.traffic import MIN_PROGRESS, Traffic
+from lightning_remote_mp.wire.traffic import MIN_PROGRESS, Sampler
 from lightning_remote_mp.worker import allocator
 from lightning_remote_mp.worker.admission import DEFAULT_SESSION_TIMEOUT, Admission, describe_duration, versions
 from lightning_remote_mp.worker.auth import WorkerAuth
@@ -147,7 +147,7 @@ class WorkerServer:
         )
         self._throttle = Throttle(log)
         self._device_failure: Exception | None = None  # a CUDA error a request raised (`_answer`)
-        self._traffic = Traffic()  # sampled by the thread that holds the socket, for heartbeats
+        self._traffic = Sampler()  # for heartbeats: taken on a thread of its own, asked by the one holding the socket
         self._moved: int | None = None  # its last sample
         self._stop = threading.Event()
         # Who uses the ROUTER socket, the monitor and the session's I/O state (the fields above): the
@@ -208,6 +208,7 @@ class WorkerServer:
         else:
             log.warning("the serving thread kept the socket; leaving it open")
         self._main_rx.close(0)
+        self._traffic.close()
 
     def stop(self) -> None:
         """Stop serving (from any thread, or a signal handler)."""
@@ -379,7 +380,7 @@ class WorkerServer:
         if request.kind == protocol.PING:
             alive = admission.heard(request.session)
             # The bytes this worker's connections moved: a large message on a slow link is progress.
-            self._moved = self._traffic.sample()
+            self._moved = self._traffic.latest()
             answer = {"session_alive": alive, "busy": self._computing(), "moved": self._moved}
             session = self._session
             if alive and session is not None and session.id == request.session:
@@ -462,7 +463,7 @@ class WorkerServer:
 
     def _still_moving(self) -> bool:
         """Whether bytes moved since the last heartbeat (which waits behind a large message on an uplink)."""
-        before, self._moved = self._moved, self._traffic.sample()
+        before, self._moved = self._moved, self._traffic.latest()
         return before is not None and self._moved is not None and self._moved - before >= MIN_PROGRESS
 
     # --- serving thread ------------------------------------------------------------------
