@@ -1,7 +1,7 @@
 """Making ZeroMQ sockets, and sending on them. Every socket lrmp opens is made here: the driver's and
 the workers' client sockets (`dealer`), a worker's serving socket (`bind_router`), and the in-process
-channels that wake a thread's loop (`inproc_pull`, `inproc_push`, `wake`); every message of frames
-lrmp sends leaves through `send_frames`.
+channels that wake a thread's loop (`inproc_pull`, `inproc_push`, `wake`); every message lrmp sends
+leaves through `send_frames`, the wake-ups' empty frames aside.
 
 With CURVE keys (`Curve`), every socket encrypts and authenticates: a client socket proves its key
 pair and checks the server's public key; a server socket asks the worker's ZAP handler
