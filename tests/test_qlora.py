@@ -64,8 +64,18 @@ def qlora(base: torch.nn.Module, seed: int = 1) -> H.FineTune:
     return H.FineTune(model, "lm", lr=0.01, optimizer="AdamW")
 
 
-def quantized(path: str, kind: dict = NF4, **kwargs) -> H.FineTune:
-    return qlora(AutoModelForCausalLM.from_pretrained(path, quantization_config=_bnb_config(kind), **kwargs))
+def quantized(path: str, kind: dict = NF4, cpu_repacking: bool = False, **kwargs) -> H.FineTune:
+    """The QLoRA model of ``path``'s files. Unless ``cpu_repacking``, its 4-bit layers keep
+    bitsandbytes' layout on every call: bitsandbytes 0.50 on a CPU with AVX512-BF16 repacks a
+    ``Linear4bit``'s weight for its inference kernel at the first call in eval mode without
+    gradients (a validation step) and keeps it so, and every later call runs that kernel, which
+    computes in bfloat16 and has no backward: the adapters below it would stop learning. A GPU never
+    repacks; the local references compute QLoRA as a GPU does."""
+    model = AutoModelForCausalLM.from_pretrained(path, quantization_config=_bnb_config(kind), **kwargs)
+    for layer in model.modules():
+        if isinstance(layer, bnb.nn.Linear4bit) and not cpu_repacking:
+            layer.support_avx512bf16_for_cpu = False  # read by Linear4bit.forward each call
+    return qlora(model)
 
 
 def adapters(model: H.FineTune) -> dict[str, torch.Tensor]:
@@ -182,6 +192,30 @@ def test_qlora_as_people_write_it_trains_as_locally(llama_dir, microbatches, poo
     trainer(None, 1).validate(local, val)
     trainer(RemoteModelParallelStrategy(hosts=pool[:2], split=["model"]), 1).validate(remote, val)
     assert_same_losses(local.val_losses, remote.val_losses, TOL)
+
+
+def test_a_base_bitsandbytes_repacked_for_a_cpu_kernel_trains_as_its_files_say(llama_dir, pool):
+    """A model validated in this process before a remote fit: on a CPU with AVX512-BF16,
+    bitsandbytes has repacked its 4-bit weights for its inference kernel (another layout, the
+    double quantization undone); the workers get bitsandbytes' layout back, as bitsandbytes itself
+    restores it to save the model (the local reference: repacked, then ``state_dict()``). Where the
+    CPU has no such kernel nothing was repacked, and this is an ordinary QLoRA run."""
+    local, remote = quantized(llama_dir, cpu_repacking=True), quantized(llama_dir, cpu_repacking=True)
+    batch = {k: v for k, v in next(iter(H.padded_data())).items() if k != "cls"}
+    for model in (local, remote):
+        with torch.no_grad():
+            model.model.eval()(**batch)
+        model.model.train()
+    local.model.state_dict()  # bitsandbytes' own layout back, as it saves it
+    for layer in local.modules():
+        if isinstance(layer, bnb.nn.Linear4bit):
+            assert not getattr(layer.weight.quant_state, "packing_format_for_cpu", False)
+            layer.support_avx512bf16_for_cpu = False
+    trainer(None, 2).fit(local, H.padded_data())
+    strategy = RemoteModelParallelStrategy(hosts=pool[:2], split=["model"], microbatches=2)
+    trainer(strategy, 2).fit(remote, H.padded_data())
+    assert_same_losses(local.losses, remote.losses, TOL)
+    assert_same_adapters(local, remote)
 
 
 class InConfigureModel(H.FineTune):

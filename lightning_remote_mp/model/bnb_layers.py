@@ -3,9 +3,9 @@
 torch.export cannot trace a ``Linear4bit`` as it is: its weight is a ``Params4bit``, a tensor
 subclass that fake tensors cannot stand for, and its product is bitsandbytes' autograd Function.
 While a module is exported, `stand_ins` gives each such layer plain tensors in place of its weight
-(the packed values and each tensor of its quantization state, named as bitsandbytes' ``state_dict``
-names them) and a ``forward`` that computes what ``Linear4bit.forward`` computes (the input cast
-to the compute dtype, the bias, the output cast back) with lrmp's ``lrmp::linear_4bit``
+(the packed values and each tensor of its quantization state, in bitsandbytes' layout, named as
+bitsandbytes' ``state_dict`` names them) and a ``forward`` that computes what ``Linear4bit.forward``
+computes (the input cast to the compute dtype, the bias, the output cast back) with lrmp's ``lrmp::linear_4bit``
 (`lightning_remote_mp.model.four_bit`). The module is as it was once the export returns.
 
 A layer on the meta device (``from_pretrained(..., quantization_config=..., device_map="meta")``,
@@ -68,6 +68,21 @@ def _linear4bit_class() -> type | None:
 def _int8_classes() -> tuple[type, ...]:
     nn_modules = sys.modules.get("bitsandbytes.nn.modules")
     return tuple(c for c in (getattr(nn_modules, "Linear8bitLt", None),) if c is not None)
+
+
+def _unpacked_for_cpu(layer: nn.Module) -> None:
+    """Gives ``layer`` bitsandbytes' own layout back if bitsandbytes repacked it for its CPU kernel.
+
+    bitsandbytes (0.50, a CPU with AVX512-BF16) repacks a ``Linear4bit``'s weight at its first call
+    in eval mode without gradients (a local validation step), and undoes the double quantization,
+    until something moves or saves it. That layout is its CPU kernel's alone; undone here as
+    bitsandbytes undoes it for ``.cuda()`` and ``state_dict()``.
+    """
+    state = getattr(layer.weight, "quant_state", None)
+    if getattr(state, "packing_format_for_cpu", False):
+        from bitsandbytes.functional import _convert_weight_packed_for_cpu_inverse
+
+        layer.weight.data, layer.weight.quant_state = _convert_weight_packed_for_cpu_inverse(layer.weight.data, state)
 
 
 def format_of(layer: nn.Module, where: str) -> Format:
@@ -159,6 +174,7 @@ def stand_ins(module: nn.Module, name: str) -> Iterator[StandIns]:
         for path, layer in module.named_modules():
             if not isinstance(layer, linear4bit):
                 continue
+            _unpacked_for_cpu(layer)
             fmt = format_of(layer, f"module {name!r}, {path}")
             names: dict[str, str] = {}
             targets: dict[str, str] = {}
