@@ -65,17 +65,22 @@ def qlora(base: torch.nn.Module, seed: int = 1) -> H.FineTune:
 
 
 def quantized(path: str, kind: dict = NF4, cpu_repacking: bool = False, **kwargs) -> H.FineTune:
-    """The QLoRA model of ``path``'s files. Unless ``cpu_repacking``, its 4-bit layers keep
-    bitsandbytes' layout on every call: bitsandbytes 0.50 on a CPU with AVX512-BF16 repacks a
-    ``Linear4bit``'s weight for its inference kernel at the first call in eval mode without
-    gradients (a validation step) and keeps it so, and every later call runs that kernel, which
-    computes in bfloat16 and has no backward: the adapters below it would stop learning. A GPU never
-    repacks; the local references compute QLoRA as a GPU does."""
+    """The QLoRA model of ``path``'s files; unless ``cpu_repacking``, `keeping_the_layout`."""
     model = AutoModelForCausalLM.from_pretrained(path, quantization_config=_bnb_config(kind), **kwargs)
+    return qlora(model if cpu_repacking else keeping_the_layout(model))
+
+
+def keeping_the_layout(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with its 4-bit layers in bitsandbytes' layout on every call: bitsandbytes 0.50 on a
+    CPU with AVX512-BF16 repacks a ``Linear4bit``'s weight for its inference kernel at the first call
+    in eval mode without gradients (a validation step) and keeps it so, and every later call runs
+    that kernel, which computes in bfloat16 and has no backward: the adapters below it would stop
+    learning. A GPU never repacks; the local references compute QLoRA as a GPU does."""
     for layer in model.modules():
-        if isinstance(layer, bnb.nn.Linear4bit) and not cpu_repacking:
-            layer.support_avx512bf16_for_cpu = False  # read by Linear4bit.forward each call
-    return qlora(model)
+        if isinstance(layer, bnb.nn.Linear4bit):
+            assert not getattr(layer.weight.quant_state, "packing_format_for_cpu", False)
+            layer.support_avx512bf16_for_cpu = False  # read by Linear4bit.forward at each call
+    return model
 
 
 def adapters(model: H.FineTune) -> dict[str, torch.Tensor]:
@@ -207,10 +212,7 @@ def test_a_base_bitsandbytes_repacked_for_a_cpu_kernel_trains_as_its_files_say(l
             model.model.eval()(**batch)
         model.model.train()
     local.model.state_dict()  # bitsandbytes' own layout back, as it saves it
-    for layer in local.modules():
-        if isinstance(layer, bnb.nn.Linear4bit):
-            assert not getattr(layer.weight.quant_state, "packing_format_for_cpu", False)
-            layer.support_avx512bf16_for_cpu = False
+    keeping_the_layout(local.model)
     trainer(None, 2).fit(local, H.padded_data())
     strategy = RemoteModelParallelStrategy(hosts=pool[:2], split=["model"], microbatches=2)
     trainer(strategy, 2).fit(remote, H.padded_data())
