@@ -138,7 +138,7 @@ def child(mode: str, path: str, steps: int) -> None:
                 with torch.device("meta"):
                     base = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.bfloat16)
             if mode != "lrmp-lora-bf16":
-                base = peft.prepare_model_for_kbit_training(base, use_gradient_checkpointing=False)
+                base = peft.prepare_model_for_kbit_training(base)
             torch.manual_seed(1)
             config = peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
             model = peft.get_peft_model(base, config)

@@ -103,7 +103,7 @@ class FineTune(L.LightningModule):
             import peft
 
             model = AutoModelForCausalLM.from_pretrained(path, quantization_config=four_bit(), device_map="meta")
-            model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+            model = peft.prepare_model_for_kbit_training(model)
         else:
             with torch.device("meta"):  # the shapes only: the workers read the weights
                 model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))

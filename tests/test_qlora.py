@@ -57,7 +57,7 @@ def llama_dir(tmp_path_factory) -> str:
 
 def qlora(base: torch.nn.Module, seed: int = 1) -> H.FineTune:
     """The QLoRA recipe as people write it: the 4-bit base prepared, LoRA on the attention."""
-    base = peft.prepare_model_for_kbit_training(base, use_gradient_checkpointing=False)
+    base = peft.prepare_model_for_kbit_training(base)
     torch.manual_seed(seed)
     model = peft.get_peft_model(base, peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
     model.train()  # from_pretrained returns a model in eval mode
@@ -221,10 +221,14 @@ def test_a_base_bitsandbytes_repacked_for_a_cpu_kernel_trains_as_its_files_say(l
 
 
 class InConfigureModel(H.FineTune):
-    """The model made in ``configure_model``, as for big models under Lightning."""
+    """The model made in ``configure_model``, as for big models under Lightning. SGD: computed in
+    bfloat16, two micro-batches' gradients round apart from the whole batch's, and AdamW's normalised
+    step turns that into up to its learning rate on weights whose gradient is near zero: on a CPU with
+    AMX-BF16 the adapters differed by 3e-4 on 5 of 512 weights after 4 steps (at 0f607a1 too), with
+    the losses within 2e-5 and microbatches=1 equal bit for bit."""
 
     def __init__(self, path: str) -> None:
-        super().__init__(torch.nn.Identity(), "lm", lr=0.01, optimizer="AdamW")
+        super().__init__(torch.nn.Identity(), "lm", lr=0.05, optimizer="SGD")
         self.path = path
 
     def configure_model(self) -> None:

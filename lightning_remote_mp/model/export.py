@@ -115,6 +115,8 @@ def export(module: nn.Module, args: tuple, kwargs: dict, name: str, training: bo
             # whose length equals the batch size): every dimension on its own, that argument unclassified.
             with _traceable_experts(module), functions.recording() as seen:
                 ep, unclassified = _export(module, args, kwargs, None), True
+    except TraceError:  # lrmp's own refusal, raised while exporting: it names what to do
+        raise
     except Exception as err:  # torch.export raises many types; all mean "cannot trace this"
         raise TraceError(_export_failure(name, err)) from err
     finally:

@@ -47,6 +47,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
+from torch.utils.checkpoint import checkpoint
 
 from lightning_remote_mp.errors import RefusedOperatorError, SpecError
 from lightning_remote_mp.model.operators import ALLOWED_NAMESPACES, DROPPED_OPERATORS, allowed_operator, refused_why
@@ -597,6 +598,8 @@ class GraphLayer(nn.Module):
             tensor, ``{"scalar": value}`` for a number (a length); `example_inputs` builds inputs
             like them, to time the layer for ``balance="time"``.
         values: on the driver, the tensors themselves (shared with the traced module, not copied).
+        checkpoint: recompute the program at backward when training with gradients, keeping only its
+            inputs (the model's own gradient checkpointing, `lightning_remote_mp.model.gradient_checkpointing`).
     """
 
     def __init__(
@@ -605,9 +608,13 @@ class GraphLayer(nn.Module):
         tensors: Mapping[str, Mapping[str, Any]],
         examples: Sequence[Mapping[str, Any]] = (),
         values: Mapping[str, torch.Tensor] | None = None,
+        checkpoint: bool = False,
     ) -> None:
         super().__init__()
         self.examples = list(examples)
+        if not isinstance(checkpoint, bool):
+            raise SpecError(f"GraphLayer: checkpoint must be true or false, not {checkpoint!r:.60}")
+        self.checkpoint = checkpoint
         if not isinstance(programs, Mapping) or not programs or not set(programs) <= {"train", "eval"}:
             raise SpecError("GraphLayer: programs must map 'train' and/or 'eval' to a program")
         self.programs = {mode: load_program(p, f"GraphLayer {mode} program") for mode, p in programs.items()}
@@ -665,8 +672,12 @@ class GraphLayer(nn.Module):
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         program = self.programs.get("train" if self.training else "eval") or next(iter(self.programs.values()))
         tensors = {**self._parameters, **self._buffers}
+        if self.checkpoint and self.training and torch.is_grad_enabled():
+            # Non-reentrant: the same gradients as the reentrant form, with no input required to need grad.
+            return checkpoint(run, program, inputs, tensors, self._device(inputs), use_reentrant=False)  # type: ignore[no-any-return]
         return run(program, inputs, tensors, self._device(inputs))  # type: ignore[arg-type]
 
     def extra_repr(self) -> str:
         steps = max(len(p.steps) for p in self.programs.values())
-        return f"{steps} steps, {len(self._parameters)} parameters, {len(self._buffers)} buffers"
+        recomputed = ", recomputed at backward" if self.checkpoint else ""
+        return f"{steps} steps, {len(self._parameters)} parameters, {len(self._buffers)} buffers{recomputed}"

@@ -39,6 +39,7 @@ from torch import fx, nn
 from lightning_remote_mp.errors import TraceError
 from lightning_remote_mp.model.bnb_layers import stand_ins
 from lightning_remote_mp.model.export import export
+from lightning_remote_mp.model.gradient_checkpointing import checkpointed_regions, covers
 from lightning_remote_mp.model.graph import LAYER_PATH, MARKERS, TRACED_PYTHON_NAMES, GraphLayer
 from lightning_remote_mp.model.joins import split_means
 from lightning_remote_mp.model.operators import allowed_operator
@@ -308,7 +309,7 @@ def _live(values: list[fx.Node], unit_of: dict[fx.Node, int], n_units: int) -> l
 
 def trace_module(module: nn.Module, args: tuple, kwargs: dict, name: str) -> TracedSequential:
     """Trace ``module`` called with ``args`` and ``kwargs`` and cut it into units (see the module docstring)."""
-    with _traced_on_meta(module), stand_ins(module, name) as four_bit:
+    with _traced_on_meta(module), stand_ins(module, name) as four_bit, checkpointed_regions(module, name) as regions:
         graphs = {"train": export(module, args, kwargs, name, True), "eval": export(module, args, kwargs, name, False)}
     counts = {mode: split_means(gm) for mode, gm in graphs.items()}  # losses joined exactly across micro-batches
     if counts["train"] != counts["eval"]:
@@ -376,12 +377,15 @@ def trace_module(module: nn.Module, args: tuple, kwargs: dict, name: str) -> Tra
             }
             for loc, t in values.items()
         }
-        layer = GraphLayer(programs[k], tensors, examples[k], values=values)
+        # transformers' gradient checkpointing: the unit recomputes at backward (`gradient_checkpointing`)
+        recompute = any(covers(regions, owners[i].partition("@")[0]) for i in group)
+        layer = GraphLayer(programs[k], tensors, examples[k], values=values, checkpoint=recompute)
         layers.append(layer)
         entries.append(
             TracedEntry(
                 LAYER_PATH,
-                {"programs": programs[k], "tensors": tensors, "examples": examples[k]},
+                {"programs": programs[k], "tensors": tensors, "examples": examples[k]}
+                | ({"checkpoint": True} if recompute else {}),
                 tuple(shapes[k]) if len(shapes[k]) != 1 else shapes[k][0],
                 label=labels[k],
             )

@@ -1,0 +1,190 @@
+"""What a long sequence costs a pipeline stage of an LLM (issue #59), locally and on lrmp's workers.
+
+Table 1, gradient checkpointing: a Llama (hidden 256, 8 layers, AdamW) trained on batches of
+4 x 2,048 tokens, with and without transformers' ``gradient_checkpointing_enable()``: locally in one
+process, and through lrmp on two fresh local workers (``microbatches=2``). Each process's peak
+``RssAnon`` (sampled every 2 ms while it trains) above its ``RssAnon`` before ``fit``; the saving is
+the peak without checkpointing minus the peak with it.
+
+Table 2, the loss's logits: a Llama (hidden 64, 2 layers), one sequence of 2,048 tokens, ``labels=``,
+``microbatches=1`` on two workers, at vocabularies of 8,192 and 128,256: the last stage's peak.
+
+    python benchmarks/llm_memory.py            # ~4 min on 2 cores
+    python benchmarks/llm_memory.py --quick    # small shapes: a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import warnings
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import environment, exit_on_sigterm, markdown_table, python, rss_anon, timed_trainer  # noqa: E402
+
+MB = 2**20
+
+
+class PeakSampler:
+    """The peak ``RssAnon`` of some processes, sampled on a thread every ``every`` seconds."""
+
+    def __init__(self, pids: list[int | str], every: float = 0.002) -> None:
+        self.pids, self.every = pids, every
+        self.base = [rss_anon(p) for p in pids]
+        self.peak = list(self.base)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for i, p in enumerate(self.pids):
+                self.peak[i] = max(self.peak[i], rss_anon(p))
+            time.sleep(self.every)
+
+    def __enter__(self) -> PeakSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    @property
+    def rise(self) -> list[float]:
+        return [(p - b) / MB for p, b in zip(self.peak, self.base)]
+
+
+def llama(layers: int, hidden: int, vocab: int, tokens: int) -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=int(hidden * 8 / 3) // 8 * 8,
+        num_hidden_layers=layers,
+        num_attention_heads=max(hidden // 64, 2),
+        num_key_value_heads=max(hidden // 64, 2),
+        max_position_embeddings=tokens,
+    )
+    return LlamaForCausalLM(config)
+
+
+def _module(model: Any) -> Any:
+    import lightning as L
+    import torch
+
+    class FineTune(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            return self.model(batch, labels=batch).loss
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+    return FineTune()
+
+
+def _data(rows: int, tokens: int, vocab: int, steps: int) -> Any:
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    return torch.utils.data.DataLoader(torch.randint(0, vocab, (rows * steps, tokens), generator=g), batch_size=rows)
+
+
+def run(mode: str, layers: int, hidden: int, vocab: int, tokens: int, rows: int, steps: int, gc: bool) -> list[float]:
+    """One training run, ``mode`` "local" or "lrmp": each process's peak rise in MB (the driver, or
+    the workers)."""
+    import torch
+
+    torch.manual_seed(0)
+    model = llama(layers, hidden, vocab, tokens)
+    if gc:
+        model.gradient_checkpointing_enable()
+    module, data = _module(model), _data(rows, tokens, vocab, steps)
+    if mode == "local":
+        with PeakSampler(["self"]) as sampler:
+            timed_trainer("auto", steps, []).fit(module, data)
+        return sampler.rise
+    from lightning_remote_mp import RemoteModelParallelStrategy
+    from lightning_remote_mp.driver.launch import LocalWorkers
+
+    workers = LocalWorkers(2, devices=["cpu"] * 2, threads=1)
+    workers.start()
+    try:
+        strategy = RemoteModelParallelStrategy(hosts=list(workers.addresses), split=["model"], microbatches=2)
+        with PeakSampler([p.pid for p in workers.procs]) as sampler:
+            timed_trainer(strategy, steps, []).fit(module, data)
+        return sampler.rise
+    finally:
+        workers.stop()
+
+
+def child(argv: list[str]) -> None:
+    """Runs one configuration in this process (a fresh one per run) and prints its peaks as JSON."""
+    warnings.filterwarnings("ignore")
+    import logging
+
+    logging.getLogger("lightning").setLevel(logging.ERROR)
+    logging.getLogger("lightning_remote_mp").setLevel(logging.ERROR)
+    spec = json.loads(argv[0])
+    print("RESULT " + json.dumps(run(**spec)), flush=True)
+
+
+def measure(**spec: Any) -> list[float]:
+    out = subprocess.run(
+        [python(), os.path.abspath(__file__), "--child", json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        check=False,
+    )
+    line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
+    if line is None:
+        raise SystemExit(f"a run failed ({spec}):\n{out.stderr[-3000:]}")
+    return json.loads(line[7:])
+
+
+def checkpointing_table(layers: int, hidden: int, tokens: int, rows: int, steps: int) -> str:
+    shape = dict(layers=layers, hidden=hidden, vocab=1024, tokens=tokens, rows=rows, steps=steps)
+    peaks = {(mode, gc): measure(mode=mode, gc=gc, **shape) for mode in ("local", "lrmp") for gc in (False, True)}
+    local_saving = peaks["local", False][0] - peaks["local", True][0]
+    processes = [("local, one process", "local", 0)] + [(f"lrmp stage {s}", "lrmp", s) for s in range(2)]
+    table = []
+    for label, m, i in processes:
+        off, on = peaks[m, False][i], peaks[m, True][i]
+        table.append([label, f"{off:,.0f}", f"{on:,.0f}", f"{off - on:,.0f}"])
+    remote_saving = sum(peaks["lrmp", False]) - sum(peaks["lrmp", True])
+    table.append(["lrmp, both stages", "", "", f"{remote_saving:,.0f} ({remote_saving / local_saving:.2f}x local's)"])
+    header = ["process", "peak rise, no checkpointing (MB)", "with checkpointing (MB)", "saving (MB)"]
+    return (
+        f"Llama hidden {hidden}, {layers} layers, batch {rows} x {tokens} tokens, AdamW, {steps} steps; "
+        "lrmp: 2 workers, microbatches=2\n\n" + markdown_table(header, table)
+    )
+
+
+def main() -> None:
+    if len(sys.argv) > 2 and sys.argv[1] == "--child":
+        child(sys.argv[2:])
+        return
+    exit_on_sigterm()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="small shapes: a smoke run")
+    args = parser.parse_args()
+    print(environment(), flush=True)
+    if args.quick:
+        print(checkpointing_table(layers=2, hidden=64, tokens=128, rows=2, steps=1))
+    else:
+        print(checkpointing_table(layers=8, hidden=256, tokens=2048, rows=4, steps=3))
+
+
+if __name__ == "__main__":
+    main()

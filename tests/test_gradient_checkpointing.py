@@ -1,0 +1,95 @@
+"""transformers' gradient checkpointing on a traced model (issue #59): each checkpointed decoder layer
+recomputed at backward on its worker, as locally; generation, validation and prediction unaffected
+(checkpointing applies to training only); what lrmp cannot honour refused, never dropped.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import lrmp_hf as H  # noqa: E402
+from test_generate import Writes, assert_same_writing  # noqa: E402
+from test_strategy import assert_same_losses, assert_same_weights, trainer  # noqa: E402
+
+from lightning_remote_mp import RemoteModelParallelStrategy  # noqa: E402
+from lightning_remote_mp.errors import TraceError  # noqa: E402
+from lightning_remote_mp.model.trace import trace_module  # noqa: E402
+
+
+def test_checkpointed_layers_are_recomputed_and_generation_in_validation_still_writes(pool):
+    """``gradient_checkpointing_enable()`` as people call it, with ``generate()`` in ``validation_step``
+    before training and after each epoch: losses, weights, validation losses and the words written
+    all equal local training's with checkpointing on."""
+    torch.manual_seed(0)
+    model = H.llama(num_hidden_layers=4)
+    model.gradient_checkpointing_enable()
+    local = Writes(model, lr=0.01, optimizer="AdamW")
+    remote = copy.deepcopy(local)
+    trainer(None, 2, num_sanity_val_steps=1).fit(local, H.padded_data(), H.padded_data(n=4, seed=1))
+    strategy = RemoteModelParallelStrategy(hosts=pool[:2], split=["model"], microbatches=2)
+    trainer(strategy, 2, num_sanity_val_steps=1).fit(remote, H.padded_data(), H.padded_data(n=4, seed=1))
+    assert_same_losses(local.losses, remote.losses, 2e-5)
+    assert_same_losses(local.val_losses, remote.val_losses, 2e-5)
+    assert_same_weights(local, remote, 1e-4)
+    assert_same_writing(local.written, remote.written)
+    assert remote.model.is_gradient_checkpointing  # the user's switch is left as it was
+
+
+def _units(module: torch.nn.Module) -> dict[str, bool]:
+    ids = torch.randint(0, H.VOCAB, (2, 8))
+    traced = trace_module(module, (ids,), {"labels": ids, "use_cache": False}, "model")
+    return {e.label: bool(e.kwargs.get("checkpoint")) for e in traced.entries}
+
+
+@pytest.mark.parametrize("how", ["default", "reentrant", "every_2nd_layer"])
+def test_the_units_of_checkpointed_layers_and_only_those_recompute(how):
+    model = H.llama(num_hidden_layers=4)
+    kwargs = {
+        "default": {},
+        "reentrant": {"gradient_checkpointing_kwargs": {"use_reentrant": True}},
+        "every_2nd_layer": {"every_n_layers": 2},
+    }[how]
+    model.gradient_checkpointing_enable(**kwargs)
+    units = _units(model)
+    layers = [f"model.layers.{i}" for i in range(4)]
+    want = {i: True for i in layers} if how != "every_2nd_layer" else {i: i[-1] in "02" for i in layers}
+    assert {k: v for k, v in units.items() if k in layers} == want
+    assert not any(v for k, v in units.items() if k not in layers)  # embeddings, norm, head: as locally
+    model.gradient_checkpointing_disable()
+    assert not any(_units(model).values())
+
+
+class Blocks(torch.nn.Module):
+    def __init__(self, checkpointed) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
+        self.checkpointed = checkpointed
+
+    def forward(self, x):
+        for i, block in enumerate(self.blocks):
+            x = self.checkpointed(block, x) if i == 1 else block(x)
+        return x
+
+
+def test_code_that_checkpoints_a_module_itself_is_honoured_and_a_plain_function_refused():
+    def checkpointed(block, x):
+        return torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+
+    traced = trace_module(Blocks(checkpointed), (torch.ones(2, 8),), {}, "net")
+    assert [bool(e.kwargs.get("checkpoint")) for e in traced.entries] == [False, True, False]
+
+    def a_function(block, x):
+        return torch.utils.checkpoint.checkpoint(lambda y: block(y) * 2, x, use_reentrant=False)
+
+    with pytest.raises(TraceError, match="not one of its modules or a method of one"):
+        trace_module(Blocks(a_function), (torch.ones(2, 8),), {}, "net")
+
+    from torch.utils.checkpoint import checkpoint  # bound before the trace: lrmp cannot see the call
+
+    with pytest.raises(TraceError, match="imported before the trace"):
+        trace_module(Blocks(lambda block, x: checkpoint(block, x, use_reentrant=False)), (torch.ones(2, 8),), {}, "n")
