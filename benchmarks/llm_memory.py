@@ -100,7 +100,9 @@ def _data(rows: int, tokens: int, vocab: int, steps: int) -> Any:
     return torch.utils.data.DataLoader(torch.randint(0, vocab, (rows * steps, tokens), generator=g), batch_size=rows)
 
 
-def run(mode: str, layers: int, hidden: int, vocab: int, tokens: int, rows: int, steps: int, gc: bool) -> list[float]:
+def run(
+    mode: str, layers: int, hidden: int, vocab: int, tokens: int, rows: int, steps: int, gc: bool, microbatches: int = 2
+) -> list[float]:
     """One training run, ``mode`` "local" or "lrmp": each process's peak rise in MB (the driver, or
     the workers)."""
     import torch
@@ -120,7 +122,9 @@ def run(mode: str, layers: int, hidden: int, vocab: int, tokens: int, rows: int,
     workers = LocalWorkers(2, devices=["cpu"] * 2, threads=1)
     workers.start()
     try:
-        strategy = RemoteModelParallelStrategy(hosts=list(workers.addresses), split=["model"], microbatches=2)
+        strategy = RemoteModelParallelStrategy(
+            hosts=list(workers.addresses), split=["model"], microbatches=microbatches
+        )
         with PeakSampler([p.pid for p in workers.procs]) as sampler:
             timed_trainer(strategy, steps, []).fit(module, data)
         return sampler.rise
@@ -171,6 +175,21 @@ def checkpointing_table(layers: int, hidden: int, tokens: int, rows: int, steps:
     )
 
 
+def logits_table(hidden: int, tokens: int, vocabs: list[int]) -> str:
+    table = []
+    for vocab in vocabs:
+        shape = dict(layers=2, hidden=hidden, vocab=vocab, tokens=tokens, rows=1, steps=2, gc=False)
+        local = measure(mode="local", **shape)[0]
+        stages = measure(mode="lrmp", microbatches=1, **shape)
+        logits = tokens * vocab * 4 / MB
+        table.append([f"{vocab:,}", f"{logits:,.0f}", f"{local:,.0f}", f"{stages[0]:,.0f}", f"{stages[1]:,.0f}"])
+    header = ["vocabulary", "fp32 logits (MB)", "local peak rise (MB)", "lrmp stage 0 (MB)", "lrmp last stage (MB)"]
+    return (
+        f"Llama hidden {hidden}, 2 layers, one sequence of {tokens} tokens, labels=, AdamW, 2 steps; "
+        "lrmp: 2 workers, microbatches=1\n\n" + markdown_table(header, table)
+    )
+
+
 def main() -> None:
     if len(sys.argv) > 2 and sys.argv[1] == "--child":
         child(sys.argv[2:])
@@ -178,12 +197,14 @@ def main() -> None:
     exit_on_sigterm()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small shapes: a smoke run")
+    parser.add_argument("--only", choices=["checkpointing", "logits"], help="one of the two tables")
     args = parser.parse_args()
     print(environment(), flush=True)
-    if args.quick:
-        print(checkpointing_table(layers=2, hidden=64, tokens=128, rows=2, steps=1))
-    else:
-        print(checkpointing_table(layers=8, hidden=256, tokens=2048, rows=4, steps=3))
+    if args.only != "logits":
+        shape = dict(layers=2, hidden=64, tokens=128, rows=2, steps=1) if args.quick else {}
+        print(checkpointing_table(**{**dict(layers=8, hidden=256, tokens=2048, rows=4, steps=3), **shape}), flush=True)
+    if args.only != "checkpointing":
+        print(logits_table(64, 256, [512, 8192]) if args.quick else logits_table(64, 2048, [8192, 128256]))
 
 
 if __name__ == "__main__":

@@ -50,6 +50,7 @@ from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import checkpoint
 
 from lightning_remote_mp.errors import RefusedOperatorError, SpecError
+from lightning_remote_mp.model.head_loss import Head, deferring
 from lightning_remote_mp.model.operators import ALLOWED_NAMESPACES, DROPPED_OPERATORS, allowed_operator, refused_why
 
 #: Operators that leave memory uninitialised: allocators, and ``resize_`` where it grows a tensor.
@@ -615,6 +616,11 @@ class GraphLayer(nn.Module):
         if not isinstance(checkpoint, bool):
             raise SpecError(f"GraphLayer: checkpoint must be true or false, not {checkpoint!r:.60}")
         self.checkpoint = checkpoint
+        #: Set on a last stage's last layer: its logits that only the model's output reads are
+        #: computed when the driver reads them (`lightning_remote_mp.model.head_loss`); ``deferred``
+        #: then holds the last forward's `Head` per output position.
+        self.defer_heads = False
+        self.deferred: dict[int, Head] = {}
         if not isinstance(programs, Mapping) or not programs or not set(programs) <= {"train", "eval"}:
             raise SpecError("GraphLayer: programs must map 'train' and/or 'eval' to a program")
         self.programs = {mode: load_program(p, f"GraphLayer {mode} program") for mode, p in programs.items()}
@@ -675,6 +681,11 @@ class GraphLayer(nn.Module):
         if self.checkpoint and self.training and torch.is_grad_enabled():
             # Non-reentrant: the same gradients as the reentrant form, with no input required to need grad.
             return checkpoint(run, program, inputs, tensors, self._device(inputs), use_reentrant=False)  # type: ignore[no-any-return]
+        if self.defer_heads:
+            with deferring() as heads:
+                out = run(program, inputs, tensors, self._device(inputs))  # type: ignore[arg-type]
+            self.deferred = {i: h for i, v in enumerate(out) for h in heads if v is h.stand_in}
+            return out
         return run(program, inputs, tensors, self._device(inputs))  # type: ignore[arg-type]
 
     def extra_repr(self) -> str:

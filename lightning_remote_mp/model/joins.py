@@ -60,6 +60,8 @@ _LOSSES: dict[str, tuple[int, str]] = {
     "binary_cross_entropy": (3, "elements"),
     "binary_cross_entropy_with_logits": (4, "elements"),
     "soft_margin_loss": (2, "elements"),
+    # lrmp's chunked head and cross-entropy (`lightning_remote_mp.model.head_loss`), made after `split_means`.
+    "linear_cross_entropy": (4, "targets"),
 }
 #: Steps that pass a scalar on unchanged, as far as joining goes.
 _PASSING = {"to", "_to_copy", "clone", "contiguous", "view", "reshape", "alias", "detach", "squeeze", "unsqueeze"}

@@ -14,8 +14,9 @@ An operator of the ``aten`` namespace is allowed (`allowed_operator`) when it is
 
 Outside ATen, a program may name only lrmp's own operators (`OWN_OPERATORS`: ``lrmp::linear_4bit``,
 a 4-bit frozen weight's linear layer, `lightning_remote_mp.model.four_bit`; ``lrmp::kv_cache``, a
-generation's key/value cache on the stage, `lightning_remote_mp.model.kv_cache`), which are part of
-the worker's own code. Other custom operators (Python code registered as an operator), other namespaces
+generation's key/value cache on the stage, `lightning_remote_mp.model.kv_cache`;
+``lrmp::linear_cross_entropy`` and ``lrmp::deferred_linear``, a language model's loss and logits
+without the whole logits, `lightning_remote_mp.model.head_loss`), which are part of the worker's own code. Other custom operators (Python code registered as an operator), other namespaces
 and control-flow operators stay refused: nothing here calls back into user code or reads a file.
 
 >>> import torch
@@ -33,12 +34,12 @@ from collections.abc import Iterable
 
 import torch
 
-from lightning_remote_mp.model import four_bit, kv_cache
+from lightning_remote_mp.model import four_bit, head_loss, kv_cache
 
 #: Operator namespaces whose operators a traced program may call.
 ALLOWED_NAMESPACES = ("aten", "lrmp")
 #: lrmp's own operators, defined in this package: the only ones of the ``lrmp`` namespace a program may call.
-OWN_OPERATORS = {**four_bit.OPERATORS, **kv_cache.OPERATORS}
+OWN_OPERATORS = {**four_bit.OPERATORS, **kv_cache.OPERATORS, **head_loss.OPERATORS}
 #: ATen operators a program may call besides those tagged ``core`` (ATen's core IR, ~160 functional
 #: operators): the composite ones that traced training graphs keep (torch.export's default IR is
 #: pre-dispatch: ``linear``, ``batch_norm``, ``dropout``... stay whole). Reviewed by name: each reads

@@ -41,6 +41,7 @@ from lightning_remote_mp.model.bnb_layers import stand_ins
 from lightning_remote_mp.model.export import export
 from lightning_remote_mp.model.gradient_checkpointing import checkpointed_regions, covers
 from lightning_remote_mp.model.graph import LAYER_PATH, MARKERS, TRACED_PYTHON_NAMES, GraphLayer
+from lightning_remote_mp.model.head_loss import chunk_head_losses
 from lightning_remote_mp.model.joins import split_means
 from lightning_remote_mp.model.operators import allowed_operator
 from lightning_remote_mp.model.refusals import refused, with_user_line
@@ -314,6 +315,7 @@ def trace_module(module: nn.Module, args: tuple, kwargs: dict, name: str) -> Tra
     counts = {mode: split_means(gm) for mode, gm in graphs.items()}  # losses joined exactly across micro-batches
     if counts["train"] != counts["eval"]:
         raise TraceError(f"module {name!r} returns a mean-reduced loss in one of train and eval mode only")
+    chunk_head_losses(graphs["train"], name)  # a language model's training loss without its whole logits
     owners, train_runs, eval_runs = _align(_runs(graphs["train"], module), _runs(graphs["eval"], module), name)
     attrs = [_attrs(t) | _attrs(e) for t, e in zip(train_runs, eval_runs)]
     mutated = _mutated([n for gm in graphs.values() for n in gm.graph.nodes])

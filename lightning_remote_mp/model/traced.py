@@ -26,7 +26,7 @@ from lightning_remote_mp.errors import TraceError
 from lightning_remote_mp.model.entries import LayerEntry
 from lightning_remote_mp.model.graph import GraphLayer
 from lightning_remote_mp.model.joins import Join, join_of
-from lightning_remote_mp.model.spec import Keep, SpecSequential
+from lightning_remote_mp.model.spec import KEEP_BYTES, Keep, SpecSequential
 
 
 @dataclasses.dataclass(frozen=True)
@@ -289,10 +289,14 @@ class Interface:
         classifier's ten logits per row) travel with the result, where a fetch would cost a round
         trip for nothing."""
         batch = [join == "batch" for join in self.joins_out]
+        if any(leaf[0] == "ratio" for leaf in self.out_leaves) or "sum" in self.joins_out:
+            # Traced with a batch of one row, the batch cannot be told: such a call is never split,
+            # and its large outputs (one sequence's logits) stay as well.
+            large = [j == "whole" and b >= KEEP_BYTES for j, b in zip(self.joins_out, self.row_bytes)]
+            keep = [a or b for a, b in zip(batch, large)]
+            return Keep(keep, None) if any(keep) else None
         if not any(batch):
             return None
-        if any(leaf[0] == "ratio" for leaf in self.out_leaves) or "sum" in self.joins_out:
-            return Keep(batch, None)
         return Keep(batch, list(self.row_bytes))
 
     def loss_output(self) -> int | None:

@@ -20,6 +20,7 @@ import torch
 
 from lightning_remote_mp.errors import ProtocolError
 from lightning_remote_mp.flow import DRIVER, Routes
+from lightning_remote_mp.model.head_loss import Head
 from lightning_remote_mp.wire.messages import Backward, Forward
 from lightning_remote_mp.worker.stage import StageExecutor
 from lightning_remote_mp.worker.timeline import EventLog
@@ -64,6 +65,13 @@ class RoutedStage:
         # the output as the loss read it, the loss's value the backward's gradient is for).
         self._losses: dict[tuple[int, int], list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
         self.events: EventLog | None = None  # set while the driver records a timeline
+        # Logits kept as their head's input (`lightning_remote_mp.model.head_loss`), per micro-batch
+        # and output position: the head, its input, whether that needs a gradient; and, once read,
+        # the input as the logits were computed from it and the logits.
+        self._heads: dict[tuple[int, int], dict[int, tuple[Head, torch.Tensor, bool]]] = {}
+        self._read: dict[tuple[int, int], dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+        if self.x_to == DRIVER:
+            stage.defer_heads()
 
     def run_forward(self, parts: dict[int, Forward]) -> tuple[list[Outgoing], Any]:
         """Run a micro-batch's forward (an F action): the messages that take its outputs on, and
@@ -97,6 +105,15 @@ class RoutedStage:
             self.events.span("forward", self.stage.key, self.index, call, mb, started, time.time())
         if first.grad:
             self._needs[(call, mb)] = needs
+        heads = self.stage.take_heads()
+        if heads:
+            flags = out["requires_grad"]["y"]
+            self._heads[(call, mb)] = {p: (h, out["y"][p], first.grad and flags[p]) for p, h in heads.items()}
+            keep = first.keep or []
+            out["y"] = tuple(
+                self._logits(call, mb, p).detach() if p in heads and not (p < len(keep) and keep[p]) else t
+                for p, t in enumerate(out["y"])
+            )
         outgoing: list[Outgoing] = []
         for target, names in self.targets.items():
             main = target == self.x_to
@@ -131,12 +148,35 @@ class RoutedStage:
         if not isinstance(y, tuple) or len(keep) != len(y):
             raise ProtocolError(f"stage {self.index}: 'keep' names {len(keep)} outputs of a model with other outputs")
         self._kept[(call, mb)] = {i: t for i, (t, k) in enumerate(zip(y, keep)) if k}
-        sent = tuple(t.new_empty(0) if k else t for t, k in zip(y, keep))
-        return sent, {i: list(y[i].shape) for i in self._kept[(call, mb)]}
+        heads = self._heads.get((call, mb), {})
+        sent = tuple(
+            t.new_empty(0, dtype=heads[i][0].dtype if i in heads else t.dtype) if k else t
+            for i, (t, k) in enumerate(zip(y, keep))
+        )
+        return sent, {i: heads[i][0].shape(y[i]) if i in heads else list(y[i].shape) for i in self._kept[(call, mb)]}
+
+    def _logits(self, call: int, mb: int, position: int) -> torch.Tensor:
+        """The deferred logits at ``position`` of micro-batch ``(call, mb)``, computed at their first
+        read from the head's input, with a graph to it when a backward is still to come."""
+        read = self._read.setdefault((call, mb), {})
+        if position not in read:
+            head, x, grad = self._heads[(call, mb)][position]
+            with torch.set_grad_enabled((call, mb) in self._needs):
+                leaf = x.detach().requires_grad_(grad)
+                read[position] = (leaf, head.materialize(leaf))
+        return read[position][1]
+
+    def _kept_outputs(self, call: int, mb: int) -> dict[int, Any]:
+        """Micro-batch ``(call, mb)``'s kept outputs, deferred logits computed."""
+        kept = self._kept[(call, mb)]
+        for position in self._heads.get((call, mb), {}):
+            if position in kept and position not in self._read.get((call, mb), {}):
+                kept[position] = self._logits(call, mb, position).detach()
+        return kept
 
     def fetch(self, call: int) -> dict[int, dict[int, Any]]:
         """The outputs kept of ``call``, by micro-batch and position."""
-        return {mb: kept for (c, mb), kept in self._kept.items() if c == call}
+        return {mb: self._kept_outputs(c, mb) for (c, mb) in list(self._kept) if c == call}
 
     def loss(
         self, call: int, position: int, run: Callable[[torch.Tensor, int], tuple], grad: bool, differentiate: int
@@ -144,7 +184,7 @@ class RoutedStage:
         """Run ``run(output, mb)`` (a loss program, `requests.Loss`) over the kept output at
         ``position`` of each micro-batch of ``call``; under ``grad``, keep its graph from the output
         to its value ``differentiate`` for the backward. Returns each micro-batch's values."""
-        kept = {mb: outputs for (c, mb), outputs in self._kept.items() if c == call}
+        kept = {mb: self._kept_outputs(c, mb) for (c, mb) in list(self._kept) if c == call}
         if not kept:
             raise ProtocolError(f"stage {self.index} keeps no outputs of call {call} (released?)")
         out, graphs = {}, {}
@@ -195,18 +235,54 @@ class RoutedStage:
             grads[position] = g if old is None else g + old.to(g.device)
         return tuple(grads)
 
+    def before_step(self) -> None:
+        """Before the optimizer changes the weights: deferred logits still kept and not read keep the
+        head's weight and bias as their forward used them (one copy a step, gone with the outputs),
+        so that logits read after the step are the forward's, as locally."""
+        copies: dict[int, torch.Tensor] = {}
+
+        def as_now(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None or not t.requires_grad:
+                return t
+            return copies.setdefault(id(t), t.detach().clone())
+
+        for key, heads in self._heads.items():
+            unread = [p for p in heads if p in self._kept.get(key, {}) and p not in self._read.get(key, {})]
+            for p in unread:
+                head, x, grad = heads[p]
+                heads[p] = (dataclasses.replace(head, weight=as_now(head.weight), bias=as_now(head.bias)), x, grad)
+
+    def _through_heads(self, call: int, mb: int, grad_out: Any) -> Any:
+        """The output's gradient with each deferred logits' gradient taken back through its head:
+        the gradient of the head's input in its place, the head's weight's accumulated."""
+        heads = self._heads.get((call, mb))
+        if not heads or not isinstance(grad_out, tuple):
+            return grad_out
+        grads = list(grad_out)
+        for position in heads:
+            g = grads[position]
+            if g is None:
+                continue
+            logits = self._logits(call, mb, position)
+            leaf = self._read[(call, mb)][position][0]
+            if logits.requires_grad:
+                torch.autograd.backward(logits, g.to(device=logits.device, dtype=logits.dtype))
+            grads[position] = leaf.grad
+        return tuple(grads)
+
     def release_outputs(self, calls: Iterable[int]) -> None:
         """Forget the outputs kept of these calls (the driver will not read them)."""
         drop = set(calls)
-        for key in [k for k in self._kept if k[0] in drop]:
-            del self._kept[key]
+        for table in (self._kept, self._read):
+            for key in [k for k in table if k[0] in drop]:
+                del table[key]  # type: ignore[attr-defined]
 
     def late_backward(self, call: int, mb: int, parts: dict[int, Backward]) -> list[Outgoing]:
         """A B action with the driver's gradient (the loss was computed there, or over the output)."""
         first = parts[self.x_to]
         grad_out = first.grad_out
         if self.x_to == DRIVER:
-            grad_out = self._with_loss_grads(call, mb, grad_out, first.loss_grads)
+            grad_out = self._through_heads(call, mb, self._with_loss_grads(call, mb, grad_out, first.loss_grads))
         grad_x, grad_imports, needs = self.run_backward(call, mb, grad_out, parts, early=False)
         return self.gradients(first, grad_x, grad_imports, needs)
 
@@ -255,6 +331,6 @@ class RoutedStage:
         """Forget what the stage keeps of these calls: saved forwards, outputs, losses' graphs."""
         drop = set(calls)
         self.stage.release(list(drop))
-        for table in (self._needs, self._kept, self._losses):
+        for table in (self._needs, self._kept, self._losses, self._heads, self._read):
             for key in [k for k in table if k[0] in drop]:
                 del table[key]  # type: ignore[attr-defined]

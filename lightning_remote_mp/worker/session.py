@@ -400,6 +400,8 @@ class WorkerSession:
             )
         for group, values in zip(opt.param_groups, msg.hparams):
             group.update({k: v for k, v in values.items() if k != "params"})
+        for runtime in self.runtimes.values():
+            runtime.route.before_step()  # logits read after the step are still the forward's
         opt.step()
         return None
 

@@ -320,6 +320,22 @@ class StageExecutor:
             "requires_grad": requires_grad,
         }
 
+    def defer_heads(self) -> None:
+        """On the last stage: its last layer's logits that only the model's output reads are kept as
+        their head's input (`lightning_remote_mp.model.head_loss`), `take_heads` after each forward."""
+        last = self._indexed[-1][1] if self._indexed else None
+        if last is not None and hasattr(last, "defer_heads"):
+            last.defer_heads = True
+
+    def take_heads(self) -> dict[int, Any]:
+        """The deferred heads of the last forward, by output position (then forgotten)."""
+        last = self._indexed[-1][1] if self._indexed else None
+        heads = getattr(last, "deferred", None)
+        if not heads:
+            return {}
+        last.deferred = {}  # type: ignore[union-attr]
+        return heads  # type: ignore[no-any-return]
+
     def _main_to_device(self, x: Main, flags: Any) -> Main:
         if isinstance(x, tuple):
             per = flags if isinstance(flags, list) and len(flags) == len(x) else [flags is True] * len(x)
