@@ -16,8 +16,9 @@ Outside ATen, a program may name only lrmp's own operators (`OWN_OPERATORS`: ``l
 a 4-bit frozen weight's linear layer, `lightning_remote_mp.model.four_bit`; ``lrmp::kv_cache``, a
 generation's key/value cache on the stage, `lightning_remote_mp.model.kv_cache`;
 ``lrmp::linear_cross_entropy`` and ``lrmp::deferred_linear``, a language model's loss and logits
-without the whole logits, `lightning_remote_mp.model.head_loss`), which are part of the worker's own code. Other custom operators (Python code registered as an operator), other namespaces
-and control-flow operators stay refused: nothing here calls back into user code or reads a file.
+without the whole logits, `lightning_remote_mp.model.head_loss`), which are part of the worker's own
+code. Other custom operators (Python code registered as an operator), other namespaces and
+control-flow operators stay refused: nothing here calls back into user code or reads a file.
 
 >>> import torch
 >>> allowed_operator(torch.ops.aten.stack.default), allowed_operator(torch.ops.aten.vstack.default)
