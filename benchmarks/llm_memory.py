@@ -101,7 +101,16 @@ def _data(rows: int, tokens: int, vocab: int, steps: int) -> Any:
 
 
 def run(
-    mode: str, layers: int, hidden: int, vocab: int, tokens: int, rows: int, steps: int, gc: bool, microbatches: int = 2
+    mode: str,
+    layers: int,
+    hidden: int,
+    vocab: int,
+    tokens: int,
+    rows: int,
+    steps: int,
+    gc: bool,
+    microbatches: int = 2,
+    split_backward: Any = "auto",
 ) -> list[float]:
     """One training run, ``mode`` "local" or "lrmp": each process's peak rise in MB (the driver, or
     the workers)."""
@@ -113,6 +122,11 @@ def run(
         model.gradient_checkpointing_enable()
     module, data = _module(model), _data(rows, tokens, vocab, steps)
     if mode == "local":
+        # The workers' malloc policy (`lightning_remote_mp.worker.allocator`: freed blocks up to 32 MiB
+        # kept on the heap for the next step), so that the two processes' peaks count alike.
+        from lightning_remote_mp.worker import allocator
+
+        allocator.keep_freed_memory()
         with PeakSampler(["self"]) as sampler:
             timed_trainer("auto", steps, []).fit(module, data)
         return sampler.rise

@@ -6,6 +6,8 @@ recomputed at backward on its worker, as locally; generation, validation and pre
 from __future__ import annotations
 
 import copy
+import threading
+import time
 
 import pytest
 import torch
@@ -93,3 +95,53 @@ def test_code_that_checkpoints_a_module_itself_is_honoured_and_a_plain_function_
 
     with pytest.raises(TraceError, match="imported before the trace"):
         trace_module(Blocks(lambda block, x: checkpoint(block, x, use_reentrant=False)), (torch.ones(2, 8),), {}, "n")
+
+
+class LongSequences(H.FineTune):
+    def training_step(self, batch, batch_idx):
+        return self.model(batch, labels=batch).loss
+
+
+def _peak_rise(workers, module: H.FineTune, data) -> list[float]:
+    """Each worker's peak ``RssAnon`` while ``module`` trains, above what it held before, in MB."""
+    pids = [p.pid for p in workers.procs]
+    base = [_rss_anon(p) for p in pids]
+    peak, done = list(base), threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            for i, p in enumerate(pids):
+                peak[i] = max(peak[i], _rss_anon(p))
+            time.sleep(0.002)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        strategy = RemoteModelParallelStrategy(hosts=workers.addresses, split=["model"])
+        trainer(strategy, 1).fit(module, data)
+    finally:
+        done.set()
+        sampler.join()
+    return [(p - b) / 2**20 for p, b in zip(peak, base)]
+
+
+def test_checkpointing_lowers_each_workers_peak_by_its_layers_activations(start_workers):
+    """Two rows of 2,048 tokens through 8 Llama layers, 4 a stage: with checkpointing each stage keeps
+    its layers' inputs, and one layer's activations at a time at its backward."""
+    data = torch.utils.data.DataLoader(torch.randint(0, H.VOCAB, (2, 2048)), batch_size=2)
+    rises = {}
+    for on in (False, True):
+        torch.manual_seed(0)
+        model = H.llama(num_hidden_layers=8, hidden_size=128, intermediate_size=512, max_position_embeddings=2048)
+        if on:
+            model.gradient_checkpointing_enable()
+        rises[on] = _peak_rise(start_workers(2), LongSequences(model), data)
+    for stage, (off, on) in enumerate(zip(rises[False], rises[True])):
+        # Measured 501 -> 322 MB on stage 0 (a fresh worker's first step costs ~250 MB besides the layers).
+        # Dropped, as at 0f607a1, checkpointing changed the peaks by noise (issue #59: +16 and +44 MB).
+        assert off - on > 0.25 * off, f"stage {stage}: {off:.0f} MB without checkpointing, {on:.0f} MB with it"
+
+
+def _rss_anon(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
