@@ -71,3 +71,45 @@ def test_the_loss_in_chunks_trains_as_locally(case, pool):
     assert_same_losses(local.losses, remote.losses, 1e-5)
     assert_same_losses(local.val_losses, remote.val_losses, 1e-5)
     assert_same_weights(local, remote, 1e-4)
+
+
+def _operators(module: torch.nn.Module) -> dict[str, set[str]]:
+    """The operators of each mode's programs, ``namespace::name``, for a ``labels=`` call."""
+    from lightning_remote_mp.model.trace import trace_module
+
+    ids = torch.randint(0, H.VOCAB, (2, 8))
+    traced = trace_module(module, (ids,), {"labels": ids, "use_cache": False}, "model")
+    return {
+        mode: {f"{s[1][0]}::{s[1][1]}" for e in traced.entries for s in e.kwargs["programs"][mode]["steps"]}
+        for mode in ("train", "eval")
+    }
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "t5"])
+def test_a_causal_and_a_sequence_to_sequence_loss_are_chunked_in_training_only(family):
+    ops = _operators(getattr(H, family)())
+    assert {"lrmp::linear_cross_entropy", "lrmp::deferred_linear"} <= ops["train"]
+    assert "aten::cross_entropy_loss" not in ops["train"]
+    assert "aten::cross_entropy_loss" in ops["eval"] and not any(op.startswith("lrmp::") for op in ops["eval"])
+
+
+class Softcapped(torch.nn.Module):
+    """Reads the logits for more than the loss (a softcap, as Gemma 2's head does): computed whole."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.head = torch.nn.Embedding(H.VOCAB, 8), torch.nn.Linear(8, H.VOCAB)
+
+    def forward(self, ids, labels):
+        logits = self.head(self.embed(ids))
+        logits = 30 * torch.tanh(logits / 30)
+        return torch.nn.functional.cross_entropy(logits.view(-1, H.VOCAB), labels.view(-1)), logits
+
+
+def test_logits_read_by_more_than_the_loss_keep_the_whole_loss():
+    from lightning_remote_mp.model.trace import trace_module
+
+    ids = torch.randint(0, H.VOCAB, (2, 8))
+    traced = trace_module(Softcapped(), (ids, ids), {}, "model")
+    steps = [s[1][1] for e in traced.entries for s in e.kwargs["programs"]["train"]["steps"]]
+    assert "cross_entropy_loss" in steps and "linear_cross_entropy" not in steps
