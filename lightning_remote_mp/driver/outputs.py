@@ -176,15 +176,22 @@ class Kept(torch.Tensor):
     _source: Any
     _position: int
     _read: torch.Tensor | None
-    root: Kept
+    _root: Kept | None  # None for the output itself: a reference to itself would keep it alive until
+    # the cyclic garbage collector ran, and the last stage would keep its value (one call's logits)
+    # as long, and fetch it when the session ends
     steps: tuple[Step, ...]
 
     @staticmethod
     def of(source: Any, position: int, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> Kept:
         """The output at ``position`` of what ``source`` (a `KeptOutputs`) fetches."""
         t = torch.Tensor._make_wrapper_subclass(Kept, tuple(shape), dtype=dtype, device=device)  # type: ignore[attr-defined]
-        t._source, t._position, t._read, t.root, t.steps = source, position, None, t, ()
+        t._source, t._position, t._read, t._root, t.steps = source, position, None, None, ()
         return t
+
+    @property
+    def root(self) -> Kept:
+        """The output as the model returned it, which this one was made from by ``steps``."""
+        return self if self._root is None else self._root
 
     @property
     def position(self) -> int:
@@ -216,7 +223,7 @@ class Kept(torch.Tensor):
         t = torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
             Kept, tuple(meta.shape), dtype=meta.dtype, device=self.device, requires_grad=self.root.requires_grad
         )
-        t._source, t._position, t._read, t.root, t.steps = self._source, self._position, None, self.root, steps
+        t._source, t._position, t._read, t._root, t.steps = self._source, self._position, None, self.root, steps
         return t
 
     @classmethod
