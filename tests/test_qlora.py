@@ -220,6 +220,23 @@ def test_a_base_bitsandbytes_repacked_for_a_cpu_kernel_trains_as_its_files_say(l
     assert_same_adapters(local, remote)
 
 
+def test_qlora_with_checkpointing_on_writes_in_validation_as_locally(llama_dir, pool):
+    """``prepare_model_for_kbit_training``'s default turns transformers' gradient checkpointing on:
+    the workers recompute each decoder layer at its backward, and ``generate()`` in
+    ``validation_step`` (before training and after each epoch) writes what the model writes locally."""
+    from test_generate import Writes, assert_same_writing
+
+    local, remote = (Writes(quantized(llama_dir).model, lr=0.01, optimizer="AdamW") for _ in range(2))
+    assert remote.model.is_gradient_checkpointing
+    val = H.padded_data(n=4, seed=1)
+    trainer(None, 2, num_sanity_val_steps=1).fit(local, H.padded_data(), val)
+    strategy = RemoteModelParallelStrategy(hosts=pool[:2], split=["model"], microbatches=2)
+    trainer(strategy, 2, num_sanity_val_steps=1).fit(remote, H.padded_data(), val)
+    assert_same_losses(local.losses, remote.losses, TOL)
+    assert_same_adapters(local, remote)
+    assert_same_writing(local.written, remote.written)
+
+
 class InConfigureModel(H.FineTune):
     """The model made in ``configure_model``, as for big models under Lightning. SGD: computed in
     bfloat16, two micro-batches' gradients round apart from the whole batch's, and AdamW's normalised
