@@ -84,11 +84,16 @@ def test_every_decoding_mode_writes_what_the_model_writes_in_one_process(family,
     assert_same_writing(want, trainer(strategy, 1).predict(remote, data))
 
 
-def test_generation_in_validation_between_training_steps_shares_the_trained_weights(pool):
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_generation_in_validation_between_training_steps_shares_the_trained_weights(checkpointing, pool):
     """A validation that generates, before training and after each epoch: the losses, the
-    validation losses and the words written all equal local training's."""
+    validation losses and the words written all equal local training's; with transformers' gradient
+    checkpointing on too (the workers recompute each decoder layer; generation runs without it)."""
     torch.manual_seed(0)
-    local = Writes(H.llama(), lr=0.01, optimizer="AdamW")
+    model = H.llama(num_hidden_layers=4)
+    if checkpointing:
+        model.gradient_checkpointing_enable()
+    local = Writes(model, lr=0.01, optimizer="AdamW")
     remote = copy.deepcopy(local)
     trainer(None, 2, num_sanity_val_steps=1).fit(local, H.padded_data(), H.padded_data(n=4, seed=1))
     strategy = RemoteModelParallelStrategy(hosts=pool[:2], split=["model"], microbatches=2)
