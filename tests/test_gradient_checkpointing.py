@@ -125,3 +125,12 @@ def test_checkpointing_lowers_each_workers_peak_by_its_layers_activations(start_
 def _rss_anon(pid: int) -> int:
     with open(f"/proc/{pid}/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
+
+
+def test_checkpointing_that_offloads_says_the_workers_keep_the_inputs_on_their_device(caplog):
+    model = H.llama(num_hidden_layers=2)
+    model.activation_checkpointing_enable(offload=True)
+    with caplog.at_level("WARNING", logger="lightning_remote_mp"):
+        units = _units(model)
+    assert units["model.layers.0"] and units["model.layers.1"]
+    assert "keep what it saves on their own device" in caplog.text

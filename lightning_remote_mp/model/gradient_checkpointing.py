@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -46,6 +47,8 @@ import torch.utils.checkpoint as _torch_checkpoint
 from torch import nn
 
 from lightning_remote_mp.errors import TraceError
+
+log = logging.getLogger(__name__)
 
 #: transformers' base class of the layers it checkpoints (transformers >= 4.52), found by name: the
 #: driver need not have transformers installed.
@@ -73,6 +76,16 @@ def checkpointed_regions(module: nn.Module, name: str) -> Iterator[set[str]]:
         )
     regions = {path for path, _ in layers}
     original = _torch_checkpoint.checkpoint
+    functions = {_unwrapped(getattr(m, "_gradient_checkpointing_func", original)) for _, m in layers}
+    other = [f for f in functions if f is not original]
+    if other:  # transformers' offload=True wraps torch's checkpoint in save_on_cpu
+        log.warning(
+            "module %r: its layers checkpoint through %s, not torch.utils.checkpoint.checkpoint alone "
+            "(transformers' activation_checkpointing_enable(offload=True)?): the workers recompute each "
+            "layer, but keep what it saves on their own device",
+            name,
+            getattr(other[0], "__qualname__", other[0]),
+        )
 
     @functools.wraps(original)
     def recorded(function: Any, *args: Any, **kwargs: Any) -> Any:
@@ -130,6 +143,12 @@ def _swapped(owner: Any, attr: str, value: Any) -> Iterator[None]:
 
 #: ``torch.utils.checkpoint.checkpoint``'s own keywords, not the function's.
 _CHECKPOINT_OPTIONS = ("use_reentrant", "context_fn", "determinism_check", "debug", "preserve_rng_state", "early_stop")
+
+
+def _unwrapped(function: Any) -> Any:
+    while isinstance(function, functools.partial):
+        function = function.func
+    return function
 
 
 def _module_of(function: Any) -> Any:
