@@ -624,6 +624,9 @@ class GraphLayer(nn.Module):
         if not isinstance(programs, Mapping) or not programs or not set(programs) <= {"train", "eval"}:
             raise SpecError("GraphLayer: programs must map 'train' and/or 'eval' to a program")
         self.programs = {mode: load_program(p, f"GraphLayer {mode} program") for mode, p in programs.items()}
+        self.has_heads = any(
+            step.fn is torch.ops.lrmp.deferred_linear.default for p in self.programs.values() for step in p.steps
+        )
         if not isinstance(tensors, Mapping) or not all(isinstance(d, Mapping) for d in tensors.values()):
             raise SpecError("GraphLayer: tensors must map attribute names to {'shape': ..., 'dtype': ...}")
         for name, desc in tensors.items():
@@ -681,7 +684,7 @@ class GraphLayer(nn.Module):
         if self.checkpoint and self.training and torch.is_grad_enabled():
             # Non-reentrant: the same gradients as the reentrant form, with no input required to need grad.
             return checkpoint(run, program, inputs, tensors, self._device(inputs), use_reentrant=False)  # type: ignore[no-any-return]
-        if self.defer_heads:
+        if self.defer_heads and self.has_heads:
             with deferring() as heads:
                 out = run(program, inputs, tensors, self._device(inputs))  # type: ignore[arg-type]
             self.deferred = {i: h for i, v in enumerate(out) for h in heads if v is h.stand_in}
