@@ -108,18 +108,18 @@ def checkpointed_regions(module: nn.Module, name: str) -> Iterator[set[str]]:
             "transformers' gradient_checkpointing_enable(), or the strategy's checkpoint= option"
         )
 
+    swaps: list[tuple[Any, str, Any]] = [(_torch_checkpoint, "checkpoint", recorded)]
     # torch's two implementations, which ``checkpoint`` looks up when it runs: reached only by a call
     # that ``recorded`` did not see.
-    internals = [(c, n) for c, n in ((_torch_checkpoint, "_checkpoint_without_reentrant_generator"),) if hasattr(c, n)]
-    reentrant = getattr(_torch_checkpoint, "CheckpointFunction", None)
+    if hasattr(_torch_checkpoint, "_checkpoint_without_reentrant_generator"):
+        swaps.append((_torch_checkpoint, "_checkpoint_without_reentrant_generator", unseen))
+    if hasattr(_torch_checkpoint, "CheckpointFunction"):
+        swaps.append((_torch_checkpoint.CheckpointFunction, "apply", unseen))
     for _, layer in layers:
         layer.gradient_checkpointing = False
     with contextlib.ExitStack() as undo:
-        undo.enter_context(_swapped(_torch_checkpoint, "checkpoint", recorded))
-        for owner, attr in internals:
-            undo.enter_context(_swapped(owner, attr, unseen))
-        if reentrant is not None:
-            undo.enter_context(_swapped(reentrant, "apply", unseen))
+        for owner, attr, value in swaps:
+            undo.enter_context(_swapped(owner, attr, value))
         try:
             yield regions
         finally:

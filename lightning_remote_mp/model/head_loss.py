@@ -40,12 +40,13 @@ from typing import Any
 import torch
 from torch import fx
 
+from lightning_remote_mp.model.joins import MEAN, SUM, argument, op_name
+
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
 
 #: Logits computed at once (rows of a chunk x vocabulary): 64 MB in float32, a few chunks live at a time.
 CHUNK_ELEMENTS = 2**24
-_MEAN, _SUM = 1, 2  # ATen's reduction enum
 
 
 def _chunks(rows: int, vocab: int) -> Iterator[slice]:
@@ -67,12 +68,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
         count = (target != ignore_index).sum()
         ctx.save_for_backward(x, weight, bias, target, count)
         ctx.reduction, ctx.ignore_index, ctx.dtype = reduction, ignore_index, dtype
-        return total if reduction == _SUM else total / count
+        return total if reduction == SUM else total / count
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         x, weight, bias, target, count = ctx.saved_tensors
-        scale = grad if ctx.reduction == _SUM else grad / count
+        scale = grad if ctx.reduction == SUM else grad / count
         x_ = x.detach().requires_grad_(ctx.needs_input_grad[0])
         w_ = weight.detach().requires_grad_(ctx.needs_input_grad[1])
         b_ = bias.detach().requires_grad_(ctx.needs_input_grad[2]) if bias is not None else None
@@ -170,15 +171,6 @@ OPERATORS = {
 _ROW_PRESERVING = {"to", "_to_copy", "view", "reshape", "_unsafe_view", "contiguous", "clone", "alias"}
 
 
-def _name(node: Any) -> str:
-    schema = getattr(getattr(node, "target", None), "_schema", None)
-    return schema.name.partition("::")[2] if schema is not None else ""
-
-
-def _argument(node: fx.Node, position: int, name: str, default: Any) -> Any:
-    return node.args[position] if len(node.args) > position else node.kwargs.get(name, default)
-
-
 def _val(node: Any) -> Any:
     return node.meta.get("val") if isinstance(node, fx.Node) else None
 
@@ -191,7 +183,7 @@ def chunk_head_losses(gm: fx.GraphModule, name: str) -> int:
     for loss in [n for n in gm.graph.nodes if n.target is aten.cross_entropy_loss.default]:
         chain: list[fx.Node] = []
         node = loss.args[0]
-        while isinstance(node, fx.Node) and _name(node) in _ROW_PRESERVING:
+        while isinstance(node, fx.Node) and op_name(node) in _ROW_PRESERVING:
             chain.append(node)
             node = node.args[0]
         head = node
@@ -202,10 +194,10 @@ def chunk_head_losses(gm: fx.GraphModule, name: str) -> int:
         logits, rows, hidden = _val(head), _val(loss.args[0]), _val(x)
         if not all(isinstance(v, torch.Tensor) for v in (logits, rows, hidden)) or rows.dim() != 2:
             continue
-        if _argument(loss, 2, "weight", None) is not None or _argument(loss, 5, "label_smoothing", 0.0) != 0.0:
+        if argument(loss, 2, "weight", None) is not None or argument(loss, 5, "label_smoothing", 0.0) != 0.0:
             continue  # class weights and smoothing: the rewrite keeps to the plain loss
-        reduction = _argument(loss, 3, "reduction", _MEAN)
-        if reduction not in (_MEAN, _SUM) or rows.shape[-1] != logits.shape[-1]:
+        reduction = argument(loss, 3, "reduction", MEAN)
+        if reduction not in (MEAN, SUM) or rows.shape[-1] != logits.shape[-1]:
             continue
         passed = {head, *chain}
         returned = [v for v in passed if output in v.users]
@@ -221,7 +213,7 @@ def chunk_head_losses(gm: fx.GraphModule, name: str) -> int:
             flat = graph.call_function(aten.reshape.default, (x, [-1, width]))
             flat.meta.update(_meta(head, _val(x).reshape(-1, width)))
         loss.target = torch.ops.lrmp.linear_cross_entropy.default
-        loss.args = (flat, weight, bias, loss.args[1], reduction, _argument(loss, 4, "ignore_index", -100), rows.dtype)
+        loss.args = (flat, weight, bias, loss.args[1], reduction, argument(loss, 4, "ignore_index", -100), rows.dtype)
         loss.kwargs = {}
         if returned:
             (out,) = returned

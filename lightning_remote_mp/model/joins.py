@@ -43,7 +43,7 @@ aten = torch.ops.aten
 #: How one pipeline output joins across the parts of a batch (see the module docstring).
 Join = Literal["batch", "sum", "whole"]
 
-_MEAN, _SUM = 1, 2  # ATen's reduction enum: none, mean, sum
+MEAN, SUM = 1, 2  # ATen's reduction enum: none, mean, sum
 
 #: Losses that take ``reduction`` (with its position in the schema), and how their mean counts:
 #: ``"targets"`` (the targets not ignored, weighted by their class weight, as torch divides) or
@@ -67,13 +67,15 @@ _LOSSES: dict[str, tuple[int, str]] = {
 _PASSING = {"to", "_to_copy", "clone", "contiguous", "view", "reshape", "alias", "detach", "squeeze", "unsqueeze"}
 
 
-def _name(node: Any) -> str:
+def op_name(node: Any) -> str:
+    """An ATen step's operator name without its namespace (``cross_entropy_loss``), ``""`` otherwise."""
     target = getattr(node, "target", None)
     schema = getattr(target, "_schema", None)
     return schema.name.partition("::")[2] if schema is not None else ""
 
 
-def _argument(node: fx.Node, position: int, name: str, default: Any) -> Any:
+def argument(node: fx.Node, position: int, name: str, default: Any) -> Any:
+    """A step's argument at ``position`` or keyword ``name``, ``default`` where the call left it out."""
     if len(node.args) > position:
         return node.args[position]
     return node.kwargs.get(name, default)
@@ -104,8 +106,8 @@ def _count(graph: fx.Graph, loss: fx.Node, counts: str) -> fx.Node:
         if counts != "elements" and source.meta["val"].dim() == target.meta["val"].dim():  # type: ignore[union-attr]
             ones = _insert(graph, ones, aten.select.int, ones, 1, 0)  # (N, C, ...) probabilities: one per sample
         return _insert(graph, ones, aten.sum.default, ones)
-    ignore = _argument(loss, 4, "ignore_index", -100)
-    weight = _argument(loss, 2, "weight", None)
+    ignore = argument(loss, 4, "ignore_index", -100)
+    weight = argument(loss, 2, "weight", None)
     valid = _insert(graph, loss, aten.ne.Scalar, target, ignore)
     if weight is None:
         return _insert(graph, valid, aten.sum.default, valid)
@@ -129,14 +131,14 @@ def split_means(gm: fx.GraphModule) -> dict[int, int]:
         core = _through_passing(leaf)
         if not isinstance(core, fx.Node) or len(core.users) != 1 and core is not leaf:
             continue
-        name = _name(core)
+        name = op_name(core)
         count: fx.Node | None = None
         if name in _LOSSES:
             position, kind = _LOSSES[name]
-            if _argument(core, position, "reduction", _MEAN) != _MEAN:
+            if argument(core, position, "reduction", MEAN) != MEAN:
                 continue
             args = list(core.args) + [None] * max(0, position + 1 - len(core.args))
-            args[position] = _SUM
+            args[position] = SUM
             kwargs = {k: v for k, v in core.kwargs.items() if k != "reduction"}
             core.args, core.kwargs = tuple(_defaults(core, args)), kwargs
             count = _count(gm.graph, core, kind)
@@ -166,7 +168,7 @@ def _defaults(node: fx.Node, args: list[Any]) -> list[Any]:
 
 def _through_passing(node: Any) -> Any:
     """The step a scalar output comes from, past steps that pass it on unchanged (casts, copies)."""
-    while isinstance(node, fx.Node) and _name(node) in _PASSING and node.args:
+    while isinstance(node, fx.Node) and op_name(node) in _PASSING and node.args:
         node = node.args[0]
     return node
 
@@ -181,8 +183,8 @@ def join_of(node: fx.Node, batch: str | None, sums: Sequence[fx.Node] = ()) -> J
     core = _through_passing(node)
     if node in sums or core in sums:
         return "sum"
-    name = _name(core) if isinstance(core, fx.Node) else ""
-    if name in _LOSSES and _argument(core, _LOSSES[name][0], "reduction", _MEAN) == _SUM:
+    name = op_name(core) if isinstance(core, fx.Node) else ""
+    if name in _LOSSES and argument(core, _LOSSES[name][0], "reduction", MEAN) == SUM:
         return "sum"
     if isinstance(core, fx.Node) and core.target == aten.sum.default:
         return "sum"

@@ -184,7 +184,7 @@ class RoutedStage:
         """Run ``run(output, mb)`` (a loss program, `requests.Loss`) over the kept output at
         ``position`` of each micro-batch of ``call``; under ``grad``, keep its graph from the output
         to its value ``differentiate`` for the backward. Returns each micro-batch's values."""
-        kept = {mb: self._kept_outputs(c, mb) for (c, mb) in list(self._kept) if c == call}
+        kept = self.fetch(call)
         if not kept:
             raise ProtocolError(f"stage {self.index} keeps no outputs of call {call} (released?)")
         out, graphs = {}, {}

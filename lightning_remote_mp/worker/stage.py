@@ -320,16 +320,19 @@ class StageExecutor:
             "requires_grad": requires_grad,
         }
 
+    def _last_layer(self) -> nn.Module | None:
+        return self._indexed[-1][1] if self._indexed else None
+
     def defer_heads(self) -> None:
         """On the last stage: its last layer's logits that only the model's output reads are kept as
         their head's input (`lightning_remote_mp.model.head_loss`), `take_heads` after each forward."""
-        last = self._indexed[-1][1] if self._indexed else None
+        last = self._last_layer()
         if last is not None and hasattr(last, "defer_heads"):
             last.defer_heads = True
 
     def take_heads(self) -> dict[int, Any]:
         """The deferred heads of the last forward, by output position (then forgotten)."""
-        last = self._indexed[-1][1] if self._indexed else None
+        last = self._last_layer()
         heads = getattr(last, "deferred", None)
         if not heads:
             return {}
