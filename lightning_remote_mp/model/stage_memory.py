@@ -55,11 +55,11 @@ import torch
 from lightning_remote_mp.errors import ConfigurationError
 from lightning_remote_mp.model.causal_lm import DecoderLayer, Linear, ModelShape
 from lightning_remote_mp.model.four_bit import Format
+from lightning_remote_mp.model.head_loss import CHUNK_ELEMENTS
+from lightning_remote_mp.schedule import check_schedule
 
 QUANTIZATIONS = ("none", "nf4")
 OPTIMIZERS = ("adamw", "sgd")
-#: Schedules as the strategy names them; zero-bubble holds activations as 1F1B does.
-SCHEDULES = ("gpipe", "1f1b", "zero_bubble")
 #: Where the workers keep their stages: a GPU (the plan counts tensors) or the CPU (`CPU_HEAP_OVERHEAD`).
 DEVICES = ("cuda", "cpu")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -68,8 +68,9 @@ NF4_BLOCKSIZE = 64
 #: Bytes a float32 value takes: RMSNorm's upcast input, the loss's log-softmax, attention's log-sum-exp.
 FP32 = 4
 #: The loss in chunks (lrmp's ``labels=`` loss, `lightning_remote_mp.model.head_loss`): tokens per
-#: chunk where that module is missing (lrmp takes ``head_loss.CHUNK_ELEMENTS // vocab``, 64 MB of
-#: float32 logits). A chunk's float32 ``[chunk, vocab]`` buffers alive at once at the loss's backward
+#: chunk of a `Training` made without ``loss_chunk`` (`plan_memory` takes lrmp's own,
+#: ``head_loss.CHUNK_ELEMENTS // vocab``, 64 MB of float32 logits: `lrmp_loss_chunk`).
+#: A chunk's float32 ``[chunk, vocab]`` buffers alive at once at the loss's backward
 #: (the chunk recomputed, its log-softmax, their gradients): 3.0 chunks for the operator alone in one
 #: process, 3.7 to 4.2 on lrmp's workers (a last stage holding the final norm and a frozen head alone,
 #: LoRA, 2 micro-batches of 1,024 or 2,048 tokens, vocabularies 16,384 and 32,768).
@@ -113,12 +114,7 @@ DEQUANTIZE_INDEX_BYTES = 2
 
 
 def lrmp_loss_chunk(vocab: int) -> int:
-    """Tokens per chunk of lrmp's ``labels=`` loss at ``vocab``: ``head_loss.CHUNK_ELEMENTS`` logits
-    (`LOSS_CHUNK` tokens with an lrmp that has no such module)."""
-    try:
-        from lightning_remote_mp.model.head_loss import CHUNK_ELEMENTS
-    except ImportError:
-        return LOSS_CHUNK
+    """Tokens per chunk of lrmp's ``labels=`` loss at ``vocab``: ``head_loss.CHUNK_ELEMENTS`` logits."""
     return max(1, CHUNK_ELEMENTS // max(vocab, 1))
 
 
@@ -154,8 +150,7 @@ class Training:
             raise ConfigurationError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
         if self.device not in DEVICES:
             raise ConfigurationError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
-        if self.schedule not in SCHEDULES:
-            raise ConfigurationError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        check_schedule(self.schedule)  # zero-bubble holds activations as 1F1B does
         if self.double_quant and self.quantization == "none":
             raise ConfigurationError("double_quant quantizes 4-bit scales: it needs quantization='nf4'")
         if self.quantization != "none" and not self.lora_rank:
