@@ -88,9 +88,11 @@ def test_every_decoding_mode_writes_what_the_model_writes_in_one_process(family,
 def test_generation_in_validation_between_training_steps_shares_the_trained_weights(checkpointing, pool):
     """A validation that generates, before training and after each epoch: the losses, the
     validation losses and the words written all equal local training's; with transformers' gradient
-    checkpointing on too (the workers recompute each decoder layer; generation runs without it)."""
+    checkpointing on too (the workers recompute each decoder layer; generation runs without it). Six
+    layers: the trace exports four and copies the others (`lightning_remote_mp.model.repeats`), in
+    training, prefill and decoding."""
     torch.manual_seed(0)
-    model = H.llama(num_hidden_layers=4)
+    model = H.llama(num_hidden_layers=6)
     if checkpointing:
         model.gradient_checkpointing_enable()
     local = Writes(model, lr=0.01, optimizer="AdamW")

@@ -348,7 +348,7 @@ def test_graph_layer_runs_what_it_was_given():
 
 
 def test_a_programs_names_and_constants_never_enter_the_source_it_runs_as(tmp_path):
-    """A program runs as generated Python (`graph._compiled`): its value names, weight names, keyword
+    """A program runs as generated Python (`program_code.compiled`): its value names, weight names, keyword
     names and constants come from the wire, and none of them may reach the compiler."""
     planted = tmp_path / "planted"
     code = f"__import__('os').system('touch {planted}')"

@@ -37,10 +37,10 @@ lightning_remote_mp.errors.RefusedOperatorError: unit 0, step 'y': operator aten
 
 from __future__ import annotations
 
-import contextlib
+import collections
 import dataclasses
 import operator
-import re
+import types
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -52,6 +52,7 @@ from torch.utils.checkpoint import checkpoint
 from lightning_remote_mp.errors import RefusedOperatorError, SpecError
 from lightning_remote_mp.model.head_loss import Head, deferring
 from lightning_remote_mp.model.operators import ALLOWED_NAMESPACES, DROPPED_OPERATORS, allowed_operator, refused_why
+from lightning_remote_mp.model.program_code import DEVICE, Ref, Step, compiled
 
 #: Operators that leave memory uninitialised: allocators, and ``resize_`` where it grows a tensor.
 #: They run zero-filled (`_zero_filled`), so a program never reads memory the worker freed (weights
@@ -155,18 +156,6 @@ _PLAIN = (bool, int, float, str, type(None), torch.dtype)
 _MAX_DEPTH = 8
 
 
-@dataclasses.dataclass(frozen=True)
-class _Ref:
-    name: str
-
-
-class _Device:
-    """Stands for the device the layer runs on (a program traced on the driver's CPU runs on a GPU)."""
-
-
-_DEVICE = _Device()
-
-
 def resolve_operator(target: Any, where: str) -> Callable[..., Any] | None:
     """The callable a step names (``[namespace, name, overload]`` or ``["python", name]``), or
     ``None`` for a step to drop; `RefusedOperatorError` for anything outside the allowlist."""
@@ -252,7 +241,7 @@ def _check_devices(op: Any, args: Sequence[Any], kwargs: Mapping[str, Any], wher
     named = dict(zip((a.name for a in schema.arguments), args))
     named.update(kwargs)
     for arg in schema.arguments:
-        if "Device" in str(arg.type) and named.get(arg.name) not in (None, _DEVICE):
+        if "Device" in str(arg.type) and named.get(arg.name) not in (None, DEVICE):
             raise RefusedOperatorError(f"{where}: argument {arg.name!r} must be the layer's device marker")
 
 
@@ -273,64 +262,12 @@ def _decode_value(value: Any, known: set[str], where: str, depth: int = 0) -> An
         if tag == "ref":
             if item not in known:
                 raise SpecError(f"{where}: refers to {item!r}, which no earlier step or input defines")
-            return _Ref(item)
+            return Ref(item)
         if tag == "device":
-            return _DEVICE
+            return DEVICE
         if tag in MARKERS and item in MARKERS[tag]:
             return MARKERS[tag][item]
     raise SpecError(f"{where}: argument {value!r:.120} is not a value a program may hold")
-
-
-_aten = torch.ops.aten
-#: The ATen operators a traced transformer calls most (a Llama's decode step: ~550 calls), and the
-#: Python bindings of torch that run the same overload on the same arguments, with the most positional
-#: arguments each binding takes alike (``Tensor.to`` takes ``memory_format`` by keyword only). A
-#: binding parses its arguments in generated C++, where an operator's own entry point handles them
-#: generically: ``torch.mul(a, b)`` takes 1-2 microseconds less per call on this project's machines.
-_BINDINGS: dict[Any, tuple[Callable[..., Any], int]] = {
-    _aten.add.Tensor: (torch.add, 2),
-    _aten.mul.Tensor: (torch.mul, 2),
-    _aten.neg.default: (torch.neg, 1),
-    _aten.rsqrt.default: (torch.rsqrt, 1),
-    _aten.pow.Tensor_Scalar: (torch.pow, 2),
-    _aten.mean.dim: (torch.mean, 3),
-    _aten.linear.default: (torch._C._nn.linear, 3),
-    _aten.silu.default: (torch._C._nn.silu, 1),
-    _aten.scaled_dot_product_attention.default: (torch._C._nn.scaled_dot_product_attention, 6),
-    _aten.embedding.default: (torch.embedding, 5),
-    _aten.cat.default: (torch.cat, 2),
-    _aten.view.default: (torch.Tensor.view, 2),
-    _aten.reshape.default: (torch.reshape, 2),
-    _aten.transpose.int: (torch.transpose, 3),
-    _aten.unsqueeze.default: (torch.unsqueeze, 2),
-    _aten.expand.default: (torch.Tensor.expand, 2),
-    _aten.to.dtype: (torch.Tensor.to, 4),
-}
-
-
-@dataclasses.dataclass(frozen=True)
-class _Step:
-    name: str
-    fn: Callable[..., Any]
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
-    drop: tuple[str, ...]  # values no later step or output needs
-    grad: bool | None = None  # run with autograd on or off (a torch.no_grad block), None: as called
-    autocast: tuple[bool, torch.dtype | None] | None = None  # (enabled, dtype) of an autocast block
-
-    @property
-    def call(self) -> Callable[..., Any]:
-        """What runs the step: ``fn``'s Python binding (`_BINDINGS`) where it takes this many
-        positional arguments, else its C++ callable (an ATen operator) or ``fn`` itself."""
-        binding, most = _BINDINGS.get(self.fn, (None, 0))
-        if binding is not None and len(self.args) <= most:
-            return binding
-        return self.fn._op if isinstance(self.fn, torch._ops.OpOverload) else self.fn
-
-    @property
-    def plain(self) -> bool:
-        """No context (grad mode, autocast) to enter."""
-        return self.grad is None and self.autocast is None
 
 
 def _context(value: Any, where: str) -> tuple[bool | None, tuple[bool, torch.dtype | None] | None]:
@@ -359,14 +296,85 @@ class Program:
     inputs: tuple[str, ...]
     scalar_inputs: frozenset[str]
     tensors: dict[str, str]  # value name -> the layer's attribute holding it
-    steps: tuple[_Step, ...]
+    steps: tuple[Step, ...]
     outputs: tuple[str, ...]
     scalar_outputs: frozenset[str]
-    #: The steps as one Python function, made by `_compiled` (see there): ``fn(inputs, tensors, device)``.
-    fn: Callable[..., tuple] = dataclasses.field(init=False, repr=False, compare=False)
+    #: The steps as one Python function, made by `compiled` (see there): ``fn(inputs, tensors, device)``.
+    fn: Callable[..., tuple] = dataclasses.field(repr=False, compare=False)
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "fn", _compiled(self))
+    def bound(self, data: dict[str, Any]) -> Program:
+        """This program for ``data``, a program with the same steps but for its value names and the
+        attributes that hold its weights: its names, the same checked steps and compiled code, and a
+        function that reads its own attributes."""
+        tensors = dict(data.get("tensors", {}))
+        defaults = (tuple(tensors.values()), *self.fn.__defaults__[1:])  # type: ignore[index]
+        fn = types.FunctionType(self.fn.__code__, self.fn.__globals__, "program", defaults)
+        fn.source = self.fn.source  # type: ignore[attr-defined]
+        return Program(
+            tuple(data["inputs"]),
+            frozenset(data.get("scalar_inputs", ())),
+            tensors,
+            self.steps,
+            tuple(data["outputs"]),
+            frozenset(data.get("scalar_outputs", ())),
+            fn,
+        )
+
+
+#: Programs checked in this process, by their content with names left out (`_program_key`): a deep
+#: model's decoder layers are one program, checked and compiled once (issue #60). Bounded: the least
+#: recently used goes first.
+_CHECKED: collections.OrderedDict[str, Program] = collections.OrderedDict()
+_CHECKED_MOST = 1024
+
+
+class _Malformed(Exception):
+    pass
+
+
+def _program_key(data: Any) -> str:
+    """``data``'s content with its value names numbered in order of definition and its attributes
+    left out: two programs with one key run the same operators on the same arguments. `_Malformed`
+    for anything else than a program's plain data (`load_program` then says what is wrong)."""
+    names: dict[str, int] = {}
+
+    def define(name: Any) -> None:
+        if not isinstance(name, str) or name in names:
+            raise _Malformed
+        names[name] = len(names)
+
+    def walk(value: Any) -> Any:
+        if isinstance(value, _PLAIN):
+            return value
+        if isinstance(value, dict):
+            if len(value) == 1 and "ref" in value:
+                return ("ref", names[value["ref"]])
+            return ("dict", tuple((walk(k), walk(v)) for k, v in value.items()))
+        if isinstance(value, (list, tuple)):
+            return (type(value).__name__, tuple(walk(v) for v in value))
+        raise _Malformed
+
+    try:
+        inputs, tensors, steps = data["inputs"], data.get("tensors", {}), data["steps"]
+        for name in (*inputs, *tensors):
+            define(name)
+        if not all(isinstance(a, str) for a in tensors.values()):
+            raise _Malformed
+        shape = []
+        for step in steps:
+            shape.append(tuple(walk(part) for part in step[1:]))
+            define(step[0])
+        key = (
+            [names[n] for n in inputs],
+            sorted(names[n] for n in data.get("scalar_inputs", [])),
+            [names[n] for n in tensors],
+            shape,
+            [names[n] for n in data["outputs"]],
+            sorted(names[n] for n in data.get("scalar_outputs", [])),
+        )
+    except (KeyError, TypeError, IndexError, AttributeError, _Malformed):
+        raise _Malformed from None
+    return repr(key)
 
 
 def _names(value: Any, field: str, where: str) -> list[str]:
@@ -376,7 +384,23 @@ def _names(value: Any, field: str, where: str) -> list[str]:
 
 
 def load_program(data: Any, where: str) -> Program:
-    """Check a program that arrived (see the module docstring) and resolve its operators."""
+    """Check a program that arrived (see the module docstring) and resolve its operators; a program
+    checked before in this process but for its names (the next decoder layer's) is not checked again."""
+    try:
+        key = _program_key(data)
+    except _Malformed:
+        return _check_program(data, where)  # says what is wrong
+    checked = _CHECKED.get(key)
+    if checked is None:
+        checked = _CHECKED[key] = _check_program(data, where)
+        if len(_CHECKED) > _CHECKED_MOST:
+            _CHECKED.popitem(last=False)
+        return checked
+    _CHECKED.move_to_end(key)
+    return checked.bound(data)
+
+
+def _check_program(data: Any, where: str) -> Program:
     if not isinstance(data, dict):
         raise SpecError(f"{where}: a program is a dict, got {type(data).__name__}")
     inputs = _names(data.get("inputs"), "inputs", where)
@@ -415,27 +439,24 @@ def load_program(data: Any, where: str) -> Program:
     scalar_outputs = set(_names(data.get("scalar_outputs", []), "scalar_outputs", where))
     if not scalar_inputs <= set(inputs) or not scalar_outputs <= set(outputs):
         raise SpecError(f"{where}: scalar inputs and outputs must be inputs and outputs")
+    steps = _with_drops(resolved, outputs)
+    fn = compiled(
+        tuple(inputs), frozenset(scalar_inputs), dict(tensors), steps, tuple(outputs), frozenset(scalar_outputs)
+    )
     return Program(
-        tuple(inputs),
-        frozenset(scalar_inputs),
-        dict(tensors),
-        _with_drops(resolved, outputs),
-        tuple(outputs),
-        frozenset(scalar_outputs),
+        tuple(inputs), frozenset(scalar_inputs), dict(tensors), steps, tuple(outputs), frozenset(scalar_outputs), fn
     )
 
 
-def _with_drops(steps: Sequence[tuple[Any, ...]], outputs: Sequence[str]) -> tuple[_Step, ...]:
+def _with_drops(steps: Sequence[tuple[Any, ...]], outputs: Sequence[str]) -> tuple[Step, ...]:
     """The steps to run, each with the values to forget after it; a dropped step (an assertion)
     whose value nothing reads does not run at all."""
-    used = {
-        r.name for _, _, args, kwargs, _ in steps for r in pytree.tree_leaves((args, kwargs)) if isinstance(r, _Ref)
-    }
+    used = {r.name for _, _, args, kwargs, _ in steps for r in pytree.tree_leaves((args, kwargs)) if isinstance(r, Ref)}
     steps = [s for s in steps if s[1] is not _nothing or s[0] in used or s[0] in outputs]
     last_use: dict[str, int] = {}
     for i, (_, _, args, kwargs, _) in enumerate(steps):
         for ref in pytree.tree_leaves((args, kwargs)):
-            if isinstance(ref, _Ref):
+            if isinstance(ref, Ref):
                 last_use[ref.name] = i
     keep = set(outputs)
     drops: dict[int, list[str]] = {}
@@ -443,15 +464,8 @@ def _with_drops(steps: Sequence[tuple[Any, ...]], outputs: Sequence[str]) -> tup
         if name not in keep:
             drops.setdefault(i, []).append(name)
     return tuple(
-        _Step(n, fn, a, k, tuple(drops.get(i, ())), grad, cast) for i, (n, fn, a, k, (grad, cast)) in enumerate(steps)
+        Step(n, fn, a, k, tuple(drops.get(i, ())), grad, cast) for i, (n, fn, a, k, (grad, cast)) in enumerate(steps)
     )
-
-
-def _filled(value: Any) -> bool:
-    """Whether ``value`` holds a reference or the device marker, which a run resolves (`_compiled`)."""
-    if isinstance(value, (list, tuple)):
-        return any(_filled(v) for v in value)
-    return isinstance(value, _Ref) or value is _DEVICE
 
 
 def run(program: Program, inputs: Sequence[Any], tensors: Mapping[str, torch.Tensor], device: torch.device) -> tuple:
@@ -459,108 +473,6 @@ def run(program: Program, inputs: Sequence[Any], tensors: Mapping[str, torch.Ten
     if len(inputs) != len(program.inputs):
         raise SpecError(f"the program takes {len(program.inputs)} inputs, got {len(inputs)}")
     return program.fn(inputs, tensors, device)
-
-
-# --- a program as one Python function -----------------------------------------------------------
-#: The only names the generated source may hold besides its values ``v0, v1, ...``: its own
-#: parameters and the tables that hold everything taken from the program (see `_compiled`).
-_SOURCE_NAMES = frozenset(
-    {"def", "program", "inputs", "tensors", "device", "return", "del", "dict", "zip"}
-    | {"F", "C", "K", "N", "S", "A", "_in_context", "_scalar", "_tensor"}
-)
-_VALUE_NAME = re.compile(r"v[0-9]+")
-#: Any character but those of names, indices, calls, lists and assignments (a quote, say).
-_SOURCE_OTHER = re.compile(r"[^A-Za-z0-9_\[\](){},=*:. \n]")
-
-
-def _scalar(value: Any) -> Any:
-    return value.item() if isinstance(value, torch.Tensor) else value
-
-
-def _tensor(value: Any, device: torch.device) -> torch.Tensor:
-    return torch.tensor(value, device=device)
-
-
-def _compiled(program: Program) -> Callable[..., tuple]:
-    """The program's steps as straight-line Python: each value a local variable (``v7 = F[3](v2,
-    C[5])``), dropped where the program drops it, so the interpreter runs the operator calls and
-    nothing between them. A Llama's decode step (568 steps) took 2.1 ms less than stepping through
-    the program one step at a time (19.9 against 17.8 ms, paired, in one process).
-
-    Nothing the program brings enters the source: its operators, constants, keyword names and the
-    attribute names of its weights sit in tables (``F``, ``C``, ``K``/``N``, ``A``, ``S``) that the
-    source indexes by number, and its value names become ``v0, v1, ...``. The source is checked to
-    hold only those names (`_SOURCE_NAMES`) before it is compiled, so what runs is a function of the
-    program's shape alone: the same operator calls a step-by-step interpreter would make."""
-    slots: dict[str, str] = {}
-    tables: dict[str, list[Any]] = {"F": [], "C": [], "K": [], "N": [], "S": [], "A": []}
-
-    def put(table: str, value: Any) -> str:
-        tables[table].append(value)
-        return f"{table}[{len(tables[table]) - 1}]"
-
-    def define(name: str) -> str:
-        slots[name] = f"v{len(slots)}"
-        return slots[name]
-
-    def expr(value: Any) -> str:
-        if isinstance(value, _Ref):
-            return slots[value.name]
-        if value is _DEVICE:
-            return "device"
-        if isinstance(value, (list, tuple)) and _filled(value):
-            items = ", ".join(expr(v) for v in value)
-            return f"[{items}]" if isinstance(value, list) else f"({items}{',' * (len(value) == 1)})"
-        return put("C", value)
-
-    def keywords(kwargs: Mapping[str, Any]) -> str:
-        if not any(_filled(v) for v in kwargs.values()):
-            return put("K", dict(kwargs))  # unpacked into a fresh dict at each call: the table's stays as it is
-        return f"dict(zip({put('N', tuple(kwargs))}, ({', '.join(expr(v) for v in kwargs.values())},)))"
-
-    # The tables are the function's defaults: local variables inside it, the fastest to read.
-    head = "def program(inputs, tensors, device, F=F, C=C, K=K, N=N, S=S, A=A, _in_context=_in_context, "
-    lines = [head + "_scalar=_scalar, _tensor=_tensor):"]
-    for i, name in enumerate(program.inputs):
-        value = f"_scalar(inputs[{i}])" if name in program.scalar_inputs else f"inputs[{i}]"
-        lines.append(f" {define(name)} = {value}")
-    for name, attr in program.tensors.items():
-        lines.append(f" {define(name)} = tensors[{put('A', attr)}]")
-    for step in program.steps:
-        args = [expr(a) for a in step.args]
-        if step.plain:
-            if step.kwargs:
-                args.append(f"**{keywords(step.kwargs)}")
-            call = f"{put('F', step.call)}({', '.join(args)})"
-        else:
-            kwargs = keywords(step.kwargs) if step.kwargs else "{}"
-            call = f"_in_context({put('S', step)}, device, [{', '.join(args)}], {kwargs})"
-        lines.append(f" {define(step.name)} = {call}")
-        lines.extend(f" del {slots[name]}" for name in step.drop)
-    outputs = [f"_tensor({slots[n]}, device)" if n in program.scalar_outputs else slots[n] for n in program.outputs]
-    lines.append(f" return ({', '.join(outputs)}{',' * (len(outputs) == 1)})")
-    source = "\n".join(lines)
-    names = set(re.findall(r"[A-Za-z_][A-Za-z_0-9]*", source)) - _SOURCE_NAMES
-    strange = {w for w in names if not _VALUE_NAME.fullmatch(w)} | set(_SOURCE_OTHER.findall(source))
-    if strange:  # never: a bug of the generator's
-        raise SpecError(f"a program's generated source holds unexpected names or characters {sorted(strange)[:5]}")
-    namespace: dict[str, Any] = {k: tuple(v) for k, v in tables.items()}
-    # The usual builtins: an operator that imports from C (``PyImport_Import``) reads them from this frame.
-    namespace.update(_in_context=_in_context, _scalar=_scalar, _tensor=_tensor)
-    exec(compile(source, "<lrmp program>", "exec"), namespace)  # noqa: S102 (the source is checked above)
-    fn = namespace["program"]
-    fn.source = source  # for a reader (and the tests): what runs
-    return fn  # type: ignore[no-any-return]
-
-
-def _in_context(step: _Step, device: torch.device, args: Any, kwargs: Any) -> Any:
-    grad: Any = torch.set_grad_enabled(step.grad) if step.grad is not None else contextlib.nullcontext()
-    cast: Any = contextlib.nullcontext()
-    if step.autocast is not None:
-        enabled, dtype = step.autocast
-        cast = torch.autocast(device.type, dtype=dtype, enabled=enabled)
-    with grad, cast:
-        return step.call(*args, **kwargs)
 
 
 def _shape(value: Any, where: str) -> tuple[int, ...]:

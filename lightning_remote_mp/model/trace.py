@@ -37,6 +37,7 @@ import torch
 from torch import fx, nn
 
 from lightning_remote_mp.errors import TraceError
+from lightning_remote_mp.model import repeats
 from lightning_remote_mp.model.bnb_layers import stand_ins
 from lightning_remote_mp.model.export import export
 from lightning_remote_mp.model.gradient_checkpointing import checkpointed_regions, covers
@@ -311,7 +312,7 @@ def _live(values: list[fx.Node], unit_of: dict[fx.Node, int], n_units: int) -> l
 def trace_module(module: nn.Module, args: tuple, kwargs: dict, name: str) -> TracedSequential:
     """Trace ``module`` called with ``args`` and ``kwargs`` and cut it into units (see the module docstring)."""
     with _traced_on_meta(module), stand_ins(module, name) as four_bit, checkpointed_regions(module, name) as regions:
-        graphs = {"train": export(module, args, kwargs, name, True), "eval": export(module, args, kwargs, name, False)}
+        graphs = _exports(module, args, kwargs, name, regions)
     counts = {mode: split_means(gm) for mode, gm in graphs.items()}  # losses joined exactly across micro-batches
     if counts["train"] != counts["eval"]:
         raise TraceError(f"module {name!r} returns a mean-reduced loss in one of train and eval mode only")
@@ -407,6 +408,30 @@ def trace_module(module: nn.Module, args: tuple, kwargs: dict, name: str) -> Tra
     traced.quantized = quantized
     traced.batched = (call.batched_in, call.joins_out)
     return traced
+
+
+def _exports(module: nn.Module, args: tuple, kwargs: dict, name: str, regions: set[str]) -> dict[str, fx.GraphModule]:
+    """``module`` exported in train and in eval mode; a run of blocks alike at four of its blocks
+    (`lightning_remote_mp.model.repeats`), else whole."""
+    runs = repeats.find_runs(module)
+    if runs:
+        try:
+            with repeats.shallow(runs):
+                graphs = {mode: export(module, args, kwargs, name, mode == "train") for mode in ("train", "eval")}
+            for gm in graphs.values():
+                repeats.expand(gm, runs)
+            regions |= repeats.copied_paths(regions, runs)
+            log.debug(
+                "module %r: %s",
+                name,
+                "; ".join(
+                    f"{r.block(r.keys[3])}..{r.block(r.keys[-2])} copied from {r.block(r.keys[2])}" for r in runs
+                ),
+            )
+            return graphs
+        except (repeats.NotAlike, TraceError) as why:
+            log.info("module %r: its repeated blocks are traced one by one: %s", name, why)
+    return {"train": export(module, args, kwargs, name, True), "eval": export(module, args, kwargs, name, False)}
 
 
 @contextlib.contextmanager
