@@ -116,7 +116,8 @@ def run_child(layers: int, variant: str, steps: int, base: str | None, timeout: 
     if variant == "base":
         env["PYTHONPATH"] = base + os.pathsep + env.get("PYTHONPATH", "")
     cmd = [_common.python(), os.path.abspath(__file__), "--child", str(layers), variant, "--steps", str(steps)]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=base or None)
+    cwd = base if variant == "base" else None
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=cwd)
     lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
     if out.returncode or not lines:
         raise RuntimeError(f"{layers} layers, {variant}: exit {out.returncode}\n{out.stderr[-3000:]}")
