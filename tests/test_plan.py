@@ -5,6 +5,7 @@ wrong, and one prediction against a real worker's measured peak."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -227,6 +228,65 @@ def test_the_split_keeps_the_fullest_stage_emptiest_against_each_worker_s_memory
     even = P.plan_memory(tiny(num_hidden_layers=8), memory=["1GB", "1GB"], seq_len=1024)
     lopsided = P.plan_memory(tiny(num_hidden_layers=8), memory=["3GB", "1GB"], seq_len=1024)
     assert len(lopsided.stages[0].layers) > len(even.stages[0].layers)
+
+
+# --- the strategy ------------------------------------------------------------------------------
+def _fit_tiny(hosts, caplog, seq_len: int, layers: int = 6, microbatches: int = 2):
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    from lightning_remote_mp import RemoteModelParallelStrategy
+
+    config = tiny(num_hidden_layers=layers)
+
+    class FineTune(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.model = transformers.LlamaForCausalLM(config)
+
+        def training_step(self, batch, batch_idx):
+            return self.model(input_ids=batch, labels=batch).loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+    data = torch.randint(0, 1000, (microbatches, seq_len), generator=torch.Generator().manual_seed(0))
+    trainer = L.Trainer(
+        max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0,
+        strategy=RemoteModelParallelStrategy(hosts=hosts, split=["model"], microbatches=microbatches),
+    )  # fmt: skip
+    with caplog.at_level(logging.INFO, logger="lightning_remote_mp"):
+        trainer.fit(FineTune(), DataLoader(data, batch_size=microbatches))
+    return config
+
+
+def test_the_strategy_cuts_a_traced_llm_by_its_plan_and_logs_it(pool, caplog):
+    """``balance="memory"`` (the default) on a traced causal LM: the plan's table is logged at
+    setup, and the stages hold the decoder layers the plan gives them (the same numbers as
+    ``lrmp-plan``'s for the model's config, the call's tokens and the workers' free memory)."""
+    config = _fit_tiny(pool[:2], caplog, seq_len=32)
+    said = caplog.text
+    assert "balance='memory' cuts it by its memory plan" in said and "| stage | holds" in said
+    # the workers' free memory is alike: the split that keeps the fullest stage emptiest is the same
+    plan = P.plan_memory(config, stages=2, seq_len=32, microbatches=2, device="cpu")
+    second = plan.stages[1].layers.start
+    placed = said[said.index("traced module 'model' placed:") :]
+    stage1 = next(line for line in placed.splitlines() if line.startswith("stage 1"))
+    assert f"(model.layers.{second}," in stage1 or f"(model.layers.{second})" in stage1, (stage1, plan.table())
+
+
+def test_the_strategy_refuses_a_model_its_plan_says_cannot_fit(pool, caplog):
+    """A call whose activations the plan counts far beyond the workers' free memory (a 200,000-token
+    sequence: its causal mask alone is 160 GB a layer) is refused before any tensor moves, with the
+    plan and what would change it. (One micro-batch: with two, the driver would first run the call's
+    first rows through the units to check the batch's split.)"""
+    from lightning_remote_mp.errors import SpecError
+
+    with pytest.raises(SpecError, match="does not fit its workers' memory by its plan") as err:
+        _fit_tiny(pool[:2], caplog, seq_len=200_000, layers=2, microbatches=1)
+    assert "Does NOT fit" in str(err.value) and "gradient checkpointing" in str(err.value)
 
 
 # --- against a worker -------------------------------------------------------------------------

@@ -55,6 +55,10 @@ from lightning_remote_mp.model.stage_memory import (
 )
 
 log = logging.getLogger(__name__)
+#: How far over a worker's free memory a stage's plan may be before the strategy refuses to start
+#: (below it, a warning): the plan is within about 20% of the peaks workers measure
+#: (``benchmarks/memory_plan.py``), and a false refusal costs a run that would have fitted.
+PLAN_MARGIN = 1.25
 
 _UNITS = {"": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4}
 _UNITS.update({"ki": 1024, "mi": 1024**2, "gi": 1024**3, "ti": 1024**4})
@@ -476,3 +480,89 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def plan_traced(
+    module: Any,
+    *,
+    microbatches: int,
+    schedule: str,
+    optimizer: str | None,
+    free: Sequence[int | None],
+    device: str,
+) -> tuple[MemoryPlan, list[int]] | None:
+    """The plan of a traced HuggingFace causal LM as the strategy trains it (``balance="memory"``):
+    the same numbers as `plan_memory`'s, from the module itself (its config, its dtypes, its LoRA
+    adapters and 4-bit weights, its checkpointing, the traced call's tokens) and the strategy's
+    options, with the units each stage gets; ``None`` for a module the plan does not know (not a
+    causal LM transformers can build from its config, units that are not one per decoder layer)."""
+    owner = getattr(module, "_owner", None)
+    config = getattr(owner, "config", None)
+    if config is None or not hasattr(config, "to_dict"):
+        return None
+    try:
+        shape = model_shape(config)
+    except (ConfigurationError, ImportError) as err:
+        log.debug("no memory plan for %s: %s", type(owner).__name__, err)
+        return None
+    layers = _decoder_units(module, shape)
+    if layers is None:
+        return None
+    params = dict(owner.named_parameters())
+    lora = [(n, p) for n, p in params.items() if ".lora_A." in n]
+    formats = [fmt for _, _, fmt in getattr(module, "quantized", {}).values()]
+    decoder = [p for n, p in params.items() if f"{shape.layers_path}." in n and ".lora_" not in n]
+    dtype = formats[0].dtype if formats else max(decoder, key=lambda p: p.numel()).dtype
+    tokens = _tokens(module)
+    if tokens is None:
+        return None
+    rows, seq_len = tokens
+    embeddings = owner.get_input_embeddings() if hasattr(owner, "get_input_embeddings") else None
+    t = Training(
+        dtype=dtype if dtype in DTYPES.values() else torch.float32,
+        quantization="nf4" if formats else "none",
+        double_quant=bool(formats and formats[0].nested),
+        lora_rank=int(lora[0][1].shape[0]) if lora else 0,
+        lora_targets=tuple(sorted({n.split(".lora_A.")[0].rsplit(".", 1)[-1] for n, _ in lora})) or None,
+        adapter_dtype=lora[0][1].dtype if lora else torch.float32,
+        frozen_dtype=getattr(getattr(embeddings, "weight", None), "dtype", None) if lora else None,
+        optimizer=optimizer or "adamw",
+        seq_len=seq_len,
+        rows=max(1, -(-rows // microbatches)),
+        microbatches=microbatches,
+        schedule=schedule,
+        checkpointing=any(e.kwargs.get("checkpoint") for e in module.entries),
+        loss_chunk=lrmp_loss_chunk(shape.vocab),
+        device="cpu" if device == "cpu" else "cuda",
+    )
+    try:
+        stages = split_stages(shape, t, free)
+    except ConfigurationError:
+        return None
+    first, last = layers[0], layers[-1]
+    counts = [len(s.layers) + (first if s.index == 0 else 0) for s in stages]
+    counts[-1] += len(module.entries) - last - 1
+    if min(counts) < 1:
+        return None
+    return MemoryPlan(shape, t, stages), counts
+
+
+def _decoder_units(module: Any, shape: ModelShape) -> list[int] | None:
+    """The units that are the decoder layers 0, 1, ... in order, one each (their labels end in
+    ``model.layers.<i>``); ``None`` where they are not."""
+    pattern = re.compile(rf"(?:^|\.){re.escape(shape.layers_path)}\.(\d+)$")
+    found = [(k, m) for k, e in enumerate(module.entries) if (m := pattern.search(e.label or ""))]
+    if [int(m.group(1)) for _, m in found] != list(range(len(shape.layers))):
+        return None
+    units = [k for k, _ in found]
+    return units if units == list(range(units[0], units[0] + len(units))) else None
+
+
+def _tokens(module: Any) -> tuple[int, int] | None:
+    """The traced call's rows and tokens per row: its first two-dimensional integer input (the ids)."""
+    for entry in module.entries[:1]:
+        for example in entry.kwargs.get("examples", ()):
+            shape, dtype = example.get("shape"), example.get("dtype")
+            if shape and len(shape) == 2 and dtype in (torch.int64, torch.int32):
+                return int(shape[0]), int(shape[1])
+    return None

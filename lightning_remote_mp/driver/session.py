@@ -19,6 +19,7 @@ True
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import subprocess
@@ -30,6 +31,7 @@ import torch
 from lightning_remote_mp.driver import ties
 from lightning_remote_mp.driver.groups import Groups
 from lightning_remote_mp.driver.links import WorkerLinks
+from lightning_remote_mp.driver.memory_plan import PLAN_MARGIN, plan_traced
 from lightning_remote_mp.driver.optim import Holder, OptimizerMirror
 from lightning_remote_mp.driver.options import Topology, check_split_backward
 from lightning_remote_mp.driver.pipeline import RemoteSpec, RemoteStage, check_checkpoint_mode
@@ -62,6 +64,16 @@ from lightning_remote_mp.wire.transport import (
 )
 
 log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Trains:
+    """How the strategy trains a module it places, as a memory plan counts it (`plan_traced`)."""
+
+    microbatches: int = 1
+    schedule: str = "gpipe"
+    optimizer: str | None = None  # "adamw", "sgd"; None: not known (AdamW's state is counted)
+
 
 Balance = Sequence[int] | str | None
 #: A stage's tensors as `placement.stage_weights` gives them: those sent, and those its worker reads from files.
@@ -135,15 +147,22 @@ class DriverSession(WorkerLinks):
         what: str = "SpecSequential",
         compute: Sequence[float] | None = None,
         training: bool = True,
+        trains: Trains | None = None,
     ) -> list[partition.Stage]:
         """Cut ``module`` into one stage per worker (see the strategy's ``balance``); refuse a split
         whose stage cannot fit its worker's free memory (``training``: with gradients and optimizer
-        state). ``compute``: each layer's estimated cost (from `preflight`), computed here when not given."""
+        state). ``compute``: each layer's estimated cost (from `preflight`), computed here when not given.
+        A traced causal LM trained with ``balance="memory"`` is cut by its memory plan (`plan_traced`,
+        ``trains`` saying how), which is logged."""
         n_layers, n_stages = len(module.layers), self.topology.stages
         if n_layers < n_stages:
             raise SpecError(f"{what} has {n_layers} layers but there are {n_stages} workers; each stage needs a layer")
-        layer_bytes = [partition.estimate_layer_bytes(e, m, training) for e, m in zip(module.entries, module.layers)]
         free = self.stage_free_memory()
+        if training and trains is not None and balance in (None, "memory"):
+            counts = self._by_plan(module, what, free, trains)
+            if counts is not None:
+                return partition.plan_stages(counts, module.wiring)
+        layer_bytes = [partition.estimate_layer_bytes(e, m, training) for e, m in zip(module.entries, module.layers)]
         if balance is None or balance == "memory":
             compute = list(compute) if compute is not None else checked_for_workers(module, what)
             budgets = [f if f > 0 else math.inf for f in free]
@@ -180,6 +199,36 @@ class DriverSession(WorkerLinks):
             counts = partition.check_balance(balance, n_layers, n_stages, what)
         self._check_memory(what, counts, layer_bytes, free, training)
         return partition.plan_stages(counts, module.wiring)
+
+    def _by_plan(self, module: SpecSequential, what: str, free: Sequence[float], trains: Trains) -> list[int] | None:
+        """The units per stage of a traced causal LM's memory plan, which is logged; refuse a plan
+        whose stage needs more than its worker's free memory beyond the plan's measured error
+        (`PLAN_MARGIN`), warn within it. ``None``: no plan for this module."""
+        devices = {str(w.get("device", "cpu")).split(":")[0] for w in self.workers}
+        planned = plan_traced(
+            module,
+            microbatches=trains.microbatches,
+            schedule=trains.schedule,
+            optimizer=trains.optimizer,
+            free=[int(f) or None for f in free],
+            device="cpu" if devices == {"cpu"} else "cuda",
+        )
+        if planned is None:
+            return None
+        plan, counts = planned
+        log.info("%s: balance='memory' cuts it by its memory plan: %s\n%s", what, plan.describe(), plan.table())
+        over = [s for s in plan.stages if s.free and s.needs > s.free]
+        if any(s.needs > PLAN_MARGIN * s.free for s in over):  # type: ignore[operator]
+            raise SpecError(f"{what} does not fit its workers' memory by its plan:\n{plan.report()}")
+        if over:
+            log.warning(
+                "%s: by its memory plan, stage %s may not fit its worker's free memory (the plan is within "
+                "about 20%% of what workers measure):\n%s",
+                what,
+                ", ".join(str(s.index) for s in over),
+                "\n".join(f"- {line}" for line in plan.advice()),
+            )
+        return counts
 
     def _free_of(self, address: str) -> float:
         return float(self.workers[self.addresses.index(address)].get("free_memory") or 0.0)
@@ -225,6 +274,7 @@ class DriverSession(WorkerLinks):
         schedule: str = "gpipe",
         sources: WeightSources | None = None,
         borrows: str | None = None,
+        optimizer: str | None = None,
     ) -> None:
         """Ship ``module``'s layers to the workers and make its forward run there, each batch split
         into ``microbatches`` flowing through the stages. ``split_backward``: defer linear layers'
@@ -234,7 +284,8 @@ class DriverSession(WorkerLinks):
         ``compression``: `wire.protocol.COMPRESSIONS`. ``schedule``: `lightning_remote_mp.schedule`.
         ``sources``: safetensors files the workers read tensors from (`WeightSources`); the driver
         sends only the rest. ``borrows``: a placed module's key whose units and tensors ``module``'s
-        are (another call signature of a traced module; kept in that placement's ``views``)."""
+        are (another call signature of a traced module; kept in that placement's ``views``).
+        ``optimizer``: ``"adamw"`` or ``"sgd"``, the state a memory plan counts (`Trains`)."""
         check_split_backward(split_backward)
         check_schedule(schedule)
         if key in self.placements:
@@ -244,7 +295,8 @@ class DriverSession(WorkerLinks):
         what = f"{module.kind} {key!r}"
         if checked is None:
             checked = checked_for_workers(module, what)
-        stages = self._cut(module, what, lender, balance, checked, training)
+        trains = Trains(microbatches, schedule, optimizer)
+        stages = self._cut(module, what, lender, balance, checked, training, trains)
         if lender is None:
             _refuse_dropping_training(module, what, sources)
         log.info(
@@ -294,11 +346,12 @@ class DriverSession(WorkerLinks):
         balance: Balance,
         checked: Sequence[float],
         training: bool,
+        trains: Trains | None = None,
     ) -> list[partition.Stage]:
         """``module``'s stages: planned (`plan`), or a view's, its lender's cut (each stage holds the
         same units, so the same tensors); each within what its workers accept (``--max-layers``)."""
         if lender is None:
-            stages = self.plan(module, balance, what, compute=checked, training=training)
+            stages = self.plan(module, balance, what, compute=checked, training=training, trains=trains)
         else:
             stages = partition.plan_stages([len(rs.stage.layer_indices) for rs in lender.remote.stages], module.wiring)
         for stage, conn in ((stage, row[stage.index]) for row in self.grid for stage in stages):

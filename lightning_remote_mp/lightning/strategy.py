@@ -89,7 +89,9 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
             on loopback (see ``local_workers``) and stops them at teardown.
         balance: layers per stage (e.g. ``[5, 4]``); ``"memory"`` (the default) keeps every stage within
             its worker's free device memory and, among such splits, evens out the estimated compute
-            (FLOPs from a dry run on the meta device); ``"parameters"`` evens out parameter counts;
+            (FLOPs from a dry run on the meta device); a traced HuggingFace causal LM is cut by its
+            memory plan instead (``lrmp-plan``'s numbers, logged at its first call: docs/big_models.md);
+            ``"parameters"`` evens out parameter counts;
             ``"time"`` times each layer (forward and backward at its example input shape) on every
             worker and minimises the slowest stage, logging the predicted stage times. With several
             SpecSequentials, a dict from their names to one of these. For a module traced with
@@ -450,9 +452,21 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
             schedule=self.schedule,
             sources=sources,
             borrows=key if view else None,
+            optimizer=self._optimizer_kind(),
         )
         if not view:
             mark_placed(module)
+
+    def _optimizer_kind(self) -> str | None:
+        """The optimizer state a memory plan counts: plain SGD's none, else AdamW's two moments (SGD's
+        momentum, one, is counted as two)."""
+        if not self.optimizers:
+            return None
+        plain = all(
+            isinstance(o, torch.optim.SGD) and not any(g.get("momentum") for g in o.param_groups)
+            for o in self.optimizers
+        )
+        return "sgd" if plain else "adamw"
 
     def _place_traced(self, key: str, balance: Any, fitting: bool, module: TracedSequential, view: str = "") -> None:
         """Ship a module traced at its first call; its optimizers are mirrored from then on. A ``view``:
