@@ -163,3 +163,26 @@ def test_a_program_is_checked_once_and_serves_every_layer_with_its_own_weights()
         layers[1].b_weight.copy_(2 * torch.eye(2))
     x = torch.ones(1, 2)
     assert layers[0]((x,))[0].tolist() == [[3.0, 3.0]] and layers[1]((x,))[0].tolist() == [[6.0, 6.0]]
+
+
+def test_layers_whose_programs_differ_by_their_cache_position_share_one_check():
+    """A decode step's program of layer 7 is layer 3's but for the position its key/value cache
+    operator names: checked once, each running with its own position."""
+    from lightning_remote_mp.model import kv_cache
+
+    def program(layer: int) -> dict:
+        return {
+            "inputs": ["k", "v", "n"],
+            "scalar_inputs": ["n"],
+            "steps": [["kv", ["lrmp", "kv_cache", "default"], [{"ref": "k"}, {"ref": "v"}, layer, {"ref": "n"}], {}]],
+            "outputs": ["kv"],
+        }
+
+    three, seven = graph.load_program(program(3), "layer 3"), graph.load_program(program(7), "layer 7")
+    assert three.steps is seven.steps
+    store = kv_cache.KVStore(capacity=4)
+    k = torch.ones(1, 1, 2, 2)
+    with kv_cache.active(store):
+        graph.run(three, (k, k, 2), {}, torch.device("cpu"))
+        graph.run(seven, (2 * k, k, 2), {}, torch.device("cpu"))
+    assert store.length(3) == 2 and store.length(7) == 2

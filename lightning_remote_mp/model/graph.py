@@ -307,7 +307,8 @@ class Program:
         attributes that hold its weights: its names, the same checked steps and compiled code, and a
         function that reads its own attributes."""
         tensors = dict(data.get("tensors", {}))
-        defaults = (tuple(tensors.values()), *self.fn.__defaults__[1:])  # type: ignore[index]
+        positions = tuple(step[2][2] for step in data["steps"] if _names_kv_cache_layer(step))
+        defaults = (tuple(tensors.values()), positions, *self.fn.__defaults__[2:])  # type: ignore[index]
         fn = types.FunctionType(self.fn.__code__, self.fn.__globals__, "program", defaults)
         fn.source = self.fn.source  # type: ignore[attr-defined]
         return Program(
@@ -330,6 +331,18 @@ _CHECKED_MOST = 1024
 
 class _Malformed(Exception):
     pass
+
+
+def _names_kv_cache_layer(step: Any) -> bool:
+    """A step of lrmp's key/value cache operator whose layer (its third argument) is a number."""
+    return (
+        isinstance(step, list)
+        and len(step) > 2
+        and step[1] == ["lrmp", "kv_cache", "default"]
+        and isinstance(step[2], list)
+        and len(step[2]) > 2
+        and type(step[2][2]) is int
+    )
 
 
 def _program_key(data: Any) -> str:
@@ -362,6 +375,8 @@ def _program_key(data: Any) -> str:
             raise _Malformed
         shape = []
         for step in steps:
+            if _names_kv_cache_layer(step):  # the layer's position: `Program.bound` gives each its own
+                step = [*step[:2], [*step[2][:2], "<layer>", *step[2][3:]], *step[3:]]
             shape.append(tuple(walk(part) for part in step[1:]))
             define(step[0])
         key = (

@@ -95,7 +95,7 @@ def filled(value: Any) -> bool:
 #: parameters and the tables that hold everything taken from the program (see `compiled`).
 _SOURCE_NAMES = frozenset(
     {"def", "program", "inputs", "tensors", "device", "return", "del", "dict", "zip"}
-    | {"F", "C", "K", "N", "S", "A", "_in_context", "_scalar", "_tensor"}
+    | {"F", "C", "K", "N", "S", "A", "L", "_in_context", "_scalar", "_tensor"}
 )
 _VALUE_NAME = re.compile(r"v[0-9]+")
 #: Any character but those of names, indices, calls, lists and assignments (a quote, say).
@@ -108,6 +108,16 @@ def _scalar(value: Any) -> Any:
 
 def _tensor(value: Any, device: torch.device) -> torch.Tensor:
     return torch.tensor(value, device=device)
+
+
+#: lrmp's key/value cache operator (`lightning_remote_mp.model.kv_cache`), by its schema's name.
+KV_CACHE = "lrmp::kv_cache"
+
+
+def is_kv_cache(step: Step) -> bool:
+    """A step of lrmp's key/value cache operator with its layer's position (its third argument) given."""
+    schema = getattr(step.fn, "_schema", None)
+    return schema is not None and schema.name == KV_CACHE and len(step.args) > 2 and type(step.args[2]) is int
 
 
 def compiled(
@@ -129,7 +139,7 @@ def compiled(
     hold only those names (`_SOURCE_NAMES`) before it is compiled, so what runs is a function of the
     program's shape alone: the same operator calls a step-by-step interpreter would make."""
     slots: dict[str, str] = {}
-    tables: dict[str, list[Any]] = {"F": [], "C": [], "K": [], "N": [], "S": [], "A": []}
+    tables: dict[str, list[Any]] = {"F": [], "C": [], "K": [], "N": [], "S": [], "A": [], "L": []}
 
     def put(table: str, value: Any) -> str:
         tables[table].append(value)
@@ -156,7 +166,7 @@ def compiled(
 
     # The tables are the function's defaults: local variables inside it, the fastest to read.
     # ``A`` first: `Program.bound` gives another layer's attributes.
-    head = "def program(inputs, tensors, device, A=A, F=F, C=C, K=K, N=N, S=S, _in_context=_in_context, "
+    head = "def program(inputs, tensors, device, A=A, L=L, F=F, C=C, K=K, N=N, S=S, _in_context=_in_context, "
     lines = [head + "_scalar=_scalar, _tensor=_tensor):"]
     for i, name in enumerate(inputs):
         value = f"_scalar(inputs[{i}])" if name in scalar_inputs else f"inputs[{i}]"
@@ -165,6 +175,8 @@ def compiled(
         lines.append(f" {define(name)} = tensors[{put('A', attr)}]")
     for step in steps:
         args = [expr(a) for a in step.args]
+        if is_kv_cache(step):  # its layer's position: the one constant of a layer's program another's lacks
+            args[2] = put("L", step.args[2])
         if step.plain:
             if step.kwargs:
                 args.append(f"**{keywords(step.kwargs)}")
