@@ -33,7 +33,7 @@ def assert_same_units(a, b) -> None:
     for x, y in zip(a.entries, b.entries):
         for mode in ("train", "eval"):
             p, q = x.kwargs["programs"][mode], y.kwargs["programs"][mode]
-            assert graph._program_key(p) == graph._program_key(q), (x.label, mode)
+            assert graph.program_key(p) == graph.program_key(q), (x.label, mode)
             assert list(p["tensors"].values()) == list(q["tensors"].values()), x.label
         assert {k: v for k, v in x.kwargs.items() if k != "programs"} == {
             k: v for k, v in y.kwargs.items() if k != "programs"
@@ -90,7 +90,7 @@ def test_a_model_that_returns_every_layer_s_hidden_state_is_traced_whole(monkeyp
     ids = torch.randint(0, 128, (2, 10))
     kwargs = {"input_ids": ids, "output_hidden_states": True, "use_cache": False}
     shallow, whole, said = _traced_both(monkeypatch, model, kwargs, caplog)
-    assert "traced one by one" in said and "reads" in said
+    assert "traced one by one" in said
     assert_same_units(shallow, whole)
 
 

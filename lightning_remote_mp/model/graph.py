@@ -307,7 +307,7 @@ class Program:
         attributes that hold its weights: its names, the same checked steps and compiled code, and a
         function that reads its own attributes."""
         tensors = dict(data.get("tensors", {}))
-        positions = tuple(step[2][2] for step in data["steps"] if _names_kv_cache_layer(step))
+        positions = tuple(p for step in data["steps"] if (p := kv_cache_position(step)) is not None)
         defaults = (tuple(tensors.values()), positions, *self.fn.__defaults__[2:])  # type: ignore[index]
         fn = types.FunctionType(self.fn.__code__, self.fn.__globals__, "program", defaults)
         fn.source = self.fn.source  # type: ignore[attr-defined]
@@ -322,7 +322,7 @@ class Program:
         )
 
 
-#: Programs checked in this process, by their content with names left out (`_program_key`): a deep
+#: Programs checked in this process, by their content with names left out (`program_key`): a deep
 #: model's decoder layers are one program, checked and compiled once (issue #60). Bounded: the least
 #: recently used goes first.
 _CHECKED: collections.OrderedDict[str, Program] = collections.OrderedDict()
@@ -333,19 +333,22 @@ class _Malformed(Exception):
     pass
 
 
-def _names_kv_cache_layer(step: Any) -> bool:
-    """A step of lrmp's key/value cache operator whose layer (its third argument) is a number."""
-    return (
+def kv_cache_position(step: Any) -> int | None:
+    """The layer position a step of lrmp's key/value cache operator names (its third argument, a
+    number), as a program's data holds it; ``None`` for any other step."""
+    if (
         isinstance(step, list)
         and len(step) > 2
         and step[1] == ["lrmp", "kv_cache", "default"]
         and isinstance(step[2], list)
         and len(step[2]) > 2
         and type(step[2][2]) is int
-    )
+    ):
+        return step[2][2]
+    return None
 
 
-def _program_key(data: Any) -> str:
+def program_key(data: Any) -> str:
     """``data``'s content with its value names numbered in order of definition and its attributes
     left out: two programs with one key run the same operators on the same arguments. `_Malformed`
     for anything else than a program's plain data (`load_program` then says what is wrong)."""
@@ -375,7 +378,7 @@ def _program_key(data: Any) -> str:
             raise _Malformed
         shape = []
         for step in steps:
-            if _names_kv_cache_layer(step):  # the layer's position: `Program.bound` gives each its own
+            if kv_cache_position(step) is not None:  # the layer's position: `Program.bound` gives each its own
                 step = [*step[:2], [*step[2][:2], "<layer>", *step[2][3:]], *step[3:]]
             shape.append(tuple(walk(part) for part in step[1:]))
             define(step[0])
@@ -402,7 +405,7 @@ def load_program(data: Any, where: str) -> Program:
     """Check a program that arrived (see the module docstring) and resolve its operators; a program
     checked before in this process but for its names (the next decoder layer's) is not checked again."""
     try:
-        key = _program_key(data)
+        key = program_key(data)
     except _Malformed:
         return _check_program(data, where)  # says what is wrong
     checked = _CHECKED.get(key)

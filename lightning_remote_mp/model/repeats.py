@@ -1,5 +1,5 @@
-"""Repeated blocks: a deep model exported at four blocks of each run of identical ones, the others
-copied in the graph (issue #60).
+"""Repeated blocks: a deep model exported at four blocks of each run of identical ones, the other
+blocks' units copied (issue #60).
 
 A Llama-3-70B has 80 decoder layers that are one program with other weights. ``torch.export`` spends
 the same time on each (0.12 s a layer and mode for a hidden-64 Llama on this project's 2-core
@@ -9,18 +9,20 @@ torch's regional compilation compiles one decoder layer for all, lrmp traces a f
 1. `find_runs` finds each container (``nn.ModuleList``, ``nn.Sequential``) holding a run of at least
    `MIN_RUN` consecutive blocks alike: the same classes, parameter and buffer shapes, dtypes and
    flags, hooks, and plain attributes, but for an attribute that is the block's own position in
-   the container (``layer_idx``).
+   the container (``layer_idx``); and whose owner only walks it in order (`_walked_in_order`).
 2. `shallow` hides all but the run's first three blocks and its last from the container while the
-   model is exported: ``for layer in self.layers`` runs four layers, each under its own name.
-3. `expand` checks that the second and third blocks traced alike: the same steps, the same
-   constants, the same shape of inputs taken from the block before and from before the run, and
-   nothing they compute read anywhere else (a model that collects every layer's hidden state).
-   lrmp's key/value cache operator may name the block's own position. Then it copies the third
-   block's steps once for each block hidden, with that block's weights and position, and the last
-   block reads the last copy. What follows (cutting into units, the programs) sees the whole model.
+   model is exported: ``for layer in self.layers`` runs four layers, each under its own name. The
+   trace cuts that graph into units as any other (`lightning_remote_mp.model.trace`).
+3. `with_copies` checks that the second and third blocks' units are alike: the same programs but for
+   their names (`graph.program_key`), each reading its own block's weights, taking the same values
+   from before the run and the block before's output in the same places, nothing they compute read
+   past the block after (a model that collects every layer's hidden state). lrmp's key/value cache
+   operator may name the block's own position. Then it adds, after the third, a copy of its unit
+   for each block hidden, with that block's weights, name and position: the units of a whole
+   export (``tests/test_repeats.py`` compares them), made without tracing or cutting the copies.
 
 Where a check fails, or the shallow export does (code that indexes the container itself), the
-caller exports the whole model instead and says why at INFO. A program's steps are checked on the
+trace exports the whole model instead and says why at INFO. A program's steps are checked on the
 driver and on the workers as any other (`lightning_remote_mp.model.graph`), once per distinct
 program (`graph.load_program` keeps what it checked, by content).
 """
@@ -39,6 +41,8 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from lightning_remote_mp.model.graph import kv_cache_position, program_key
+
 log = logging.getLogger(__name__)
 
 #: The fewest consecutive blocks alike that are exported at four of them: five saves one export of a
@@ -46,9 +50,6 @@ log = logging.getLogger(__name__)
 MIN_RUN = 5
 _CONTAINERS = (nn.ModuleList, nn.Sequential)
 _PLAIN = (bool, int, float, str, type(None), torch.dtype, torch.device)
-#: lrmp's key/value cache operator (`lightning_remote_mp.model.kv_cache`), whose third argument is
-#: the attention layer's position.
-_KV_CACHE = "lrmp.kv_cache.default"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +72,10 @@ class Run:
     def copied(self) -> tuple[str, ...]:
         """The blocks made by copying the third's steps."""
         return self.keys[3:-1]
+
+    def describe(self) -> str:
+        copied = f"{self.block(self.copied[0])}..{self.block(self.copied[-1])}" if self.copied else "none"
+        return f"{copied} copied from {self.block(self.kept[2])}"
 
 
 def _value(value: Any) -> Any:
@@ -204,191 +209,133 @@ class NotAlike(Exception):
     """A run's blocks did not trace alike: the model is exported whole (the message says why)."""
 
 
-def _block_of(node: fx.Node, blocks: dict[str, str]) -> str | None:
-    for path, _ in (node.meta.get("nn_module_stack") or {}).values():
-        if isinstance(path, str) and path in blocks:
-            return blocks[path]
-    return None
+@dataclasses.dataclass(frozen=True)
+class Unit:
+    """One unit of a trace as `lightning_remote_mp.model.trace` makes it, before its weights get
+    their local names: ``programs``' ``tensors`` name the module's weights (``get_attr`` targets)."""
+
+    programs: dict[str, dict[str, Any]]  # mode -> program data
+    targets: list[str]  # the weights and buffers its programs read
+    owners: list[str]  # the blocks it covers
+    label: str
+    shapes: list[tuple[int, ...]]
+    examples: list[dict[str, Any]]
+    cost: float
 
 
-def _size(node: fx.Node) -> bool:
-    """A size computed from the inputs' shapes (torch.export computes each once, in the first block
-    that needs it, and later blocks read it there): the same for every block."""
-    sizes = (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool)
-    return node.op == "call_function" and isinstance(node.meta.get("val"), sizes)
+@dataclasses.dataclass(frozen=True)
+class Boundaries:
+    """A mode's values live at each unit boundary (``live[k]``: those unit ``k`` takes) and the unit
+    that makes each (-1: an input of the model)."""
+
+    live: list[list[fx.Node]]
+    unit_of: dict[fx.Node, int]
+
+
+def with_copies(units: list[Unit], runs: Sequence[Run], boundaries: dict[str, Boundaries]) -> list[Unit]:
+    """``units`` of the model exported with its runs' kept blocks, with each hidden block's unit, a
+    copy of the run's third block's, after that one; `NotAlike` where the kept blocks did not trace
+    alike (see the module docstring)."""
+    index = {u.label: k for k, u in enumerate(units) if len(u.owners) == 1}
+    after: dict[int, list[Unit]] = {}
+    for run in runs:
+        found = [index.get(run.block(k)) for k in run.kept[1:]]
+        if None in found or found != list(range(found[0], found[0] + 3)):  # type: ignore[operator]
+            raise NotAlike(f"the blocks of {run.path or 'the module'} are not units of their own, one after another")
+        first, second, last = found
+        _check_alike(units[first], units[second], run)
+        for mode, b in boundaries.items():
+            _check_boundaries(b, first, second, last, run, mode)
+        after[second] = [_copy(units[second], run, key) for key in run.copied]
+    return [v for k, u in enumerate(units) for v in (u, *after.get(k, ()))]
+
+
+def _relative(target: str, block: str) -> tuple[str, str]:
+    return ("own", target[len(block) :]) if _within(target, block) else ("shared", target)
+
+
+def _check_alike(a: Unit, b: Unit, run: Run) -> None:
+    """The kept second and third blocks' units run the same steps on the same inputs, each on its own
+    weights, their cache operators at their own positions."""
+    ka, kb = run.kept[1], run.kept[2]
+    name_a, name_b = run.block(ka), run.block(kb)
+    same = (
+        a.programs.keys() == b.programs.keys()
+        and a.shapes == b.shapes
+        and a.examples == b.examples
+        and [_relative(t, name_a) for t in a.targets] == [_relative(t, name_b) for t in b.targets]
+    )
+    for mode in a.programs if same else ():
+        pa, pb = a.programs[mode], b.programs[mode]
+        same = same and program_key(pa) == program_key(pb)
+        same = same and [_relative(t, name_a) for t in pa["tensors"].values()] == [
+            _relative(t, name_b) for t in pb["tensors"].values()
+        ]
+        same = same and [p - _offset(ka) for p in _positions(pa)] == [p - _offset(kb) for p in _positions(pb)]
+    if not same:
+        raise NotAlike(f"blocks {name_a} and {name_b} trace to different steps")
+
+
+def _check_boundaries(b: Boundaries, first: int, second: int, last: int, run: Run, mode: str) -> None:
+    """What the second kept block takes, the third takes in the same places (the same values from
+    before the run, the block before's output where the second took its own block before's), and
+    no block's value is read past the next block."""
+    taken, given = b.live[second], b.live[last]
+    where = f"in {mode} mode, {run.block(run.kept[2])}"
+    if len(taken) != len(given):
+        raise NotAlike(f"{where} takes {len(taken)} values but passes on {len(given)}")
+    for x, y in zip(taken, given):
+        if x is y and b.unit_of[x] < first:
+            continue
+        if not (b.unit_of[x] == first and b.unit_of[y] == second):
+            raise NotAlike(f"{where}: {y.name} reaches past the next block; each block's values feed the next one only")
+    later = [v for v in b.live[last + 1] if b.unit_of[v] in (first, second)]
+    if later:
+        raise NotAlike(f"{later[0].name} of block {run.block(run.kept[2])} is read after the block that follows it")
+
+
+def _positions(program: dict[str, Any]) -> list[int]:
+    return [p for step in program["steps"] if (p := kv_cache_position(step)) is not None]
+
+
+def _offset(key: str) -> int:
+    return int(key) if key.isdigit() else 0
+
+
+def _copy(unit: Unit, run: Run, key: str) -> Unit:
+    """The third kept block's unit for block ``key``: its weights, its owners, its name and its cache
+    operators' positions."""
+    source, block, shift = run.block(run.kept[2]), run.block(key), _offset(key) - _offset(run.kept[2])
+
+    def renamed(path: str) -> str:
+        return block + path[len(source) :] if _within(path, source) else path
+
+    def shifted(step: list[Any]) -> list[Any]:
+        position = kv_cache_position(step)
+        if position is None:
+            return step
+        args = step[2]
+        return [step[0], step[1], [*args[:2], position + shift, *args[3:]], *step[3:]]
+
+    programs = {
+        mode: {
+            **p,
+            "tensors": {v: renamed(t) for v, t in p["tensors"].items()},
+            "steps": [shifted(step) for step in p["steps"]] if shift else p["steps"],
+        }
+        for mode, p in unit.programs.items()
+    }
+    return dataclasses.replace(
+        unit,
+        programs=programs,
+        targets=[renamed(t) for t in unit.targets],
+        owners=[renamed(o) for o in unit.owners],
+        label=renamed(unit.label),
+    )
 
 
 def _within(path: str, block: str) -> bool:
     return path == block or path.startswith(block + ".")
-
-
-class _Segments:
-    """One run's kept blocks in a graph: each block's steps, with the glue before it."""
-
-    def __init__(self, gm: fx.GraphModule, run: Run) -> None:
-        self.run = run
-        nodes = list(gm.graph.nodes)
-        self.order = {n: i for i, n in enumerate(nodes)}
-        blocks = {run.block(k): k for k in run.kept}
-        where: dict[str, list[int]] = {k: [] for k in run.kept}
-        for i, n in enumerate(nodes):
-            key = _block_of(n, blocks)
-            if key is not None:
-                where[key].append(i)
-        for key, found in where.items():
-            if not found:
-                raise NotAlike(f"block {run.block(key)} has no steps in the graph")
-            if found != list(range(found[0], found[-1] + 1)):
-                raise NotAlike(f"the steps of block {run.block(key)} are not consecutive")
-        k0, k1, k2, last = run.kept
-        self.first = where[k0][0]
-        self.segments = {
-            k0: nodes[where[k0][0] : where[k0][-1] + 1],
-            k1: nodes[where[k0][-1] + 1 : where[k1][-1] + 1],
-            k2: nodes[where[k1][-1] + 1 : where[k2][-1] + 1],
-            last: nodes[where[k2][-1] + 1 : where[last][-1] + 1],
-        }
-
-    def canonical(self, key: str, before: str) -> list[Any]:
-        """Block ``key``'s segment with every reference relative: to its own steps by position, to the
-        block before's by position from its end, to its weights by their names within it, to what
-        precedes the run as itself."""
-        run, segment, previous = self.run, self.segments[key], self.segments[before]
-        own = {n: i for i, n in enumerate(segment)}
-        prior = {n: len(previous) - i for i, n in enumerate(previous)}
-        block = run.block(key)
-
-        def ref(a: fx.Node) -> Any:
-            if a in own:
-                return ("own", own[a])
-            if _size(a):
-                return ("shared", a)
-            if a in prior:
-                return ("before", prior[a])
-            if a.op == "get_attr" and isinstance(a.target, str):
-                for k in run.keys:
-                    if _within(a.target, run.block(k)):
-                        if k != key:
-                            raise NotAlike(f"block {block} reads a weight of block {run.block(k)}")
-                        return ("weight", a.target[len(block) :])
-            if self.order.get(a, -1) >= self.first:
-                raise NotAlike(f"block {block} reads {a.name}, computed by an earlier block than the one before it")
-            return ("shared", a)
-
-        out = []
-        for n in segment:
-            args = fx.node.map_arg(n.args, ref)
-            if str(n.target) == _KV_CACHE and _position(key) is not None:
-                args = (*args[:2], ("position+", args[2] - int(key)), *args[3:])
-            stack = tuple(
-                (path[len(block) :] if _within(path, block) else path, kind)
-                for path, kind in (n.meta.get("nn_module_stack") or {}).values()
-            )
-            out.append((n.op, n.target, args, fx.node.map_arg(n.kwargs, ref), n.meta.get("lrmp_context"), stack))
-        return out
-
-    def check_reads(self, key: str, readers: Sequence[str]) -> None:
-        """Nothing outside the segments ``readers`` reads block ``key``'s values."""
-        allowed = {n for k in readers for n in self.segments[k]}
-        for n in self.segments[key]:
-            for user in n.users:
-                if user not in allowed:
-                    raise NotAlike(
-                        f"{user.name} ({'the output' if user.op == 'output' else 'a later step'}) reads "
-                        f"{n.name} of block {self.run.block(key)}: each block's values feed the next one only"
-                    )
-
-
-def expand(gm: fx.GraphModule, runs: Sequence[Run]) -> None:
-    """Copy each run's third block for its hidden blocks (see the module docstring); `NotAlike` where
-    the kept blocks did not trace alike (``gm`` is then unusable)."""
-    for run in runs:
-        _expand_run(gm, run)
-
-
-def _expand_run(gm: fx.GraphModule, run: Run) -> None:
-    seg = _Segments(gm, run)
-    k0, k1, k2, last = run.kept
-    if seg.canonical(k1, k0) != seg.canonical(k2, k1):
-        raise NotAlike(f"blocks {run.block(k1)} and {run.block(k2)} trace to different steps")
-    seg.check_reads(k1, (k1, k2))
-    seg.check_reads(k2, (k2, last))
-    template, before = seg.segments[k2], seg.segments[k1]
-    before_index = {n: i for i, n in enumerate(before)}
-    graph = gm.graph
-    anchor = seg.segments[last][0]
-    weights: dict[str, fx.Node] = {}
-    previous, source = template, run.block(k2)
-    for key in run.copied:
-        block = run.block(key)
-        env: dict[fx.Node, fx.Node] = {}
-
-        def arg(
-            a: fx.Node, env: dict[fx.Node, fx.Node] = env, previous: list[fx.Node] = previous, block: str = block
-        ) -> fx.Node:
-            if a in env:
-                return env[a]
-            if _size(a):
-                return a
-            if a in before_index:
-                return previous[before_index[a]]
-            if a.op == "get_attr" and isinstance(a.target, str) and _within(a.target, source):
-                target = block + a.target[len(source) :]
-                if target not in weights:
-                    _register(gm, target, _attribute(gm, a.target))
-                    with graph.inserting_before(anchor):
-                        weights[target] = graph.create_node("get_attr", target)
-                    weights[target].meta = dict(a.meta)
-                return weights[target]
-            return a
-
-        with graph.inserting_before(anchor):
-            for n in template:
-                new = graph.node_copy(n, arg)
-                new.meta = _renamed(n.meta, source, block)
-                if str(n.target) == _KV_CACHE and _position(key) is not None:
-                    new.args = (*new.args[:2], n.args[2] - int(k2) + int(key), *new.args[3:])
-                env[n] = new
-        previous = [env[n] for n in template]
-    if run.copied:
-        readers = set(seg.segments[last])
-        for i, n in enumerate(template):
-            for user in [u for u in n.users if u in readers]:
-                user.replace_input_with(n, previous[i])
-
-
-def _attribute(gm: nn.Module, target: str) -> Any:
-    owner, _, name = target.rpartition(".")
-    return getattr(gm.get_submodule(owner), name)
-
-
-def _register(gm: nn.Module, target: str, like: Any) -> None:
-    """A copied block's weight in ``gm``, where its graph names it: the kept block's tensor stands in
-    (the trace reads the weights themselves from the model)."""
-    owner = gm
-    *path, name = target.split(".")
-    for part in path:
-        if part not in owner._modules:
-            owner.add_module(part, nn.Module())
-        owner = owner._modules[part]  # type: ignore[assignment]
-    if isinstance(like, nn.Parameter):
-        owner.register_parameter(name, like)
-    elif isinstance(like, torch.Tensor):
-        owner.register_buffer(name, like)
-    else:
-        setattr(owner, name, like)
-
-
-def _renamed(meta: dict[str, Any], source: str, block: str) -> dict[str, Any]:
-    """A copied step's metadata, its module stack under the copy's block."""
-    out = dict(meta)
-    stack = meta.get("nn_module_stack")
-    if stack:
-        out["nn_module_stack"] = {
-            key: (block + path[len(source) :] if isinstance(path, str) and _within(path, source) else path, kind)
-            for key, (path, kind) in stack.items()
-        }
-    return out
 
 
 def copied_paths(paths: set[str], runs: Sequence[Run]) -> set[str]:

@@ -310,9 +310,22 @@ def _live(values: list[fx.Node], unit_of: dict[fx.Node, int], n_units: int) -> l
 
 
 def trace_module(module: nn.Module, args: tuple, kwargs: dict, name: str) -> TracedSequential:
-    """Trace ``module`` called with ``args`` and ``kwargs`` and cut it into units (see the module docstring)."""
+    """Trace ``module`` called with ``args`` and ``kwargs`` and cut it into units (see the module
+    docstring): a deep model's repeated blocks at four of them (`lightning_remote_mp.model.repeats`)
+    where they trace alike, else whole."""
+    runs = repeats.find_runs(module)
+    if runs:
+        try:
+            return _trace(module, args, kwargs, name, runs)
+        except (repeats.NotAlike, TraceError) as why:
+            log.info("module %r: its repeated blocks are traced one by one: %s", name, why)
+    return _trace(module, args, kwargs, name, [])
+
+
+def _trace(module: nn.Module, args: tuple, kwargs: dict, name: str, runs: list[repeats.Run]) -> TracedSequential:
     with _traced_on_meta(module), stand_ins(module, name) as four_bit, checkpointed_regions(module, name) as regions:
-        graphs = _exports(module, args, kwargs, name, regions)
+        with repeats.shallow(runs):
+            graphs = {mode: export(module, args, kwargs, name, mode == "train") for mode in ("train", "eval")}
     counts = {mode: split_means(gm) for mode, gm in graphs.items()}  # losses joined exactly across micro-batches
     if counts["train"] != counts["eval"]:
         raise TraceError(f"module {name!r} returns a mean-reduced loss in one of train and eval mode only")
@@ -325,14 +338,12 @@ def trace_module(module: nn.Module, args: tuple, kwargs: dict, name: str) -> Tra
         "train": [[n for i in g for n in train_runs[i]] for g in groups],
         "eval": [[n for i in g for n in eval_runs[i]] for g in groups],
     }
-    labels = [_label([owners[i] for i in g]) for g in groups]
-    fqns = set(module.state_dict(keep_vars=True))
-    local_names = _local_names(sorted({a for g in groups for i in g for a in attrs[i]}))
     programs: list[dict[str, Any]] = [{} for _ in groups]
     shapes: list[list[tuple[int, ...]]] = []
     examples: list[list[dict[str, Any]]] = []
     interfaces: dict[str, Ends] = {}
     crossings: dict[str, list[list[Any]]] = {}
+    boundaries: dict[str, repeats.Boundaries] = {}
     with with_user_line(module, args, kwargs):  # a refused operator: the user's line that calls it
         for mode, gm in graphs.items():
             units = unit_nodes[mode]
@@ -352,7 +363,7 @@ def trace_module(module: nn.Module, args: tuple, kwargs: dict, name: str) -> Tra
                 programs[k][mode] = {
                     "inputs": [v.name for v in live[k]],
                     "scalar_inputs": [v.name for v in live[k] if _is_scalar(v)],
-                    "tensors": {a.name: local_names[a.target] for a in _attr_nodes(nodes)},
+                    "tensors": {a.name: a.target for a in _attr_nodes(nodes)},  # their local names below
                     "steps": [_step(n, name) for n in nodes],
                     "outputs": [v.name for v in live[k + 1]],
                     "scalar_outputs": [v.name for v in live[k + 1] if _is_scalar(v)],
@@ -362,11 +373,50 @@ def trace_module(module: nn.Module, args: tuple, kwargs: dict, name: str) -> Tra
                 examples = [[_example(v) for v in live[k]] for k in range(len(units))]
             interfaces[mode] = Ends([v.name for v in live[0]], [v.name for v in live[-1]])
             crossings[mode] = [[_kind(v) for v in boundary] for boundary in live]
+            boundaries[mode] = repeats.Boundaries(live, unit_of)
     _check_same_interface(name, crossings, interfaces)
+    pieces = [
+        repeats.Unit(
+            programs[k],
+            sorted({a for i in g for a in attrs[i]}),
+            [owners[i] for i in g],
+            _label([owners[i] for i in g]),
+            shapes[k],
+            examples[k],
+            _cost(unit_nodes["train"][k]),
+        )
+        for k, g in enumerate(groups)
+    ]
+    if runs:
+        pieces = repeats.with_copies(pieces, runs, boundaries)
+        regions |= repeats.copied_paths(regions, runs)
+        log.debug("module %r: %s", name, "; ".join(run.describe() for run in runs))
+    return _traced(module, name, graphs, pieces, four_bit, regions, interfaces, counts, args, kwargs)
+
+
+def _traced(
+    module: nn.Module,
+    name: str,
+    graphs: dict[str, fx.GraphModule],
+    pieces: list[repeats.Unit],
+    four_bit: Any,
+    regions: set[str],
+    interfaces: dict[str, Ends],
+    counts: dict[str, Any],
+    args: tuple,
+    kwargs: dict,
+) -> TracedSequential:
+    """The units as layers of a `TracedSequential`, each weight under its local name."""
+    fqns = set(module.state_dict(keep_vars=True))
+    local_names = _local_names(sorted({a for piece in pieces for a in piece.targets}))
     layers, entries, state_names, covered, quantized = [], [], {}, [], {}
-    for k, group in enumerate(groups):
-        used = sorted({local_names[a] for i in group for a in attrs[i]})
-        by_local = {local_names[a]: a for i in group for a in attrs[i]}
+    for k, piece in enumerate(pieces):
+        programs = {
+            mode: {**p, "tensors": {v: local_names[a] for v, a in p["tensors"].items()}}
+            for mode, p in piece.programs.items()
+        }
+        used = sorted(local_names[a] for a in piece.targets)
+        by_local = {local_names[a]: a for a in piece.targets}
         values = {loc: four_bit.tensors.get(by_local[loc]) for loc in used}  # a 4-bit weight's stand-ins
         values = {
             loc: _tensor_of(module, graphs["train"], by_local[loc]) if t is None else t for loc, t in values.items()
@@ -381,16 +431,16 @@ def trace_module(module: nn.Module, args: tuple, kwargs: dict, name: str) -> Tra
             for loc, t in values.items()
         }
         # transformers' gradient checkpointing: the unit recomputes at backward (`gradient_checkpointing`)
-        recompute = any(covers(regions, owners[i].partition("@")[0]) for i in group)
-        layer = GraphLayer(programs[k], tensors, examples[k], values=values, checkpoint=recompute)
+        recompute = any(covers(regions, owner.partition("@")[0]) for owner in piece.owners)
+        layer = GraphLayer(programs, tensors, piece.examples, values=values, checkpoint=recompute)
         layers.append(layer)
         entries.append(
             TracedEntry(
                 LAYER_PATH,
-                {"programs": programs[k], "tensors": tensors, "examples": examples[k]}
+                {"programs": programs, "tensors": tensors, "examples": piece.examples}
                 | ({"checkpoint": True} if recompute else {}),
-                tuple(shapes[k]) if len(shapes[k]) != 1 else shapes[k][0],
-                label=labels[k],
+                tuple(piece.shapes) if len(piece.shapes) != 1 else piece.shapes[0],
+                label=piece.label,
             )
         )
         for loc in used:
@@ -399,39 +449,13 @@ def trace_module(module: nn.Module, args: tuple, kwargs: dict, name: str) -> Tra
                 state_names[f"{k}.{loc}"] = key
             if (found := four_bit.part_of(by_local[loc])) is not None:
                 quantized[f"{k}.{loc}"] = (found[0].key, found[1], found[0].format)
-        covered.append(_covered(module, [owners[i] for i in group]))
-    traced = TracedSequential(
-        name, module, entries, layers, state_names, covered, [_cost(nodes) for nodes in unit_nodes["train"]]
-    )
+        covered.append(_covered(module, piece.owners))
+    traced = TracedSequential(name, module, entries, layers, state_names, covered, [p.cost for p in pieces])
     call = Interface.from_graph(name, graphs["train"], interfaces["train"], args, kwargs, counts["train"])
     traced.interface = call  # type: ignore[attr-defined]
     traced.quantized = quantized
     traced.batched = (call.batched_in, call.joins_out)
     return traced
-
-
-def _exports(module: nn.Module, args: tuple, kwargs: dict, name: str, regions: set[str]) -> dict[str, fx.GraphModule]:
-    """``module`` exported in train and in eval mode; a run of blocks alike at four of its blocks
-    (`lightning_remote_mp.model.repeats`), else whole."""
-    runs = repeats.find_runs(module)
-    if runs:
-        try:
-            with repeats.shallow(runs):
-                graphs = {mode: export(module, args, kwargs, name, mode == "train") for mode in ("train", "eval")}
-            for gm in graphs.values():
-                repeats.expand(gm, runs)
-            regions |= repeats.copied_paths(regions, runs)
-            log.debug(
-                "module %r: %s",
-                name,
-                "; ".join(
-                    f"{r.block(r.keys[3])}..{r.block(r.keys[-2])} copied from {r.block(r.keys[2])}" for r in runs
-                ),
-            )
-            return graphs
-        except (repeats.NotAlike, TraceError) as why:
-            log.info("module %r: its repeated blocks are traced one by one: %s", name, why)
-    return {"train": export(module, args, kwargs, name, True), "eval": export(module, args, kwargs, name, False)}
 
 
 @contextlib.contextmanager
