@@ -123,6 +123,42 @@ def test_a_model_past_the_gather_limit_writes_from_its_sharded_checkpoint(pool, 
     assert_same_writing(want, got)
 
 
+class Shapes(H.FineTune):
+    """Generates from prompts of other lengths and batch sizes and other ``max_new_tokens``, greedy."""
+
+    def predict_step(self, batch, batch_idx):
+        ids = batch["input_ids"]
+        return tuple(
+            self.model.generate(ids[:rows, :length], max_new_tokens=new, do_sample=False, pad_token_id=0)
+            for rows, length, new in ((4, 6, 5), (1, 9, 3), (3, 4, 7))
+        )
+
+
+def test_a_deep_model_traces_its_prefill_and_decode_step_once_whatever_the_shapes(pool, monkeypatch):
+    """80 decoder layers (issue #60): three generations of other batch sizes, prompt lengths and
+    ``max_new_tokens`` trace the prefill and the decode step once each, at four layers of the 80,
+    and write what the same model writes in one process."""
+    from lightning_remote_mp.model import calls
+
+    traced = []
+    trace = calls.trace_module
+
+    def counting(module, args, kwargs, name):
+        out = trace(module, args, kwargs, name)
+        traced.append(len(out.entries))
+        return out
+
+    monkeypatch.setattr(calls, "trace_module", counting)
+    torch.manual_seed(0)
+    local = Shapes(H.llama(num_hidden_layers=80, hidden_size=16, intermediate_size=32))
+    remote = copy.deepcopy(local)
+    data = H.padded_data(n=4, batch=4)
+    want = trainer(None, 1).predict(local, data)
+    strategy = RemoteModelParallelStrategy(hosts=pool[:2], split=["model"])
+    assert_same_writing(want, trainer(strategy, 1).predict(remote, data))
+    assert traced == [84, 84]  # the prefill and the decode step: embeddings, rotary, 80 layers, norm, head
+
+
 #: The tokens each of `ManyWrites`' generations makes room for (its cache's capacity, allocated at its
 #: first token: half a MB a stage), of which it writes NEW (a stopping criterion ends it).
 ROOM = 2048
