@@ -484,9 +484,9 @@ def test_the_faster_bindings_a_program_calls_give_what_the_operators_give(op, ar
     """The operators a transformer calls most run through torch's Python bindings (`graph._BINDINGS`):
     a program step of each gives what the operator itself gives, the same values, dtype, shape and
     strides, with every positional and keyword argument the step may carry."""
-    from lightning_remote_mp.model.program_code import _BINDINGS, Step as _Step
+    from lightning_remote_mp.model.program_code import _BINDINGS, Step
 
-    step = _Step("out", op, args, kwargs, ())
+    step = Step("out", op, args, kwargs, ())
     binding, most = _BINDINGS[op]
     assert step.call is (binding if len(args) <= most else op._op)
     got, want = step.call(*args, **kwargs), op(*args, **kwargs)

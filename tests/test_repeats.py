@@ -156,7 +156,8 @@ def test_a_program_is_checked_once_and_serves_every_layer_with_its_own_weights()
     other = graph.load_program(program("c_", 3.0), "c")  # 3.0 is not 3: another program
     assert other.steps is not a.steps
     layers = [
-        GraphLayer({"train": program(p, 3)}, {f"{p}weight": {"shape": [2, 2], "dtype": torch.float32}}) for p in ("a_", "b_")
+        GraphLayer({"train": program(p, 3)}, {f"{p}weight": {"shape": [2, 2], "dtype": torch.float32}})
+        for p in ("a_", "b_")
     ]
     with torch.no_grad():
         layers[0].a_weight.copy_(torch.eye(2))

@@ -239,8 +239,8 @@ def with_copies(units: list[Unit], runs: Sequence[Run], boundaries: dict[str, Bo
     index = {u.label: k for k, u in enumerate(units) if len(u.owners) == 1}
     after: dict[int, list[Unit]] = {}
     for run in runs:
-        found = [index.get(run.block(k)) for k in run.kept[1:]]
-        if None in found or found != list(range(found[0], found[0] + 3)):  # type: ignore[operator]
+        found = [index.get(run.block(k), -1) for k in run.kept[1:]]
+        if found[0] < 0 or found != list(range(found[0], found[0] + 3)):
             raise NotAlike(f"the blocks of {run.path or 'the module'} are not units of their own, one after another")
         first, second, last = found
         _check_alike(units[first], units[second], run)
