@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 
+import lightning as L
 import pytest
 import torch
 
@@ -231,25 +232,27 @@ def test_the_split_keeps_the_fullest_stage_emptiest_against_each_worker_s_memory
 
 
 # --- the strategy ------------------------------------------------------------------------------
+class FineTune(L.LightningModule):
+    """A Llama of ``config`` fine-tuned on its batches of token ids, the loss from ``labels=``, AdamW."""
+
+    def __init__(self, config: transformers.LlamaConfig) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = transformers.LlamaForCausalLM(config)
+
+    def training_step(self, batch, batch_idx):
+        return self.model(input_ids=batch, labels=batch).loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+
 def _fit_tiny(hosts, caplog, seq_len: int, layers: int = 6, microbatches: int = 2):
-    import lightning as L
     from torch.utils.data import DataLoader
 
     from lightning_remote_mp import RemoteModelParallelStrategy
 
     config = tiny(num_hidden_layers=layers)
-
-    class FineTune(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            torch.manual_seed(0)
-            self.model = transformers.LlamaForCausalLM(config)
-
-        def training_step(self, batch, batch_idx):
-            return self.model(input_ids=batch, labels=batch).loss
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=1e-4)
 
     data = torch.randint(0, 1000, (microbatches, seq_len), generator=torch.Generator().manual_seed(0))
     trainer = L.Trainer(
@@ -258,7 +261,7 @@ def _fit_tiny(hosts, caplog, seq_len: int, layers: int = 6, microbatches: int = 
         strategy=RemoteModelParallelStrategy(hosts=hosts, split=["model"], microbatches=microbatches),
     )  # fmt: skip
     with caplog.at_level(logging.INFO, logger="lightning_remote_mp"):
-        trainer.fit(FineTune(), DataLoader(data, batch_size=microbatches))
+        trainer.fit(FineTune(config), DataLoader(data, batch_size=microbatches))
     return config
 
 
@@ -300,7 +303,6 @@ def test_the_plan_predicts_a_worker_s_peak_within_20_percent(start_workers):
     runs at ec7b6de (0.80x or under in 3 of them, with glibc's default arenas or one arena alike): the
     plan over-counts a trained head's copies at this shape (issue #59's note), so the default run,
     which CI makes, leaves it out until the plan is mended."""
-    import lightning as L
     from torch.utils.data import DataLoader
 
     from lightning_remote_mp import RemoteModelParallelStrategy
@@ -310,18 +312,6 @@ def test_the_plan_predicts_a_worker_s_peak_within_20_percent(start_workers):
     plan = P.plan_memory(config, hosts=workers.addresses, seq_len=1024, microbatches=2)
     assert plan.training.device == "cpu" and all(s.free and s.fits for s in plan.stages)
     assert [s.address for s in plan.stages] == workers.addresses
-
-    class FineTune(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            torch.manual_seed(0)
-            self.model = transformers.LlamaForCausalLM(config)
-
-        def training_step(self, batch, batch_idx):
-            return self.model(input_ids=batch, labels=batch).loss
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=1e-4)
 
     def status(pid: int) -> dict[str, int]:
         with open(f"/proc/{pid}/status") as f:
@@ -343,7 +333,7 @@ def test_the_plan_predicts_a_worker_s_peak_within_20_percent(start_workers):
         max_steps=2, accelerator="cpu", strategy=strategy, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
     )  # fmt: skip
-    trainer.fit(FineTune(), DataLoader(data, batch_size=2))
+    trainer.fit(FineTune(config), DataLoader(data, batch_size=2))
     after = [status(p.pid) for p in workers.procs]
     measured = [a["VmHWM"] - a["RssFile"] - a["RssShmem"] - b["RssAnon"] for a, b in zip(after, before)]
     ratios = [m / s.needs for m, s in zip(measured, plan.stages)]

@@ -71,9 +71,23 @@ def mixtral(layers: int) -> nn.Module:
     return transformers.MixtralForCausalLM(config)
 
 
-@pytest.mark.parametrize("case", ["llama", "llama with checkpointing", "mixtral"])
+def qwen2(layers: int) -> nn.Module:
+    config = transformers.Qwen2Config(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    torch.manual_seed(0)
+    return transformers.Qwen2ForCausalLM(config)
+
+
+@pytest.mark.parametrize("case", ["llama", "llama with checkpointing", "mixtral", "qwen2"])
 def test_a_deep_model_traced_at_four_layers_equals_its_whole_trace(case, monkeypatch, caplog):
-    model = mixtral(6) if case == "mixtral" else llama(7)
+    """Qwen2's loop reads ``config.layer_types[i]`` at each layer's position: alike in the run."""
+    model = {"mixtral": lambda: mixtral(6), "qwen2": lambda: qwen2(7)}.get(case, lambda: llama(7))()
     if "checkpointing" in case:
         model.gradient_checkpointing_enable()
     ids = torch.randint(0, 128, (2, 10))
@@ -91,6 +105,27 @@ def test_a_model_that_returns_every_layer_s_hidden_state_is_traced_whole(monkeyp
     kwargs = {"input_ids": ids, "output_hidden_states": True, "use_cache": False}
     shallow, whole, said = _traced_both(monkeypatch, model, kwargs, caplog)
     assert "traced one by one" in said
+    assert_same_units(shallow, whole)
+
+
+def test_a_loop_that_reads_the_config_at_each_position_keeps_blocks_after_a_run_whole(monkeypatch, caplog):
+    """Gemma 3 reads ``config.layer_types[i]`` in its loop, and its sixth layer is a global one
+    after five sliding ones: with a block of the five hidden, the sixth would read the fifth's type.
+    A run that blocks follow is not made there."""
+    config = transformers.Gemma3TextConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=7,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+    )
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForCausalLM(config)
+    assert repeats.find_runs(model) == []
+    ids = torch.randint(0, 128, (2, 10))
+    shallow, whole, _ = _traced_both(monkeypatch, model, {"input_ids": ids, "labels": ids, "use_cache": False}, caplog)
     assert_same_units(shallow, whole)
 
 

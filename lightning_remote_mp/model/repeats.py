@@ -9,7 +9,8 @@ torch's regional compilation compiles one decoder layer for all, lrmp traces a f
 1. `find_runs` finds each container (``nn.ModuleList``, ``nn.Sequential``) holding a run of at least
    `MIN_RUN` consecutive blocks alike: the same classes, parameter and buffer shapes, dtypes and
    flags, hooks, and plain attributes, but for an attribute that is the block's own position in
-   the container (``layer_idx``); and whose owner only walks it in order (`_walked_in_order`).
+   the container (``layer_idx``); and whose owner only walks it in order, or reads no more of a
+   block's position than its config's lists at it, which are then alike too (`_walked_in_order`).
 2. `shallow` hides all but the run's first three blocks and its last from the container while the
    model is exported: ``for layer in self.layers`` runs four layers, each under its own name. The
    trace cuts that graph into units as any other (`lightning_remote_mp.model.trace`).
@@ -126,28 +127,39 @@ def _alike(a: tuple, position_a: int | None, b: tuple, position_b: int | None) -
     return True
 
 
-def _walked_in_order(module: nn.Module, path: str) -> bool:
-    """Whether the module holding container ``path`` uses it only by walking it in order (``for layer
-    in self.layers``, or a slice of it) or calling it (a ``Sequential``), so that it cannot tell a
-    block's position: ``enumerate(self.layers)``, ``self.layers[i]`` or ``len(self.layers)`` could do
-    something at block 40 that none of the traced four shows."""
+def _walked_in_order(module: nn.Module, path: str) -> set[str] | None:
+    """How the module holding container ``path`` may tell its blocks apart: ``None`` where its code
+    could tell a block's position (``self.layers[i]``, ``len(self.layers)``, a position used
+    otherwise: it could do something at block 40 that none of the traced four shows); else the names
+    of the config's lists it reads at a block's position (``self.config.layer_types[i]`` in ``for i,
+    layer in enumerate(self.layers)``: Qwen2's, Gemma 2's), none where it only walks the container in
+    order (``for layer in self.layers[:n]``) or calls it (a ``Sequential``)."""
     if not path:
-        return isinstance(module, nn.Sequential)
+        return set() if isinstance(module, nn.Sequential) else None
     owner_path, _, attr = path.rpartition(".")
     owner = module.get_submodule(owner_path)
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(type(owner).forward))))
     except (OSError, TypeError, SyntaxError):
-        return False
+        return None
     allowed: set[int] = set()
+    lists: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.For):
-            it = (
-                node.iter.value
-                if isinstance(node.iter, ast.Subscript) and isinstance(node.iter.slice, ast.Slice)
-                else node.iter
-            )
+            it, position = node.iter, None
+            if isinstance(it, ast.Call) and isinstance(it.func, ast.Name) and it.func.id == "enumerate" and it.args:
+                target = node.target
+                if not (isinstance(target, ast.Tuple) and target.elts and isinstance(target.elts[0], ast.Name)):
+                    return None
+                it, position = it.args[0], target.elts[0].id
+            if isinstance(it, ast.Subscript) and isinstance(it.slice, ast.Slice):
+                it = it.value
             allowed.add(id(it))
+            if position is not None:
+                read = _config_lists_at(node.body, position)
+                if read is None:
+                    return None
+                lists |= read
         elif isinstance(node, ast.Call):
             allowed.add(id(node.func))
     uses = [
@@ -155,7 +167,34 @@ def _walked_in_order(module: nn.Module, path: str) -> bool:
         for n in ast.walk(tree)
         if isinstance(n, ast.Attribute) and n.attr == attr and isinstance(n.value, ast.Name) and n.value.id == "self"
     ]
-    return all(id(n) in allowed for n in uses)
+    return lists if all(id(n) in allowed for n in uses) else None
+
+
+def _config_lists_at(body: list[ast.stmt], position: str) -> set[str] | None:
+    """The config lists a loop's ``body`` reads at ``position`` (``self.config.layer_types[i]``);
+    ``None`` where it uses ``position`` any other way."""
+    lists: set[str] = set()
+    read: set[int] = set()
+    for node in (n for stmt in body for n in ast.walk(stmt)):
+        if (
+            isinstance(node, ast.Subscript)
+            and isinstance(node.slice, ast.Name)
+            and node.slice.id == position
+            and isinstance(node.value, ast.Attribute)
+            and isinstance(node.value.value, ast.Attribute)
+            and node.value.value.attr == "config"
+        ):
+            lists.add(node.value.attr)
+            read.add(id(node.slice))
+    uses = [n for stmt in body for n in ast.walk(stmt) if isinstance(n, ast.Name) and n.id == position]
+    return lists if all(id(n) in read for n in uses) else None
+
+
+def _read_at(module: nn.Module, path: str, lists: set[str], key: str) -> tuple:
+    """The values of the owner's config ``lists`` at block ``key``'s position."""
+    owner = module.get_submodule(path.rpartition(".")[0]) if path else module
+    config, position = getattr(owner, "config", None), _position(key)
+    return tuple((name, getattr(config, name)[position]) for name in sorted(lists))
 
 
 def find_runs(module: nn.Module) -> list[Run]:
@@ -167,17 +206,26 @@ def find_runs(module: nn.Module) -> list[Run]:
     for path, container in module.named_modules():
         if not isinstance(container, _CONTAINERS) or any(path.startswith(p + ".") for p in inside):
             continue
-        if len(container._modules) >= MIN_RUN and not _walked_in_order(module, path):
+        if len(container._modules) < MIN_RUN:
+            continue
+        lists = _walked_in_order(module, path)
+        items = list(container._modules.items())
+        try:
+            read = [_read_at(module, path, lists, k) for k, _ in items] if lists else [()] * len(items)
+        except (AttributeError, TypeError, IndexError, KeyError):
+            lists = None
+        if lists is None:
             log.debug("%s: its owner's code may tell its blocks' positions; each is traced", path or "the module")
             continue
-        items = list(container._modules.items())
         start = 0
-        signatures = [(_signature(m), _position(k)) for k, m in items]
+        signatures = [(_signature(m) + r, _position(k)) for (k, m), r in zip(items, read)]
         while start < len(items):
             end = start + 1
             while end < len(items) and _alike(*signatures[start], *signatures[end]):
                 end += 1
-            if end - start >= MIN_RUN:
+            # A loop that reads the config at a block's position would read a later block's at the
+            # position of a hidden one: blocks after the run would take other values (Gemma 3's).
+            if end - start >= MIN_RUN and not (lists and end < len(items)):
                 run = Run(container, path, tuple(k for k, _ in items[start:end]))
                 runs.append(run)
                 inside.extend(run.block(k) for k in run.keys)
