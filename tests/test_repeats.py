@@ -153,6 +153,28 @@ def test_a_loop_that_can_tell_a_block_s_position_is_traced_block_by_block():
         torch.testing.assert_close(traced.run_locally(x), net(x))
 
 
+class Scaled(nn.Module):
+    """A block that knows its position and computes with it at one block only."""
+
+    def __init__(self, layer_idx: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.layer_idx = layer_idx
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.linear(x)
+        return x * 2 if self.layer_idx == 5 else x
+
+
+def test_a_block_that_computes_with_its_own_position_is_traced_block_by_block():
+    torch.manual_seed(0)
+    net, x = nn.Sequential(*(Scaled(i) for i in range(8))), torch.randn(3, 8)
+    assert repeats.find_runs(net) == []
+    traced = trace_module(net, (x,), {}, "net")
+    with torch.no_grad():
+        torch.testing.assert_close(traced.run_locally(x), net(x))
+
+
 def test_a_sequential_of_identical_blocks_is_traced_at_four_of_them():
     torch.manual_seed(0)
     net, x = nn.Sequential(*(nn.Linear(8, 8) for _ in range(9))), torch.randn(3, 8)

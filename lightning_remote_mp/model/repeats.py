@@ -227,10 +227,47 @@ def find_runs(module: nn.Module) -> list[Run]:
             # position of a hidden one: blocks after the run would take other values (Gemma 3's).
             if end - start >= MIN_RUN and not (lists and end < len(items)):
                 run = Run(container, path, tuple(k for k, _ in items[start:end]))
-                runs.append(run)
-                inside.extend(run.block(k) for k in run.keys)
+                if _positions_only_passed_on(container, run):
+                    runs.append(run)
+                    inside.extend(run.block(k) for k in run.keys)
+                else:
+                    log.debug("%s: a block's code computes with its own position; each is traced", path)
             start = end
     return runs
+
+
+def _positions_only_passed_on(container: nn.Module, run: Run) -> bool:
+    """Whether the blocks' code only passes their position attributes on as arguments (Llama's
+    ``cache.update(k, v, self.layer_idx)``): a block that branches or computes on its own
+    (``if self.layer_idx == 40:``) could do at block 40 what none of the traced four does."""
+    a, b = container.get_submodule(run.keys[1]), container.get_submodule(run.keys[2])
+    pa, pb = _position(run.keys[1]), _position(run.keys[2])
+    classes: dict[type[nn.Module], set[str]] = {}
+    for (_, ma), (_, mb) in zip(a.named_modules(), b.named_modules()):
+        for name, value in vars(ma).items():
+            if type(value) is int and value == pa and vars(mb).get(name) == pb and pa != pb:
+                classes.setdefault(type(ma), set()).add(name)
+    for cls, names in classes.items():
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(cls.forward))))
+        except (OSError, TypeError, SyntaxError):
+            return False
+        passed = {
+            id(arg)
+            for call in ast.walk(tree)
+            if isinstance(call, ast.Call)
+            for arg in (*call.args, *(k.value for k in call.keywords))
+        }
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr in names
+                and isinstance(node.value, ast.Name)
+                and node.value.id == "self"
+                and id(node) not in passed
+            ):
+                return False
+    return True
 
 
 def _position(key: str) -> int | None:
