@@ -42,52 +42,26 @@ def assert_same_units(a, b) -> None:
     assert a.state_names == b.state_names
 
 
+def causal_lm(family: str, layers: int, config: str = "", **kw) -> nn.Module:
+    """A tiny ``<family>ForCausalLM`` of ``layers`` decoder layers (hidden 32, 4 heads, 2 key/value
+    heads), its config a ``<family>Config`` or the class named ``config``."""
+    sizes = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2)
+    config = getattr(transformers, config or f"{family}Config")(**{**sizes, **kw}, num_hidden_layers=layers)
+    torch.manual_seed(0)
+    return getattr(transformers, f"{family}ForCausalLM")(config)
+
+
 def llama(layers: int, **kw) -> nn.Module:
-    config = transformers.LlamaConfig(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        **kw,
-    )
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config)
-
-
-def mixtral(layers: int) -> nn.Module:
-    config = transformers.MixtralConfig(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-    )
-    torch.manual_seed(0)
-    return transformers.MixtralForCausalLM(config)
-
-
-def qwen2(layers: int) -> nn.Module:
-    config = transformers.Qwen2Config(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    torch.manual_seed(0)
-    return transformers.Qwen2ForCausalLM(config)
+    return causal_lm("Llama", layers, **kw)
 
 
 @pytest.mark.parametrize("case", ["llama", "llama with checkpointing", "mixtral", "qwen2"])
 def test_a_deep_model_traced_at_four_layers_equals_its_whole_trace(case, monkeypatch, caplog):
     """Qwen2's loop reads ``config.layer_types[i]`` at each layer's position: alike in the run."""
-    model = {"mixtral": lambda: mixtral(6), "qwen2": lambda: qwen2(7)}.get(case, lambda: llama(7))()
+    if case == "mixtral":
+        model = causal_lm("Mixtral", 6, intermediate_size=48, num_local_experts=4, num_experts_per_tok=2)
+    else:
+        model = causal_lm("Qwen2" if case == "qwen2" else "Llama", 7)
     if "checkpointing" in case:
         model.gradient_checkpointing_enable()
     ids = torch.randint(0, 128, (2, 10))
@@ -112,17 +86,7 @@ def test_a_loop_that_reads_the_config_at_each_position_keeps_blocks_after_a_run_
     """Gemma 3 reads ``config.layer_types[i]`` in its loop, and its sixth layer is a global one
     after five sliding ones: with a block of the five hidden, the sixth would read the fifth's type.
     A run that blocks follow is not made there."""
-    config = transformers.Gemma3TextConfig(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=7,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-    )
-    torch.manual_seed(0)
-    model = transformers.Gemma3ForCausalLM(config)
+    model = causal_lm("Gemma3", 7, config="Gemma3TextConfig", head_dim=8)
     assert repeats.find_runs(model) == []
     ids = torch.randint(0, 128, (2, 10))
     shallow, whole, _ = _traced_both(monkeypatch, model, {"input_ids": ids, "labels": ids, "use_cache": False}, caplog)

@@ -498,7 +498,7 @@ def plan_traced(
     causal LM transformers can build from its config, units that are not one per decoder layer)."""
     owner = getattr(module, "_owner", None)
     config = getattr(owner, "config", None)
-    if config is None or not hasattr(config, "to_dict"):
+    if owner is None or config is None or not hasattr(config, "to_dict"):
         return None
     try:
         shape = model_shape(config)
@@ -559,10 +559,10 @@ def _decoder_units(module: Any, shape: ModelShape) -> list[int] | None:
 
 
 def _tokens(module: Any) -> tuple[int, int] | None:
-    """The traced call's rows and tokens per row: its first two-dimensional integer input (the ids)."""
-    for entry in module.entries[:1]:
-        for example in entry.kwargs.get("examples", ()):
-            shape, dtype = example.get("shape"), example.get("dtype")
-            if shape and len(shape) == 2 and dtype in (torch.int64, torch.int32):
-                return int(shape[0]), int(shape[1])
+    """The traced call's rows and tokens per row: its first unit's first two-dimensional integer
+    input (the ids)."""
+    for example in module.entries[0].kwargs.get("examples", ()):
+        shape, dtype = example.get("shape"), example.get("dtype")
+        if shape and len(shape) == 2 and dtype in (torch.int64, torch.int32):
+            return int(shape[0]), int(shape[1])
     return None

@@ -127,6 +127,23 @@ def _alike(a: tuple, position_a: int | None, b: tuple, position_b: int | None) -
     return True
 
 
+def _forward_tree(cls: type[nn.Module]) -> ast.AST | None:
+    """``cls.forward``'s source as a syntax tree; ``None`` where it cannot be read."""
+    try:
+        return ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(cls.forward))))
+    except (OSError, TypeError, SyntaxError):
+        return None
+
+
+def _self_uses(tree: ast.AST, names: set[str]) -> list[ast.Attribute]:
+    """Every ``self.<name>`` in ``tree``, for ``name`` in ``names``."""
+    return [
+        n
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Attribute) and n.attr in names and isinstance(n.value, ast.Name) and n.value.id == "self"
+    ]
+
+
 def _walked_in_order(module: nn.Module, path: str) -> set[str] | None:
     """How the module holding container ``path`` may tell its blocks apart: ``None`` where its code
     could tell a block's position (``self.layers[i]``, ``len(self.layers)``, a position used
@@ -137,10 +154,8 @@ def _walked_in_order(module: nn.Module, path: str) -> set[str] | None:
     if not path:
         return set() if isinstance(module, nn.Sequential) else None
     owner_path, _, attr = path.rpartition(".")
-    owner = module.get_submodule(owner_path)
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(type(owner).forward))))
-    except (OSError, TypeError, SyntaxError):
+    tree = _forward_tree(type(module.get_submodule(owner_path)))
+    if tree is None:
         return None
     allowed: set[int] = set()
     lists: set[str] = set()
@@ -162,12 +177,7 @@ def _walked_in_order(module: nn.Module, path: str) -> set[str] | None:
                 lists |= read
         elif isinstance(node, ast.Call):
             allowed.add(id(node.func))
-    uses = [
-        n
-        for n in ast.walk(tree)
-        if isinstance(n, ast.Attribute) and n.attr == attr and isinstance(n.value, ast.Name) and n.value.id == "self"
-    ]
-    return lists if all(id(n) in allowed for n in uses) else None
+    return lists if all(id(n) in allowed for n in _self_uses(tree, {attr})) else None
 
 
 def _config_lists_at(body: list[ast.stmt], position: str) -> set[str] | None:
@@ -248,9 +258,8 @@ def _positions_only_passed_on(container: nn.Module, run: Run) -> bool:
             if type(value) is int and value == pa and vars(mb).get(name) == pb and pa != pb:
                 classes.setdefault(type(ma), set()).add(name)
     for cls, names in classes.items():
-        try:
-            tree = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(cls.forward))))
-        except (OSError, TypeError, SyntaxError):
+        tree = _forward_tree(cls)
+        if tree is None:
             return False
         passed = {
             id(arg)
@@ -258,15 +267,8 @@ def _positions_only_passed_on(container: nn.Module, run: Run) -> bool:
             if isinstance(call, ast.Call)
             for arg in (*call.args, *(k.value for k in call.keywords))
         }
-        for node in ast.walk(tree):
-            if (
-                isinstance(node, ast.Attribute)
-                and node.attr in names
-                and isinstance(node.value, ast.Name)
-                and node.value.id == "self"
-                and id(node) not in passed
-            ):
-                return False
+        if any(id(n) not in passed for n in _self_uses(tree, names)):
+            return False
     return True
 
 
@@ -356,7 +358,9 @@ def _check_alike(a: Unit, b: Unit, run: Run) -> None:
         same = same and [_relative(t, name_a) for t in pa["tensors"].values()] == [
             _relative(t, name_b) for t in pb["tensors"].values()
         ]
-        same = same and [p - _offset(ka) for p in _positions(pa)] == [p - _offset(kb) for p in _positions(pb)]
+        same = same and [p - (_position(ka) or 0) for p in _positions(pa)] == [
+            p - (_position(kb) or 0) for p in _positions(pb)
+        ]
     if not same:
         raise NotAlike(f"blocks {name_a} and {name_b} trace to different steps")
 
@@ -383,14 +387,11 @@ def _positions(program: dict[str, Any]) -> list[int]:
     return [p for step in program["steps"] if (p := kv_cache_position(step)) is not None]
 
 
-def _offset(key: str) -> int:
-    return int(key) if key.isdigit() else 0
-
-
 def _copy(unit: Unit, run: Run, key: str) -> Unit:
     """The third kept block's unit for block ``key``: its weights, its owners, its name and its cache
     operators' positions."""
-    source, block, shift = run.block(run.kept[2]), run.block(key), _offset(key) - _offset(run.kept[2])
+    source, block = run.block(run.kept[2]), run.block(key)
+    shift = (_position(key) or 0) - (_position(run.kept[2]) or 0)
 
     def renamed(path: str) -> str:
         return block + path[len(source) :] if _within(path, source) else path
