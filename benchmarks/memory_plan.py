@@ -12,7 +12,7 @@ with the second, once AdamW's moments exist), as:
 - ``QLoRA``: the base quantized by bitsandbytes to NF4 with double quantization (compute float32),
   ``prepare_model_for_kbit_training``, LoRA r=8 on all linear layers, as tests/test_qlora.py builds it.
 
-The plan (``stages=2``, ``device="cpu"``) splits the layers and the run places them that way
+The plan (``stages=2``) splits the layers and the run places them that way
 (``balance=`` the unit where stage 1 starts). It plans the loss as this lrmp computes it: in chunks
 (`lightning_remote_mp.model.head_loss`, 0.16.0), or over whole logits before that module.
 
@@ -30,11 +30,12 @@ in fresh processes: the table gives the median and the range.
     python benchmarks/memory_plan.py            # the three cases, 3 runs each: ~6 min on 2 cores
     python benchmarks/memory_plan.py --quick    # a smaller shape (2 layers, 512 tokens): a smoke run
     python benchmarks/memory_plan.py --cases "fp32 full"
-    python benchmarks/memory_plan.py --arenas 1   # the workers' threads share one glibc heap (docs' table)
+    python benchmarks/memory_plan.py --arenas 1   # the workers' threads share one glibc heap
 
-A CPU worker's peak varies from run to run with which of its threads allocates where: glibc gives
-each thread a heap arena of its own, and memory freed in one arena does not serve another's
-allocations. ``--arenas 1`` (``MALLOC_ARENA_MAX=1``) measures with one heap for all of them.
+``--arenas 1`` (``MALLOC_ARENA_MAX=1``) runs the workers with one glibc heap for all their threads.
+Before 0.16.2 it mattered: a worker's activations came from its heaps, and the peak varied from run
+to run with which thread allocated where. Now a worker maps its large tensors apart
+(`lightning_remote_mp.worker.allocator`), and the peaks come out the same with or without it.
 """
 
 from __future__ import annotations
@@ -142,7 +143,7 @@ def child(case: str, quick: bool) -> None:
     seq, vocab = shape[-1], shape[-2]
     steps = 2 if quick else STEPS
     config = config_of(shape)
-    options = dict(seq_len=seq, rows=ROWS, microbatches=MICROBATCHES, schedule="gpipe", device="cpu")
+    options = dict(seq_len=seq, rows=ROWS, microbatches=MICROBATCHES, schedule="gpipe")
     plan = plan_memory(config, stages=2, whole_logits=not chunked_loss(), **options, **CASES[case])
 
     class Tokens(Dataset):
@@ -228,7 +229,7 @@ def main(argv: list[str] | None = None) -> None:
         f"LlamaForCausalLM: hidden {hidden}, {layers} layers, {heads} heads ({kv_heads} key/value), intermediate "
         f"{intermediate}, vocab {vocab:,}, untied; {MICROBATCHES} micro-batches of {ROWS} x {seq:,} tokens, GPipe, "
         f"AdamW, {2 if args.quick else STEPS} steps, 2 local workers (1 thread each). Predicted: lrmp-plan's needs "
-        f"(device cpu, {'the loss in chunks' if chunked_loss() else 'whole logits'}); measured: each worker's peak "
+        f"({'the loss in chunks' if chunked_loss() else 'whole logits'}); measured: each worker's peak "
         f"above the bare worker (anonymous memory), the median of {args.repeats} runs (their range)"
         + (f"; MALLOC_ARENA_MAX={args.arenas}" if args.arenas else "")
         + ". MB"

@@ -51,8 +51,9 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import environment, exit_now, markdown_table, median, python, timed_trainer  # noqa: E402
 
-#: Nominal fp32 MB -> (hidden, intermediate, layers, heads); vocab 8000, untied.
-SHAPES = {25: (256, 688, 4, 4), 250: (768, 2048, 8, 12)}
+#: Nominal fp32 MB -> (hidden, intermediate, layers, heads); vocab 8000, untied. 17 MB: a 70B's depth
+#: (80 decoder layers) at tiny widths, as benchmarks/depth.py's (issue #60).
+SHAPES = {17: (64, 128, 80, 4), 25: (256, 688, 4, 4), 250: (768, 2048, 8, 12)}
 MODES = ("sync", "async")
 BATCH, SEQ, VOCAB = 4, 64, 8000
 

@@ -273,7 +273,7 @@ def test_the_strategy_cuts_a_traced_llm_by_its_plan_and_logs_it(pool, caplog):
     said = caplog.text
     assert "balance='memory' cuts it by its memory plan" in said and "| stage | holds" in said
     # the workers' free memory is alike: the split that keeps the fullest stage emptiest is the same
-    plan = P.plan_memory(config, stages=2, seq_len=32, microbatches=2, device="cpu")
+    plan = P.plan_memory(config, stages=2, seq_len=32, microbatches=2)
     second = plan.stages[1].layers.start
     placed = said[said.index("traced module 'model' placed:") :]
     stage1 = next(line for line in placed.splitlines() if line.startswith("stage 1"))
@@ -294,15 +294,12 @@ def test_the_strategy_refuses_a_model_its_plan_says_cannot_fit(pool, caplog):
 
 # --- against a worker -------------------------------------------------------------------------
 @pytest.mark.timeout(120)
-@pytest.mark.slow  # its stage 1 sits at the bound: left to the full run, where it fails loudly
 def test_the_plan_predicts_a_worker_s_peak_within_20_percent(start_workers):
     """A float32 full fine-tune of a small Llama (hidden 256, 4 layers, vocabulary 8,192) on two real
     workers (2 micro-batches of 1,024 tokens, AdamW, 2 steps), split as the plan splits it: each
     worker's peak memory above the bare worker (as benchmarks/memory_plan.py measures it) is the
-    plan's within 20%. Stage 0 measures 0.88-0.93x; stage 1, whose head trains, 0.79-0.86x over 15
-    runs at ec7b6de (0.80x or under in 3 of them, with glibc's default arenas or one arena alike): the
-    plan over-counts a trained head's copies at this shape (issue #59's note), so the default run,
-    which CI makes, leaves it out until the plan is mended."""
+    plan's within 20%. Measured 1.07-1.08x and 0.89x over three runs (0.16.2: a worker's large tensors
+    mapped apart from its heap)."""
     from torch.utils.data import DataLoader
 
     from lightning_remote_mp import RemoteModelParallelStrategy
@@ -310,7 +307,7 @@ def test_the_plan_predicts_a_worker_s_peak_within_20_percent(start_workers):
     config = tiny(hidden_size=256, intermediate_size=704, num_hidden_layers=4, vocab_size=8192)
     workers = start_workers(2)
     plan = P.plan_memory(config, hosts=workers.addresses, seq_len=1024, microbatches=2)
-    assert plan.training.device == "cpu" and all(s.free and s.fits for s in plan.stages)
+    assert all(s.free and s.fits for s in plan.stages)
     assert [s.address for s in plan.stages] == workers.addresses
 
     def status(pid: int) -> dict[str, int]:

@@ -769,10 +769,13 @@ def test_a_driver_of_other_lrmp_and_torch_versions_is_served_with_a_warning(work
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
-def test_worker_allocator_reuses_freed_memory_without_page_faults():
+def test_worker_allocator_reuses_small_blocks_and_maps_large_ones_apart():
+    """``keep_freed_memory``: a step's blocks under 1 MiB are served again from the heap (no page
+    faults), and a block of 1 MiB or more that the heap cannot serve is mapped apart, its pages given
+    back when it is freed, so it leaves no hole in the heap that a stage's peak would carry (issue #59)."""
     from lightning_remote_mp.worker import allocator
 
-    # What a training step does to memory: allocate, touch and free the same large buffers again.
+    # What a training step does to memory: allocate, touch and free the same buffers again.
     # Left alone, glibc adapts its thresholds to the largest block freed so far, so whether the
     # steps below fault depends on what the process did before; pinned, they show the difference.
     script = f"""
@@ -787,15 +790,23 @@ allocator._glibc().mallopt(allocator._M_MMAP_THRESHOLD, 128 << 10)
 allocator._glibc().mallopt(allocator._M_TRIM_THRESHOLD, 128 << 10)
 if sys.argv[1] == "keep":
     assert allocator.keep_freed_memory()
+def anon():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("RssAnon:"))
+large = torch.ones(1 << 20)  # 4 MiB, a long sequence's activation, on a heap with nothing free
+held = anon()
+del large
+given_back = held - anon()
 def step():
-    ts = [torch.ones(1 << 20) for _ in range(4)]  # four 4 MiB buffers, like a stage's weight gradients
+    ts = [torch.ones(1 << 17) for _ in range(32)]  # 512 KiB buffers: a stage's activations, weights' gradients
     del ts
 for _ in range(3):
     step()
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 for _ in range(20):
     step()
-print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before, flush=True)
+faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+print(faults, given_back, flush=True)
 import os; os._exit(0)  # skips the interpreter's slow teardown of torch
 """
     # Both at once (each is mostly a fresh interpreter importing torch): faults are counted per process.
@@ -803,12 +814,12 @@ import os; os._exit(0)  # skips the interpreter's slow teardown of torch
         mode: subprocess.Popen([sys.executable, "-c", script, mode], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         for mode in ("keep", "default")
     }
-    faults = {}
+    faults, given_back = {}, {}
     try:
         for mode, proc in procs.items():
             out, err = proc.communicate(timeout=60)
             assert proc.returncode == 0, err.decode()
-            faults[mode] = int(out)
+            faults[mode], given_back[mode] = map(int, out.split())
     finally:
         for proc in procs.values():
             if proc.poll() is None:
@@ -818,6 +829,8 @@ import os; os._exit(0)  # skips the interpreter's slow teardown of torch
     # none on a quiet machine; a loaded CI machine has shown ~250 a step (a reclaimed page here and
     # there), still a sixteenth of the default: the ratio is what this asserts.
     assert faults["keep"] * 10 < faults["default"] and faults["default"] > 20 * 1000, faults
+    # A freed block of 1 MiB and more gives its pages back (KiB; served from the heap, it kept them all).
+    assert given_back["keep"] > 3 * 1024, given_back
 
 
 def test_a_micro_batch_from_a_peer_waits_for_the_driver_request_sent_before_it(pool):

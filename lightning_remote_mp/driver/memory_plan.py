@@ -44,8 +44,6 @@ import torch
 from lightning_remote_mp.errors import ConfigurationError
 from lightning_remote_mp.model.causal_lm import ModelShape, load_config, model_shape
 from lightning_remote_mp.model.stage_memory import (
-    CPU_HEAP_OVERHEAD,
-    DEVICES,
     DTYPES,
     StagePlan,
     Training,
@@ -150,7 +148,6 @@ class MemoryPlan:
         how = "full fine-tune" if t.full else f"LoRA r={t.lora_rank} on {targets}"
         loss = "whole logits" if t.whole_logits else f"the loss in chunks of {min(t.loss_chunk, t.tokens):,} tokens"
         gen = f", a generation's cache of {t.generation:,} tokens" if t.generation else ""
-        gen += f"; CPU workers (activations x{CPU_HEAP_OVERHEAD} for glibc's heap)" if t.device == "cpu" else ""
         mbs = f"{t.microbatches} micro-batch{'es' * (t.microbatches > 1)}"
         return (
             f"{m.name}: {count_text(m.parameters)} parameters, {len(m.layers)} layers, hidden {m.hidden:,}, vocab "
@@ -274,18 +271,15 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     return "\n".join(lines)
 
 
-def workers_free_memory(hosts: Sequence[str], connect_timeout: float = 10.0) -> list[tuple[str, int, str]]:
-    """Each running worker's address, free memory in bytes and device type (``"cuda"``, ``"cpu"``), as
-    it says in its greeting (HELLO), through the driver's own links
-    (`lightning_remote_mp.driver.links.WorkerLinks`); the session opened to ask is closed at once."""
+def workers_free_memory(hosts: Sequence[str], connect_timeout: float = 10.0) -> list[tuple[str, int]]:
+    """Each running worker's address and free memory in bytes, as it says in its greeting (HELLO),
+    through the driver's own links (`lightning_remote_mp.driver.links.WorkerLinks`); the session
+    opened to ask is closed at once."""
     from lightning_remote_mp.driver.links import WorkerLinks
 
     links = WorkerLinks(list(hosts), connect_timeout=connect_timeout)
     try:
-        return [
-            (c.address, int(info.get("free_memory") or 0), str(info.get("device", "cpu")).split(":")[0])
-            for c, info in zip(links.conns, links.workers)
-        ]
+        return [(c.address, int(info.get("free_memory") or 0)) for c, info in zip(links.conns, links.workers)]
     finally:
         links.close()
 
@@ -312,7 +306,6 @@ def plan_memory(
     generation: int = 0,
     loss_chunk: int | None = None,
     whole_logits: bool = False,
-    device: str = "cuda",
     connect_timeout: float = 10.0,
 ) -> MemoryPlan:
     """What each stage of ``config``'s causal LM will need on its worker, and whether it fits there.
@@ -341,8 +334,6 @@ def plan_memory(
         loss_chunk: tokens per chunk of the loss on the last stage (default: lrmp's, 64 MB of float32
             logits: 130 tokens at a vocabulary of 128,256); ``whole_logits``: plan the loss over whole
             logits instead (lrmp before its chunked loss).
-        device: ``"cuda"`` (the plan counts tensors) or ``"cpu"`` (and glibc's heap); with ``hosts``,
-            what the workers say they use.
         connect_timeout: with ``hosts``, seconds to wait for each worker.
 
     Raises:
@@ -376,7 +367,6 @@ def plan_memory(
         generation=generation,
         loss_chunk=loss_chunk or lrmp_loss_chunk(shape.vocab),
         whole_logits=whole_logits,
-        device=device,
     )
     names = sorted({lin.name for layer in shape.layers for lin in layer.linears})
     for target in t.lora_targets or ():
@@ -390,9 +380,7 @@ def plan_memory(
         addresses = [None] * len(free)
     elif hosts:
         found = workers_free_memory(hosts, connect_timeout)
-        addresses, free = [a for a, _, _ in found], [f for _, f, _ in found]
-        if all(d == "cpu" for _, _, d in found):
-            t = dataclasses.replace(t, device="cpu")
+        addresses, free = [a for a, _ in found], [f for _, f in found]
     else:
         if stages is None:
             raise ConfigurationError("give the workers' free memory (memory=, one size per stage), hosts=, or stages=")
@@ -441,9 +429,6 @@ def main(argv: list[str] | None = None) -> int:
         "--loss-chunk", type=int, help="tokens per chunk of the loss (default: lrmp's, 64 MB of logits)"
     )
     parser.add_argument("--whole-logits", action="store_true", help="the loss over whole logits (lrmp before chunking)")
-    parser.add_argument(
-        "--device", default="cuda", choices=DEVICES, help="the workers' (default cuda; --hosts: theirs)"
-    )
     parser.add_argument("--connect-timeout", type=float, default=10.0, help="with --hosts: seconds per worker")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
@@ -469,17 +454,12 @@ def main(argv: list[str] | None = None) -> int:
             generation=args.generation,
             loss_chunk=args.loss_chunk,
             whole_logits=args.whole_logits,
-            device=args.device,
             connect_timeout=args.connect_timeout,
         )
     except ConfigurationError as err:
         parser.exit(2, f"lrmp-plan: {err}\n")
     print(plan.report())
     return 1 if plan.fits is False else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
 
 
 def plan_traced(
@@ -489,7 +469,6 @@ def plan_traced(
     schedule: str,
     optimizer: str | None,
     free: Sequence[int | None],
-    device: str,
 ) -> tuple[MemoryPlan, list[int]] | None:
     """The plan of a traced HuggingFace causal LM as the strategy trains it (``balance="memory"``):
     the same numbers as `plan_memory`'s, from the module itself (its config, its dtypes, its LoRA
@@ -533,7 +512,6 @@ def plan_traced(
         schedule=schedule,
         checkpointing=any(e.kwargs.get("checkpoint") for e in module.entries),
         loss_chunk=lrmp_loss_chunk(shape.vocab),
-        device="cpu" if device == "cpu" else "cuda",
     )
     try:
         stages = split_stages(shape, t, free)
@@ -566,3 +544,7 @@ def _tokens(module: Any) -> tuple[int, int] | None:
         if shape and len(shape) == 2 and dtype in (torch.int64, torch.int32):
             return int(shape[0]), int(shape[1])
     return None
+
+
+if __name__ == "__main__":
+    sys.exit(main())

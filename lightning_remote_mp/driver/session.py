@@ -204,14 +204,12 @@ class DriverSession(WorkerLinks):
         """The units per stage of a traced causal LM's memory plan, which is logged; refuse a plan
         whose stage needs more than its worker's free memory beyond the plan's measured error
         (`PLAN_MARGIN`), warn within it. ``None``: no plan for this module."""
-        devices = {str(w.get("device", "cpu")).split(":")[0] for w in self.workers}
         planned = plan_traced(
             module,
             microbatches=trains.microbatches,
             schedule=trains.schedule,
             optimizer=trains.optimizer,
             free=[int(f) or None for f in free],
-            device="cpu" if devices == {"cpu"} else "cuda",
         )
         if planned is None:
             return None

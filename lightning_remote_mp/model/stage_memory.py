@@ -36,11 +36,11 @@ Per stage, from the model's sizes (`lightning_remote_mp.model.causal_lm`):
 
 Transients are counted where they peak: a decoder layer's backward (`BACKWARD_WORKSPACE`), a 4-bit
 weight dequantized while its layer runs. A worker's own overheads (a CUDA context, torch's and
-Python's memory) are not in the plan: it says what the model adds. On a CPU worker
-(``device="cpu"``, or a worker that says so when asked with ``hosts``) the activations count
-glibc's heap too (`CPU_HEAP_OVERHEAD`). ``benchmarks/memory_plan.py`` compares the plan
-with the peak each worker measures, on a float32 full fine-tune, a bfloat16 base with LoRA and
-QLoRA (docs/big_models.md has its table).
+Python's memory) are not in the plan: it says what the model adds. A CPU worker holds what the plan
+counts too: its large tensors are mapped apart from the heap (`lightning_remote_mp.worker.allocator`),
+so they leave no holes. ``benchmarks/memory_plan.py`` compares the plan with the peak each worker
+measures, on a float32 full fine-tune, a bfloat16 base with LoRA and QLoRA (docs/big_models.md has
+its table).
 """
 
 from __future__ import annotations
@@ -60,8 +60,6 @@ from lightning_remote_mp.schedule import check_schedule
 
 QUANTIZATIONS = ("none", "nf4")
 OPTIMIZERS = ("adamw", "sgd")
-#: Where the workers keep their stages: a GPU (the plan counts tensors) or the CPU (`CPU_HEAP_OVERHEAD`).
-DEVICES = ("cuda", "cpu")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 #: bitsandbytes' default block size, the one transformers' ``BitsAndBytesConfig`` quantizes with.
 NF4_BLOCKSIZE = 64
@@ -77,13 +75,13 @@ FP32 = 4
 LOSS_CHUNK = 1024
 CHUNK_BUFFERS = 4
 #: A head that trains (a full fine-tune): the last stage holds copies of the head's weight, in its
-#: gradient's dtype, for each micro-batch of the step until the optimizer's step (its gradient, the
-#: chunks' sum, what lrmp keeps for logits not read yet: `lightning_remote_mp.worker.route`).
-#: Measured on the workers (0.16.0 with b110a00: the final norm and a float32 head alone on the last
-#: stage, vocabulary 16,384, 2,048 tokens a micro-batch, GPipe): 3.0, 5.1 and 10.6 copies above the
-#: frozen head's at 1, 2 and 4 micro-batches. Counted for every micro-batch of the step, whatever the
-#: schedule (1F1B not measured).
-TRAINED_HEAD_COPIES_PER_MICROBATCH = 2.5
+#: gradient's dtype, beside its gradient until the optimizer's step (the chunks' sums of each
+#: micro-batch's backward). Measured on the workers (benchmarks/memory_plan.py's float32 full
+#: fine-tune with the final norm and the head alone on the last stage, vocabulary 16,384, 2,048
+#: tokens a micro-batch, GPipe): -0.4, 1.4 and 2.9 copies above the plan without them at 1, 2 and 4
+#: micro-batches; this constant gives 0.6, 1.2 and 2.4. Counted for every micro-batch of the step,
+#: whatever the schedule (1F1B not measured).
+TRAINED_HEAD_COPIES_PER_MICROBATCH = 0.6
 #: Whole logits (``whole_logits=True``, lrmp before its chunked loss), in float32 ``[tokens, vocab]``
 #: units. Each micro-batch held keeps its logits (for the driver) and their log-softmax (for the
 #: loss's backward), and on lrmp's workers a third such buffer; the loss's backward two more (its
@@ -96,18 +94,6 @@ WHOLE_LOGITS_BACKWARD = 2.0
 #: share of one layer's activations of one micro-batch. Measured in one process on a traced Llama's
 #: layers, the backward's peak above the forward's end: 0.4 of a layer in float32, 0.2 with LoRA.
 BACKWARD_WORKSPACE = 0.5
-#: On a CPU worker, glibc's heap holds more than the activations' bytes: tensors up to 32 MiB come
-#: from it (`lightning_remote_mp.worker.allocator`), the temporaries a forward frees between the
-#: tensors autograd keeps leave holes, and a worker's threads each fill an arena of their own. In one
-#: process, at the end of a traced Llama's forward (4 layers, 2,048 tokens), the heap held 1.11x the
-#: kept tensors' bytes in float32 and 1.63x in bfloat16 with LoRA (its float32 casts). On the workers
-#: (benchmarks/memory_plan.py --arenas 1, the three cases, six stages) the stages needed 1.25x
-#: (float32's first stage) to 2.5x (QLoRA's last) their activations beyond what the plan counts
-#: otherwise; no one factor spans that within 20%. This value, fitted to that run, brings five of
-#: the six within it (QLoRA's last stays 1.35x over the plan, docs/big_models.md). The plan multiplies
-#: a CPU stage's activations by it (not the loss's chunks: above 32 MiB, malloc maps them apart); a
-#: GPU's caching allocator is not modelled (the plan counts tensors there).
-CPU_HEAP_OVERHEAD = 1.6
 #: A 4-bit weight dequantized while its layer runs: its values in the compute dtype, plus the int32
 #: index of its packed bytes (4 bytes per 2 weights), per benchmarks/qlora.py.
 DEQUANTIZE_INDEX_BYTES = 2
@@ -138,7 +124,6 @@ class Training:
     generation: int = 0
     loss_chunk: int = LOSS_CHUNK
     whole_logits: bool = False
-    device: str = "cuda"
     frozen_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
@@ -148,8 +133,6 @@ class Training:
             )
         if self.optimizer not in OPTIMIZERS:
             raise ConfigurationError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
-        if self.device not in DEVICES:
-            raise ConfigurationError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         check_schedule(self.schedule)  # zero-bubble holds activations as 1F1B does
         if self.double_quant and self.quantization == "none":
             raise ConfigurationError("double_quant quantizes 4-bit scales: it needs quantization='nf4'")
@@ -346,8 +329,6 @@ def _stage(
     largest = max((c.largest_4bit for c in mine), default=0)
     transient += largest * (b + DEQUANTIZE_INDEX_BYTES)  # a 4-bit weight dequantized while its layer runs
     activations = held * per_token * tokens + transient
-    if t.device == "cpu":
-        activations = int(activations * CPU_HEAP_OVERHEAD)  # not the logits' chunks: 64 MB, mapped apart
     return StagePlan(
         index=index,
         layers=layers,
