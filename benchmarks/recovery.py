@@ -31,8 +31,16 @@ Each run is a child process (``--child``; its events on stdout as JSON lines, ea
 - ``replay``: -> the end of step K run again (the steps since the checkpoint, on the kept batches);
 - ``back``: the kill -> that end, the four summed.
 
-    python benchmarks/recovery.py            # 25 and 250 MB x sync, async: ~2 min on 2 cores
-    python benchmarks/recovery.py --quick    # 25 MB, sync only (~25 s)
+Three models: 17 MB, a 70B's depth (80 decoder layers) at tiny widths as in benchmarks/depth.py
+(hidden 64, 4 heads, MLP 128; issue #60); 25 MB (4 layers of 256) and 250 MB (8 layers of 768).
+With ``--generate`` a validation every N steps calls ``generate()`` (16 new tokens, greedy) too,
+and each run is timed again without the kill: ``cost`` is the kill's cost to ``fit`` (its seconds
+with the kill less without), and the last column what remains of it beyond the detection, the
+loading and the replay: the relaunch and anything traced again (issue #60: at most 5 s).
+
+    python benchmarks/recovery.py                      # 17, 25 and 250 MB x sync, async: ~3 min on 2 cores
+    python benchmarks/recovery.py --generate --modes sync   # and generate() in validation (~3 min)
+    python benchmarks/recovery.py --quick              # 17 MB, sync only (~25 s)
 """
 
 from __future__ import annotations
@@ -109,6 +117,9 @@ def child(args: argparse.Namespace) -> None:
         def training_step(self, ids, batch_idx):
             return self.model(input_ids=ids, labels=ids).loss
 
+        def validation_step(self, ids, batch_idx):  # with --generate only
+            self.model.generate(ids[:1, :8], max_new_tokens=16, do_sample=False, pad_token_id=0)
+
         def configure_optimizers(self):
             return torch.optim.AdamW(self.parameters(), lr=1e-4)
 
@@ -116,7 +127,7 @@ def child(args: argparse.Namespace) -> None:
         killed = False
 
         def on_train_batch_start(self, trainer, *_) -> None:
-            if not self.killed and trainer.global_step >= kill - 1:
+            if not args.uninterrupted and not self.killed and trainer.global_step >= kill - 1:
                 os.kill(trainer.strategy._workers.local.procs[1].pid, signal.SIGKILL)
                 self.killed = True
                 mark("kill", step=trainer.global_step + 1)
@@ -143,15 +154,18 @@ def child(args: argparse.Namespace) -> None:
         split=["model"], microbatches=2, recovery=True, heartbeat_timeout=args.heartbeat, state_dict_type="sharded"
     )
     checkpoints = ModelCheckpoint(dirpath=args.dir, every_n_train_steps=args.every, save_last=True, save_top_k=-1)
+    validation = dict(val_check_interval=args.every, limit_val_batches=1) if args.generate else {}
     trainer = timed_trainer(
         strategy,
         kill,
         [checkpoints, Events()],
         enable_checkpointing=True,
         plugins=[AsyncCheckpointIO()] if args.child == "async" else None,
+        **validation,
     )
     mark("fit")
-    trainer.fit(Net(model), DataLoader(Tokens(), batch_size=BATCH))
+    loader = DataLoader(Tokens(), batch_size=BATCH)
+    trainer.fit(Net(model), loader, DataLoader(Tokens(), batch_size=BATCH) if args.generate else None)
     mark("done")
     exit_now(0)
 
@@ -159,9 +173,10 @@ def child(args: argparse.Namespace) -> None:
 # --- the parent: runs and their phases -------------------------------------------------------
 
 
-def run_one(size: int, mode: str, kill: int, args: argparse.Namespace) -> dict:
+def run_one(size: int, mode: str, kill: int, args: argparse.Namespace, uninterrupted: bool = False) -> dict:
     directory = tempfile.mkdtemp(prefix="lrmp-recovery-")
     cmd = [python(), os.path.abspath(__file__), "--child", mode, "--sizes", str(size), "--kill", str(kill)]
+    cmd += ["--uninterrupted"] * uninterrupted + ["--generate"] * args.generate
     cmd += [
         "--every",
         str(args.every),
@@ -197,6 +212,10 @@ def run_one(size: int, mode: str, kill: int, args: argparse.Namespace) -> dict:
         first.setdefault(e["event"], e)
     steps = [(e["n"], e["t"]) for e in events if e["event"] == "step"]
     r: dict = {"size": size, "mode": mode, "kill": kill, "params": first.get("model", {}).get("params")}
+    if "fit" in first and "done" in first:
+        r["fit"] = first["done"]["t"] - first["fit"]["t"]
+    if uninterrupted:
+        return r if "fit" in r else {**r, "failed": why or "no end"}
     if not why and not all(k in first for k in ("kill", "lost", "placed", "done")):
         why = "no recovery: " + ", ".join(k for k in ("kill", "lost", "placed", "done") if k not in first)
     if why:
@@ -231,6 +250,12 @@ def main() -> None:
     parser.add_argument("--heartbeat", type=float, default=2.0, help="heartbeat_timeout, seconds")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per run")
     parser.add_argument("--quick", action="store_true", help="the smallest size, sync only")
+    parser.add_argument(
+        "--generate",
+        action="store_true",
+        help="validation every --every steps calls generate() (16 tokens); each run is also timed uninterrupted",
+    )
+    parser.add_argument("--uninterrupted", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
     parser.add_argument("--kill", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--dir", help=argparse.SUPPRESS)
@@ -248,6 +273,22 @@ def main() -> None:
         f"checkpoints every {args.every} steps; heartbeat_timeout {args.heartbeat:g} s; seed {args.seed}",
         flush=True,
     )
+    header = [
+        "model MB fp32 (params), layers",
+        "save",
+        "s to step 1",
+        "s/step before",
+        "killed in step",
+        "resumed from",
+        "run again",
+        "detection s",
+        "placement s",
+        "loading s",
+        "replay s",
+        "kill -> back s",
+    ]
+    if args.generate:  # fit's seconds with the kill and without; the kill's cost beyond detection, loading, replay
+        header += ["fit s", "fit s, no kill", "cost s", "cost beyond detection, loading, replay s"]
     rng = random.Random(args.seed)
     fmt = lambda x, d=1: "-" if x is None or x != x else f"{x:,.{d}f}"  # noqa: E731
     rows, slow = [], []
@@ -258,9 +299,17 @@ def main() -> None:
             r = run_one(size, mode, kill, args)
             print(f"{size} MB {mode}: kill at step {kill}, {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
             model = f"{4 * r['params'] / 1e6:,.0f} ({r['params'] / 1e6:.1f}M)" if r["params"] else f"~{size}"
+            model += f", {SHAPES[size][2]} layers"
             if "failed" in r:
-                rows.append([model, mode, "-", "-", kill, "-", "-", f"FAILED: {r['failed']}", "", "", "", ""])
+                failed = [model, mode, "-", "-", kill, "-", "-", f"FAILED: {r['failed']}"]
+                rows.append(failed + [""] * (len(header) - len(failed)))
                 continue
+            extra = []
+            if args.generate:
+                whole = run_one(size, mode, kill, args, uninterrupted=True).get("fit")
+                cost = r["fit"] - whole if whole else None
+                beyond = cost - r["detection"] - r["loading"] - r["replay"] if cost is not None else None
+                extra = [fmt(r["fit"]), fmt(whole), fmt(cost), fmt(beyond)]
             if r["detection"] > args.heartbeat:
                 slow.append(f"{model} {mode}: detection {r['detection']:.2f} s > heartbeat {args.heartbeat:g} s")
             rows.append(
@@ -277,22 +326,9 @@ def main() -> None:
                     fmt(r["loading"]),
                     fmt(r["replay"]),
                     fmt(r["back"]),
+                    *extra,
                 ]
             )
-    header = [
-        "model MB fp32 (params)",
-        "save",
-        "s to step 1",
-        "s/step before",
-        "killed in step",
-        "resumed from",
-        "run again",
-        "detection s",
-        "placement s",
-        "loading s",
-        "replay s",
-        "kill -> back s",
-    ]
     print()
     print(markdown_table(header, rows))
     for line in slow:

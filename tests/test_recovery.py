@@ -396,3 +396,43 @@ def test_the_places_are_tried_in_order_and_the_bounds_end_the_run():
     slow.placed()
     with pytest.raises(WorkerLostError, match="recovery.max_seconds=0.001"):
         slow.lost(lost(b, 1))
+
+
+def test_a_recovery_traces_nothing_again(tmp_path, monkeypatch):
+    """A traced Llama that generates in validation (issue #60): after a worker is lost, ``fit`` runs
+    again on the programs traced before the loss (the training call's, validation's, ``generate()``'s
+    prefill and decode step), placed again on the new workers, never traced again; the run ends with
+    the uninterrupted run's losses and writing."""
+    pytest.importorskip("transformers")
+    import copy
+
+    import lrmp_hf as H
+    from test_generate import Writes, assert_same_writing
+
+    from lightning_remote_mp.model import calls
+
+    traced: list[str] = []
+    trace = calls.trace_module
+
+    def counting(module, args, kwargs, name):
+        traced.append(name)
+        return trace(module, args, kwargs, name)
+
+    monkeypatch.setattr(calls, "trace_module", counting)
+    torch.manual_seed(0)
+    base = Writes(H.llama(), lr=0.01, optimizer="AdamW")
+    ref, model = copy.deepcopy(base), copy.deepcopy(base)
+    options = dict(epochs=1, val_check_interval=2, limit_val_batches=1)
+    data, validation = H.padded_data(n=40, batch=8), H.padded_data(n=8, seed=1)
+    trainer(RemoteModelParallelStrategy(split=["model"]), **options).fit(ref, data, validation)
+    before = len(traced)
+    kill = Kill(local_pid(1), 3)  # checkpoint at 2, lost in 4
+    checkpoints = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_last=True, save_top_k=-1)
+    strategy = RemoteModelParallelStrategy(split=["model"], recovery=True, heartbeat_timeout=HEARTBEAT)
+    t = trainer(strategy, enable_checkpointing=True, callbacks=[checkpoints, kill], **options)
+    L_trainer[:] = [t]
+    t.fit(model, data, validation)
+    assert kill.at is not None, "the worker was never killed"
+    assert len(traced) - before == before == 3, traced  # training, prefill, decode: once each, before the loss
+    assert model.losses[-2:] == ref.losses[-2:]
+    assert_same_writing(ref.written[-1:], model.written[-1:])

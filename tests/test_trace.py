@@ -70,12 +70,12 @@ def test_cnn_with_batchnorm_and_downsampling_blocks_follows_train_and_eval_switc
     assert int(stats.num_batches_tracked) == 2 * 3  # 2 epochs of 3 batches, none from validation
     assert "forward" not in vars(remote.model)  # the module has its own forward back
     # A later run (validate after fit) uses the same trace: tracing costs seconds.
-    first = remote.model._lrmp_trace[1]
+    first = remote.model._lrmp_trace.first
     local.val_losses.clear()
     remote.val_losses.clear()
     trainer(None, 1).validate(local, image_data(seed=2))
     trainer(RemoteModelParallelStrategy(hosts=pool[:2], split=["model"]), 1).validate(remote, image_data(seed=2))
-    assert remote.model._lrmp_trace[1] is first
+    assert remote.model._lrmp_trace.first is first
     assert_same_losses(local.val_losses, remote.val_losses, TOL)
 
 

@@ -10,6 +10,7 @@ stages and tensors of the first, up to `SIGNATURES` ways of calling the module i
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import itertools
 import logging
@@ -35,9 +36,10 @@ class TracedForward:
     """Stands in for a traced module's ``forward``: traces and places at the first call, then runs
     every call through the workers.
 
-    The trace is kept on the module (``_lrmp_trace``) and reused by a later run (``validate`` or
-    ``test`` after ``fit``) while the module holds the same weight tensors and is called the same
-    way: tracing costs seconds per export. Delete the attribute to trace again after changing
+    The traces are kept on the module (``_lrmp_trace``: the first call's, the other ways of calling
+    it, ``generate()``'s steps) and reused by a later run (``validate`` or ``test`` after ``fit``,
+    ``fit`` again after a recovery) while the module holds the same weight tensors and is called the
+    same way: tracing costs seconds per export. Delete the attribute to trace again after changing
     the module's code or settings.
 
     Args:
@@ -62,26 +64,30 @@ class TracedForward:
         self._generations = itertools.count()
         self.hooks = GenerateHooks(module, self._release, self._step)
 
-    def _earlier_trace(self, args: tuple, kwargs: dict) -> TracedSequential | None:
+    def _kept(self) -> Traces:
+        """The module's traces from earlier runs, while it holds the same weight tensors (else none)."""
         kept = vars(self.module).get("_lrmp_trace")
-        if kept is None or kept[0] != _weights_key(self.module):
+        if not isinstance(kept, Traces) or kept.weights != _weights_key(self.module):
+            kept = vars(self.module)["_lrmp_trace"] = Traces(_weights_key(self.module))
+        return kept
+
+    def _earlier_trace(self, args: tuple, kwargs: dict) -> TracedSequential | None:
+        first = self._kept().first
+        if first is None:
             return None
         try:
-            kept[1].interface.inputs(args, kwargs)
+            first.interface.inputs(args, kwargs)  # type: ignore[attr-defined]
         except TraceError:
             return None
         log.info("module %r: using its trace from an earlier run", self.name)
-        return kept[1]
+        return first
 
-    def _trace(self, args: tuple, kwargs: dict, keep: bool = True) -> TracedSequential:
+    def _trace(self, args: tuple, kwargs: dict) -> TracedSequential:
         self.detach(hooks=False)  # torch.export calls the module's own forward
         try:
-            traced = trace_module(self.module, args, kwargs, self.name)
+            return trace_module(self.module, args, kwargs, self.name)
         finally:
             self.module.forward = self  # type: ignore[method-assign]
-        if keep:
-            vars(self.module)["_lrmp_trace"] = (_weights_key(self.module), traced)
-        return traced
 
     def _signature(self, args: tuple, kwargs: dict) -> tuple[TracedSequential, dict]:
         """The trace of another way of calling the module (``labels=`` in training, none in
@@ -93,6 +99,14 @@ class TracedForward:
                 return traced, ordered
         spec = pytree.tree_structure((args, kwargs))
         first: Any = self.traced
+        kept = self._kept()
+        for traced in kept.signatures if kept.first is first else ():
+            ordered = _in_order(kwargs, traced.interface.in_spec)  # type: ignore[attr-defined]
+            if traced.interface.in_spec == pytree.tree_structure((args, ordered)):  # type: ignore[attr-defined]
+                log.info("module %r: using its trace of this call from an earlier run", self.name)
+                self._place(traced, args, ordered, f"{self.name}@{len(self.signatures) + 2}")
+                self.signatures.append(traced)
+                return traced, ordered
         differs = (
             f"module {self.name!r} was traced at its first call; this call "
             f"{call_difference(first.interface.in_spec, spec)}"
@@ -104,7 +118,7 @@ class TracedForward:
             )
         with torch.inference_mode(False):
             args, kwargs = pytree.tree_map_only(torch.Tensor, _plain, (args, kwargs))
-            traced = self._trace(args, kwargs, keep=False)
+            traced = self._trace(args, kwargs)
             if not _shares(traced, first):
                 raise TraceError(
                     f"{differs}; called this way it is cut into other units "
@@ -115,6 +129,8 @@ class TracedForward:
                 )
             self._place(traced, args, kwargs, f"{self.name}@{len(self.signatures) + 2}")
         self.signatures.append(traced)
+        if kept.first is first:
+            kept.signatures.append(traced)
         return traced, kwargs
 
     def _place(self, traced: TracedSequential, args: tuple, kwargs: dict, *view: str) -> None:
@@ -141,7 +157,9 @@ class TracedForward:
         step = step_inputs(args, kwargs, cache)
         ids = step.pop("input_ids")
         phase = "decode" if ids.shape[1] == 1 else "prefill"
-        traced = self.generation.get(phase) or self._trace_step(phase, ids, step)
+        traced = (
+            self.generation.get(phase) or self._earlier_step(phase, ids, step) or self._trace_step(phase, ids, step)
+        )
         if cache.generation is None:
             cache.generation, cache.remote = next(self._generations), traced.remote
         interface: Interface = traced.interface  # type: ignore[attr-defined]
@@ -150,6 +168,17 @@ class TracedForward:
         logits = interface.outputs(list(traced.remote.generation_step(inputs, generation)))
         cache.tokens += ids.shape[1]
         return step_output(self.module, logits, cache)
+
+    def _earlier_step(self, phase: str, ids: torch.Tensor, step: dict[str, torch.Tensor]) -> TracedSequential | None:
+        """The program of ``phase`` from an earlier run on the stages of the same first trace, placed again."""
+        kept = self._kept()
+        traced = kept.generation.get(phase) if self.traced is not None and kept.first is self.traced else None
+        if traced is not None:
+            log.info("module %r: using its trace of generate()'s %s from an earlier run", self.name, phase)
+            with torch.inference_mode(False):
+                self._place(traced, (_plain(ids),), {k: _plain(v) for k, v in step.items()}, f"{self.name}@{phase}")
+            self.generation[phase] = traced
+        return traced
 
     def _trace_step(self, phase: str, ids: torch.Tensor, step: dict[str, torch.Tensor]) -> TracedSequential:
         """The program of ``phase``, traced at its first use (a module on the meta device, trained past
@@ -181,6 +210,9 @@ class TracedForward:
                 )
             else:
                 self._place(traced, (ids,), step, f"{self.name}@{phase}")
+                kept = self._kept()
+                if kept.first is self.traced:
+                    kept.generation[phase] = traced
         self.generation[phase] = traced
         return traced
 
@@ -200,6 +232,7 @@ class TracedForward:
                 traced = self._earlier_trace(args, kwargs)
                 if traced is None:
                     traced = self._trace(args, kwargs)
+                    vars(self.module)["_lrmp_trace"] = Traces(_weights_key(self.module), traced)
                 self._place(traced, args, kwargs)
                 self.traced = traced
         traced = self.traced
@@ -249,6 +282,18 @@ def _without_cache(module: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
     if "use_cache" in params or (variadic and getattr(config, "use_cache", None) is not None):
         return {**kwargs, "use_cache": False}
     return kwargs
+
+
+@dataclasses.dataclass
+class Traces:
+    """A module's traces, kept on it (``_lrmp_trace``) for later runs while it holds the tensors of
+    ``weights``: the first call's, the other ways of calling it, and ``generate()``'s steps by phase
+    (these two placed on the stages of the first)."""
+
+    weights: tuple
+    first: TracedSequential | None = None
+    signatures: list[TracedSequential] = dataclasses.field(default_factory=list)
+    generation: dict[str, TracedSequential] = dataclasses.field(default_factory=dict)
 
 
 def _weights_key(module: nn.Module) -> tuple:
