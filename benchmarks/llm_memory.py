@@ -9,7 +9,13 @@ the peak without checkpointing minus the peak with it.
 Table 2, the loss's logits: a Llama (hidden 64, 2 layers), one sequence of 2,048 tokens, ``labels=``,
 ``microbatches=1`` on two workers, at vocabularies of 8,192 and 128,256: the last stage's peak.
 
+With ``--padded`` table 1's batches are padded (each row by up to a quarter of its tokens, with its
+``attention_mask`` and ``-100`` labels there), as fine-tuning batches are: a local call then builds
+the attention's mask too (transformers passes ``is_causal`` instead only when no row is padded),
+as every traced call does (under ``torch.export`` it cannot tell).
+
     python benchmarks/llm_memory.py            # ~4 min on 2 cores
+    python benchmarks/llm_memory.py --only checkpointing --padded
     python benchmarks/llm_memory.py --quick    # small shapes: a smoke run
 """
 
@@ -85,6 +91,8 @@ def _module(model: Any) -> Any:
             self.model = model
 
         def training_step(self, batch: Any, batch_idx: int) -> Any:
+            if isinstance(batch, dict):  # padded: input_ids, attention_mask and labels, as a tokenizer's collator
+                return self.model(**batch).loss
             return self.model(batch, labels=batch).loss
 
         def configure_optimizers(self) -> Any:
@@ -93,11 +101,26 @@ def _module(model: Any) -> Any:
     return FineTune()
 
 
-def _data(rows: int, tokens: int, vocab: int, steps: int) -> Any:
+def _data(rows: int, tokens: int, vocab: int, steps: int, padded: bool = False) -> Any:
+    """Random token ids; ``padded``: each row padded at its end by a different amount (up to a
+    quarter of it), with its ``attention_mask`` and ``labels`` -100 there, as a tokenizer pads a batch."""
     import torch
 
     g = torch.Generator().manual_seed(0)
-    return torch.utils.data.DataLoader(torch.randint(0, vocab, (rows * steps, tokens), generator=g), batch_size=rows)
+    ids = torch.randint(1, vocab, (rows * steps, tokens), generator=g)
+    if not padded:
+        return torch.utils.data.DataLoader(ids, batch_size=rows)
+    lengths = tokens - torch.randint(0, tokens // 4, (rows * steps,), generator=g)
+    mask = (torch.arange(tokens) < lengths[:, None]).long()
+    batches = [
+        {
+            "input_ids": ids[i].masked_fill(mask[i] == 0, 0),
+            "attention_mask": mask[i],
+            "labels": ids[i].masked_fill(mask[i] == 0, -100),
+        }
+        for i in range(rows * steps)
+    ]
+    return torch.utils.data.DataLoader(batches, batch_size=rows)
 
 
 def run(
@@ -109,6 +132,7 @@ def run(
     rows: int,
     steps: int,
     gc: bool,
+    padded: bool = False,
     microbatches: int = 2,
     split_backward: Any = "auto",
 ) -> list[float]:
@@ -120,7 +144,7 @@ def run(
     model = llama(layers, hidden, vocab, tokens)
     if gc:
         model.gradient_checkpointing_enable()
-    module, data = _module(model), _data(rows, tokens, vocab, steps)
+    module, data = _module(model), _data(rows, tokens, vocab, steps, padded)
     if mode == "local":
         # The workers' malloc policy (`lightning_remote_mp.worker.allocator`: freed blocks up to 32 MiB
         # kept on the heap for the next step), so that the two processes' peaks count alike.
@@ -171,8 +195,8 @@ def measure(**spec: Any) -> list[float]:
     return json.loads(line[7:])
 
 
-def checkpointing_table(layers: int, hidden: int, tokens: int, rows: int, steps: int) -> str:
-    shape = dict(layers=layers, hidden=hidden, vocab=1024, tokens=tokens, rows=rows, steps=steps)
+def checkpointing_table(layers: int, hidden: int, tokens: int, rows: int, steps: int, padded: bool = False) -> str:
+    shape = dict(layers=layers, hidden=hidden, vocab=1024, tokens=tokens, rows=rows, steps=steps, padded=padded)
     peaks = {(mode, gc): measure(mode=mode, gc=gc, **shape) for mode in ("local", "lrmp") for gc in (False, True)}
     local_saving = peaks["local", False][0] - peaks["local", True][0]
     processes = [("local, one process", "local", 0)] + [(f"lrmp stage {s}", "lrmp", s) for s in range(2)]
@@ -184,7 +208,8 @@ def checkpointing_table(layers: int, hidden: int, tokens: int, rows: int, steps:
     table.append(["lrmp, both stages", "", "", f"{remote_saving:,.0f} ({remote_saving / local_saving:.2f}x local's)"])
     header = ["process", "peak rise, no checkpointing (MB)", "with checkpointing (MB)", "saving (MB)"]
     return (
-        f"Llama hidden {hidden}, {layers} layers, batch {rows} x {tokens} tokens, AdamW, {steps} steps; "
+        f"Llama hidden {hidden}, {layers} layers, batch {rows} x {tokens} tokens{' (padded)' * padded}, AdamW, "
+        f"{steps} steps; "
         "lrmp: 2 workers, microbatches=2\n\n" + markdown_table(header, table)
     )
 
@@ -212,11 +237,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small shapes: a smoke run")
     parser.add_argument("--only", choices=["checkpointing", "logits"], help="one of the two tables")
+    parser.add_argument(
+        "--padded", action="store_true", help="checkpointing's batches padded, with an attention_mask (see _data)"
+    )
     args = parser.parse_args()
     print(environment(), flush=True)
     if args.only != "logits":
         shape = dict(layers=2, hidden=64, tokens=128, rows=2, steps=1) if args.quick else {}
-        print(checkpointing_table(**{**dict(layers=8, hidden=256, tokens=2048, rows=4, steps=3), **shape}), flush=True)
+        shape = {**dict(layers=8, hidden=256, tokens=2048, rows=4, steps=3), **shape, "padded": args.padded}
+        print(checkpointing_table(**shape), flush=True)
     if args.only != "checkpointing":
         print(logits_table(64, 256, [512, 8192]) if args.quick else logits_table(64, 2048, [8192, 128256]))
 

@@ -123,6 +123,41 @@ def test_a_model_past_the_gather_limit_writes_from_its_sharded_checkpoint(pool, 
     assert_same_writing(want, got)
 
 
+class WritesInTraining(Writes):
+    """Writes (greedy) in ``training_step`` too, where the model is in train mode, before its loss."""
+
+    def training_step(self, batch, batch_idx):
+        self.written.append(self.model.generate(**prompts(batch), max_new_tokens=NEW, do_sample=False, pad_token_id=0))
+        return super().training_step(batch, batch_idx)
+
+
+def test_generation_is_traced_in_the_mode_it_runs_in(pool, monkeypatch):
+    """``generate()``'s steps are exported in the one mode they run in (eval in validation, train in
+    ``training_step``), not in both as a training call is: each writes what the model writes in one
+    process, and the two modes' steps are traced apart."""
+    from lightning_remote_mp.model import calls
+
+    modes = []
+    trace = calls.trace_module
+
+    def recording(module, args, kwargs, name, **kw):
+        modes.append(kw.get("modes", ("train", "eval")))
+        return trace(module, args, kwargs, name, **kw)
+
+    monkeypatch.setattr(calls, "trace_module", recording)
+    torch.manual_seed(0)
+    local = WritesInTraining(H.llama(), lr=0.01, optimizer="AdamW")
+    remote = copy.deepcopy(local)
+    options = dict(limit_train_batches=2, limit_val_batches=1)
+    trainer(None, 1, **options).fit(local, H.padded_data(), H.padded_data(n=4, seed=1))
+    strategy = RemoteModelParallelStrategy(hosts=pool[:2], split=["model"], microbatches=2)
+    trainer(strategy, 1, **options).fit(remote, H.padded_data(), H.padded_data(n=4, seed=1))
+    assert_same_writing(local.written, remote.written)
+    # prefill and decode in train mode (the prefill is the first call: placed first), the training
+    # call in both modes, then validation's prefill and decode in eval mode
+    assert modes == [("train",), ("train",), ("train", "eval"), ("eval",), ("eval",)], modes
+
+
 class Shapes(H.FineTune):
     """Generates from prompts of other lengths and batch sizes and other ``max_new_tokens``, greedy."""
 
@@ -143,8 +178,8 @@ def test_a_deep_model_traces_its_prefill_and_decode_step_once_whatever_the_shape
     traced = []
     trace = calls.trace_module
 
-    def counting(module, args, kwargs, name):
-        out = trace(module, args, kwargs, name)
+    def counting(module, args, kwargs, name, **options):
+        out = trace(module, args, kwargs, name, **options)
         traced.append(len(out.entries))
         return out
 

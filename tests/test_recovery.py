@@ -414,9 +414,9 @@ def test_a_recovery_traces_nothing_again(tmp_path, monkeypatch):
     traced: list[str] = []
     trace = calls.trace_module
 
-    def counting(module, args, kwargs, name):
+    def counting(module, args, kwargs, name, **kw):
         traced.append(name)
-        return trace(module, args, kwargs, name)
+        return trace(module, args, kwargs, name, **kw)
 
     monkeypatch.setattr(calls, "trace_module", counting)
     torch.manual_seed(0)

@@ -59,7 +59,8 @@ class TracedForward:
         module.forward = self  # type: ignore[method-assign]
         # What the module's own forward takes, as generate() reads it (it passes position_ids where taken).
         self.__signature__ = inspect.signature(type(module).forward.__get__(module))
-        #: The programs of ``generate()``'s steps (`lightning_remote_mp.model.generation`): "prefill", "decode".
+        #: The programs of ``generate()``'s steps (`lightning_remote_mp.model.generation`), each traced in
+        #: the mode it runs in: "prefill", "decode" (in eval mode), "prefill-train", "decode-train".
         self.generation: dict[str, TracedSequential] = {}
         self._generations = itertools.count()
         self.hooks = GenerateHooks(module, self._release, self._step)
@@ -156,7 +157,7 @@ class TracedForward:
         (`lightning_remote_mp.model.generation`): a prefill (the prompt) or a decode step (a token)."""
         step = step_inputs(args, kwargs, cache)
         ids = step.pop("input_ids")
-        phase = "decode" if ids.shape[1] == 1 else "prefill"
+        phase = ("decode" if ids.shape[1] == 1 else "prefill") + ("-train" if self.module.training else "")
         traced = (
             self.generation.get(phase) or self._earlier_step(phase, ids, step) or self._trace_step(phase, ids, step)
         )
@@ -195,6 +196,7 @@ class TracedForward:
                         (ids.to("meta") if meta else ids,),
                         {k: v.to("meta") for k, v in step.items()} if meta else step,
                         self.name,
+                        modes=("train",) if self.module.training else ("eval",),  # the mode it runs in
                     )
             finally:
                 self.module.forward = self  # type: ignore[method-assign]

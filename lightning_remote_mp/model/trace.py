@@ -2,7 +2,8 @@
 into pieces that workers run as `lightning_remote_mp.model.graph.GraphLayer` layers, with no user code.
 
 1. `trace_module` exports the module twice, in train and in eval mode (code may branch on
-   ``self.training``; `lightning_remote_mp.model.export`).
+   ``self.training``; `lightning_remote_mp.model.export`); a step of ``generate()`` once, in the
+   mode it runs in.
 2. The graph is cut into *units* at module boundaries: each step belongs to the outermost module
    on its stack that is a leaf or an element of a ``ModuleList``/``Sequential`` (a block); steps of
    glue code join the next unit. Units that share a weight (tied embeddings) merge.
@@ -309,34 +310,44 @@ def _live(values: list[fx.Node], unit_of: dict[fx.Node, int], n_units: int) -> l
     return [[v for v in values if unit_of[v] < k <= last_use.get(v, -1)] for k in range(n_units + 1)]
 
 
-def trace_module(module: nn.Module, args: tuple, kwargs: dict, name: str) -> TracedSequential:
-    """Trace ``module`` called with ``args`` and ``kwargs`` and cut it into units (see the module
+MODES = ("train", "eval")
+
+
+def trace_module(
+    module: nn.Module, args: tuple, kwargs: dict, name: str, modes: tuple[str, ...] = MODES
+) -> TracedSequential:
+    """Trace ``module`` called with ``args`` and ``kwargs`` in each of ``modes`` (train and eval, or
+    the one a call runs in: a step of ``generate()``) and cut it into units (see the module
     docstring): a deep model's repeated blocks at four of them (`lightning_remote_mp.model.repeats`)
     where they trace alike, else whole."""
     runs = repeats.find_runs(module)
     if runs:
         try:
-            return _trace(module, args, kwargs, name, runs)
+            return _trace(module, args, kwargs, name, runs, modes)
         except (repeats.NotAlike, TraceError) as why:
             log.info("module %r: its repeated blocks are traced one by one: %s", name, why)
-    return _trace(module, args, kwargs, name, [])
+    return _trace(module, args, kwargs, name, [], modes)
 
 
-def _trace(module: nn.Module, args: tuple, kwargs: dict, name: str, runs: list[repeats.Run]) -> TracedSequential:
+def _trace(
+    module: nn.Module, args: tuple, kwargs: dict, name: str, runs: list[repeats.Run], modes: tuple[str, ...]
+) -> TracedSequential:
     with _traced_on_meta(module), stand_ins(module, name) as four_bit, checkpointed_regions(module, name) as regions:
         with repeats.shallow(runs):
-            graphs = {mode: export(module, args, kwargs, name, mode == "train") for mode in ("train", "eval")}
+            graphs = {mode: export(module, args, kwargs, name, mode == "train") for mode in modes}
     counts = {mode: split_means(gm) for mode, gm in graphs.items()}  # losses joined exactly across micro-batches
-    if counts["train"] != counts["eval"]:
+    if any(c != counts[modes[0]] for c in counts.values()):
         raise TraceError(f"module {name!r} returns a mean-reduced loss in one of train and eval mode only")
-    chunk_head_losses(graphs["train"], name)  # a language model's training loss without its whole logits
-    owners, train_runs, eval_runs = _align(_runs(graphs["train"], module), _runs(graphs["eval"], module), name)
+    if "train" in graphs:
+        chunk_head_losses(graphs["train"], name)  # a language model's training loss without its whole logits
+    first = graphs[modes[0]]
+    owners, train_runs, eval_runs = _align(_runs(first, module), _runs(graphs[modes[-1]], module), name)
     attrs = [_attrs(t) | _attrs(e) for t, e in zip(train_runs, eval_runs)]
     mutated = _mutated([n for gm in graphs.values() for n in gm.graph.nodes])
     groups = _merge_mutated(attrs, mutated)
     unit_nodes = {
-        "train": [[n for i in g for n in train_runs[i]] for g in groups],
-        "eval": [[n for i in g for n in eval_runs[i]] for g in groups],
+        modes[0]: [[n for i in g for n in train_runs[i]] for g in groups],
+        modes[-1]: [[n for i in g for n in eval_runs[i]] for g in groups],
     }
     programs: list[dict[str, Any]] = [{} for _ in groups]
     shapes: list[list[tuple[int, ...]]] = []
@@ -368,7 +379,7 @@ def _trace(module: nn.Module, args: tuple, kwargs: dict, name: str, runs: list[r
                     "outputs": [v.name for v in live[k + 1]],
                     "scalar_outputs": [v.name for v in live[k + 1] if _is_scalar(v)],
                 }
-            if mode == "train":
+            if mode == modes[0]:
                 shapes = [[_shape(v) for v in live[k]] for k in range(len(units))]
                 examples = [[_example(v) for v in live[k]] for k in range(len(units))]
             interfaces[mode] = Ends([v.name for v in live[0]], [v.name for v in live[-1]])
@@ -383,7 +394,7 @@ def _trace(module: nn.Module, args: tuple, kwargs: dict, name: str, runs: list[r
             _label([owners[i] for i in g]),
             shapes[k],
             examples[k],
-            _cost(unit_nodes["train"][k]),
+            _cost(unit_nodes[modes[0]][k]),
         )
         for k, g in enumerate(groups)
     ]
@@ -408,6 +419,7 @@ def _traced(
 ) -> TracedSequential:
     """The units as layers of a `TracedSequential`, each weight under its local name."""
     fqns = set(module.state_dict(keep_vars=True))
+    first = next(iter(graphs.values()))
     local_names = _local_names(sorted({a for piece in pieces for a in piece.targets}))
     layers, entries, state_names, covered, quantized = [], [], {}, [], {}
     for k, piece in enumerate(pieces):
@@ -419,7 +431,7 @@ def _traced(
         by_local = {local_names[a]: a for a in piece.targets}
         values = {loc: four_bit.tensors.get(by_local[loc]) for loc in used}  # a 4-bit weight's stand-ins
         values = {
-            loc: _tensor_of(module, graphs["train"], by_local[loc]) if t is None else t for loc, t in values.items()
+            loc: _tensor_of(module, first, by_local[loc]) if t is None else t for loc, t in values.items()
         }
         tensors = {
             loc: {
@@ -451,7 +463,8 @@ def _traced(
                 quantized[f"{k}.{loc}"] = (found[0].key, found[1], found[0].format)
         covered.append(_covered(module, piece.owners))
     traced = TracedSequential(name, module, entries, layers, state_names, covered, [p.cost for p in pieces])
-    call = Interface.from_graph(name, graphs["train"], interfaces["train"], args, kwargs, counts["train"])
+    mode = next(iter(graphs))
+    call = Interface.from_graph(name, first, interfaces[mode], args, kwargs, counts[mode])
     traced.interface = call  # type: ignore[attr-defined]
     traced.quantized = quantized
     traced.batched = (call.batched_in, call.joins_out)
@@ -503,6 +516,8 @@ def _kind(v: fx.Node) -> Any:
 
 
 def _check_same_interface(name: str, crossings: dict[str, list[list[Any]]], interfaces: dict[str, Ends]) -> None:
+    if len(crossings) < 2:
+        return
     if crossings["train"] != crossings["eval"]:
         k = next(i for i, (a, b) in enumerate(zip(crossings["train"], crossings["eval"])) if a != b)
         raise TraceError(
