@@ -430,9 +430,7 @@ def _traced(
         used = sorted(local_names[a] for a in piece.targets)
         by_local = {local_names[a]: a for a in piece.targets}
         values = {loc: four_bit.tensors.get(by_local[loc]) for loc in used}  # a 4-bit weight's stand-ins
-        values = {
-            loc: _tensor_of(module, first, by_local[loc]) if t is None else t for loc, t in values.items()
-        }
+        values = {loc: _tensor_of(module, first, by_local[loc]) if t is None else t for loc, t in values.items()}
         tensors = {
             loc: {
                 "shape": list(t.shape),
