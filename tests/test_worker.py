@@ -341,6 +341,28 @@ def test_refused_classes_get_an_error_and_the_worker_keeps_serving(worker, conne
     _check_serves(worker)
 
 
+def test_a_setup_whose_program_table_does_not_add_up_is_refused_and_the_worker_serves_on(worker, connect):
+    """A SETUP's table of programs (issue #60, `lightning_remote_mp.model.program_table`) is checked
+    against its digests: one filed under another digest is refused, naming it."""
+    from lightning_remote_mp.model.program_table import tabled
+    from lightning_remote_mp.model.trace import trace_module
+
+    torch.manual_seed(0)
+    traced = trace_module(torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.ReLU()), (torch.ones(4, 3),), {}, "net")
+    entries, table = tabled([e.to_wire() for e in traced.entries])
+    body = {**_stage_body(), "entries": entries, "state": None, "init_seed": 0}
+    client = connect(worker.address)
+    client.ok(protocol.HELLO, {"driver": "pytest"})
+    key, program = next(iter(table.items()))
+    err = client.error(protocol.SETUP, {**body, "programs": {**table, key: {**program, "outputs": []}}})
+    assert f"program {key!r} of the table" in err["message"], err
+    assert client.ok(protocol.GET_STATE) == {}
+    client.ok(protocol.SETUP, {**body, "programs": table})  # as sent, it builds
+    assert set(client.ok(protocol.GET_STATE)) == {"net"}
+    client.ok(protocol.BYE)
+    _check_serves(worker)
+
+
 def test_a_driver_hears_which_class_was_refused(worker):
     # A real layer class, from a module this worker does not allow.
     net = SpecSequential(

@@ -51,6 +51,7 @@ from lightning_remote_mp.flow import SplitBackward
 from lightning_remote_mp.model import partition
 from lightning_remote_mp.model.build import source_digest, user_code_modules
 from lightning_remote_mp.model.meta import to_meta
+from lightning_remote_mp.model.program_table import tabled
 from lightning_remote_mp.model.spec import SpecSequential
 from lightning_remote_mp.schedule import check_schedule
 from lightning_remote_mp.wire import protocol
@@ -414,12 +415,14 @@ class DriverSession(WorkerLinks):
         row = self.grid[replica]
         conn = row[stage.index]
         peers = [k for k, _ in (*stage.sources, *stage.targets) if k != partition.DRIVER]
+        entries, programs = tabled([module.entries[i].to_wire() for i in stage.layer_indices])
         return Setup(
             key=key,
             stage=stage.index,
             stages=stages,
             start=stage.start,
-            entries=[module.entries[i].to_wire() for i in stage.layer_indices],
+            entries=entries,
+            programs=programs or None,
             exports=stage.exports,
             sources=stage.sources,
             targets=stage.targets,

@@ -42,7 +42,7 @@ from lightning_remote_mp._version import __version__
 # LimitExceeded lives with the other errors; ``protocol.LimitExceeded`` stays its name here too.
 from lightning_remote_mp.errors import ConfigurationError, LimitExceeded, ProtocolError, ProtocolVersionError
 
-PROTOCOL_VERSION = 16
+PROTOCOL_VERSION = 17
 
 
 class Kind(str, enum.Enum):

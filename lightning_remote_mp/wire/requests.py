@@ -146,6 +146,8 @@ class Setup(Body):
         borrows: the key of a stage on this worker whose tensors this one holds, by the same names
             and as the same tensors (``state`` and ``files`` are then empty): another call signature
             of a traced module (`lightning_remote_mp.model.calls.TracedForward`), training its weights.
+        programs: the traced units' programs, each once, by digest: an entry names one with its
+            tensors' names and key/value-cache positions (`lightning_remote_mp.model.program_table`).
     """
 
     KIND: ClassVar[str] = protocol.SETUP
@@ -179,6 +181,9 @@ class Setup(Body):
     deferred_batch_norm: bool = field(BOOL, default=False)
     compression: str | None = field(choice(("bf16", "int8")), default=None, omit_none=True)
     borrows: str | None = field(STR, default=None, omit_none=True)
+    programs: Mapping[str, Any] | None = field(
+        map_of(is_str, is_str_keyed, "digests to programs"), default=None, write=dict, omit_none=True
+    )
 
     @classmethod
     def _check(cls, values: dict[str, Any]) -> None:

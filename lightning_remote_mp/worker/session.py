@@ -23,6 +23,7 @@ from lightning_remote_mp.flow import DRIVER
 from lightning_remote_mp.model.build import build_layer, resolve_class, source_digest
 from lightning_remote_mp.model.entries import normalize_entry
 from lightning_remote_mp.model.graph import GraphLayer
+from lightning_remote_mp.model.program_table import untabled
 from lightning_remote_mp.wire import protocol
 from lightning_remote_mp.wire.fields import Body
 from lightning_remote_mp.wire.grads import GradAllreduce, GradClamp, GradNorms, Grads, GradScale
@@ -141,8 +142,9 @@ class WorkerSession:
 
     # --- stages ---------------------------------------------------------------
     def setup(self, msg: Setup) -> Any:
-        key, index, start, entries = msg.key, msg.stage, msg.start, msg.entries
-        self._check_layer_count(len(entries))
+        key, index, start = msg.key, msg.stage, msg.start
+        self._check_layer_count(len(msg.entries))
+        entries = untabled(msg.entries, msg.programs or {})  # each program checked once
         _check_code_versions(msg.code_digests)  # before building runs any stale code
         stage = StageExecutor(
             key,
