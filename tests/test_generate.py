@@ -158,6 +158,32 @@ def test_generation_is_traced_in_the_mode_it_runs_in(pool, monkeypatch):
     assert modes == [("train",), ("train",), ("train", "eval"), ("eval",), ("eval",)], modes
 
 
+def test_generate_with_a_transformers_whose_cache_preparation_changed_is_refused_naming_it(pool):
+    """The ledger of private APIs (docs/private_apis.md): lrmp replaces transformers'
+    ``_prepare_cache_for_generation`` while a model is split. A transformers whose method takes
+    other arguments (an older one's ``assistant_model`` and ``device``) gets a `TraceError` naming
+    both signatures at ``generate()``, and training, which does not use it, is untouched."""
+    from transformers import LlamaForCausalLM
+
+    class Older(LlamaForCausalLM):
+        def _prepare_cache_for_generation(  # noqa: PLR0913 (transformers 4.4x's)
+            self, generation_config, model_kwargs, assistant_model, batch_size, max_cache_length, device
+        ):
+            raise AssertionError("never called through the workers")
+
+    torch.manual_seed(0)
+    model = Writes(Older(H.llama().config))
+    strategy = RemoteModelParallelStrategy(hosts=pool[:2], split=["model"])
+    trainer(strategy, 1, limit_train_batches=1).fit(model, H.padded_data())
+    assert len(model.losses) == 1
+    with pytest.raises(
+        TraceError,
+        match=r"_prepare_cache_for_generation\(self, generation_config, model_kwargs, "
+        r"assistant_model.*transformers 5\.24",
+    ):
+        trainer(RemoteModelParallelStrategy(hosts=pool[:2], split=["model"]), 1).predict(model, H.padded_data(n=4))
+
+
 class Shapes(H.FineTune):
     """Generates from prompts of other lengths and batch sizes and other ``max_new_tokens``, greedy."""
 

@@ -220,6 +220,25 @@ def test_a_base_bitsandbytes_repacked_for_a_cpu_kernel_trains_as_its_files_say(l
     assert_same_adapters(local, remote)
 
 
+def test_a_4bit_weight_in_a_layout_bitsandbytes_does_not_flag_is_refused_naming_it():
+    """The ledger of private APIs (docs/private_apis.md): lrmp learns that bitsandbytes repacked a
+    weight for its CPU kernel from its ``QuantState.packing_format_for_cpu``. Were that flag renamed,
+    a repacked weight would look like bitsandbytes' own layout and be read wrong: lrmp checks the
+    layout itself and refuses one it cannot place, naming the version."""
+    from lightning_remote_mp.errors import LrmpError
+    from lightning_remote_mp.model.bnb_layers import stand_ins
+
+    torch.manual_seed(0)
+    layer = bnb.nn.Linear4bit(64, 64, bias=False, quant_type="nf4")
+    layer.weight = bnb.nn.Params4bit(torch.randn(64, 64), requires_grad=False, quant_type="nf4")._quantize("cpu")
+    packed, state = BF._convert_weight_packed_for_cpu(layer.weight.data, layer.weight.quant_state)
+    layer.weight.data = packed
+    del state.packing_format_for_cpu  # as if bitsandbytes called it something else
+    with pytest.raises(LrmpError, match=r"not in bitsandbytes' own layout.*bitsandbytes 0\.50"):
+        with stand_ins(torch.nn.Sequential(layer), "model"):
+            pass
+
+
 def test_qlora_with_checkpointing_on_writes_in_validation_as_locally(llama_dir, pool):
     """``prepare_model_for_kbit_training``'s default turns transformers' gradient checkpointing on:
     the workers recompute each decoder layer at its backward, and ``generate()`` in

@@ -436,3 +436,25 @@ def test_a_recovery_traces_nothing_again(tmp_path, monkeypatch):
     assert len(traced) - before == before == 3, traced  # training, prefill, decode: once each, before the loss
     assert model.losses[-2:] == ref.losses[-2:]
     assert_same_writing(ref.written[-1:], model.written[-1:])
+
+
+def test_recovery_says_so_when_it_cannot_attach_to_fit():
+    """The ledger of private APIs (docs/private_apis.md): recovery tells ``fit`` apart by Lightning's
+    private ``Trainer._fit_impl``. A ``fit`` launched through another function (here a subclass's
+    own ``_fit_impl``; in a later Lightning, perhaps a renamed one) runs, with a warning that names
+    the hook: a lost worker would end it."""
+
+    class Own(L.Trainer):
+        def _fit_impl(self, *args, **kwargs):
+            return super()._fit_impl(*args, **kwargs)
+
+    torch.manual_seed(21)
+    model = Net(residual_spec(probe=False), local_head=True)
+    strategy = RemoteModelParallelStrategy(balance=BALANCE, recovery=True, heartbeat_timeout=HEARTBEAT)
+    t = Own(
+        max_steps=2, strategy=strategy, accelerator="cpu", logger=False, enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0,
+    )  # fmt: skip
+    with pytest.warns(UserWarning, match=r"recovery= cannot attach to this fit: .*Own\._fit_impl.*Trainer\._fit_impl"):
+        t.fit(model, data())
+    assert t.global_step == 2

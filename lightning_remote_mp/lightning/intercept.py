@@ -31,8 +31,9 @@ Why each is intercepted rather than hooked:
    loss; it recognises ``fit`` by ``Trainer._fit_impl``, tears the lost run down with
    ``Trainer._teardown`` (what Lightning does after any failure), sets the trainer's state as
    ``Trainer.fit`` does before calling ``_fit_impl`` again, and the train loader's wrapper
-   checks ``fit_loop._combined_loader`` for a second train loader. All three are private to Lightning
-   (2.6); `tests/test_recovery.py` fails if one changes.
+   checks ``fit_loop._combined_loader`` for a second train loader. These are private to Lightning
+   (2.6), with the others lrmp uses: docs/private_apis.md lists each, what happens if it changes,
+   and the test that fails then.
 
 What cannot be bent is refused before anything starts (`refuse_unsupported`): the callbacks of
 `refused_callbacks`, and a precision with a ``GradScaler``.

@@ -180,7 +180,15 @@ class RecoveringLauncher(_Launcher):
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         from lightning.pytorch import Trainer
 
-        if getattr(function, "__func__", None) is not Trainer._fit_impl:
+        fit_impl = getattr(Trainer, "_fit_impl", None)  # private to Lightning: how fit is told apart
+        if fit_impl is None or getattr(function, "__func__", None) is not fit_impl:
+            if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
+                warnings.warn(
+                    f"recovery= cannot attach to this fit: Lightning launched it through "
+                    f"{getattr(function, '__qualname__', function)!r}, not Trainer._fit_impl (private to Lightning, "
+                    "which lrmp's recovery hooks; lrmp is tested with Lightning 2.6). A lost worker ends this run.",
+                    stacklevel=2,
+                )
             return function(*args, **kwargs)
         call = inspect.signature(function).bind(*args, **kwargs)
         self._begin()

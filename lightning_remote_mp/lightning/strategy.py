@@ -15,7 +15,7 @@ import functools
 import logging
 import os
 import warnings
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -54,7 +54,6 @@ from lightning_remote_mp.errors import ConfigurationError, LrmpError, WeightsErr
 from lightning_remote_mp.flow import SplitBackward
 from lightning_remote_mp.lightning import intercept
 from lightning_remote_mp.lightning.checkpoint_io import FileCheckpointIO
-from lightning_remote_mp.lightning.recovery import FitRecovery, RecoveringLauncher
 from lightning_remote_mp.lightning.timeline import TimelineCallback
 from lightning_remote_mp.logs import follow_lightning
 from lightning_remote_mp.model.calls import TracedForward
@@ -65,6 +64,9 @@ from lightning_remote_mp.model.traced import TracedSequential
 from lightning_remote_mp.schedule import check_schedule
 from lightning_remote_mp.wire import protocol
 from lightning_remote_mp.wire.transport import DEFAULT_CALL_TIMEOUT, DEFAULT_CONNECT_TIMEOUT, DEFAULT_HEARTBEAT_TIMEOUT
+
+if TYPE_CHECKING:  # imported when a run asks for recovery: it builds on Lightning's private _Launcher and _Stateful
+    from lightning_remote_mp.lightning.recovery import FitRecovery
 
 log = logging.getLogger(__name__)
 
@@ -635,10 +637,17 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
 
     # --- recovery (lightning/recovery.py: the launcher, the batches; driver/recovery.py: the places) ---
     def _configure_launcher(self) -> None:
-        self._launcher = RecoveringLauncher(self.recover, self._begin_recovery) if self.recovery else None
+        if self.recovery:
+            from lightning_remote_mp.lightning.recovery import RecoveringLauncher
+
+            self._launcher = RecoveringLauncher(self.recover, self._begin_recovery)
+        else:
+            self._launcher = None
 
     def _begin_recovery(self) -> None:
         assert self.recovery is not None
+        from lightning_remote_mp.lightning.recovery import FitRecovery
+
         self._fit_recovery = FitRecovery(self.recovery, self.topology, self.balance, self._answers)
 
     def _keys(self, topology: Topology | None) -> tuple[Any, dict[str, bytes] | None]:

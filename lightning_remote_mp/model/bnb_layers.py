@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_remote_mp.errors import TraceError
+from lightning_remote_mp.errors import LrmpError, TraceError
 from lightning_remote_mp.model.four_bit import NESTED_BLOCKSIZE, PACKED, Format
 
 
@@ -79,10 +79,21 @@ def _unpacked_for_cpu(layer: nn.Module) -> None:
     bitsandbytes undoes it for ``.cuda()`` and ``state_dict()``.
     """
     state = getattr(layer.weight, "quant_state", None)
-    if getattr(state, "packing_format_for_cpu", False):
+    if state is None:
+        return
+    if getattr(state, "packing_format_for_cpu", False):  # bitsandbytes' own flag, set when it repacks
         from bitsandbytes.functional import _convert_weight_packed_for_cpu_inverse
 
         layer.weight.data, layer.weight.quant_state = _convert_weight_packed_for_cpu_inverse(layer.weight.data, state)
+    if layer.weight.dim() != 2 or layer.weight.shape[1] != 1:  # its own layout is a column of packed bytes
+        import bitsandbytes
+
+        raise LrmpError(
+            f"a 4-bit weight of shape {tuple(layer.weight.shape)} (bitsandbytes {bitsandbytes.__version__}) is not in "
+            "bitsandbytes' own layout, a column of packed bytes, and its quantization state does not say it was "
+            "repacked for the CPU (packing_format_for_cpu): lrmp would read its bytes wrong. lrmp is tested with "
+            "bitsandbytes 0.50; use that version, or report this"
+        )
 
 
 def format_of(layer: nn.Module, where: str) -> Format:

@@ -166,9 +166,18 @@ class GenerateHooks:
         if target is None:
             return
         generate = target.generate
+        wrapped = inspect.signature(type(target)._prepare_cache_for_generation)
+        fits = list(wrapped.parameters)[1:] == list(inspect.signature(self._prepare).parameters)
 
         @functools.wraps(generate)
         def generate_here(*args: Any, **kwargs: Any) -> Any:
+            if not fits:  # a private method of transformers', which lrmp replaces: it must take what lrmp's takes
+                raise TraceError(
+                    f"generate() through the workers replaces transformers' (private) "
+                    f"{type(target).__name__}._prepare_cache_for_generation{wrapped}, written for "
+                    f"(self, {', '.join(inspect.signature(self._prepare).parameters)}): this transformers "
+                    "changed it. lrmp is tested with transformers 5.24; use that version, or report this"
+                )
             if any(kwargs.get(k) is not None for k in CACHE_KEYWORDS):
                 raise TraceError(
                     "generate() on a split model keeps its key/value cache on the workers: pass no cache of your own "
@@ -183,7 +192,8 @@ class GenerateHooks:
                 del self.caches[started:]
 
         target.generate = generate_here  # type: ignore[method-assign]
-        target._prepare_cache_for_generation = self._prepare  # type: ignore[method-assign]
+        if fits:
+            target._prepare_cache_for_generation = self._prepare  # type: ignore[method-assign]
         if target is not module:  # a peft wrapper's model: its steps go to the split module
             inner = target.forward
 

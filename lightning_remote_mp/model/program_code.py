@@ -75,7 +75,7 @@ class Step:
         binding, most = _BINDINGS.get(self.fn, (None, 0))
         if binding is not None and len(self.args) <= most:
             return binding
-        return self.fn._op if isinstance(self.fn, torch._ops.OpOverload) else self.fn
+        return getattr(self.fn, "_op", self.fn) if isinstance(self.fn, torch._ops.OpOverload) else self.fn  # private
 
     @property
     def plain(self) -> bool:
