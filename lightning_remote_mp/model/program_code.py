@@ -95,7 +95,8 @@ def filled(value: Any) -> bool:
 #: parameters and the tables that hold everything taken from the program (see `compiled`).
 _SOURCE_NAMES = frozenset(
     {"def", "program", "inputs", "tensors", "device", "return", "del", "dict", "zip"}
-    | {"F", "C", "K", "N", "S", "A", "L", "_in_context", "_scalar", "_tensor"}
+    | {"functions", "constants", "keywords", "keyword_names", "in_context", "attributes", "positions"}
+    | {"_in_context", "_scalar", "_tensor"}
 )
 _VALUE_NAME = re.compile(r"v[0-9]+")
 #: Any character but those of names, indices, calls, lists and assignments (a quote, say).
@@ -120,6 +121,10 @@ def is_kv_cache(step: Step) -> bool:
     return schema is not None and schema.name == KV_CACHE and len(step.args) > 2 and type(step.args[2]) is int
 
 
+#: The tables a compiled program reads (see `compiled`), in the order of its defaults.
+_TABLES = ("attributes", "positions", "functions", "constants", "keywords", "keyword_names", "in_context")
+
+
 def compiled(
     inputs: tuple[str, ...],
     scalar_inputs: frozenset[str],
@@ -128,18 +133,21 @@ def compiled(
     outputs: tuple[str, ...],
     scalar_outputs: frozenset[str],
 ) -> Callable[..., tuple]:
-    """The program's steps as straight-line Python: each value a local variable (``v7 = F[3](v2,
-    C[5])``), dropped where the program drops it, so the interpreter runs the operator calls and
-    nothing between them. A Llama's decode step (568 steps) took 2.1 ms less than stepping through
-    the program one step at a time (19.9 against 17.8 ms, paired, in one process).
+    """The program's steps as straight-line Python: each value a local variable (``v7 =
+    functions[3](v2, constants[5])``), dropped where the program drops it, so the interpreter runs
+    the operator calls and nothing between them. A Llama's decode step (568 steps) took 2.1 ms less
+    than stepping through the program one step at a time (19.9 against 17.8 ms, paired, in one
+    process).
 
     Nothing the program brings enters the source: its operators, constants, keyword names and the
-    attribute names of its weights sit in tables (``F``, ``C``, ``K``/``N``, ``A``, ``S``) that the
-    source indexes by number, and its value names become ``v0, v1, ...``. The source is checked to
-    hold only those names (`_SOURCE_NAMES`) before it is compiled, so what runs is a function of the
-    program's shape alone: the same operator calls a step-by-step interpreter would make."""
+    attribute names of its weights sit in tables (``functions``, ``constants``, ``keywords`` and
+    ``keyword_names``, ``attributes``, ``in_context`` for the steps run under a grad or autocast
+    mode, ``positions`` for a layer's key/value-cache position) that the source indexes by number,
+    and its value names become ``v0, v1, ...``. The source is checked to hold only those names
+    (`_SOURCE_NAMES`) before it is compiled, so what runs is a function of the program's shape
+    alone: the same operator calls a step-by-step interpreter would make."""
     slots: dict[str, str] = {}
-    tables: dict[str, list[Any]] = {"F": [], "C": [], "K": [], "N": [], "S": [], "A": [], "L": []}
+    tables: dict[str, list[Any]] = {name: [] for name in _TABLES}
 
     def put(table: str, value: Any) -> str:
         tables[table].append(value)
@@ -157,33 +165,35 @@ def compiled(
         if isinstance(value, (list, tuple)) and filled(value):
             items = ", ".join(expr(v) for v in value)
             return f"[{items}]" if isinstance(value, list) else f"({items}{',' * (len(value) == 1)})"
-        return put("C", value)
+        return put("constants", value)
 
     def keywords(kwargs: Mapping[str, Any]) -> str:
         if not any(filled(v) for v in kwargs.values()):
-            return put("K", dict(kwargs))  # unpacked into a fresh dict at each call: the table's stays as it is
-        return f"dict(zip({put('N', tuple(kwargs))}, ({', '.join(expr(v) for v in kwargs.values())},)))"
+            return put("keywords", dict(kwargs))  # unpacked into a fresh dict at each call: the table's stays as it is
+        values = ", ".join(expr(v) for v in kwargs.values())
+        return f"dict(zip({put('keyword_names', tuple(kwargs))}, ({values},)))"
 
     # The tables are the function's defaults: local variables inside it, the fastest to read.
-    # ``A`` first: `Program.bound` gives another layer's attributes.
-    head = "def program(inputs, tensors, device, A=A, L=L, F=F, C=C, K=K, N=N, S=S, _in_context=_in_context, "
+    # ``attributes`` and ``positions`` first: `Program.bound` gives another layer's.
+    tables_as_defaults = ", ".join(f"{name}={name}" for name in _TABLES)
+    head = f"def program(inputs, tensors, device, {tables_as_defaults}, _in_context=_in_context, "
     lines = [head + "_scalar=_scalar, _tensor=_tensor):"]
     for i, name in enumerate(inputs):
         value = f"_scalar(inputs[{i}])" if name in scalar_inputs else f"inputs[{i}]"
         lines.append(f" {define(name)} = {value}")
     for name, attr in tensors.items():
-        lines.append(f" {define(name)} = tensors[{put('A', attr)}]")
+        lines.append(f" {define(name)} = tensors[{put('attributes', attr)}]")
     for step in steps:
         args = [expr(a) for a in step.args]
         if is_kv_cache(step):  # its layer's position: the one constant of a layer's program another's lacks
-            args[2] = put("L", step.args[2])
+            args[2] = put("positions", step.args[2])
         if step.plain:
             if step.kwargs:
                 args.append(f"**{keywords(step.kwargs)}")
-            call = f"{put('F', step.call)}({', '.join(args)})"
+            call = f"{put('functions', step.call)}({', '.join(args)})"
         else:
             kwargs = keywords(step.kwargs) if step.kwargs else "{}"
-            call = f"_in_context({put('S', step)}, device, [{', '.join(args)}], {kwargs})"
+            call = f"_in_context({put('in_context', step)}, device, [{', '.join(args)}], {kwargs})"
         lines.append(f" {define(step.name)} = {call}")
         lines.extend(f" del {slots[name]}" for name in step.drop)
     returned = [f"_tensor({slots[n]}, device)" if n in scalar_outputs else slots[n] for n in outputs]
