@@ -25,7 +25,7 @@ D     one decoding step of a generation: a micro-batch's new tokens   the previo
 (`Forward`, `Backward`: `lightning_remote_mp.wire.messages`; `LossGrad`, `ZeroGrad`, `OptimStep`:
 `lightning_remote_mp.wire.requests`.) A call under grad whose backward starts at the driver ("late",
 GPipe) runs F, B and W of each micro-batch; one whose backward the last stage starts at the model's
-loss ("early", `Forward.seed`) ends with S, whose input is the driver's gradient of the loss. A call
+loss ("early", `Forward.loss_output`) ends with S, whose input is the driver's gradient of the loss. A call
 without grad runs F's alone. Z and O are the driver's requests, run in the order the driver sent
 them (`lightning_remote_mp.worker.runtime.Order`); a step's lists (`step`) show where they fall.
 

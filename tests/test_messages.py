@@ -119,7 +119,7 @@ def test_the_fence_travels_and_a_malformed_one_is_refused():
 PIPELINED_GOLDEN = {
     "forward": "bc6c9fade86e3c46",
     "backward": "aa18ca4852cbc4c0",
-    "scheduled forward": "f46221e15f911765",
+    "scheduled forward": "9b90d5e0a54e1284",
     "the driver's scale": "32ac92e2c0f579de",
     "scale": "e35da1c55533fd14",
     "generation step": "678671dbb9534912",
@@ -151,7 +151,7 @@ def test_the_wire_format_of_pipelined_messages_is_pinned():
         ),
         # What a schedule adds (`lightning_remote_mp.schedule`): the forward names it and the loss's
         # output; the driver's gradient of the loss follows as the input of each stage's S action.
-        "scheduled forward": Forward(key="net", call=3, mb=1, sender=0, x=t, grad=True, schedule="1f1b", seed=0),
+        "scheduled forward": Forward(key="net", call=3, mb=1, sender=0, x=t, grad=True, schedule="1f1b", loss_output=0),
         "the driver's scale": Backward(key="net", call=3, mb=1, sender=-1, action="S", grad_out=t, microbatches=4),
         "scale": Backward(key="net", call=3, mb=1, sender=1, action="S", scale=torch.tensor(0.25), microbatches=4),
         # A step of generate(): the stage's cache of generation 7 (134 tokens), its rows reordered first.

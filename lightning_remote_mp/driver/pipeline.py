@@ -475,7 +475,7 @@ class RemoteSpec:
                         checkpoint=grad and self._recomputed(mb, len(row)),
                         keep=keep,
                         schedule=self.schedule if early else None,
-                        seed=self.loss if early else None,
+                        loss_output=self.loss if early else None,
                         generation=next(steps),
                     ).body()
                     for mb in range(len(row))

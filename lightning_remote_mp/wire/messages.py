@@ -120,10 +120,10 @@ class Forward(_Pipelined):
             Stages pass it on.
         shapes: in a RESULT, the shape of each element kept (by position); its place in ``x``
             holds an empty tensor of its dtype.
-        schedule: for a call whose backward starts on the last stage (``seed``), the schedule
+        schedule: for a call whose backward starts on the last stage (``loss_output``), the schedule
             (`lightning_remote_mp.schedule`) whose list of actions each stage runs; ``None``: GPipe's
             (the backward starts at the driver). Stages pass it on.
-        seed: the position of the model's output that is the loss (a sum over the micro-batch):
+        loss_output: the position of the model's output that is the loss (a sum over the micro-batch):
             the last stage runs each micro-batch's backward as soon as its forward is done, with
             the loss's gradient taken as 1 (an "early" call); the driver's backward then brings the
             real gradient, the input of the call's S action (`Backward.action`). Stages pass it on.
@@ -147,7 +147,9 @@ class Forward(_Pipelined):
         map_of(is_int, is_shape, "output positions to shapes"), default=None, omit_none=True
     )
     schedule: str | None = field(must(is_schedule, "'schedule' must name a schedule"), default=None, omit_none=True)
-    seed: int | None = field(must(is_index, "'seed' must be an output position"), default=None, omit_none=True)
+    loss_output: int | None = field(
+        must(is_index, "'loss_output' must be an output position"), default=None, omit_none=True
+    )
     generation: list[Any] | None = field(
         must(is_generation, "'generation' must be [id, capacity, rows or None]"), default=None, omit_none=True
     )
@@ -161,7 +163,7 @@ class Backward(_Pipelined):
         key, call, mb, sender, sent_at, fence, microbatches: see `_Pipelined`.
         action: the action whose input this is (`lightning_remote_mp.schedule`): ``"B"``, the
             backward of the micro-batch (the gradients of what the stage sent on); or ``"S"``, an
-            early call's loss scale (`Forward.seed`): the driver's gradient of the loss, in
+            early call's loss scale (`Forward.loss_output`): the driver's gradient of the loss, in
             ``grad_out`` (from the driver) or ``scale`` (from the next stage).
         grad_out: the gradient of the main value the sender received from this stage (``None``
             when it needs none; a tuple for a traced model's tuple).

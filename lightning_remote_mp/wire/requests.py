@@ -354,7 +354,7 @@ class ZeroGrad(Body):
 @dataclasses.dataclass(frozen=True)
 class LossGrad(Body):
     """LOSS_GRAD: the driver's gradient of the loss of call ``call`` of ``key``, whose backward the
-    stages started on their own (`messages.Forward.seed`): each adds its weight gradients times
+    stages started on their own (`messages.Forward.loss_output`): each adds its weight gradients times
     ``grad`` to ``.grad`` once its part of the call has run, and runs none of the driver's later
     requests before (``None``: the step did not differentiate the loss; nothing is added)."""
 

@@ -77,7 +77,7 @@ class _Plan:
     actions: collections.deque[schedule.Action]  # those left to run, the next first
     listing: tuple[schedule.Action, ...]  # all of them (an error quotes them)
     kinds: frozenset[str]  # the kinds of action in it: a message brings the input of one of them
-    seed: int | None  # the model's output that is the loss, where the backward starts here; None: at the driver
+    loss_output: int | None  # the model's output that is the loss, where the backward starts here; None: at the driver
     schedule: str
     microbatches: int
     fence: dict[int, int]  # the forward's (`messages._Pipelined.fence`), which its gradients carry on
@@ -95,7 +95,7 @@ class _Plan:
     @property
     def early(self) -> bool:
         """The backward starts at the loss on the last stage, before the driver's gradient comes."""
-        return self.seed is not None
+        return self.loss_output is not None
 
 
 _LATE_READ = (
@@ -213,7 +213,7 @@ class StageRuntime:
         step's D's for a step of ``generate()``."""
         plan = self._plans.get(first.call)
         if plan is None:
-            early = first.seed is not None and first.schedule is not None and first.grad
+            early = first.loss_output is not None and first.schedule is not None and first.grad
             name = first.schedule if early and first.schedule is not None else "gpipe"
             if len(self._plans) >= self.limit:
                 raise ProtocolError(f"stage {self.index}: more than {self.limit} calls run a schedule at once")
@@ -222,12 +222,12 @@ class StageRuntime:
                 name, actions = "decoding", schedule.decoding(self.stages, self.index, m)
             else:
                 actions = schedule.actions(name, self.stages, self.index, m, grad=first.grad, scale=early)
-            seed = first.seed if early else None
+            loss_output = first.loss_output if early else None
             plan = self._plans[first.call] = _Plan(
                 collections.deque(actions),
                 tuple(actions),
                 frozenset(a.kind for a in actions),
-                seed,
+                loss_output,
                 name,
                 first.microbatches,
                 dict(first.fence),
@@ -358,14 +358,17 @@ class StageRuntime:
     def _early_backward(self, call: int, mb: int, parts: dict[int, Backward], plan: _Plan) -> list[Outgoing]:
         if self.route.x_to == DRIVER:
             y = plan.outputs.pop(mb)
-            if not isinstance(y, tuple) or not 0 <= plan.seed < len(y):
-                raise ProtocolError(f"stage {self.index}: the model has no output {plan.seed} to start the backward at")
-            loss = y[plan.seed]
-            grad_out: Any = tuple(torch.ones_like(t) if i == plan.seed else None for i, t in enumerate(y))
+            if not isinstance(y, tuple) or not 0 <= plan.loss_output < len(y):
+                raise ProtocolError(
+                    f"stage {self.index}: the model has no output {plan.loss_output} to start the backward at"
+                )
+            loss = y[plan.loss_output]
+            grad_out: Any = tuple(torch.ones_like(t) if i == plan.loss_output else None for i, t in enumerate(y))
             if loss.numel() != 1 or not loss.is_floating_point():
                 raise LrmpError(
-                    f"stage {self.index}: the model's output {plan.seed}, where schedule={plan.schedule!r} starts the "
-                    "backward, is no loss (one floating value per micro-batch): use schedule='gpipe' for this model"
+                    f"stage {self.index}: the model's output {plan.loss_output}, where schedule={plan.schedule!r} "
+                    "starts the backward, is no loss (one floating value per micro-batch): use schedule='gpipe' for "
+                    "this model"
                 )
             key, m = self.route.stage.key, plan.microbatches
             first: Forward | Backward = Backward(
@@ -443,14 +446,14 @@ class StageRuntime:
             return msg.scale  # None: the step did not differentiate the loss
         if msg.loss_grads and any(g is not None for g in msg.loss_grads):
             raise LrmpError(_LATE_READ.format(what="a loss computed over one of its other outputs"))
-        seed = plan.seed
+        loss_output = plan.loss_output
         grads = msg.grad_out if isinstance(msg.grad_out, tuple) else (msg.grad_out,)
         graph = plan.differentiable
         # A gradient for an output without a graph here (a count of tokens) goes nowhere, as in `stage.backward`.
-        others = [i for i, g in enumerate(grads) if g is not None and i != seed and i < len(graph) and graph[i]]
+        others = [i for i, g in enumerate(grads) if g is not None and i != loss_output and i < len(graph) and graph[i]]
         if others:
             raise LrmpError(_LATE_READ.format(what=f"its output {others[0]}"))
-        g = grads[seed] if seed < len(grads) else None
+        g = grads[loss_output] if loss_output < len(grads) else None
         return g.detach().reshape(()).float() if g is not None else None
 
     def release(self, calls: Iterable[int]) -> None:
