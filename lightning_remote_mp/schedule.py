@@ -1,6 +1,6 @@
 """Pipeline schedules as data: the actions a stage runs, each stage's list of them for a call, checked and printable.
 
-Every kind of action a stage runs is a letter defined here (`KINDS`), and printed as
+Every kind of action a stage runs is a letter defined here (`Kind`), and printed as
 torch.distributed.pipelining prints its actions: ``2F0`` is stage 2's forward of micro-batch 0,
 ``2S`` stage 2's loss scale of the call (a kind that runs once a call, or once a step, has no
 micro-batch):
@@ -87,6 +87,7 @@ step  stage 0  stage 1
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import re
 from collections.abc import Mapping, Sequence
@@ -98,11 +99,31 @@ Schedule = Literal["gpipe", "1f1b", "zero_bubble"]
 #: The schedules `actions` builds.
 SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "zero_bubble")
 
-FORWARD, BACKWARD, WEIGHTS = "F", "B", "W"
-SCALE, ZERO_GRAD, STEP = "S", "Z", "O"
-DECODE = "D"
-#: Every kind of action a stage runs, by letter (the module docstring's table says each one's input).
-KINDS: dict[str, str] = {
+
+class Kind(str, enum.Enum):
+    """Every kind of action a stage runs, by its letter (the module docstring's table says each one's
+    input). A kind is a ``str``: it compares, hashes and prints as its letter, and travels as one
+    (`lightning_remote_mp.wire.messages.Backward.action`)."""
+
+    FORWARD = "F"
+    BACKWARD = "B"
+    WEIGHTS = "W"
+    SCALE = "S"
+    ZERO_GRAD = "Z"
+    STEP = "O"
+    DECODE = "D"
+
+    __str__ = str.__str__
+    __repr__ = str.__repr__
+    __format__ = str.__format__
+    __hash__ = str.__hash__
+
+
+# The short names the package uses.
+FORWARD, BACKWARD, WEIGHTS, DECODE = Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHTS, Kind.DECODE
+SCALE, ZERO_GRAD, STEP = Kind.SCALE, Kind.ZERO_GRAD, Kind.STEP
+#: What each kind of action does, by kind.
+KINDS: dict[Kind, str] = {
     FORWARD: "forward",
     BACKWARD: "backward of the input",
     WEIGHTS: "backward of the weights",
@@ -112,7 +133,7 @@ KINDS: dict[str, str] = {
     DECODE: "decoding step",
 }
 #: The kinds that run once per micro-batch (``2F0``); the others run once per call or step (``2S``).
-PER_MICROBATCH: tuple[str, ...] = (FORWARD, BACKWARD, WEIGHTS, DECODE)
+PER_MICROBATCH: tuple[Kind, ...] = (FORWARD, BACKWARD, WEIGHTS, DECODE)
 
 
 class ScheduleError(ConfigurationError):
@@ -125,7 +146,7 @@ class Action:
     a kind that runs once per call or step (`PER_MICROBATCH` says which)."""
 
     stage: int
-    kind: str
+    kind: Kind
     mb: int | None = None
 
     def __str__(self) -> str:
@@ -212,7 +233,7 @@ def parse(text: str) -> Action:
     """An action from its printed form (``"2F0"``, ``"2S"``)."""
     match = _PRINTED.fullmatch(text)
     if match is not None and (match[3] != "") == (match[2] in PER_MICROBATCH):
-        return Action(int(match[1]), match[2], int(match[3]) if match[3] else None)
+        return Action(int(match[1]), Kind(match[2]), int(match[3]) if match[3] else None)
     raise ScheduleError(
         f"{text!r} is no action (stage, kind, and for {'/'.join(PER_MICROBATCH)} the micro-batch: "
         f"'2F0', '2S'; kinds: {', '.join(KINDS)})"
