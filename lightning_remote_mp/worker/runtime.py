@@ -357,18 +357,15 @@ class StageRuntime:
 
     def _early_backward(self, call: int, mb: int, parts: dict[int, Backward], plan: _Plan) -> list[Outgoing]:
         if self.route.x_to == DRIVER:
-            y = plan.outputs.pop(mb)
-            if not isinstance(y, tuple) or not 0 <= plan.loss_output < len(y):
-                raise ProtocolError(
-                    f"stage {self.index}: the model has no output {plan.loss_output} to start the backward at"
-                )
-            loss = y[plan.loss_output]
-            grad_out: Any = tuple(torch.ones_like(t) if i == plan.loss_output else None for i, t in enumerate(y))
+            y, at = plan.outputs.pop(mb), plan.loss_output
+            if not isinstance(y, tuple) or not 0 <= at < len(y):
+                raise ProtocolError(f"stage {self.index}: the model has no output {at} to start the backward at")
+            loss = y[at]
+            grad_out: Any = tuple(torch.ones_like(t) if i == at else None for i, t in enumerate(y))
             if loss.numel() != 1 or not loss.is_floating_point():
                 raise LrmpError(
-                    f"stage {self.index}: the model's output {plan.loss_output}, where schedule={plan.schedule!r} "
-                    "starts the backward, is no loss (one floating value per micro-batch): use schedule='gpipe' for "
-                    "this model"
+                    f"stage {self.index}: the model's output {at}, where schedule={plan.schedule!r} starts the "
+                    "backward, is no loss (one floating value per micro-batch): use schedule='gpipe' for this model"
                 )
             key, m = self.route.stage.key, plan.microbatches
             first: Forward | Backward = Backward(
