@@ -307,7 +307,7 @@ class Program:
         attributes that hold its weights: its names, the same checked steps and compiled code, and a
         function that reads its own attributes."""
         tensors = dict(data.get("tensors", {}))
-        positions = tuple(p for step in data["steps"] if (p := kv_cache_position(step)) is not None)
+        positions = tuple(kv_cache_positions(data))
         defaults = (tuple(tensors.values()), positions, *self.fn.__defaults__[2:])  # type: ignore[index]
         fn = types.FunctionType(self.fn.__code__, self.fn.__globals__, "program", defaults)
         fn.source = self.fn.source  # type: ignore[attr-defined]
@@ -348,6 +348,16 @@ def kv_cache_position(step: Any) -> int | None:
     return None
 
 
+def kv_cache_positions(program: Mapping[str, Any]) -> list[int]:
+    """The layer positions a program's key/value cache steps name, in order (`kv_cache_position`)."""
+    return [p for step in program["steps"] if (p := kv_cache_position(step)) is not None]
+
+
+def with_kv_cache_position(step: list[Any], position: Any) -> list[Any]:
+    """A key/value cache step (`kv_cache_position`) naming ``position`` instead of its own."""
+    return [*step[:2], [*step[2][:2], position, *step[2][3:]], *step[3:]]
+
+
 def program_key(data: Any) -> str:
     """``data``'s content with its value names numbered in order of definition and its attributes
     left out: two programs with one key run the same operators on the same arguments. `_Malformed`
@@ -379,7 +389,7 @@ def program_key(data: Any) -> str:
         shape = []
         for step in steps:
             if kv_cache_position(step) is not None:  # the layer's position: `Program.bound` gives each its own
-                step = [*step[:2], [*step[2][:2], "<layer>", *step[2][3:]], *step[3:]]
+                step = with_kv_cache_position(step, "<layer>")
             shape.append(tuple(walk(part) for part in step[1:]))
             define(step[0])
         key = (

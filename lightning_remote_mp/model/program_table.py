@@ -26,7 +26,14 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from lightning_remote_mp.errors import SpecError
-from lightning_remote_mp.model.graph import LAYER_PATH, kv_cache_position, load_program, program_key
+from lightning_remote_mp.model.graph import (
+    LAYER_PATH,
+    kv_cache_position,
+    kv_cache_positions,
+    load_program,
+    program_key,
+    with_kv_cache_position,
+)
 
 
 def digest(program: Mapping[str, Any]) -> str:
@@ -48,7 +55,7 @@ def tabled(entries: Sequence[Mapping[str, Any]]) -> tuple[list[dict[str, Any]], 
         for mode, program in programs.items():
             key = digest(program)
             table.setdefault(key, program)
-            positions = [p for step in program["steps"] if (p := kv_cache_position(step)) is not None]
+            positions = kv_cache_positions(program)
             named[mode] = {"program": key, "tensors": list(program.get("tensors", {}).values())}
             named[mode] |= {"positions": positions} if positions else {}
         out.append({**entry, "kwargs": {**entry["kwargs"], "programs": named}})
@@ -91,7 +98,7 @@ def _whole(ref: Any, table: Mapping[str, Any], where: str) -> dict[str, Any]:
         if kv_cache_position(step) is not None:
             if not positions or type(positions[0]) is not int:
                 raise SpecError(f"{where}: gives too few key/value-cache positions, or not numbers")
-            step = [*step[:2], [*step[2][:2], positions.pop(0), *step[2][3:]], *step[3:]]
+            step = with_kv_cache_position(step, positions.pop(0))
         steps.append(step)
     if positions:
         raise SpecError(f"{where}: gives {len(positions)} key/value-cache positions too many")

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from lightning_remote_mp.model.graph import kv_cache_position, program_key
+from lightning_remote_mp.model.graph import kv_cache_position, kv_cache_positions, program_key, with_kv_cache_position
 
 log = logging.getLogger(__name__)
 
@@ -358,8 +358,8 @@ def _check_alike(a: Unit, b: Unit, run: Run) -> None:
         same = same and [_relative(t, name_a) for t in pa["tensors"].values()] == [
             _relative(t, name_b) for t in pb["tensors"].values()
         ]
-        same = same and [p - (_position(ka) or 0) for p in _positions(pa)] == [
-            p - (_position(kb) or 0) for p in _positions(pb)
+        same = same and [p - (_position(ka) or 0) for p in kv_cache_positions(pa)] == [
+            p - (_position(kb) or 0) for p in kv_cache_positions(pb)
         ]
     if not same:
         raise NotAlike(f"blocks {name_a} and {name_b} trace to different steps")
@@ -383,10 +383,6 @@ def _check_boundaries(b: Boundaries, first: int, second: int, last: int, run: Ru
         raise NotAlike(f"{later[0].name} of block {run.block(run.kept[2])} is read after the block that follows it")
 
 
-def _positions(program: dict[str, Any]) -> list[int]:
-    return [p for step in program["steps"] if (p := kv_cache_position(step)) is not None]
-
-
 def _copy(unit: Unit, run: Run, key: str) -> Unit:
     """The third kept block's unit for block ``key``: its weights, its owners, its name and its cache
     operators' positions."""
@@ -398,10 +394,7 @@ def _copy(unit: Unit, run: Run, key: str) -> Unit:
 
     def shifted(step: list[Any]) -> list[Any]:
         position = kv_cache_position(step)
-        if position is None:
-            return step
-        args = step[2]
-        return [step[0], step[1], [*args[:2], position + shift, *args[3:]], *step[3:]]
+        return step if position is None else with_kv_cache_position(step, position + shift)
 
     programs = {
         mode: {
