@@ -167,7 +167,8 @@ class GenerateHooks:
             return
         generate = target.generate
         wrapped = inspect.signature(type(target)._prepare_cache_for_generation)
-        fits = list(wrapped.parameters)[1:] == list(inspect.signature(self._prepare).parameters)
+        ours = list(inspect.signature(self._prepare).parameters)
+        fits = list(wrapped.parameters)[1:] == ours
 
         @functools.wraps(generate)
         def generate_here(*args: Any, **kwargs: Any) -> Any:
@@ -175,7 +176,7 @@ class GenerateHooks:
                 raise TraceError(
                     f"generate() through the workers replaces transformers' (private) "
                     f"{type(target).__name__}._prepare_cache_for_generation{wrapped}, written for "
-                    f"(self, {', '.join(inspect.signature(self._prepare).parameters)}): this transformers "
+                    f"(self, {', '.join(ours)}): this transformers "
                     "changed it. lrmp is tested with transformers 5.24; use that version, or report this"
                 )
             if any(kwargs.get(k) is not None for k in CACHE_KEYWORDS):

@@ -340,15 +340,12 @@ def _trace(
         raise TraceError(f"module {name!r} returns a mean-reduced loss in one of train and eval mode only")
     if "train" in graphs:
         chunk_head_losses(graphs["train"], name)  # a language model's training loss without its whole logits
-    first = graphs[modes[0]]
-    owners, train_runs, eval_runs = _align(_runs(first, module), _runs(graphs[modes[-1]], module), name)
-    attrs = [_attrs(t) | _attrs(e) for t, e in zip(train_runs, eval_runs)]
+    by_mode = {mode: _runs(gm, module) for mode, gm in graphs.items()}  # one mode: aligned with itself
+    owners, *aligned = _align(by_mode[modes[0]], by_mode[modes[-1]], name)
+    attrs = [_attrs(t) | _attrs(e) for t, e in zip(*aligned)]
     mutated = _mutated([n for gm in graphs.values() for n in gm.graph.nodes])
     groups = _merge_mutated(attrs, mutated)
-    unit_nodes = {
-        modes[0]: [[n for i in g for n in train_runs[i]] for g in groups],
-        modes[-1]: [[n for i in g for n in eval_runs[i]] for g in groups],
-    }
+    unit_nodes = {mode: [[n for i in g for n in runs[i]] for g in groups] for mode, runs in zip(modes, aligned)}
     programs: list[dict[str, Any]] = [{} for _ in groups]
     shapes: list[list[tuple[int, ...]]] = []
     examples: list[list[dict[str, Any]]] = []
@@ -419,7 +416,7 @@ def _traced(
 ) -> TracedSequential:
     """The units as layers of a `TracedSequential`, each weight under its local name."""
     fqns = set(module.state_dict(keep_vars=True))
-    first = next(iter(graphs.values()))
+    mode, first = next(iter(graphs.items()))  # the first mode's: train, where a call is traced in both
     local_names = _local_names(sorted({a for piece in pieces for a in piece.targets}))
     layers, entries, state_names, covered, quantized = [], [], {}, [], {}
     for k, piece in enumerate(pieces):
@@ -461,7 +458,6 @@ def _traced(
                 quantized[f"{k}.{loc}"] = (found[0].key, found[1], found[0].format)
         covered.append(_covered(module, piece.owners))
     traced = TracedSequential(name, module, entries, layers, state_names, covered, [p.cost for p in pieces])
-    mode = next(iter(graphs))
     call = Interface.from_graph(name, first, interfaces[mode], args, kwargs, counts[mode])
     traced.interface = call  # type: ignore[attr-defined]
     traced.quantized = quantized
