@@ -3,7 +3,8 @@
 - `Main`: what travels from stage to stage, a tensor or, for a traced model, a tuple of tensors;
 - `DRIVER`: the stage number that stands for the driver in a pipelined message and in a stage's routes;
 - `Routes`: a stage's forward routes, ``(stage, variable names)`` pairs;
-- `SplitBackward`: whether stages defer linear layers' weight gradients.
+- `SplitBackward`: whether stages defer linear layers' weight gradients;
+- `Word`: the base of the Enums whose members are words of the wire (message and action kinds).
 
 The wire, the model, the driver and the worker all speak these words; none of them owns them, so
 they live here, below every layer.
@@ -16,6 +17,7 @@ they live here, below every layer.
 
 from __future__ import annotations
 
+import enum
 from typing import Any, Literal, TypeGuard
 
 import torch
@@ -49,3 +51,14 @@ def is_floating(t: torch.Tensor) -> bool:
 def is_split_backward(value: Any) -> TypeGuard[SplitBackward]:
     """Whether ``value`` is ``True``, ``False`` or ``"auto"``."""
     return isinstance(value, bool) or (isinstance(value, str) and value == "auto")
+
+
+class Word(str, enum.Enum):
+    """An Enum of strings: a member compares, hashes and prints as its value, and travels as it
+    (`lightning_remote_mp.wire.protocol.Kind`, `lightning_remote_mp.schedule.Kind`), so a received
+    plain string meets it as an equal."""
+
+    __str__ = str.__str__
+    __repr__ = str.__repr__
+    __format__ = str.__format__
+    __hash__ = str.__hash__

@@ -87,20 +87,20 @@ step  stage 0  stage 1
 from __future__ import annotations
 
 import dataclasses
-import enum
 import functools
 import re
 from collections.abc import Mapping, Sequence
 from typing import Literal
 
 from lightning_remote_mp.errors import ConfigurationError
+from lightning_remote_mp.flow import Word
 
 Schedule = Literal["gpipe", "1f1b", "zero_bubble"]
 #: The schedules `actions` builds.
 SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "zero_bubble")
 
 
-class Kind(str, enum.Enum):
+class Kind(Word):
     """Every kind of action a stage runs, by its letter (the module docstring's table says each one's
     input). A kind is a ``str``: it compares, hashes and prints as its letter, and travels as one
     (`lightning_remote_mp.wire.messages.Backward.action`)."""
@@ -112,11 +112,6 @@ class Kind(str, enum.Enum):
     ZERO_GRAD = "Z"
     STEP = "O"
     DECODE = "D"
-
-    __str__ = str.__str__
-    __repr__ = str.__repr__
-    __format__ = str.__format__
-    __hash__ = str.__hash__
 
 
 # The short names the package uses.

@@ -29,7 +29,6 @@ answer the request that failed (`lightning_remote_mp.errors.ProtocolVersionError
 from __future__ import annotations
 
 import dataclasses
-import enum
 import math
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -41,11 +40,12 @@ from lightning_remote_mp._version import __version__
 
 # LimitExceeded lives with the other errors; ``protocol.LimitExceeded`` stays its name here too.
 from lightning_remote_mp.errors import ConfigurationError, LimitExceeded, ProtocolError, ProtocolVersionError
+from lightning_remote_mp.flow import Word
 
 PROTOCOL_VERSION = 17
 
 
-class Kind(str, enum.Enum):
+class Kind(Word):
     """Every message kind on the wire. Requests go driver -> worker (peers send FORWARD/BACKWARD);
     replies are OK or ERROR and echo the request id. A kind is a ``str``: a received one (plain
     text) compares, hashes and prints as its value."""
@@ -80,11 +80,6 @@ class Kind(str, enum.Enum):
     PING = "ping"
     OK = "ok"
     ERROR = "error"
-
-    __str__ = str.__str__
-    __repr__ = str.__repr__
-    __format__ = str.__format__
-    __hash__ = str.__hash__
 
 
 # The short names the package uses.
