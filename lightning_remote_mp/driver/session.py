@@ -280,7 +280,7 @@ class DriverSession(WorkerLinks):
         weight gradients (`worker.deferred_grads`). ``training``: the stages must fit their workers
         with gradients and optimizer state. ``checkpoint``: `pipeline.CHECKPOINT_MODES`. ``checked``:
         what `preflight` found, if run already. ``deferred_batch_norm``: `worker.deferred_bn`.
-        ``compression``: `wire.protocol.COMPRESSIONS`. ``schedule``: `lightning_remote_mp.schedule`.
+        ``compression``: `wire.compression.COMPRESSIONS`. ``schedule``: `lightning_remote_mp.schedule`.
         ``sources``: safetensors files the workers read tensors from (`WeightSources`); the driver
         sends only the rest. ``borrows``: a placed module's key whose units and tensors ``module``'s
         are (another call signature of a traced module; kept in that placement's ``views``).

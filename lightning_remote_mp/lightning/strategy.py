@@ -63,6 +63,7 @@ from lightning_remote_mp.model.trace import find_modules
 from lightning_remote_mp.model.traced import TracedSequential
 from lightning_remote_mp.schedule import check_schedule
 from lightning_remote_mp.wire import protocol
+from lightning_remote_mp.wire.compression import COMPRESSIONS
 from lightning_remote_mp.wire.transport import DEFAULT_CALL_TIMEOUT, DEFAULT_CONNECT_TIMEOUT, DEFAULT_HEARTBEAT_TIMEOUT
 
 if TYPE_CHECKING:  # imported when a run asks for recovery: it builds on Lightning's private _Launcher and _Stateful
@@ -249,7 +250,7 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
         check_balance(balance, self.num_stages)
         check_count("microbatches", microbatches)
         check_split_backward(split_backward)
-        if compression not in protocol.COMPRESSIONS:
+        if compression not in COMPRESSIONS:
             raise ConfigurationError(f"compression must be None, 'bf16' or 'int8', got {compression!r}")
         if not isinstance(deferred_batch_norm, bool):
             raise ConfigurationError(f"deferred_batch_norm must be True or False, got {deferred_batch_norm!r}")

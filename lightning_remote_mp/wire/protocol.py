@@ -41,6 +41,7 @@ from lightning_remote_mp._version import __version__
 # LimitExceeded lives with the other errors; ``protocol.LimitExceeded`` stays its name here too.
 from lightning_remote_mp.errors import ConfigurationError, LimitExceeded, ProtocolError, ProtocolVersionError
 from lightning_remote_mp.flow import Word
+from lightning_remote_mp.wire.compression import compress, compressible, decompressed
 
 PROTOCOL_VERSION = 17
 
@@ -124,15 +125,8 @@ CARRIED_KINDS = QUIET_KINDS
 _EXT_TENSOR = 1
 _EXT_TUPLE = 2
 _EXT_DTYPE = 3
-_EXT_COMPRESSED = 4  # a floating tensor sent compressed (`compress`): [mode, dtype, shape, frame indices]
+_EXT_COMPRESSED = 4  # a floating tensor sent compressed (`wire.compression`): [mode, dtype, shape, frame indices]
 
-#: ``compression`` on the strategy: how pipelined messages carry floating tensors (activations and their
-#: gradients): as they are, as bfloat16 (half of float32's bytes), or blockwise 8-bit (`INT8_BLOCK` values
-#: per block, each block with its float32 scale: 17/64 of float32's bytes, as hivemind and SWARM send).
-COMPRESSIONS = (None, "bf16", "int8")
-INT8_BLOCK = 64
-#: Tensors with fewer elements travel as they are: a loss's sum, a count, a scale.
-COMPRESS_FROM = 64
 
 DTYPES: dict[str, torch.dtype] = {
     str(d).removeprefix("torch."): d
@@ -267,7 +261,8 @@ def encode(
     """Encode a message into ZeroMQ frames; tensors become zero-copy frames.
 
     With ``limits`` (the receiver's), a message the receiver would refuse raises `LimitExceeded`.
-    With ``compression`` (`COMPRESSIONS`), floating tensors of at least `COMPRESS_FROM` elements
+    With ``compression`` (`lightning_remote_mp.wire.compression.COMPRESSIONS`), floating tensors of at
+    least `~lightning_remote_mp.wire.compression.COMPRESS_FROM` elements
     travel compressed, and `decode` gives them back in their dtype (with the compression's error);
     under ``"int8"``, one with an infinity or a NaN travels as it is.
     """
@@ -283,7 +278,7 @@ def encode(
 
     def default(obj: Any) -> Any:
         nonlocal depth
-        if isinstance(obj, torch.Tensor) and compression is not None and _compressible(obj, compression):
+        if isinstance(obj, torch.Tensor) and compression is not None and compressible(obj, compression):
             spec = [compression, _DTYPE_NAMES[obj.dtype], list(obj.shape), [add(p) for p in compress(obj, compression)]]
             return msgpack.ExtType(_EXT_COMPRESSED, msgpack.packb(spec))
         if isinstance(obj, torch.Tensor):
@@ -566,7 +561,11 @@ def _message(header: list[Any], buffers: Sequence[memoryview], limits: Limits) -
                 raise ProtocolError(f"reference to tensor {index}, but only {len(tensors)} arrived")
             return tensors[index]
         if code == _EXT_COMPRESSED:
-            return _decompressed(data, tensors, limits)
+            try:
+                spec = msgpack.unpackb(data, raw=False, strict_map_key=False)
+            except Exception:
+                raise ProtocolError("malformed compressed tensor") from None
+            return decompressed(spec, tensors, DTYPES, limits.max_tensor_dims)
         if code == _EXT_TUPLE:
             if depth >= limits.max_tuple_depth:
                 raise ProtocolError(f"tuples nested deeper than {limits.max_tuple_depth} levels")
@@ -598,82 +597,3 @@ def _message(header: list[Any], buffers: Sequence[memoryview], limits: Limits) -
         # As in encode: no reference cycle may keep the received buffers alive until a collection.
         ext_hook = _unpack = None  # noqa: F841
     return Message(kind=kind, id=req_id, session=session, body=body)
-
-
-# --- compression of floating tensors on the wire --------------------------------------------------
-
-
-def _compressible(t: torch.Tensor, compression: str) -> bool:
-    if t.numel() < COMPRESS_FROM or t.dtype not in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
-        return False
-    if compression == "bf16":
-        return t.dtype in (torch.float32, torch.float64)  # bf16 of a 16-bit type saves nothing
-    # A block's scale is its largest magnitude: one infinity (an additive attention mask's -inf)
-    # or NaN would turn the whole block into NaN. Such a tensor travels as it is, exactly.
-    return bool(torch.isfinite(t).all())
-
-
-def compress(t: torch.Tensor, compression: str) -> list[torch.Tensor]:
-    """The frames a floating tensor travels as: bfloat16 values; or, for ``"int8"``, 8-bit values in
-    blocks of `INT8_BLOCK` (the last one padded with zeros) and each block's float32 scale (its
-    largest magnitude over 127).
-
-    >>> x = torch.linspace(-1, 1, 256)
-    >>> q, scale = compress(x, "int8")
-    >>> q.dtype, q.numel(), scale.numel()
-    (torch.int8, 256, 4)
-    >>> bool((decompress("int8", torch.float32, [256], [q, scale]) - x).abs().max() <= 1 / 254)
-    True
-    """
-    flat = t.detach().reshape(-1)
-    if compression == "bf16":
-        return [flat.to(torch.bfloat16)]
-    blocks = torch.nn.functional.pad(flat.float(), (0, -flat.numel() % INT8_BLOCK)).view(-1, INT8_BLOCK)
-    scale = blocks.abs().amax(1) / 127
-    q = torch.round(blocks / scale.clamp(min=torch.finfo(torch.float32).tiny)[:, None]).clamp_(-127, 127)
-    return [q.to(torch.int8).reshape(-1), scale]
-
-
-def decompress(compression: str, dtype: torch.dtype, shape: list[int], parts: Sequence[torch.Tensor]) -> torch.Tensor:
-    """A tensor of ``dtype`` and ``shape`` from its compressed ``parts`` (`compress`)."""
-    n = math.prod(shape)
-    if compression == "bf16":
-        return parts[0].to(dtype).reshape(shape)
-    q, scale = parts
-    return (q.view(-1, INT8_BLOCK).float() * scale[:, None]).reshape(-1)[:n].to(dtype).reshape(shape)
-
-
-def _decompressed(data: bytes, tensors: Sequence[torch.Tensor], limits: Limits) -> torch.Tensor:
-    """A compressed tensor's extension value, checked, decompressed (a malformed one: `ProtocolError`)."""
-    try:
-        spec = msgpack.unpackb(data, raw=False, strict_map_key=False)
-        compression, name, shape, frames = spec
-    except Exception:
-        raise ProtocolError("malformed compressed tensor") from None
-    dtype = DTYPES.get(name) if isinstance(name, str) else None
-    if compression not in ("bf16", "int8") or dtype is None or not dtype.is_floating_point:
-        raise ProtocolError(f"unknown compression {compression!r:.20} or dtype {name!r:.20}")
-    if not (
-        isinstance(shape, list)
-        and len(shape) <= limits.max_tensor_dims
-        and all(type(d) is int and d >= 0 for d in shape)
-    ):
-        raise ProtocolError("malformed compressed tensor shape")
-    if not (isinstance(frames, list) and all(type(i) is int and 0 <= i < len(tensors) for i in frames)):
-        raise ProtocolError("compressed tensor refers to tensors that did not arrive")
-    parts = [tensors[i] for i in frames]
-    n = math.prod(shape)
-    if compression == "bf16":
-        well_formed = len(parts) == 1 and parts[0].dtype == torch.bfloat16 and parts[0].numel() == n
-    else:
-        blocks = -(-n // INT8_BLOCK)
-        well_formed = (
-            len(parts) == 2
-            and parts[0].dtype == torch.int8
-            and parts[0].numel() == blocks * INT8_BLOCK
-            and parts[1].dtype == torch.float32
-            and parts[1].numel() == blocks
-        )
-    if not well_formed:
-        raise ProtocolError(f"a {compression} tensor of shape {shape!r:.60} arrived with frames that do not fit it")
-    return decompress(compression, dtype, shape, parts)

@@ -35,6 +35,7 @@ import torch
 
 from lightning_remote_mp.flow import Routes, SplitBackward, is_split_backward
 from lightning_remote_mp.wire import protocol
+from lightning_remote_mp.wire.compression import COMPRESSIONS
 from lightning_remote_mp.wire.fields import (
     BOOL,
     INT,
@@ -142,7 +143,7 @@ class Setup(Body):
             several of its layers); the stage holds one, under the first name of each group.
         deferred_batch_norm: update batch norms' running statistics once per mini-batch, from the
             whole mini-batch (`lightning_remote_mp.worker.deferred_bn`).
-        compression: how the stage's pipelined messages carry floating tensors (`protocol.COMPRESSIONS`).
+        compression: how the stage's pipelined messages carry floating tensors (`wire.compression.COMPRESSIONS`).
         borrows: the key of a stage on this worker whose tensors this one holds, by the same names
             and as the same tensors (``state`` and ``files`` are then empty): another call signature
             of a traced module (`lightning_remote_mp.model.calls.TracedForward`), training its weights.
@@ -179,7 +180,7 @@ class Setup(Body):
         list_of(_is_name_group, "lists of two or more tensor names"), default_factory=list, write=each(list)
     )
     deferred_batch_norm: bool = field(BOOL, default=False)
-    compression: str | None = field(choice(("bf16", "int8")), default=None, omit_none=True)
+    compression: str | None = field(choice(COMPRESSIONS[1:]), default=None, omit_none=True)
     borrows: str | None = field(STR, default=None, omit_none=True)
     programs: Mapping[str, Any] | None = field(
         map_of(is_str, is_str_keyed, "digests to programs"), default=None, write=dict, omit_none=True

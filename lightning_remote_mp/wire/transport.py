@@ -156,7 +156,7 @@ class Connection:
     ) -> list[int]:
         """Send one message of ``kind`` per body, bundled (`protocol.encode_all`) into as few ZeroMQ
         messages as the worker's limits allow: each costs a send and a wake-up on either side.
-        ``compression``: how floating tensors travel (`protocol.COMPRESSIONS`). Returns the ids of
+        ``compression``: how floating tensors travel (`wire.compression.COMPRESSIONS`). Returns the ids of
         ``bodies``.
 
         Quiet requests `carry` holds, and those sent along the pipeline and not known to have run,

@@ -130,7 +130,7 @@ class Outbox:
         compression: str | None = None,
     ) -> None:
         """Send to the driver (from a request's handler: the socket is taken for the send), floating
-        tensors compressed as ``compression`` says (`protocol.COMPRESSIONS`)."""
+        tensors compressed as ``compression`` says (`wire.compression.COMPRESSIONS`)."""
         frames = protocol.encode(kind, 0, self.session, body, compression=compression)
         if ready is not None or self.held:
             self._hold(_Held(frames, ready, about or {}, driver=self.driver_peer))
