@@ -2,10 +2,10 @@
 
 A unit of a traced model reaches a worker as an ordinary spec entry whose layer is this dotted path,
 so it is user vocabulary on the wire and in allowlists, like `lightning_remote_mp.layers`, and keeps
-its name wherever the code lives: in `lightning_remote_mp.model.graph`, with the operator allowlist
-it runs under.
+its name wherever the code lives: in `lightning_remote_mp.model.graph_layer`; the operator allowlist
+it runs under is `lightning_remote_mp.model.program`.
 """
 
-from lightning_remote_mp.model.graph import GraphLayer
+from lightning_remote_mp.model.graph_layer import GraphLayer
 
 __all__ = ["GraphLayer"]

@@ -14,7 +14,8 @@ from torch import nn
 from lightning_remote_mp import RemoteModelParallelStrategy
 from lightning_remote_mp.errors import RefusedOperatorError, TraceError
 from lightning_remote_mp.model import operators
-from lightning_remote_mp.model.graph import GraphLayer, load_program
+from lightning_remote_mp.model.graph_layer import GraphLayer
+from lightning_remote_mp.model.program import load_program
 from lightning_remote_mp.model.trace import trace_module
 
 SEQ, DIM, CLASSES = 5, 8, 3
@@ -481,7 +482,7 @@ def _binding_cases() -> list[tuple[object, tuple, dict]]:
 
 @pytest.mark.parametrize("op, args, kwargs", _binding_cases(), ids=lambda v: str(v) if hasattr(v, "_schema") else "")
 def test_the_faster_bindings_a_program_calls_give_what_the_operators_give(op, args, kwargs):
-    """The operators a transformer calls most run through torch's Python bindings (`graph._BINDINGS`):
+    """The operators a transformer calls most run through torch's Python bindings (`program._BINDINGS`):
     a program step of each gives what the operator itself gives, the same values, dtype, shape and
     strides, with every positional and keyword argument the step may carry."""
     from lightning_remote_mp.model.program_code import _BINDINGS, Step

@@ -14,7 +14,7 @@ pytest.importorskip("transformers")
 import lrmp_hf as H  # noqa: E402
 
 from lightning_remote_mp.errors import SpecError  # noqa: E402
-from lightning_remote_mp.model.graph import kv_cache_position, program_key  # noqa: E402
+from lightning_remote_mp.model.program import kv_cache_position, program_key  # noqa: E402
 from lightning_remote_mp.model.program_table import tabled, untabled  # noqa: E402
 from lightning_remote_mp.model.trace import trace_module  # noqa: E402
 from lightning_remote_mp.wire import protocol  # noqa: E402

@@ -35,7 +35,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, BitsAndBytesConfig  #
 from lightning_remote_mp import RemoteModelParallelStrategy, TraceError  # noqa: E402
 from lightning_remote_mp.errors import RefusedOperatorError  # noqa: E402
 from lightning_remote_mp.model import four_bit  # noqa: E402
-from lightning_remote_mp.model.graph import load_program  # noqa: E402
+from lightning_remote_mp.model.program import load_program  # noqa: E402
 
 TOL = 2e-5  # losses; LoRA weights within 1e-4
 

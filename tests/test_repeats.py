@@ -1,6 +1,6 @@
 """A deep model traced at four of its repeated blocks (issue #60): the programs equal the whole
 model's trace, unit for unit; a model whose blocks or whose loop over them could differ by position
-is traced whole; a program checked once serves every unit alike (`graph.load_program`)."""
+is traced whole; a program checked once serves every unit alike (`program.load_program`)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_remote_mp.model import graph, repeats
-from lightning_remote_mp.model.graph import GraphLayer
+from lightning_remote_mp.model import repeats
+from lightning_remote_mp.model.graph_layer import GraphLayer
+from lightning_remote_mp.model.program import load_program, program_key, run
 from lightning_remote_mp.model.trace import trace_module
 
 transformers = pytest.importorskip("transformers")
@@ -33,7 +34,7 @@ def assert_same_units(a, b) -> None:
     for x, y in zip(a.entries, b.entries):
         for mode in ("train", "eval"):
             p, q = x.kwargs["programs"][mode], y.kwargs["programs"][mode]
-            assert graph.program_key(p) == graph.program_key(q), (x.label, mode)
+            assert program_key(p) == program_key(q), (x.label, mode)
             assert list(p["tensors"].values()) == list(q["tensors"].values()), x.label
         assert {k: v for k, v in x.kwargs.items() if k != "programs"} == {
             k: v for k, v in y.kwargs.items() if k != "programs"
@@ -171,10 +172,10 @@ def test_a_program_is_checked_once_and_serves_every_layer_with_its_own_weights()
             "outputs": [f"{prefix}z"],
         }
 
-    a, b = graph.load_program(program("a_", 3), "a"), graph.load_program(program("b_", 3), "b")
+    a, b = load_program(program("a_", 3), "a"), load_program(program("b_", 3), "b")
     assert a.steps is b.steps and a.fn.__code__ is b.fn.__code__  # checked and compiled once
     assert b.tensors == {"b_w": "b_weight"}
-    other = graph.load_program(program("c_", 3.0), "c")  # 3.0 is not 3: another program
+    other = load_program(program("c_", 3.0), "c")  # 3.0 is not 3: another program
     assert other.steps is not a.steps
     layers = [
         GraphLayer({"train": program(p, 3)}, {f"{p}weight": {"shape": [2, 2], "dtype": torch.float32}})
@@ -200,11 +201,11 @@ def test_layers_whose_programs_differ_by_their_cache_position_share_one_check():
             "outputs": ["kv"],
         }
 
-    three, seven = graph.load_program(program(3), "layer 3"), graph.load_program(program(7), "layer 7")
+    three, seven = load_program(program(3), "layer 3"), load_program(program(7), "layer 7")
     assert three.steps is seven.steps
     store = kv_cache.KVStore(capacity=4)
     k = torch.ones(1, 1, 2, 2)
     with kv_cache.active(store):
-        graph.run(three, (k, k, 2), {}, torch.device("cpu"))
-        graph.run(seven, (2 * k, k, 2), {}, torch.device("cpu"))
+        run(three, (k, k, 2), {}, torch.device("cpu"))
+        run(seven, (2 * k, k, 2), {}, torch.device("cpu"))
     assert store.length(3) == 2 and store.length(7) == 2

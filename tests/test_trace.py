@@ -18,7 +18,8 @@ from torch import nn
 
 from lightning_remote_mp import RemoteModelParallelStrategy
 from lightning_remote_mp.errors import RefusedOperatorError, SpecError, TraceError
-from lightning_remote_mp.model.graph import GraphLayer, load_program
+from lightning_remote_mp.model.graph_layer import GraphLayer
+from lightning_remote_mp.model.program import load_program
 from lightning_remote_mp.model.trace import find_modules, trace_module
 from lightning_remote_mp.wire import protocol
 

@@ -27,12 +27,12 @@ from lightning_remote_mp.model.wiring import variables_of
 
 #: Module prefixes every worker may build classes from.
 #: ``lightning_remote_mp.graph`` is the name traced units travel under (`lightning_remote_mp.graph`);
-#: ``lightning_remote_mp.model.graph`` where that class is defined, which the worker checks too.
+#: ``lightning_remote_mp.model.graph_layer`` where that class is defined, which the worker checks too.
 DEFAULT_ALLOWED_PREFIXES: tuple[str, ...] = (
     "torch.nn",
     "lightning_remote_mp.layers",
     "lightning_remote_mp.graph",
-    "lightning_remote_mp.model.graph",
+    "lightning_remote_mp.model.graph_layer",
 )
 
 

@@ -1,5 +1,5 @@
 """A checked program's steps as one Python function: the code generator of
-`lightning_remote_mp.model.graph` (which checks a program, then hands its steps here).
+`lightning_remote_mp.model.program` (which checks a program, then hands its steps here).
 
 What a step is once checked (`Step`: its operator, its arguments with references to earlier values
 (`Ref`) and the layer's device (`DEVICE`), the values to forget after it), and `compiled`, which

@@ -3,9 +3,9 @@ tensors and in their key/value-cache positions (a deep model's decoder layers) n
 a table by its digest, with those names and positions beside it (issue #60).
 
 `tabled` (the driver) writes a SETUP's entries so; `untabled` (the worker) checks each program of
-the table (`lightning_remote_mp.model.graph.load_program`, which also keeps it checked for the units
+the table (`lightning_remote_mp.model.program.load_program`, which also keeps it checked for the units
 that follow), checks it against its digest, and writes each entry's programs back whole. The digest
-is of the program's content with its names numbered (`graph.program_key`): what a worker checks,
+is of the program's content with its names numbered (`program.program_key`): what a worker checks,
 whatever names the driver chose.
 
 >>> program = {"inputs": ["x"], "tensors": {"w": "fc_weight"}, "outputs": ["y"],
@@ -26,8 +26,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from lightning_remote_mp.errors import SpecError
-from lightning_remote_mp.model.graph import (
-    LAYER_PATH,
+from lightning_remote_mp.model.graph_layer import LAYER_PATH
+from lightning_remote_mp.model.program import (
     kv_cache_position,
     kv_cache_positions,
     load_program,

@@ -15,7 +15,7 @@ torch's regional compilation compiles one decoder layer for all, lrmp traces a f
    model is exported: ``for layer in self.layers`` runs four layers, each under its own name. The
    trace cuts that graph into units as any other (`lightning_remote_mp.model.trace`).
 3. `with_copies` checks that the second and third blocks' units are alike: the same programs but for
-   their names (`graph.program_key`), each reading its own block's weights, taking the same values
+   their names (`program.program_key`), each reading its own block's weights, taking the same values
    from before the run and the block before's output in the same places, nothing they compute read
    past the block after (a model that collects every layer's hidden state). lrmp's key/value cache
    operator may name the block's own position. Then it adds, after the third, a copy of its unit
@@ -24,8 +24,8 @@ torch's regional compilation compiles one decoder layer for all, lrmp traces a f
 
 Where a check fails, or the shallow export does (code that indexes the container itself), the
 trace exports the whole model instead and says why at INFO. A program's steps are checked on the
-driver and on the workers as any other (`lightning_remote_mp.model.graph`), once per distinct
-program (`graph.load_program` keeps what it checked, by content).
+driver and on the workers as any other (`lightning_remote_mp.model.program`), once per distinct
+program (`program.load_program` keeps what it checked, by content).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from lightning_remote_mp.model.graph import kv_cache_position, kv_cache_positions, program_key, with_kv_cache_position
+from lightning_remote_mp.model.program import kv_cache_position, kv_cache_positions, program_key, with_kv_cache_position
 
 log = logging.getLogger(__name__)
 

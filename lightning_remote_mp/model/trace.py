@@ -1,5 +1,5 @@
 """Splitting an unchanged ``nn.Module`` by tracing it: ``torch.export`` at its first call, then cut
-into pieces that workers run as `lightning_remote_mp.model.graph.GraphLayer` layers, with no user code.
+into pieces that workers run as `lightning_remote_mp.model.graph_layer.GraphLayer` layers, with no user code.
 
 1. `trace_module` exports the module twice, in train and in eval mode (code may branch on
    ``self.training``; `lightning_remote_mp.model.export`); a step of ``generate()`` once, in the
@@ -42,10 +42,11 @@ from lightning_remote_mp.model import repeats
 from lightning_remote_mp.model.bnb_layers import stand_ins
 from lightning_remote_mp.model.export import export
 from lightning_remote_mp.model.gradient_checkpointing import checkpointed_regions, covers
-from lightning_remote_mp.model.graph import LAYER_PATH, MARKERS, TRACED_PYTHON_NAMES, GraphLayer
+from lightning_remote_mp.model.graph_layer import LAYER_PATH, GraphLayer
 from lightning_remote_mp.model.head_loss import chunk_head_losses
 from lightning_remote_mp.model.joins import split_means
 from lightning_remote_mp.model.operators import allowed_operator
+from lightning_remote_mp.model.program import MARKERS, TRACED_PYTHON_NAMES
 from lightning_remote_mp.model.refusals import refused, with_user_line
 from lightning_remote_mp.model.spec import SpecSequential
 from lightning_remote_mp.model.traced import Ends, Interface, TracedEntry, TracedSequential

@@ -1,7 +1,7 @@
 """A traced module on the driver: its units as a `SpecSequential`, and how a call's arguments become
 the pipeline's inputs and its outputs the module's.
 
-`TracedSequential` holds the units (`lightning_remote_mp.model.graph.GraphLayer` layers that share
+`TracedSequential` holds the units (`lightning_remote_mp.model.graph_layer.GraphLayer` layers that share
 their tensors with the traced module), so placement, pipelining, checkpoints and the optimizer
 mirror treat them like any spec. `Interface` maps a call of the module to the pipeline's input
 tensors and checks it against the traced call, and maps the pipeline's outputs back to the
@@ -24,7 +24,7 @@ from torch.utils import _pytree as pytree
 
 from lightning_remote_mp.errors import TraceError
 from lightning_remote_mp.model.entries import LayerEntry
-from lightning_remote_mp.model.graph import GraphLayer
+from lightning_remote_mp.model.graph_layer import GraphLayer
 from lightning_remote_mp.model.joins import Join, join_of
 from lightning_remote_mp.model.spec import KEEP_BYTES, Keep, SpecSequential
 

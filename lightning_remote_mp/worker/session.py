@@ -22,7 +22,7 @@ from lightning_remote_mp.errors import LrmpError, ProtocolError, SpecError
 from lightning_remote_mp.flow import DRIVER
 from lightning_remote_mp.model.build import build_layer, resolve_class, source_digest
 from lightning_remote_mp.model.entries import normalize_entry
-from lightning_remote_mp.model.graph import GraphLayer
+from lightning_remote_mp.model.graph_layer import GraphLayer
 from lightning_remote_mp.model.program_table import untabled
 from lightning_remote_mp.wire import protocol
 from lightning_remote_mp.wire.fields import Body

@@ -18,7 +18,7 @@ from lightning_remote_mp.errors import SpecError
 from lightning_remote_mp.flow import Main, SplitBackward, is_floating, is_main
 from lightning_remote_mp.model.build import build_layer
 from lightning_remote_mp.model.entries import LayerEntry, normalize_entry
-from lightning_remote_mp.model.graph import LAYER_PATH
+from lightning_remote_mp.model.graph_layer import LAYER_PATH
 from lightning_remote_mp.model.spec import apply_modes
 from lightning_remote_mp.model.wiring import run_layers
 from lightning_remote_mp.worker.caches import GenerationCaches
