@@ -27,7 +27,7 @@ D     one decoding step of a generation: a micro-batch's new tokens   the previo
 GPipe) runs F, B and W of each micro-batch; one whose backward the last stage starts at the model's
 loss ("early", `Forward.loss_output`) ends with S, whose input is the driver's gradient of the loss. A call
 without grad runs F's alone. Z and O are the driver's requests, run in the order the driver sent
-them (`lightning_remote_mp.worker.runtime.Order`); a step's lists (`step`) show where they fall.
+them (`lightning_remote_mp.worker.order.Order`); a step's lists (`step`) show where they fall.
 
 The driver names a schedule; each worker builds its own stage's list from the name and the counts
 (`actions`), and runs it in order, each action once what it waits for has arrived

@@ -10,7 +10,7 @@ a quiet request (`lightning_remote_mp.wire.requests.LossGrad`) that goes with th
 front of the optimizer's step, so a step costs the driver its forward and its losses, nothing else.
 
 A stage applies it once its part of the call has run, and runs nothing the driver sent after it
-before then (`lightning_remote_mp.worker.runtime.Order`). Stage 0 passes the other stages' requests on only
+before then (`lightning_remote_mp.worker.order.Order`). Stage 0 passes the other stages' requests on only
 once it applied its own, and a stage that could not apply it refuses the step. The next forward's
 results prove it applied everywhere (their fences name it); any other message confirms it first
 (`confirm`). Where the step sums gradients over workers (replicas, a tied weight on several
@@ -159,7 +159,7 @@ class DeferredLossGrads:
     def drop(self) -> list[int]:
         """After a failure: the requests posted since the first gradient (it, the step on it) are
         dropped, sent or not, and never sent straight; a stage that could not apply its gradient
-        passed none of them on (`lightning_remote_mp.worker.runtime.Order`). Returns
+        passed none of them on (`lightning_remote_mp.worker.order.Order`). Returns
         the calls, forgotten."""
         posted, self.calls = self.calls, {}
         for conn, mark in next(iter(posted.values()), []):

@@ -3,7 +3,7 @@
 The optimizer's step, ``zero_grad``, a release and a loss's gradient (`protocol.CARRIED_KINDS`)
 need no answer the driver waits for. Instead of one message per worker, the driver bundles the
 requests for a pipeline's stages with a call's micro-batches, and each stage passes on what is not
-its own (`lightning_remote_mp.worker.runtime.Order`). A stage on the way can neither forge nor
+its own (`lightning_remote_mp.worker.order.Order`). A stage on the way can neither forge nor
 alter what it passes on: every request is sealed, under a key only the driver and its worker know.
 What carrying buys, measured (`benchmarks/README.md`, issue 37): 5-7% on the small model where a GPipe
 step has several micro-batches, nothing elsewhere.

@@ -4,7 +4,7 @@ it fails.
 `parse` is the one place a received body is read (through `REQUESTS`, one class per kind):
 everything after it handles typed messages. A body that cannot be read becomes
 a `Request` that carries the refusal, answered in its turn like any request's failure. The server
-runs a request in its turn (`lightning_remote_mp.worker.runtime.Order.run`: a micro-batch goes to
+runs a request in its turn (`lightning_remote_mp.worker.order.Order.run`: a micro-batch goes to
 its stage's runtime, another request to the session's handler for its type); `failure_reply` makes
 the ERROR that names what failed where. Nothing a message carries is executed: its type only
 chooses what runs it.

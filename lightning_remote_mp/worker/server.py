@@ -10,7 +10,7 @@ driver is served, and until when: `lightning_remote_mp.worker.admission`). The m
 handles signals.
 
 Each message is read once, as it arrives, into a typed request (`lightning_remote_mp.worker.request`);
-the serving thread runs it in its turn (`worker.runtime.Order.run`: a micro-batch through its
+the serving thread runs it in its turn (`worker.order.Order.run`: a micro-batch through its
 stage's runtime, another request through the session's handler for its type) and answers through
 the socket, or, for pipelined work, through the `worker.outbox`. Nothing a message carries is
 executed: its type only chooses what runs it.
@@ -39,9 +39,9 @@ from lightning_remote_mp.wire.traffic import MIN_PROGRESS, Sampler
 from lightning_remote_mp.worker import allocator
 from lightning_remote_mp.worker.admission import DEFAULT_SESSION_TIMEOUT, Admission, describe_duration, versions
 from lightning_remote_mp.worker.auth import WorkerAuth
+from lightning_remote_mp.worker.order import NO_REPLY
 from lightning_remote_mp.worker.outbox import DEFAULT_PEER_TIMEOUT, Outbox
 from lightning_remote_mp.worker.request import DROP, NEW, Request, device_failed, error_body, failure_reply, parse
-from lightning_remote_mp.worker.runtime import NO_REPLY
 from lightning_remote_mp.worker.session import WorkerSession, describe_device
 from lightning_remote_mp.worker.signals import SignalWakeup
 from lightning_remote_mp.worker.throttle import Throttle

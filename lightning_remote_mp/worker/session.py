@@ -44,9 +44,10 @@ from lightning_remote_mp.wire.requests import (
 from lightning_remote_mp.wire.state import GetOptimState, GetState, LoadOptimState, LoadState, ReadOptim, Save, Saved
 from lightning_remote_mp.worker.allocator import device_memory
 from lightning_remote_mp.worker.collective import GradGroup
+from lightning_remote_mp.worker.order import Order
 from lightning_remote_mp.worker.profile import profile_layers
 from lightning_remote_mp.worker.route import Outgoing, RoutedStage
-from lightning_remote_mp.worker.runtime import Order, StageRuntime, StageRuntimes
+from lightning_remote_mp.worker.runtime import StageRuntime, StageRuntimes
 from lightning_remote_mp.worker.stage import StageExecutor
 from lightning_remote_mp.worker.timeline import EventLog
 from lightning_remote_mp.worker.weights import PROGRESS, read_optimizer_state, read_stage_files, save_shard, saved
