@@ -1,11 +1,11 @@
 """Recovery inside ``fit`` (``RemoteModelParallelStrategy(recovery=...)``, docs/recovery.md).
 
 Lightning runs ``fit`` through its strategy's launcher, when it has one; `RecoveringLauncher` is
-that launcher. When ``fit`` raises `WorkerLostError`, it asks the strategy to recover
-(`RemoteModelParallelStrategy.recover`: the run is torn down, the lost stage placed again, the
-newest whole checkpoint chosen) and runs ``fit`` again from that checkpoint, as a restarted script
-with ``ckpt_path=`` would, in the same process: Lightning restores the weights, the optimizers,
-the schedulers, the loops and the callbacks, and the workers read their stages.
+that launcher. When ``fit`` raises `WorkerLostError`, it recovers (`RecoveringLauncher._recover`:
+the run is torn down, the lost stage placed again, the newest whole checkpoint chosen) and runs
+``fit`` again from that checkpoint, as a restarted script with ``ckpt_path=`` would, in the same
+process: Lightning restores the weights, the optimizers, the schedulers, the loops and the
+callbacks, and the workers read their stages.
 
 What Lightning cannot restore is where a plain ``DataLoader`` was: it would start the epoch again.
 `BatchReplay` keeps the training batches since the newest whole checkpoint (`ReplayLoader` wraps
@@ -22,7 +22,7 @@ import logging
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lightning.fabric.utilities.types import _Stateful
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
@@ -30,7 +30,11 @@ from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 
 from lightning_remote_mp.driver.options import RecoveryOptions, Topology
 from lightning_remote_mp.driver.recovery import Recovery, Replacement, Saved, WholeCheckpoints
-from lightning_remote_mp.errors import WorkerLostError
+from lightning_remote_mp.driver.recovery import answers as address_answers
+from lightning_remote_mp.errors import LrmpError, WorkerLostError
+
+if TYPE_CHECKING:
+    from lightning_remote_mp.lightning.strategy import RemoteModelParallelStrategy
 
 log = logging.getLogger(__name__)
 
@@ -160,15 +164,46 @@ class RecoveringLauncher(_Launcher):
     """Runs ``fit`` again from the newest whole checkpoint after a worker is lost (see the module).
 
     Args:
-        recover: the strategy's recovery step: given the trainer and the loss, it tears the run
-            down, places the stages again and returns the checkpoint to resume from; it raises the
-            run's end when a bound is past.
-        begin: called when a ``fit`` begins, to start its record of losses and batches.
+        strategy: the `RemoteModelParallelStrategy` whose ``fit`` this launches (with ``recovery=``):
+            its record of the run (``_fit_recovery``) starts when a ``fit`` begins, and `recover`
+            tears the run down and places its stages again after a loss.
     """
 
-    def __init__(self, recover: Callable[[Any, WorkerLostError], str], begin: Callable[[], None]) -> None:
-        self._recover = recover
-        self._begin = begin
+    def __init__(self, strategy: RemoteModelParallelStrategy) -> None:
+        self.strategy = strategy
+
+    def _begin(self) -> None:
+        s = self.strategy
+        assert s.recovery is not None
+
+        def answers(address: str, timeout: float) -> bool:
+            keys, worker_keys = s._keys(Topology.of([address]))
+            return address_answers(
+                address, timeout, keys=keys, worker_keys=worker_keys, limits=s.limits, listen=s.listen
+            )
+
+        s._fit_recovery = FitRecovery(s.recovery, s.topology, s.balance, answers)
+
+    def _recover(self, trainer: Any, err: WorkerLostError) -> str:
+        """After ``fit`` lost a worker: end the run, place its stages again and return the checkpoint
+        ``fit`` resumes from (`FitRecovery.resume`); past a bound, or with no whole checkpoint,
+        raise the run's end, naming every loss."""
+        s = self.strategy
+        fit = s._fit_recovery
+        assert fit is not None
+        fit.lost(err)
+        try:
+            s._saves.wait()
+        except LrmpError as lost:
+            log.warning("the checkpoint being written in the background is lost: %s", lost)
+        saved = fit.checkpoint()
+        s._discarding = True  # the stages come from a checkpoint: nothing comes back here
+        try:
+            trainer._teardown()
+        finally:
+            s._discarding = False
+        s.topology = fit.resume(err, saved, s.connect_timeout).topology or s.topology
+        return saved.path
 
     @property
     def is_interactive_compatible(self) -> bool:

@@ -47,10 +47,9 @@ from lightning_remote_mp.driver.options import (
 from lightning_remote_mp.driver.pipeline import check_checkpoint_mode
 from lightning_remote_mp.driver.placement import WeightSources, mark_placed, mark_trained_elsewhere
 from lightning_remote_mp.driver.preflight import allow_modules_for, checked_for_workers, checked_traced
-from lightning_remote_mp.driver.recovery import answers
 from lightning_remote_mp.driver.session import DriverSession
 from lightning_remote_mp.driver.workers import Workers, load_keys
-from lightning_remote_mp.errors import ConfigurationError, LrmpError, WeightsError, WorkerLostError
+from lightning_remote_mp.errors import ConfigurationError, LrmpError, WeightsError
 from lightning_remote_mp.flow import SplitBackward
 from lightning_remote_mp.lightning import intercept
 from lightning_remote_mp.lightning.checkpoint_io import FileCheckpointIO
@@ -641,15 +640,9 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
         if self.recovery:
             from lightning_remote_mp.lightning.recovery import RecoveringLauncher
 
-            self._launcher = RecoveringLauncher(self.recover, self._begin_recovery)
+            self._launcher = RecoveringLauncher(self)
         else:
             self._launcher = None
-
-    def _begin_recovery(self) -> None:
-        assert self.recovery is not None
-        from lightning_remote_mp.lightning.recovery import FitRecovery
-
-        self._fit_recovery = FitRecovery(self.recovery, self.topology, self.balance, self._answers)
 
     def _keys(self, topology: Topology | None) -> tuple[Any, dict[str, bytes] | None]:
         """This driver's key pair and the workers' public keys by address (`load_keys`): a key shared
@@ -657,33 +650,9 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
         shared = self.curve is not None and len(self.curve.worker_public_keys) == 1
         return load_keys(self.curve, topology if shared else self._hosts_given)
 
-    def _answers(self, address: str, timeout: float) -> bool:
-        keys, worker_keys = self._keys(Topology.of([address]))
-        return answers(address, timeout, keys=keys, worker_keys=worker_keys, limits=self.limits, listen=self.listen)
-
     def process_dataloader(self, dataloader: object) -> object:
         trainer = self.lightning_module._trainer if self.lightning_module is not None else None
         return self._fit_recovery.wrap(dataloader, trainer) if self._fit_recovery and trainer else dataloader
-
-    def recover(self, trainer: pl.Trainer, err: WorkerLostError) -> str:
-        """After ``fit`` lost a worker (`RecoveringLauncher`): end the run, place its stages again and
-        return the checkpoint ``fit`` resumes from (`FitRecovery.resume`); past a bound, or with no
-        whole checkpoint, raise the run's end, naming every loss."""
-        fit = self._fit_recovery
-        assert fit is not None
-        fit.lost(err)
-        try:
-            self._saves.wait()
-        except LrmpError as lost:
-            log.warning("the checkpoint being written in the background is lost: %s", lost)
-        saved = fit.checkpoint()
-        self._discarding = True  # the stages come from a checkpoint: nothing comes back here
-        try:
-            trainer._teardown()
-        finally:
-            self._discarding = False
-        self.topology = fit.resume(err, saved, self.connect_timeout).topology or self.topology
-        return saved.path
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
