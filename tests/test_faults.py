@@ -690,15 +690,15 @@ def test_a_lost_posted_request_is_named_when_the_pipeline_stalls(pool):
     stage1 = session.conns[1]
     try:
         session.place("net", net, balance=[1, 1])
-        stage1.last_id += 1  # lost on the way: the driver counts it as posted, the worker never sees it
-        lost = stage1.last_id
-        stage1._unanswered[lost] = protocol.OPTIM_STEP
+        stage1.order.last_id += 1  # lost on the way: the driver counts it as posted, the worker never sees it
+        lost = stage1.order.last_id
+        stage1.order.unanswered[lost] = protocol.OPTIM_STEP
         start = time.monotonic()
         with pytest.raises(WorkerLostError) as info, torch.no_grad():
             net(torch.randn(3, 4))
         detected = time.monotonic() - start
     finally:
-        stage1._unanswered.clear()  # nothing will ever answer it
+        stage1.order.unanswered.clear()  # nothing will ever answer it
         session.close()
     text = str(info.value)
     assert info.value.address == pool[1] and info.value.stage == 1, text

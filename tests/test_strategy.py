@@ -291,7 +291,7 @@ def test_lost_remote_worker_is_named_within_heartbeat_timeout(start_workers, poo
 
 class _BackwardSpans(L.Callback):
     """How long each ``loss.backward()`` took on the driver, and how many confirmations each of the
-    session's connections holds for a send (`Connection.before_send`) before and after it."""
+    session's connections holds for a send (`RequestOrder.before_send`) before and after it."""
 
     def __init__(self) -> None:
         self.began = 0.0
@@ -299,12 +299,12 @@ class _BackwardSpans(L.Callback):
         self.held: list[tuple[list[int], list[int]]] = []
 
     def on_before_backward(self, trainer, pl_module, loss):
-        self.held.append(([len(c.before_send) for c in trainer.strategy.session.conns], []))
+        self.held.append(([len(c.order.before_send) for c in trainer.strategy.session.conns], []))
         self.began = time.monotonic()
 
     def on_after_backward(self, trainer, pl_module):
         self.spans.append(time.monotonic() - self.began)
-        self.held[-1][1].extend(len(c.before_send) for c in trainer.strategy.session.conns)
+        self.held[-1][1].extend(len(c.order.before_send) for c in trainer.strategy.session.conns)
 
 
 def test_the_driver_goes_on_while_the_workers_run_a_backward_that_returns_it_nothing(twin, pool):

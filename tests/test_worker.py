@@ -876,7 +876,7 @@ def test_a_micro_batch_from_a_peer_waits_for_the_driver_request_sent_before_it(p
         session.place("net", net, balance=[1, 1])
         stage1 = session.conns[1]
         assert stage1.address == pool[1]
-        request_id = stage1.last_id + 1  # the id of the driver's next request to stage 1
+        request_id = stage1.order.last_id + 1  # the id of the driver's next request to stage 1
         x = torch.randn(2, 4)
         peer = sockets.dealer(stage1.address)  # stage 0's link to stage 1, as a worker opens it
         early = Forward(key="net", call=99, mb=0, sender=0, x=x, fence={1: request_id})
@@ -900,10 +900,10 @@ def test_a_micro_batch_from_a_peer_waits_for_the_driver_request_sent_before_it(p
         assert not stage1.readable(200), "stage 1 ran the micro-batch before the request it must wait for"
         w, b = torch.randn(3, 4), torch.randn(3)
         stage1.post(protocol.LOAD_STATE, LoadState({"net": {"1.weight": w, "1.bias": b}}).body())
-        assert stage1.unanswered_up_to == request_id
+        assert stage1.order.unanswered_up_to == request_id
         result = next_result()
         assert result is not None and result.kind == protocol.RESULT, "the held-back micro-batch never ran"
-        assert not stage1.unanswered_up_to, "the result overtook the reply to the request it waited for"
+        assert not stage1.order.unanswered_up_to, "the result overtook the reply to the request it waited for"
         out = Forward.from_body(result.body)
         assert out.call == 99 and out.sender == 1 and out.fence == {1: request_id}
         assert torch.allclose(out.x, x @ w.T + b, atol=1e-6), "the micro-batch ran with the old weights"
@@ -998,27 +998,29 @@ def test_the_driver_forgets_quiet_requests_once_they_have_run_and_raises_their_f
         conn = session.conns[0]
         for _ in range(50):
             conn.post(protocol.ZERO_GRAD, ZeroGrad(0).body())
-        assert conn.unanswered_up_to == conn.last_id
+        assert conn.order.unanswered_up_to == conn.order.last_id
         assert "net" in conn.request(protocol.GET_STATE, GetState().body())
-        assert not conn._unanswered and not conn.unanswered_up_to, "50 zero_grads are still counted as pending"
+        assert not conn.order.unanswered and not conn.order.unanswered_up_to, (
+            "50 zero_grads are still counted as pending"
+        )
         conn.post(protocol.ZERO_GRAD, ZeroGrad(0).body())
         deadline = time.monotonic() + 10
-        while conn.unanswered_up_to and time.monotonic() < deadline:  # the heartbeat says it ran
+        while conn.order.unanswered_up_to and time.monotonic() < deadline:  # the heartbeat says it ran
             time.sleep(0.1)
-        assert not conn.unanswered_up_to, "the heartbeat never confirmed the posted zero_grad"
+        assert not conn.order.unanswered_up_to, "the heartbeat never confirmed the posted zero_grad"
         conn.post(protocol.ZERO_GRAD, {"index": "first"})  # fails on the worker
         conn.post(protocol.ZERO_GRAD, ZeroGrad(0).body())
         with pytest.raises(WorkerError, match=r"zero_grad \(reported late"):
             conn.settle()
         conn.settle()  # the SYNC's reply came after the error: nothing is left
-        assert not conn._unanswered
+        assert not conn.order.unanswered
         # The heartbeat (another socket) may count a failed one as run before its ERROR is read:
         # settle still meets the ERROR, on its way to the SYNC's reply.
         conn.post(protocol.ZERO_GRAD, {"index": "first"})
         deadline = time.monotonic() + 10
-        while (conn.unanswered_up_to or not conn.readable(0)) and time.monotonic() < deadline:
+        while (conn.order.unanswered_up_to or not conn.readable(0)) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not conn.unanswered_up_to and conn.readable(0)
+        assert not conn.order.unanswered_up_to and conn.readable(0)
         with pytest.raises(WorkerError, match=r"zero_grad \(reported late"):
             conn.settle()
         conn.settle()

@@ -127,7 +127,7 @@ class WorkerLinks:
         seal_keys: dict[str, bytes] = {}
         for c in self.conns:
             c.session = self.id
-            c.seal_key = seal_keys.setdefault(c.address, c.seal_key)  # one per worker, however many stages
+            c.order.seal_key = seal_keys.setdefault(c.address, c.order.seal_key)  # one per worker, however many stages
             c.session_conns = self.conns  # a failed sum of gradients may be another worker's loss
         self.heartbeat: Heartbeat | None = None
         try:
@@ -207,7 +207,7 @@ class WorkerLinks:
             limits=self.conns[0].limits if self.conns else protocol.DEFAULT_LIMITS,
         )
         deadline = time.monotonic() + timeout
-        bodies = {id(c): dataclasses.replace(hello, seal_key=c.seal_key).body() for c in self.conns}
+        bodies = {id(c): dataclasses.replace(hello, seal_key=c.order.seal_key).body() for c in self.conns}
         pending = {id(c): (c, c.send(protocol.HELLO, bodies[id(c)])) for c in self.conns}
         replies: dict[int, dict[str, Any]] = {}
         looked_again: set[int] = set()  # busy workers already asked a second time
@@ -253,8 +253,8 @@ class WorkerLinks:
         for c in self.conns:
             # The session is over: nothing more to confirm, and nothing held may run now (a step
             # could overtake a backward that is still running there).
-            c.before_send.clear()
-            c.discard_carried(after=0)
+            c.order.before_send.clear()
+            c.order.discard_carried(after=0)
         live = [c for c in self.conns if not c.closed and c.lost_reason is None]
         ids = []
         for c in live:

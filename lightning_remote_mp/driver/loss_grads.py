@@ -88,7 +88,7 @@ class DeferredLossGrads:
 
     def __init__(self, spec: Pipeline) -> None:
         self.spec = spec
-        #: call -> each connection with its `Connection.last_id` before the gradient was posted (`drop`),
+        #: call -> each connection with its `RequestOrder.last_id` before the gradient was posted (`drop`),
         #: as the pipeline keeps them for a backward it did not wait for.
         self.calls: dict[int, list[tuple[Connection, int]]] = {}
         #: Whether gradients may be deferred: one replica, no tied weights over stages, and the only
@@ -113,7 +113,7 @@ class DeferredLossGrads:
             if g is not None and (g.numel() != 1 or not g.is_floating_point() or not torch.equal(g, value)):
                 return False
         grad = value.detach().reshape(()).float().cpu() if value is not None else None
-        marks = [(c, c.last_id) for c in spec.conns]
+        marks = [(c, c.order.last_id) for c in spec.conns]
         for r, row in enumerate(spec.replicas):
             for rs in row if sizes[r] else ():
                 rs.conn.carry(LossGrad(spec.key, call, grad))
@@ -163,7 +163,7 @@ class DeferredLossGrads:
         the calls, forgotten."""
         posted, self.calls = self.calls, {}
         for conn, mark in next(iter(posted.values()), []):
-            conn.discard_carried(mark, relayed=True)
+            conn.order.discard_carried(mark, relayed=True)
         return list(posted)
 
     def _synced(self, syncs: dict[int, tuple[Connection, int]], call: int, late: dict[int, str]) -> None:

@@ -35,8 +35,7 @@ from lightning_remote_mp.flow import DRIVER, Main, is_floating, is_main
 from lightning_remote_mp.model.joins import Join, join_parts
 from lightning_remote_mp.model.partition import Stage
 from lightning_remote_mp.model.spec import Keep
-from lightning_remote_mp.wire import protocol
-from lightning_remote_mp.wire.carry import Carry
+from lightning_remote_mp.wire import protocol, request_order
 from lightning_remote_mp.wire.collect import gather
 from lightning_remote_mp.wire.messages import Backward, Forward
 from lightning_remote_mp.wire.requests import Fetch, Release
@@ -61,10 +60,10 @@ def confirm_outstanding(conns: Sequence[Connection]) -> None:
     """Confirm the backwards the session's driver sent without waiting (`RemoteSpec.confirm`), from
     the driver itself: before its next forward, its own layers' step, a clip, a checkpoint or a
     timeline read. If one failed, the requests posted since (the step on its gradients, zero_grad)
-    are dropped unsent, and the failure is raised. `Connection.before_send` holds the same
+    are dropped unsent, and the failure is raised. `RequestOrder.before_send` holds the same
     confirmations for any send that comes first."""
-    for confirm in list(conns[0].before_send) if conns else ():
-        confirm()
+    if conns:
+        conns[0].order.confirm_first()
 
 
 @dataclasses.dataclass
@@ -190,7 +189,7 @@ class RemoteSpec:
         self._ids = itertools.count(1)
         self._calls: dict[int, _Call] = {}
         #: Backwards sent and not yet known done (`confirm`; at most one, as every send confirms them):
-        #: call -> its micro-batch sizes per replica, each connection's `Connection.last_id` then, and
+        #: call -> its micro-batch sizes per replica, each connection's `RequestOrder.last_id` then, and
         #: the fences its messages carried (per replica).
         self._unconfirmed: dict[
             int, tuple[list[list[int]], list[tuple[Connection, int]], dict[int, dict[int, int]]]
@@ -354,32 +353,19 @@ class RemoteSpec:
         for r, fence in fences.items():
             for rs in self.replicas[r]:
                 if rs.stage.index in fence:
-                    rs.conn.ran_through(fence[rs.stage.index])
+                    rs.conn.order.ran_through(fence[rs.stage.index])
         return out
 
     def _fence(self, replica: int) -> dict[int, int]:
-        """What a micro-batch of ``replica`` must not overtake: the requests posted to its stages
-        without waiting for the reply (the optimizer's step, zero_grad). Each worker runs the
-        driver's requests in order, but a micro-batch reaches a later stage from another worker,
-        and could arrive before a step the driver posted to that stage earlier; the stage holds
-        it back until it has run the step (`lightning_remote_mp.worker.session`). The driver does
-        not wait for those replies: a failure among them is raised when its reply is read."""
-        return {rs.stage.index: posted for rs in self.replicas[replica] if (posted := rs.conn.unanswered_up_to)}
+        """What a micro-batch of ``replica`` must not overtake (`request_order.fence`)."""
+        return request_order.fence((rs.stage.index, rs.conn.order) for rs in self.replicas[replica])
 
     def carry_toward(self, replica: int, call: int, toward: int) -> list[tuple[str, Any]]:
-        """The quiet requests (the optimizer's step, zero_grad) that wait for the stages of
-        ``replica`` beyond its first ``toward`` (``1``: down the pipeline, from stage 0; ``-1``: up
-        it, from the last stage), as a `Carry` to bundle with the call's micro-batches: each stage
-        passes the rest on to the next, so a step costs the driver no message of its own. The
-        first stage's own go in the same bundle (`Connection.send_all`)."""
+        """The quiet requests that wait for the stages of ``replica`` beyond its first ``toward``
+        (``1``: down the pipeline; ``-1``: up it), as a `Carry` to bundle with the call's
+        micro-batches (`request_order.carry`)."""
         row = self.replicas[replica] if toward == 1 else self.replicas[replica][::-1]
-        requests = {}
-        for rs in row[1:]:
-            if rs.conn is not row[0].conn and (taken := rs.conn.take_carried()):
-                requests[rs.stage.index] = taken
-        if not requests:
-            return []
-        return [(protocol.CARRY, Carry(self.key, call, DRIVER, toward, requests).body())]
+        return request_order.carry(self.key, call, toward, [(rs.stage.index, rs.conn.order) for rs in row])
 
     def flush_linked(self) -> None:
         """After every replica's message of a call went: a step that sums gradients over workers
@@ -567,8 +553,9 @@ class RemoteSpec:
             self.flush_linked()
             if not x_grad:
                 # Nothing to return: the driver goes on (Lightning's step, the next batch) while the
-                # workers run the backward, and confirms it before its next message (`confirm`).
-                marks = [(c, c.last_id) for c in self.conns[0].session_conns]  # what is posted later may be dropped
+                # workers run the backward, and confirms it before its next message (`confirm`). What
+                # is posted later may be dropped.
+                marks = [(c, c.order.last_id) for c in self.conns[0].session_conns]
                 self._unconfirmed[call] = (record.sizes, marks, fences)
                 self.confirm_before_sending(True)
                 return None
@@ -596,7 +583,7 @@ class RemoteSpec:
                 self._collect(protocol.DONE, 0, call, sizes, f"backward of call {call}", fences)
             except BaseException:
                 for conn, mark in marks:
-                    conn.discard_carried(mark)
+                    conn.order.discard_carried(mark)
                 self.abandon(call)
                 raise
         if self.loss_grads.calls and not self._forwarding:
@@ -606,13 +593,8 @@ class RemoteSpec:
 
     def confirm_before_sending(self, wanted: bool) -> None:
         """Have `confirm` run before anything is sent to a worker of the session, or no longer
-        (`lightning_remote_mp.wire.transport.Connection.before_send`): only while a backward or a loss
-        gradient this spec sent is not known done."""
-        for c in self.conns[0].session_conns:
-            if wanted:
-                c.before_send[self.confirm] = None
-            else:
-                c.before_send.pop(self.confirm, None)
+        (`request_order.confirm_before_sending`)."""
+        request_order.confirm_before_sending((c.order for c in self.conns[0].session_conns), self.confirm, wanted)
 
     def grad_chunks(self, grad_y: tuple, flat: list[int]) -> list[tuple]:
         joins = self.joins_out or ["batch"] * len(grad_y)

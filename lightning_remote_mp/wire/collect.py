@@ -105,7 +105,7 @@ def _check_stall(conns: Sequence[Connection], progress: float, what: str, missin
             c, (held, request) = waiting[0]
             message = (
                 f"the pipeline stalled during {what}: {c.where()} holds back {held} micro-batch(es) until it has "
-                f"run the driver's request {request}{c.unanswered_note()}, which has not reached it (posted "
+                f"run the driver's request {request}{c.order.note()}, which has not reached it (posted "
                 "without waiting for the reply, and lost on the way?); every worker has been idle for over "
                 f"{limit:.0f} s with {missing} micro-batch result(s) missing."
             )
@@ -139,7 +139,7 @@ def _check_overdue(conns: Sequence[Connection], progress: float, what: str, miss
     message = (
         f"the pipeline made no progress during {what} for {waited:.0f} s (call_timeout={min(limits):g} s"
         f"{f' per micro-batch, {patience} of them' if patience > 1 else ''}), with "
-        f"{missing} micro-batch result(s) missing: {', '.join(c.where() + c.unanswered_note() for c in blamed)} "
+        f"{missing} micro-batch result(s) missing: {', '.join(c.where() + c.order.note() for c in blamed)} "
         f"{'is' if len(blamed) == 1 else 'are'} {state}. {OVERDUE_CAUSES}"
     )
     for c in busy:

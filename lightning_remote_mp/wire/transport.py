@@ -12,7 +12,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
-import secrets
 import subprocess
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -34,7 +33,7 @@ from lightning_remote_mp.errors import (
 from lightning_remote_mp.wire import protocol
 from lightning_remote_mp.wire.addresses import dial_name, endpoint_of, why_unreachable
 from lightning_remote_mp.wire.carry import Carried
-from lightning_remote_mp.wire.requests import SEAL_KEY_BYTES
+from lightning_remote_mp.wire.request_order import RequestOrder
 from lightning_remote_mp.wire.sockets import HANDSHAKE_EVENTS, Curve, dealer, handshake_failure, send_frames
 
 if TYPE_CHECKING:
@@ -98,20 +97,9 @@ class Connection:
         self._vague_failure: tuple[float, dict[str, Any]] | None = None
         self._heard = False
         self._unreachable: str | None = None  # why connecting failed ("": not known), until the worker is heard
-        #: The id of the last request this side has given out (sent, or held by `carry`).
-        self.last_id = 0
-        self._unanswered: dict[int, str] = {}  # posted requests whose reply has not been read: id -> what
+        #: The driver's requests to this worker in their order: ids, what is held, what is not known run.
+        self.order = RequestOrder(self._heard_ran)
         self._inbox: collections.deque[protocol.Message] = collections.deque()  # the rest of a bundle read
-        self._quiet_up_to = 0  # the id of the last request posted of `protocol.QUIET_KINDS`
-        # Quiet requests that travel along the pipeline (`carry`): not sent yet; and sent that way,
-        # not known to have run. Whatever is sent straight to the worker goes after both.
-        self._carried: list[Carried] = []
-        self._relayed: list[Carried] = []
-        self._linked: list[Connection] = []  # whose carried requests go when these go (`carry`)
-        #: This worker's key for the session (HELLO brings it there): seals the requests `carry` holds.
-        self.seal_key = secrets.token_bytes(SEAL_KEY_BYTES)
-        self._replied_up_to = 0  # the highest id an OK came for: everything before it has run
-        self._answered_through = 0  # the highest id a pipelined answer proved run (`ran_through`)
         self.closed = False
         self.lost_reason: str | None = None
         #: ZeroMQ messages sent to the worker and received from it on this connection (a bundle of
@@ -124,11 +112,6 @@ class Connection:
         #: The connections of this one's session (`DriverSession` sets it): where to look for a lost
         #: worker when a failure here may be its doing (`blame_the_lost`).
         self.session_conns: Sequence[Connection] = [self]
-        #: What runs before anything is sent to the worker or its replies are awaited (`send_all`,
-        #: `take_carried`, `settle`): the driver registers a confirmation there only while a backward it
-        #: sent without waiting is not known done (`lightning_remote_mp.driver.pipeline.RemoteSpec.confirm`),
-        #: so that nothing overtakes it; it removes it once done. Kept in order, as a dict's keys.
-        self.before_send: dict[Callable[[], None], None] = {}
 
     def where(self) -> str:
         return worker_location(self.address, self.stage, self.replica)
@@ -137,11 +120,9 @@ class Connection:
         """Where this worker is (address, stage, replica): the keyword arguments of the errors about it."""
         return {"address": self.address, "stage": self.stage, "replica": self.replica}
 
-    def _confirm_first(self) -> None:
-        """Confirm now what the driver sent without waiting and must know done (`before_send`):
-        before the driver acts on the assumption that it succeeded (steps its own layers, say)."""
-        for confirm in list(self.before_send):
-            confirm()
+    def _heard_ran(self) -> int:
+        """The id up to which this worker's heartbeat says it ran the driver's requests."""
+        return self.heartbeat.ran.get(self.address, 0) if self.heartbeat is not None else 0
 
     def send(self, kind: str, body: Any = None) -> int:
         return self.send_all(kind, [body])[0]
@@ -159,37 +140,32 @@ class Connection:
         ``compression``: how floating tensors travel (`wire.compression.COMPRESSIONS`). Returns the ids of
         ``bodies``.
 
-        Quiet requests `carry` holds, and those sent along the pipeline and not known to have run,
-        go before ``bodies`` (again, for the latter: the worker runs a request once, whichever way
-        it came first), so nothing sent straight to the worker overtakes them. ``lead``: messages
-        ``(kind, body)`` that go before everything but the worker's loss gradients, in the same
-        bundle, with no place in the order of requests (id 0): a `lightning_remote_mp.wire.carry.Carry`,
-        which the worker passes on before it runs its other quiet requests. ``link=False`` leaves the
-        workers linked to the held requests (`carry`) to the caller, which sends them theirs another
-        way first (`flush_linked`).
+        What `order` holds goes before ``bodies`` (`RequestOrder.ahead`), so nothing sent straight
+        to the worker overtakes it. ``lead``: messages ``(kind, body)`` that go before everything
+        but the worker's loss gradients, in the same bundle, with no place in the order of requests
+        (id 0): a `lightning_remote_mp.wire.carry.Carry`, which the worker passes on before it runs
+        its other quiet requests. ``link=False`` leaves the workers linked to the held requests
+        (`carry`) to the caller, which sends them theirs another way first (`flush_linked`).
         If a message cannot be encoded, nothing is sent, and nothing held is lost."""
-        self._confirm_first()
+        self.order.confirm_first()
         if self.lost_reason is not None:
             raise WorkerLostError(self.lost_reason, **self.located())
         if self.closed:
             raise WorkerLostError(f"{self.where()}: connection already closed", **self.located())
-        first_id, ran = self.last_id, self._known_ran()
-        held = [*(c for c in self._relayed if c.id > ran), *self._carried]
+        first_id = self.order.last_id
+        before, after = self.order.ahead()
         ids = []
-        # The lead goes after this worker's loss gradients (`LossGrad`): it passes the lead on only once
-        # it applied them, so that the stages beyond never step on gradients this one could not add.
-        cut = next((i + 1 for i in range(len(held) - 1, -1, -1) if held[i].request.KIND == protocol.LOSS_GRAD), 0)
         try:
-            encoded = [list(c.frames) for c in held[:cut]]  # encoded for this worker when posted (`carry`)
+            encoded = [list(c.frames) for c in before]  # encoded for this worker when posted (`carry`)
             encoded += [self._encode(k, body, req_id=0) for k, body in lead]
-            encoded += [list(c.frames) for c in held[cut:]]
+            encoded += [list(c.frames) for c in after]
             for body in bodies:
                 encoded.append(self._encode(kind, body, compression))
-                ids.append(self.last_id)
+                ids.append(self.order.last_id)
         except BaseException:
-            self.last_id = first_id  # nothing was sent: no id is used up, and what was held still is
+            self.order.last_id = first_id  # nothing was sent: no id is used up, and what was held still is
             raise
-        self._carried, self._relayed = [], []
+        self.order.sent_ahead()
         self.sent_requests += len(encoded) - len(lead)
         for bundle in protocol.encode_all(encoded, self.remote_limits or protocol.DEFAULT_LIMITS):
             self._send_frames(kind, bundle)
@@ -199,7 +175,7 @@ class Connection:
 
     def carry(self, request: Any, linked: Sequence[Connection] = ()) -> None:
         """Post ``request`` (of `protocol.CARRIED_KINDS`) to travel with the next call's micro-batches
-        along the pipeline (`take_carried`, `lightning_remote_mp.wire.carry.Carry`) instead of in a
+        along the pipeline (`RequestOrder.take_carried`, `lightning_remote_mp.wire.carry.Carry`) instead of in a
         message of its own; whatever is sent straight to the worker first sends it (`send_all`).
         Like `post`, a failure is raised by whichever later call reads the reply.
 
@@ -212,72 +188,26 @@ class Connection:
         slower (the driver then sends 6 messages per step where it sends 2). Alone (section 1j):
         7% at m=4 (4 messages per step without it), nothing at m=1; and a stage passes the
         stages beyond their step only once it applied its own loss gradient."""
-        req_id = self.last_id + 1
+        req_id = self.order.last_id + 1
         with self._naming_errors():
-            sealed = Carried.sealed(request, req_id, req_id - 1, self.session, self.seal_key, self.remote_limits)
-        self.last_id = req_id  # used up only once encoded: a request that cannot be leaves no gap
-        self._carried.append(sealed)
-        self._awaits(req_id, request.KIND)
-        self._linked.extend(c for c in linked if c is not self and c not in self._linked)
-
-    def take_carried(self) -> list[Carried]:
-        """The requests `carry` holds, for a `lightning_remote_mp.wire.carry.Carry`: from now on
-        they travel along the pipeline (until known to have run, `send_all` sends them again). The
-        caller sends the `Carry`, then calls `flush_linked`."""
-        self._confirm_first()
-        taken, self._carried = self._carried, []
-        self._relayed.extend(taken)
-        return taken
-
-    def discard_carried(self, after: int, relayed: bool = False) -> None:
-        """Forget the requests `carry` holds, unsent, whose ids come after ``after`` (a `last_id`):
-        those posted after a failure the driver learned of late (a backward it did not wait for),
-        which must not run. They are the last ids given out, so the next request takes the first of
-        them and the worker sees no gap. With ``relayed``, those sent along the pipeline after it
-        are not sent straight either: the worker skips their ids (it runs requests by rising id)."""
-        if relayed:
-            self._relayed = [c for c in self._relayed if c.id <= after]
-        dropped = [c for c in self._carried if c.id > after]
-        if dropped:
-            for c in dropped:
-                self._unanswered.pop(c.id, None)
-            self._carried = [c for c in self._carried if c.id <= after]
-            self.last_id = dropped[0].id - 1
-            self._quiet_up_to = min(self._quiet_up_to, self.last_id)
+            sealed = Carried.sealed(request, req_id, req_id - 1, self.session, self.order.seal_key, self.remote_limits)
+        self.order.hold(sealed, linked)  # an id is used up only once encoded: no gap
 
     def flush_linked(self) -> None:
         """Send straight what the workers linked to this one's requests (`carry`) still hold: a
         replica whose pipeline got no message this call, say."""
-        linked, self._linked = self._linked, []
-        for other in linked:
-            if other._carried:  # sent straight now: its pipeline got no message to carry them
+        for other in self.order.take_linked():
+            if other.order.holds:  # sent straight now: its pipeline got no message to carry them
                 other.send_all(protocol.SYNC, [])
-
-    def ran_through(self, req_id: int) -> None:
-        """The worker has run the driver's requests up to ``req_id``: a call's answer came through
-        the pipeline, and a micro-batch reaches a stage only once the requests its ``fence`` names
-        have run there (`lightning_remote_mp.driver.pipeline.RemoteSpec._fence`). So the requests
-        sent along the pipeline up to there are not sent again (`send_all`), and the quiet ones are
-        no longer waited for."""
-        if req_id > self._answered_through:
-            self._answered_through = req_id
-            self._ran_up_to(req_id + 1)
-
-    def _known_ran(self) -> int:
-        """The id up to which the worker has run the driver's requests, as far as this side knows."""
-        ran = max(self._replied_up_to, self._answered_through)
-        if self.heartbeat is not None:
-            ran = max(ran, self.heartbeat.ran.get(self.address, 0))
-        return ran
 
     def _encode(self, kind: str, body: Any, compression: str | None = None, *, req_id: int | None = None) -> list[Any]:
         """``body`` encoded as the next request (or as request ``req_id``, one already counted):
         a request id is used up only by a message that encodes, so the worker sees no gap."""
-        next_id = self.last_id + 1 if req_id is None else req_id
+        next_id = self.order.last_id + 1 if req_id is None else req_id
         with self._naming_errors():
             frames = protocol.encode(kind, next_id, self.session, body, self.remote_limits, compression)
         if req_id is None:
-            self.last_id = next_id
+            self.order.last_id = next_id
         return frames
 
     @contextlib.contextmanager
@@ -311,44 +241,15 @@ class Connection:
         is sent next sees its effect; a failure is raised by whichever later call reads the reply
         (or by `settle`). Requests of `protocol.QUIET_KINDS` are answered only when they fail: one
         counts as run once a later request's reply arrives, or the heartbeat says so."""
-        self._awaits(self.send(kind, body), kind)
-
-    def _awaits(self, req_id: int, kind: str) -> None:
-        """Request ``req_id`` (of ``kind``) went without waiting (`post`, `carry`): its reply is read
-        later, and a quiet one is answered only if it fails (`settle` asks)."""
-        self._unanswered[req_id] = kind
-        if kind in protocol.QUIET_KINDS:
-            self._quiet_up_to = req_id
-
-    @property
-    def unanswered_up_to(self) -> int:
-        """The id of the last posted request not known to have run, or 0: what a pipelined
-        message's ``fence`` names for this worker (`lightning_remote_mp.wire.messages`)."""
-        self._heartbeat_ran()
-        return next(reversed(self._unanswered), 0)  # ids only grow, and dicts keep their order
-
-    def _heartbeat_ran(self) -> None:
-        if self.heartbeat is not None and self._unanswered:
-            self._ran_up_to(self.heartbeat.ran.get(self.address, 0) + 1)
-
-    def _ran_up_to(self, req_id: int) -> None:
-        """The worker has run every request before ``req_id`` (it runs them in order): forget the
-        quiet ones among them, which no reply will name. A failure of one may still wait to be read
-        (the heartbeat answers on another socket): `read` raises it whenever it comes, and `settle`
-        sends a SYNC that comes after it."""
-        while self._unanswered:
-            first = next(iter(self._unanswered))
-            if first >= req_id or self._unanswered[first] not in protocol.QUIET_KINDS:
-                return
-            del self._unanswered[first]
+        self.order.awaits(self.send(kind, body), kind)
 
     def settle(self, timeout: float | None = None, what: str = "") -> None:
         """Wait until every posted request has been answered (before ``what``); raise the first failure."""
-        self._confirm_first()
+        self.order.confirm_first()
         start = time.monotonic()
-        if self._quiet_up_to > self._replied_up_to:
+        if self.order.needs_sync:
             self.post(protocol.SYNC)  # answered after the quiet requests before it have run (or failed)
-        while self._unanswered:
+        while self.order.unanswered:
             if self.readable(POLL_SLICE_MS):
                 self.read()
             else:
@@ -367,12 +268,7 @@ class Connection:
         self._heard = True
         if self.heartbeat is not None:
             self.heartbeat.touch(self.address)
-        posted = self._unanswered.pop(msg.id, None) if msg.id else None
-        if msg.id and msg.kind == protocol.OK:  # an ERROR may be a refusal, answered before the queue ran
-            self._replied_up_to = max(self._replied_up_to, msg.id)
-            self._ran_up_to(msg.id)
-        if msg.kind == protocol.ERROR and isinstance(msg.body, dict) and msg.body.get("posted") in protocol.QUIET_KINDS:
-            posted = msg.body["posted"]  # a quiet request failed (maybe counted as run already, by the heartbeat)
+        posted = self.order.answered(msg)
         if posted is None:
             return msg
         if msg.kind == protocol.ERROR:
@@ -458,14 +354,7 @@ class Connection:
         raise AuthenticationError(self.lost_reason, **self.located())
 
     def _doing(self, what: str) -> str:
-        return (f" during {what}" if what else "") + self.unanswered_note()
-
-    def unanswered_note(self) -> str:
-        """`` (optim_step still unanswered)``: what this worker was asked and has not answered, or ``""``."""
-        self._heartbeat_ran()
-        if not self._unanswered:
-            return ""
-        return f" ({', '.join(dict.fromkeys(self._unanswered.values()))} still unanswered)"
+        return (f" during {what}" if what else "") + self.order.note()
 
     def _check_alive(self, start: float, timeout: float | None, what: str) -> None:
         """Raise `WorkerLostError` if the worker is gone, or the call begun at ``start`` went on too long."""
