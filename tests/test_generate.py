@@ -132,9 +132,9 @@ class WritesInTraining(Writes):
 
 
 def test_generation_is_traced_in_the_mode_it_runs_in(pool, monkeypatch):
-    """``generate()``'s steps are exported in the one mode they run in (eval in validation, train in
-    ``training_step``), not in both as a training call is: each writes what the model writes in one
-    process, and the two modes' steps are traced apart."""
+    """``generate()``'s steps, like every call, are exported in the one mode they run in (eval in
+    validation, train in ``training_step``): each writes what the model writes in one process, and
+    the two modes' steps are traced apart."""
     from lightning_remote_mp.model import calls
 
     modes = []
@@ -154,8 +154,8 @@ def test_generation_is_traced_in_the_mode_it_runs_in(pool, monkeypatch):
     trainer(strategy, 1, **options).fit(remote, H.padded_data(), H.padded_data(n=4, seed=1))
     assert_same_writing(local.written, remote.written)
     # prefill and decode in train mode (the prefill is the first call: placed first), the training
-    # call in both modes, then validation's prefill and decode in eval mode
-    assert modes == [("train",), ("train",), ("train", "eval"), ("eval",), ("eval",)], modes
+    # call in train mode, then validation's call, prefill and decode in eval mode
+    assert modes == [("train",), ("train",), ("train",), ("eval",), ("eval",), ("eval",)], modes
 
 
 def test_generate_with_a_transformers_whose_cache_preparation_changed_is_refused_naming_it(pool):

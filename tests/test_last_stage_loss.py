@@ -70,10 +70,14 @@ class _Traffic(L.Callback):
         self._count(trainer)
 
     def _count(self, trainer) -> None:
-        remote = trainer.strategy.session.placements[self.key].remote
-        self.results, self.fetched = remote.result_bytes, remote.fetched_bytes
-        self.computed, self.declined = remote.losses.computed, list(remote.losses.declined)
-        self.programs, self.records = len(remote.losses._programs), dict(remote.losses._records)
+        # The module's first placement and its views (the other modes and ways it is called in).
+        placed = trainer.strategy.session.placements[self.key]
+        remotes = [placed.remote, *placed.views]
+        self.results, self.fetched = sum(r.result_bytes for r in remotes), sum(r.fetched_bytes for r in remotes)
+        self.computed = sum(r.losses.computed for r in remotes)
+        self.declined = [why for r in remotes for why in r.losses.declined]
+        self.programs = sum(len(r.losses._programs) for r in remotes)
+        self.records = {k: v for r in remotes for k, v in r.losses._records.items()}
 
 
 def _fit(model, strategy=None, callbacks=(), epochs: int = 2):

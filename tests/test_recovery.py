@@ -433,7 +433,8 @@ def test_a_recovery_traces_nothing_again(tmp_path, monkeypatch):
     L_trainer[:] = [t]
     t.fit(model, data, validation)
     assert kill.at is not None, "the worker was never killed"
-    assert len(traced) - before == before == 3, traced  # training, prefill, decode: once each, before the loss
+    # the training call (train mode), validation's (eval), prefill, decode: once each, before the loss
+    assert len(traced) - before == before == 4, traced
     assert model.losses[-2:] == ref.losses[-2:]
     assert_same_writing(ref.written[-1:], model.written[-1:])
 

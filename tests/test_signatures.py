@@ -94,4 +94,4 @@ def test_a_fifth_way_of_calling_is_refused_naming_the_argument_that_differs(pool
         trainer.validate(Calls(llama()), padded_data(n=40, batch=8))
     message = str(refused.value)
     assert "module 'model' was traced at its first call; this call passes no 'attention_mask'" in message, message
-    assert "already called in 4 ways" in message, message
+    assert "already has 4 programs" in message, message

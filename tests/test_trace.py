@@ -80,6 +80,46 @@ def test_cnn_with_batchnorm_and_downsampling_blocks_follows_train_and_eval_switc
     assert_same_losses(local.val_losses, remote.val_losses, TOL)
 
 
+def test_a_first_training_call_traces_train_mode_alone_and_validation_then_eval(twin, pool, monkeypatch):
+    """A call exports the modes it runs in (issue #60): ``fit`` without a sanity check exports the
+    training program alone at its first step, and the first validation the eval program, placed
+    over the same stages and tensors (BatchNorm's count of batches, which only training reads,
+    included); the run trains and validates as locally."""
+    from lightning_remote_mp.model import calls
+
+    modes = []
+    trace = calls.trace_module
+
+    def recording(module, args, kwargs, name, **kw):
+        modes.append(kw["modes"])
+        return trace(module, args, kwargs, name, **kw)
+
+    monkeypatch.setattr(calls, "trace_module", recording)
+    local, remote = remote_equals_local(
+        lambda: Trained(ResNet(), optimizer="Adam", lr=0.01),
+        image_data,
+        twin,
+        RemoteModelParallelStrategy(hosts=pool[:2], split=["model"]),
+        num_sanity_val_steps=0,
+    )
+    assert modes == [("train",), ("eval",)], modes
+    assert len(remote.val_losses) == 2 * 3  # validated every epoch
+    assert int(remote.model.layer1[0].bn1.num_batches_tracked) == 2 * 3  # 2 epochs of 3 batches
+
+
+def test_local_workers_that_cannot_start_fail_the_first_call_naming_the_worker():
+    """Local workers start while the module traces, and are greeted when its units are placed: one
+    that cannot start (a device this machine lacks) fails the first call with its own words, and
+    the run leaves no process behind."""
+    from lightning_remote_mp.errors import WorkerStartError
+
+    strategy = RemoteModelParallelStrategy(split=["model"], local_workers={"devices": ["cpu", "cuda:9"]})
+    with pytest.raises(WorkerStartError, match="local lrmp-worker 1 .* exited with code") as failed:
+        fit(Trained(ResNet()), image_data, strategy, epochs=1, num_sanity_val_steps=0)
+    assert "cuda" in str(failed.value), failed.value  # the worker's own words
+    assert strategy._starting is None and strategy._workers is None
+
+
 def _gpt2(transformers):
     config = transformers.GPT2Config(
         n_layer=2, n_embd=32, n_head=2, n_positions=16, vocab_size=32, use_cache=False, tie_word_embeddings=False,

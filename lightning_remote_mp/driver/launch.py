@@ -163,6 +163,12 @@ class LocalWorkers:
         self.addresses: list[str] = []
 
     def start(self, timeout: float = 120.0) -> list[str]:
+        """Start the workers and wait until each serves: their addresses."""
+        self.launch()
+        return self.wait_ready(timeout)
+
+    def launch(self) -> None:
+        """Start the worker processes; `wait_ready` waits until they serve, while this process goes on."""
         env = dict(os.environ)
         # Let the workers import what this process can (the user's layer modules, for example).
         env["PYTHONPATH"] = os.pathsep.join(p for p in [os.getcwd(), *sys.path] if p)
@@ -177,6 +183,9 @@ class LocalWorkers:
             )
             self.procs.append(proc)
             self.outputs.append(WorkerOutput(proc, i))
+
+    def wait_ready(self, timeout: float = 120.0) -> list[str]:
+        """The addresses of the workers `launch` started, once each serves (all stopped if one fails)."""
         try:
             deadline = time.monotonic() + timeout
             self.addresses = [out.wait_ready(deadline) for out in self.outputs]

@@ -67,10 +67,12 @@ class Workers:
         keys: KeyPair | None,
         limits: protocol.Limits,
         allow_modules: Sequence[str],
-    ) -> Workers:
+    ) -> Starting:
         """Start ``options.count`` local workers in ``replicas`` rows; with the driver's ``keys``, each
         gets a fresh key pair and accepts only this driver's key. ``limits``: what the driver
-        accepts, and so what they accept too; ``allow_modules``: what they may build beyond the defaults."""
+        accepts, and so what they accept too; ``allow_modules``: what they may build beyond the
+        defaults. The processes start now; `Starting.ready` waits until they serve, so that the
+        driver can go on meanwhile (trace a module, say)."""
         keys_dir: str | None = None
         local: LocalWorkers | None = None
         try:
@@ -97,12 +99,11 @@ class Workers:
                 authorized_keys=authorized,
                 extra_args=extra,
             )
-            addresses = local.start()
+            local.launch()
         except BaseException:
             _remove(local, keys_dir)
             raise
-        by_address = dict(zip(addresses, worker_keys)) if worker_keys is not None else None
-        return cls(Topology.in_rows(addresses, replicas), by_address, local, keys_dir)
+        return Starting(local, replicas, worker_keys, keys_dir)
 
     def stop(self) -> None:
         """Stop the local workers and remove their keys (nothing for the hosts given)."""
@@ -117,3 +118,26 @@ def _remove(local: LocalWorkers | None, keys_dir: str | None) -> None:
     finally:
         if keys_dir is not None:
             shutil.rmtree(keys_dir, ignore_errors=True)
+
+
+class Starting:
+    """Local workers whose processes started (`Workers.start`) and may not serve yet."""
+
+    def __init__(
+        self, local: LocalWorkers, replicas: int, worker_keys: list[bytes] | None, keys_dir: str | None
+    ) -> None:
+        self.local, self.replicas, self.worker_keys, self.keys_dir = local, replicas, worker_keys, keys_dir
+
+    def ready(self) -> Workers:
+        """The workers, once each serves; if one cannot, all are stopped and their keys removed."""
+        try:
+            addresses = self.local.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        by_address = dict(zip(addresses, self.worker_keys)) if self.worker_keys is not None else None
+        return Workers(Topology.in_rows(addresses, self.replicas), by_address, self.local, self.keys_dir)
+
+    def stop(self) -> None:
+        """Stop the processes and remove their keys (a run that ends before it needs them)."""
+        _remove(self.local, self.keys_dir)

@@ -48,7 +48,7 @@ from lightning_remote_mp.driver.pipeline import check_checkpoint_mode
 from lightning_remote_mp.driver.placement import WeightSources, mark_placed, mark_trained_elsewhere
 from lightning_remote_mp.driver.preflight import allow_modules_for, checked_for_workers, checked_traced
 from lightning_remote_mp.driver.session import DriverSession
-from lightning_remote_mp.driver.workers import Workers, load_keys
+from lightning_remote_mp.driver.workers import Starting, Workers, load_keys
 from lightning_remote_mp.errors import ConfigurationError, LrmpError, WeightsError
 from lightning_remote_mp.flow import SplitBackward
 from lightning_remote_mp.lightning import intercept
@@ -299,6 +299,7 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
         self._traced: list[TracedForward] = []
         self._device_given = device is not None
         self._workers: Workers | None = None  # between setup and teardown
+        self._starting: Starting | None = None  # local workers started at setup, until the first placement
         self._session: DriverSession | None = None
         self._resume: ShardedCheckpoint | None = None  # a sharded checkpoint being loaded
         self._loaded: dict[str, dict[str, torch.Tensor]] = {}  # a full checkpoint's values for meta modules
@@ -346,7 +347,35 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
     @property
     def session(self) -> DriverSession | None:
         """The live session with the workers (between setup and teardown)."""
+        return self._connected()
+
+    def _connected(self) -> DriverSession | None:
+        """The session, begun now with the local workers started at setup if it has not begun (`_connect`)."""
+        if self._session is None and self._starting is not None:
+            starting, self._starting = self._starting, None
+            self._workers = starting.ready()
+            self._connect()
         return self._session
+
+    def _connect(self) -> None:
+        """Begin the session with ``self._workers``."""
+        assert self._workers is not None
+        keys, _ = self._keys(self.topology)
+        self._session = DriverSession(
+            self._workers.topology,
+            heartbeat_timeout=self.heartbeat_timeout,
+            connect_timeout=self.connect_timeout,
+            call_timeout=self.call_timeout,
+            processes=self._workers.processes,
+            store_host=self.store_host,
+            keys=keys,
+            worker_keys=self._workers.worker_keys,
+            limits=self.limits,
+            allow_plaintext_allreduce=self.curve is not None and self.curve.allow_plaintext_allreduce,
+            listen=self.listen,
+        )
+        if self._fit_recovery is not None:
+            self._fit_recovery.losses.placed()
 
     # --- Lightning hooks ---------------------------------------------------------------
     @property
@@ -388,25 +417,13 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
             keys, worker_keys = self._keys(self.topology)
             if self.topology is not None:
                 self._workers = Workers(self.topology, worker_keys)
+                self._connect()
             else:
                 assert self.local_workers is not None
                 allow = allow_modules_for(modules, self.optimizers)
-                self._workers = Workers.start(self.local_workers, self.replicas, keys, self.limits, allow)
-            self._session = DriverSession(
-                self._workers.topology,
-                heartbeat_timeout=self.heartbeat_timeout,
-                connect_timeout=self.connect_timeout,
-                call_timeout=self.call_timeout,
-                processes=self._workers.processes,
-                store_host=self.store_host,
-                keys=keys,
-                worker_keys=self._workers.worker_keys,
-                limits=self.limits,
-                allow_plaintext_allreduce=self.curve is not None and self.curve.allow_plaintext_allreduce,
-                listen=self.listen,
-            )
-            if self._fit_recovery is not None:
-                self._fit_recovery.losses.placed()
+                self._starting = Workers.start(self.local_workers, self.replicas, keys, self.limits, allow)
+                if modules:  # placed now; a traced module is placed at its first call, after its trace
+                    self._connected()
             for key, module in modules.items():
                 self._place(key, module, balances[key], fitting, checked=checks[key])
             for key, sub in traced.items():
@@ -473,7 +490,7 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
     def _place_traced(self, key: str, balance: Any, fitting: bool, module: TracedSequential, view: str = "") -> None:
         """Ship a module traced at its first call; its optimizers are mirrored from then on. A ``view``:
         another call signature's units, placed as that key on the stages and tensors of ``key``'s."""
-        session = self._session
+        session = self._connected()
         if session is None:
             raise LrmpError(f"module {key!r} was first called outside a session with the workers")
         split = self.microbatches > 1 or self.replicas > 1
@@ -632,8 +649,11 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
                     session.close()
         finally:
             workers, self._workers = self._workers, None
+            starting, self._starting = self._starting, None
             if workers is not None:
                 workers.stop()
+            if starting is not None:
+                starting.stop()
 
     # --- recovery (lightning/recovery.py: the launcher, the batches; driver/recovery.py: the places) ---
     def _configure_launcher(self) -> None:

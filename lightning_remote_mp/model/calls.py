@@ -4,8 +4,13 @@
 (`lightning_remote_mp.model.trace.trace_module`) and places the units on the workers; every later
 call maps its arguments to the pipeline's inputs and the outputs back
 (`lightning_remote_mp.model.traced.Interface`). A call with other arguments (``labels=`` in
-training, none in validation) is another program: traced at its first such call and placed on the
-stages and tensors of the first, up to `SIGNATURES` ways of calling the module in one run.
+training, none in validation), or in a mode not traced yet, is another program: traced at its first
+such call and placed on the stages and tensors of the first, up to `SIGNATURES` programs of the
+module in one run. An export costs seconds, so a first call in train mode (``fit``'s first step
+without a sanity check) is traced in train mode alone, and the eval program at the first call in
+eval mode: it reads a part of the train program's tensors, so it runs over the same stages. A first
+call in eval mode is traced in both modes: a train program reads tensors an eval program does not
+(BatchNorm's count of batches), which the stages placed then must hold (issue #60).
 """
 
 from __future__ import annotations
@@ -23,13 +28,30 @@ from torch.utils import _pytree as pytree
 
 from lightning_remote_mp.errors import TraceError
 from lightning_remote_mp.model.generation import GenerateHooks, generation_forward, step_cache, step_inputs, step_output
-from lightning_remote_mp.model.trace import trace_module
+from lightning_remote_mp.model.trace import MODES, trace_module
 from lightning_remote_mp.model.traced import Interface, TracedSequential, as_tuple, call_difference
 
 log = logging.getLogger(__name__)
 
-#: The most ways a traced module may be called in one run (sets of arguments, `TracedForward._signature`).
+#: The most programs a traced module may have in one run (ways of calling it, each in the modes it
+#: runs in: `TracedForward._signature`).
 SIGNATURES = 4
+
+
+def _modes(module: nn.Module) -> tuple[str, ...]:
+    """The modes a call of ``module`` runs its units in: ``("train",)``, ``("eval",)``, or both where
+    its submodules' modes differ (a frozen BatchNorm's eval in a model that trains)."""
+    flags = {m.training for m in module.modules()}
+    return tuple(mode for mode, flag in (("train", True), ("eval", False)) if flag in flags)
+
+
+def _runs_as(traced: TracedSequential, args: tuple, kwargs: dict, modes: tuple[str, ...]) -> dict | None:
+    """``kwargs`` in ``traced``'s order if ``traced`` runs this call (its arguments, in these
+    ``modes``), else ``None``."""
+    if not set(modes) <= set(getattr(traced, "trace_modes", modes)):
+        return None
+    ordered = _in_order(kwargs, traced.interface.in_spec)  # type: ignore[attr-defined]
+    return ordered if traced.interface.in_spec == pytree.tree_structure((args, ordered)) else None  # type: ignore[attr-defined]
 
 
 class TracedForward:
@@ -83,43 +105,46 @@ class TracedForward:
         log.info("module %r: using its trace from an earlier run", self.name)
         return first
 
-    def _trace(self, args: tuple, kwargs: dict) -> TracedSequential:
+    def _trace(self, args: tuple, kwargs: dict, modes: tuple[str, ...]) -> TracedSequential:
         self.detach(hooks=False)  # torch.export calls the module's own forward
         try:
-            return trace_module(self.module, args, kwargs, self.name)
+            return trace_module(self.module, args, kwargs, self.name, modes=modes, like=self.traced)
         finally:
             self.module.forward = self  # type: ignore[method-assign]
 
-    def _signature(self, args: tuple, kwargs: dict) -> tuple[TracedSequential, dict]:
+    def _signature(self, args: tuple, kwargs: dict, modes: tuple[str, ...]) -> tuple[TracedSequential, dict]:
         """The trace of another way of calling the module (``labels=`` in training, none in
-        validation), and ``kwargs`` in its order: traced at its first call and placed on the stages
-        and tensors of the first call's trace, which it trains; up to `SIGNATURES` ways in all."""
+        validation) or of the same in another mode, and ``kwargs`` in its order: traced at its first
+        call and placed on the stages and tensors of the first call's trace, which it trains; up to
+        `SIGNATURES` programs in all."""
         for traced in self.signatures:
-            ordered = _in_order(kwargs, traced.interface.in_spec)  # type: ignore[attr-defined]
-            if traced.interface.in_spec == pytree.tree_structure((args, ordered)):  # type: ignore[attr-defined]
+            if (ordered := _runs_as(traced, args, kwargs, modes)) is not None:
                 return traced, ordered
         spec = pytree.tree_structure((args, kwargs))
         first: Any = self.traced
         kept = self._kept()
         for traced in kept.signatures if kept.first is first else ():
-            ordered = _in_order(kwargs, traced.interface.in_spec)  # type: ignore[attr-defined]
-            if traced.interface.in_spec == pytree.tree_structure((args, ordered)):  # type: ignore[attr-defined]
+            if (ordered := _runs_as(traced, args, kwargs, modes)) is not None:
                 log.info("module %r: using its trace of this call from an earlier run", self.name)
                 self._place(traced, args, ordered, f"{self.name}@{len(self.signatures) + 2}")
                 self.signatures.append(traced)
                 return traced, ordered
-        differs = (
-            f"module {self.name!r} was traced at its first call; this call "
-            f"{call_difference(first.interface.in_spec, spec)}"
-        )
+        if first.interface.in_spec == spec:  # type: ignore[attr-defined]
+            differs = f"module {self.name!r} was traced at its first call in {' and '.join(first.trace_modes)} mode"
+        else:
+            differs = (
+                f"module {self.name!r} was traced at its first call; this call "
+                f"{call_difference(first.interface.in_spec, spec)}"
+            )
         if len(self.signatures) + 1 >= SIGNATURES:
             raise TraceError(
-                f"{differs}, and it is already called in {SIGNATURES} ways, each a program of its own on the "
-                f"workers (at most {SIGNATURES}): call it in fewer ways (the same arguments at every call)"
+                f"{differs}, and it already has {SIGNATURES} programs (a way of calling it, in the modes it runs "
+                f"in), each a program of its own on the workers (at most {SIGNATURES}): call it in fewer ways "
+                "(the same arguments at every call)"
             )
         with torch.inference_mode(False):
             args, kwargs = pytree.tree_map_only(torch.Tensor, _plain, (args, kwargs))
-            traced = self._trace(args, kwargs)
+            traced = self._trace(args, kwargs, modes)
             if not _shares(traced, first):
                 raise TraceError(
                     f"{differs}; called this way it is cut into other units "
@@ -228,19 +253,25 @@ class TracedForward:
         if cache is not None:
             return self._step(args, kwargs, cache)
         kwargs = _without_cache(self.module, kwargs)
+        modes = _modes(self.module)
         if self.traced is None:
             with torch.inference_mode(False):
                 args, kwargs = pytree.tree_map_only(torch.Tensor, _plain, (args, kwargs))
                 traced = self._earlier_trace(args, kwargs)
                 if traced is None:
-                    traced = self._trace(args, kwargs)
+                    # A training call alone: its program alone, the first validation's traced then (an
+                    # eval program reads a part of a train program's tensors: placed over the same). A
+                    # first call in eval mode is traced in train mode too: a train program reads tensors
+                    # (BatchNorm's count of batches) an eval program does not, which its stages must hold.
+                    traced = self._trace(args, kwargs, modes if modes == ("train",) else MODES)
                     vars(self.module)["_lrmp_trace"] = Traces(_weights_key(self.module), traced)
                 self._place(traced, args, kwargs)
                 self.traced = traced
         traced = self.traced
-        kwargs = _in_order(kwargs, traced.interface.in_spec)  # type: ignore[attr-defined]
-        if traced.interface.in_spec != pytree.tree_structure((args, kwargs)):  # type: ignore[attr-defined]
-            traced, kwargs = self._signature(args, kwargs)
+        ordered = _runs_as(traced, args, kwargs, modes)
+        if ordered is None:
+            traced, ordered = self._signature(args, kwargs, modes)
+        kwargs = ordered
         interface: Interface = traced.interface  # type: ignore[attr-defined]
         inputs = interface.inputs(args, kwargs)
         if traced.remote is None:
@@ -256,13 +287,16 @@ def _in_order(kwargs: dict[str, Any], spec: Any) -> dict[str, Any]:
 
 
 def _shares(traced: TracedSequential, first: TracedSequential) -> bool:
-    """Whether ``traced`` can run on the stages placed for ``first``: the same units, holding the
-    same tensors under the same names (a constant the trace made must have the same value)."""
-    if [e.name for e in traced.entries] != [e.name for e in first.entries] or traced.state_names != first.state_names:
+    """Whether ``traced`` can run on the stages placed for ``first``: the same units, each holding
+    tensors of its unit in ``first`` under the same names (an eval program reads a part of a train
+    program's: not BatchNorm's count of batches), and a constant the trace made of the same value."""
+    if [e.name for e in traced.entries] != [e.name for e in first.entries]:
+        return False
+    if not traced.state_names.items() <= first.state_names.items():
         return False
     for mine, theirs in zip(traced.layers, first.layers):
         a, b = mine.state_dict(keep_vars=True), theirs.state_dict(keep_vars=True)
-        if a.keys() != b.keys():
+        if not a.keys() <= b.keys():
             return False
         for name, t in a.items():
             u = b[name]

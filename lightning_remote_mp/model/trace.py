@@ -315,23 +315,36 @@ MODES = ("train", "eval")
 
 
 def trace_module(
-    module: nn.Module, args: tuple, kwargs: dict, name: str, modes: tuple[str, ...] = MODES
+    module: nn.Module,
+    args: tuple,
+    kwargs: dict,
+    name: str,
+    modes: tuple[str, ...] = MODES,
+    like: TracedSequential | None = None,
 ) -> TracedSequential:
     """Trace ``module`` called with ``args`` and ``kwargs`` in each of ``modes`` (train and eval, or
-    the one a call runs in: a step of ``generate()``) and cut it into units (see the module
-    docstring): a deep model's repeated blocks at four of them (`lightning_remote_mp.model.repeats`)
-    where they trace alike, else whole."""
+    the ones a call runs in) and cut it into units (see the module docstring): a deep model's
+    repeated blocks at four of them (`lightning_remote_mp.model.repeats`) where they trace alike,
+    else whole. ``like``: a trace of the same module in other modes, whose stages this one is to run
+    on: units that share a buffer some step of either writes are kept together as there. The trace
+    says its modes (``.trace_modes``)."""
     runs = repeats.find_runs(module)
     if runs:
         try:
-            return _trace(module, args, kwargs, name, runs, modes)
+            return _trace(module, args, kwargs, name, runs, modes, like)
         except (repeats.NotAlike, TraceError) as why:
             log.info("module %r: its repeated blocks are traced one by one: %s", name, why)
-    return _trace(module, args, kwargs, name, [], modes)
+    return _trace(module, args, kwargs, name, [], modes, like)
 
 
 def _trace(
-    module: nn.Module, args: tuple, kwargs: dict, name: str, runs: list[repeats.Run], modes: tuple[str, ...]
+    module: nn.Module,
+    args: tuple,
+    kwargs: dict,
+    name: str,
+    runs: list[repeats.Run],
+    modes: tuple[str, ...],
+    like: TracedSequential | None,
 ) -> TracedSequential:
     with _traced_on_meta(module), stand_ins(module, name) as four_bit, checkpointed_regions(module, name) as regions:
         with repeats.shallow(runs):
@@ -344,7 +357,7 @@ def _trace(
     by_mode = {mode: _runs(gm, module) for mode, gm in graphs.items()}  # one mode: aligned with itself
     owners, *aligned = _align(by_mode[modes[0]], by_mode[modes[-1]], name)
     attrs = [_attrs(t) | _attrs(e) for t, e in zip(*aligned)]
-    mutated = _mutated([n for gm in graphs.values() for n in gm.graph.nodes])
+    mutated = _mutated([n for gm in graphs.values() for n in gm.graph.nodes]) | getattr(like, "mutated", frozenset())
     groups = _merge_mutated(attrs, mutated)
     unit_nodes = {mode: [[n for i in g for n in runs[i]] for g in groups] for mode, runs in zip(modes, aligned)}
     programs: list[dict[str, Any]] = [{} for _ in groups]
@@ -400,7 +413,9 @@ def _trace(
         pieces = repeats.with_copies(pieces, runs, boundaries)
         regions |= repeats.copied_paths(regions, runs)
         log.debug("module %r: %s", name, "; ".join(run.describe() for run in runs))
-    return _traced(module, name, graphs, pieces, four_bit, regions, interfaces, counts, args, kwargs)
+    traced = _traced(module, name, graphs, pieces, four_bit, regions, interfaces, counts, args, kwargs)
+    traced.trace_modes, traced.mutated = modes, frozenset(mutated)  # type: ignore[attr-defined]
+    return traced
 
 
 def _traced(
