@@ -136,6 +136,7 @@ class WorkerLinks:
             self.workers = self._hello(connect_timeout)
             for c in self.conns:
                 c.heartbeat = self.heartbeat
+                c.order.heard = self.heartbeat.ran
         except BaseException:
             WorkerLinks.close(self)  # what a subclass adds is not set up yet
             raise

@@ -358,7 +358,7 @@ class RemoteSpec:
 
     def _fence(self, replica: int) -> dict[int, int]:
         """What a micro-batch of ``replica`` must not overtake (`request_order.fence`)."""
-        return request_order.fence((rs.stage.index, rs.conn.order) for rs in self.replicas[replica])
+        return request_order.fence([(rs.stage.index, rs.conn.order) for rs in self.replicas[replica]])
 
     def carry_toward(self, replica: int, call: int, toward: int) -> list[tuple[str, Any]]:
         """The quiet requests that wait for the stages of ``replica`` beyond its first ``toward``
@@ -594,7 +594,7 @@ class RemoteSpec:
     def confirm_before_sending(self, wanted: bool) -> None:
         """Have `confirm` run before anything is sent to a worker of the session, or no longer
         (`request_order.confirm_before_sending`)."""
-        request_order.confirm_before_sending((c.order for c in self.conns[0].session_conns), self.confirm, wanted)
+        request_order.confirm_before_sending([c.order for c in self.conns[0].session_conns], self.confirm, wanted)
 
     def grad_chunks(self, grad_y: tuple, flat: list[int]) -> list[tuple]:
         joins = self.joins_out or ["batch"] * len(grad_y)

@@ -18,7 +18,7 @@ connection itself only sends and receives. It keeps:
   gradient it posted, must be known done before anything else is sent (`RequestOrder.before_send`,
   `confirm_before_sending`).
 
->>> order = RequestOrder(heard_ran=lambda: 0)
+>>> order = RequestOrder("tcp://127.0.0.1:5555")
 >>> order.next_id(), order.last_id
 (1, 1)
 >>> order.awaits(1, "zero_grad"); order.unanswered_up_to
@@ -30,7 +30,7 @@ connection itself only sends and receives. It keeps:
 from __future__ import annotations
 
 import secrets
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from lightning_remote_mp.flow import DRIVER
@@ -43,11 +43,14 @@ class RequestOrder:
     """The order of the driver's requests to one worker, as far as the driver knows it (see the module).
 
     Args:
-        heard_ran: the id up to which the worker's heartbeat says it ran the driver's requests (0: none heard).
+        address: the worker's address, by which its heartbeat's answers say how far it ran (`heard`).
     """
 
-    def __init__(self, heard_ran: Callable[[], int]) -> None:
-        self._heard_ran = heard_ran
+    def __init__(self, address: str) -> None:
+        self._address = address
+        #: What the heartbeat heard (`lightning_remote_mp.wire.heartbeat.Heartbeat.ran`): by address,
+        #: the id up to which each worker ran the driver's requests.
+        self.heard: Mapping[str, int] = {}
         #: The id of the last request this side has given out (sent, or held by `hold`).
         self.last_id = 0
         #: Posted requests whose reply has not been read: id -> kind (in the order of their ids).
@@ -63,6 +66,7 @@ class RequestOrder:
         self.seal_key = secrets.token_bytes(SEAL_KEY_BYTES)
         self._replied_up_to = 0  # the highest id an OK came for: everything before it has run
         self._answered_through = 0  # the highest id a pipelined answer proved run (`ran_through`)
+        self._taken: tuple[list[Carried], list[Carried]] = ([], [])  # what `take_ahead` took, for `put_back`
         #: What runs before anything is sent to the worker or its replies are awaited: the driver
         #: registers a confirmation here only while a backward it sent without waiting is not known
         #: done (`confirm_before_sending`), so that nothing overtakes it; it removes it once done.
@@ -98,24 +102,30 @@ class RequestOrder:
         self.awaits(sealed.id, sealed.request.KIND)
         self.linked.extend(c for c in linked if c.order is not self and c not in self.linked)
 
-    def ahead(self) -> tuple[list[Carried], list[Carried]]:
-        """What goes before the next message sent straight to the worker, split where a lead (a
-        `Carry` for the stages beyond) goes: after this worker's loss gradients (`LossGrad`), as it
-        passes the lead on only once it applied them, so that the stages beyond never step on
-        gradients this one could not add. Held requests, and those sent along the pipeline and
-        not known to have run (the worker runs a request once, whichever way it came first)."""
+    def take_ahead(self) -> tuple[list[Carried], list[Carried]]:
+        """Before the next message sent straight to the worker: confirm what must be known done
+        first (`confirm_first`), and take what goes before it (`put_back` returns it if the message
+        is not sent), split where a lead (a `Carry` for the stages beyond) goes: after this worker's
+        loss gradients (`LossGrad`), as it passes the lead on only once it applied them, so that the
+        stages beyond never step on gradients this one could not add. Held requests, and those sent
+        along the pipeline and not known to have run (the worker runs a request once, whichever way
+        it came first)."""
+        self.confirm_first()
         ran = self.known_ran()
         held = [*(c for c in self._relayed if c.id > ran), *self._carried]
+        self._taken, self._carried, self._relayed = (self._carried, self._relayed), [], []
         cut = next((i + 1 for i in range(len(held) - 1, -1, -1) if held[i].request.KIND == protocol.LOSS_GRAD), 0)
         return held[:cut], held[cut:]
 
-    def sent_ahead(self) -> None:
-        """What `ahead` gave went straight to the worker."""
-        self._carried, self._relayed = [], []
+    def put_back(self, last_id: int) -> None:
+        """The message `take_ahead` was for was not sent: what it took is held again, and the ids
+        given out since ``last_id`` are not used up."""
+        self._carried, self._relayed = self._taken
+        self.last_id = last_id
 
     def take_carried(self) -> list[Carried]:
         """The held requests, for a `Carry`: from now on they travel along the pipeline (until
-        known to have run, `ahead` sends them again)."""
+        known to have run, `take_ahead` sends them again)."""
         self.confirm_first()
         taken, self._carried = self._carried, []
         self._relayed.extend(taken)
@@ -149,7 +159,7 @@ class RequestOrder:
     # --- what the worker is known to have run -----------------------------------------------------
     def known_ran(self) -> int:
         """The id up to which the worker has run the driver's requests, as far as this side knows."""
-        return max(self._replied_up_to, self._answered_through, self._heard_ran())
+        return max(self._replied_up_to, self._answered_through, self.heard.get(self._address, 0))
 
     def ran_through(self, req_id: int) -> None:
         """The worker has run the driver's requests up to ``req_id``: a call's answer came through
@@ -192,7 +202,7 @@ class RequestOrder:
 
     def _heartbeat_ran(self) -> None:
         if self.unanswered:
-            self._ran_up_to(self._heard_ran() + 1)
+            self._ran_up_to(self.heard.get(self._address, 0) + 1)
 
     def _ran_up_to(self, req_id: int) -> None:
         """The worker has run every request before ``req_id`` (it runs them in order): forget the
@@ -209,7 +219,7 @@ class RequestOrder:
 # --- a pipeline's stages, together ------------------------------------------------------------------
 
 
-def fence(stages: Iterable[tuple[int, RequestOrder]]) -> dict[int, int]:
+def fence(stages: Sequence[tuple[int, RequestOrder]]) -> dict[int, int]:
     """What a micro-batch sent to these ``(stage index, order)`` must not overtake: for each stage,
     the last request posted to it without waiting for the reply (the optimizer's step,
     zero_grad). Each worker runs the driver's requests in order, but a micro-batch reaches a later
@@ -233,7 +243,7 @@ def carry(key: str, call: int, toward: int, row: Sequence[tuple[int, RequestOrde
     return [(protocol.CARRY, Carry(key, call, DRIVER, toward, requests).body())]
 
 
-def confirm_before_sending(orders: Iterable[RequestOrder], confirm: Callable[[], None], wanted: bool) -> None:
+def confirm_before_sending(orders: Sequence[RequestOrder], confirm: Callable[[], None], wanted: bool) -> None:
     """Have ``confirm`` run before anything is sent to these workers (`RequestOrder.before_send`), or
     no longer: only while a backward or a loss gradient the driver sent is not known done."""
     for order in orders:

@@ -98,7 +98,7 @@ class Connection:
         self._heard = False
         self._unreachable: str | None = None  # why connecting failed ("": not known), until the worker is heard
         #: The driver's requests to this worker in their order: ids, what is held, what is not known run.
-        self.order = RequestOrder(self._heard_ran)
+        self.order = RequestOrder(address)
         self._inbox: collections.deque[protocol.Message] = collections.deque()  # the rest of a bundle read
         self.closed = False
         self.lost_reason: str | None = None
@@ -120,10 +120,6 @@ class Connection:
         """Where this worker is (address, stage, replica): the keyword arguments of the errors about it."""
         return {"address": self.address, "stage": self.stage, "replica": self.replica}
 
-    def _heard_ran(self) -> int:
-        """The id up to which this worker's heartbeat says it ran the driver's requests."""
-        return self.heartbeat.ran.get(self.address, 0) if self.heartbeat is not None else 0
-
     def send(self, kind: str, body: Any = None) -> int:
         return self.send_all(kind, [body])[0]
 
@@ -140,22 +136,21 @@ class Connection:
         ``compression``: how floating tensors travel (`wire.compression.COMPRESSIONS`). Returns the ids of
         ``bodies``.
 
-        What `order` holds goes before ``bodies`` (`RequestOrder.ahead`), so nothing sent straight
+        What `order` holds goes before ``bodies`` (`RequestOrder.take_ahead`), so nothing sent straight
         to the worker overtakes it. ``lead``: messages ``(kind, body)`` that go before everything
         but the worker's loss gradients, in the same bundle, with no place in the order of requests
         (id 0): a `lightning_remote_mp.wire.carry.Carry`, which the worker passes on before it runs
         its other quiet requests. ``link=False`` leaves the workers linked to the held requests
         (`carry`) to the caller, which sends them theirs another way first (`flush_linked`).
         If a message cannot be encoded, nothing is sent, and nothing held is lost."""
-        self.order.confirm_first()
-        if self.lost_reason is not None:
-            raise WorkerLostError(self.lost_reason, **self.located())
-        if self.closed:
-            raise WorkerLostError(f"{self.where()}: connection already closed", **self.located())
         first_id = self.order.last_id
-        before, after = self.order.ahead()
+        before, after = self.order.take_ahead()
         ids = []
         try:
+            if self.lost_reason is not None:
+                raise WorkerLostError(self.lost_reason, **self.located())
+            if self.closed:
+                raise WorkerLostError(f"{self.where()}: connection already closed", **self.located())
             encoded = [list(c.frames) for c in before]  # encoded for this worker when posted (`carry`)
             encoded += [self._encode(k, body, req_id=0) for k, body in lead]
             encoded += [list(c.frames) for c in after]
@@ -163,9 +158,8 @@ class Connection:
                 encoded.append(self._encode(kind, body, compression))
                 ids.append(self.order.last_id)
         except BaseException:
-            self.order.last_id = first_id  # nothing was sent: no id is used up, and what was held still is
+            self.order.put_back(first_id)  # nothing was sent: no id is used up, and what was held still is
             raise
-        self.order.sent_ahead()
         self.sent_requests += len(encoded) - len(lead)
         for bundle in protocol.encode_all(encoded, self.remote_limits or protocol.DEFAULT_LIMITS):
             self._send_frames(kind, bundle)
@@ -196,7 +190,7 @@ class Connection:
     def flush_linked(self) -> None:
         """Send straight what the workers linked to this one's requests (`carry`) still hold: a
         replica whose pipeline got no message this call, say."""
-        for other in self.order.take_linked():
+        for other in self.order.take_linked() if self.order.linked else ():
             if other.order.holds:  # sent straight now: its pipeline got no message to carry them
                 other.send_all(protocol.SYNC, [])
 
