@@ -22,7 +22,7 @@ import logging
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from lightning.fabric.utilities.types import _Stateful
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
@@ -32,9 +32,6 @@ from lightning_remote_mp.driver.options import RecoveryOptions, Topology
 from lightning_remote_mp.driver.recovery import Recovery, Replacement, Saved, WholeCheckpoints
 from lightning_remote_mp.driver.recovery import answers as address_answers
 from lightning_remote_mp.errors import LrmpError, WorkerLostError
-
-if TYPE_CHECKING:
-    from lightning_remote_mp.lightning.strategy import RemoteModelParallelStrategy
 
 log = logging.getLogger(__name__)
 
@@ -164,12 +161,12 @@ class RecoveringLauncher(_Launcher):
     """Runs ``fit`` again from the newest whole checkpoint after a worker is lost (see the module).
 
     Args:
-        strategy: the `RemoteModelParallelStrategy` whose ``fit`` this launches (with ``recovery=``):
-            its record of the run (``_fit_recovery``) starts when a ``fit`` begins, and `recover`
-            tears the run down and places its stages again after a loss.
+        strategy: the `lightning_remote_mp.RemoteModelParallelStrategy` whose ``fit`` this
+            launches (with ``recovery=``): its record of the run (``_fit_recovery``) starts when a
+            ``fit`` begins, and `_recover` tears the run down and places its stages again after a loss.
     """
 
-    def __init__(self, strategy: RemoteModelParallelStrategy) -> None:
+    def __init__(self, strategy: Any) -> None:  # the strategy imports this module: no import back
         self.strategy = strategy
 
     def _begin(self) -> None:
