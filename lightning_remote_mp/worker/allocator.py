@@ -13,9 +13,13 @@ to 32 MiB once such blocks are freed). Grown into the heap, a long sequence's ac
 MB each) leave holes the next micro-batch's do not fit, and a stage peaked far above the tensors it
 held, by an amount that changed from run to run: the last stage of a QLoRA Llama (2,048 tokens,
 benchmarks/memory_plan.py) at 1,003 MB with 32 MiB, 897 MB with 4 MiB and 517 MB with 1 MiB. With
-1 MiB every stage measured is within 14% of the tensors its plan counts, run after run; the
-throughput benchmark (an MLP of 1,024, 4 micro-batches of 64 rows) steps at the same speed, its
-stages spending 5% more CPU time.
+1 MiB every stage measured is within 14% of the tensors its plan counts, run after run. What it
+costs is speed where a step's tensors are of 1 MiB and more: each is mapped afresh and its pages
+faulted in again. benchmarks/throughput.py's wide MLP (width 1,024, batch 256, 1F1B, one run of 2
+rounds each) steps at 0.88x the plain loop at m=1 and 0.95x at m=4, against 1.05x and 1.04x with
+32 MiB (its stages' CPU time per step 65/70 against 53/60 ms at m=1); 2 MiB gives 1.00x and 1.05x,
+but the QLoRA stages above peak at 1.15x and 1.09x their plan (620 and 612 MB). Memory first: a
+long sequence's activations are what a worker runs out of.
 Where malloc is not glibc's, this does nothing.
 
 >>> keep_freed_memory() in (True, False)
