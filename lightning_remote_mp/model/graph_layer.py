@@ -5,17 +5,15 @@ A unit of a traced model reaches a worker as an ordinary spec entry for this lay
 checked when the layer is built) and the shapes of its weights; the values arrive as its state.
 
 >>> import torch
->>> program = {
-...     "inputs": ["x"], "tensors": {"w": "weight"},
-...     "steps": [["y", ["aten", "mm", "default"], [{"ref": "x"}, {"ref": "w"}], {}],
-...               ["z", ["aten", "relu", "default"], [{"ref": "y"}], {}]],
-...     "outputs": ["z"],
-... }
->>> layer = GraphLayer({"train": program}, {"weight": {"shape": [2, 2], "dtype": torch.float32}})
+>>> shift = {"inputs": ["x"], "tensors": {"b": "bias"}, "outputs": ["y"],
+...          "steps": [["y", ["aten", "add", "Tensor"], [{"ref": "x"}, {"ref": "b"}], {}]]}
+>>> layer = GraphLayer({"train": shift}, {"bias": {"shape": [2], "dtype": torch.float32}})
+>>> layer.bias  # zeros until the driver's values arrive
+tensor([0., 0.])
 >>> with torch.no_grad():
-...     _ = layer.weight.copy_(torch.eye(2))
+...     _ = layer.bias.fill_(0.5)
 >>> layer((torch.tensor([[1.0, -1.0]]),))
-(tensor([[1., 0.]]),)
+(tensor([[ 1.5000, -0.5000]]),)
 """
 
 from __future__ import annotations
