@@ -43,8 +43,9 @@ Position = tuple[int, int]
 class BatchReplay:
     """The training batches since the newest whole checkpoint, to run again after a recovery.
 
-    Each epoch's iterator of the train loader is a *generation*; ``kept[g]`` holds generation
-    ``g``'s batches from index ``first[g]`` on. At most ``limit`` batches are kept (the oldest go).
+    Each epoch's iterator of the train loader is numbered, from 0 within one ``fit``; ``kept[e]``
+    holds epoch ``e``'s batches from index ``first[e]`` on. At most ``limit`` batches are kept (the
+    oldest go).
     """
 
     def __init__(self, limit: int) -> None:
@@ -52,8 +53,8 @@ class BatchReplay:
         self.kept: dict[int, list[Any]] = {}
         self.first: dict[int, int] = {}
         self.live: Iterator[Any] | None = None
-        self.live_generation = -1
-        self.current = -1  # the generation being read; the next epoch's is the one after it
+        self.live_epoch = -1
+        self.current = -1  # the epoch being read; the next epoch's iterator is the one after it
         self.resume_at: Position | None = None
         self.disabled = ""  # why nothing is kept
 
@@ -65,12 +66,12 @@ class BatchReplay:
 
     def trim(self, at: Position) -> None:
         """A checkpoint at ``at`` is whole: nothing before it is replayed any more."""
-        g, i = at
-        for old in [k for k in self.kept if k < g]:
+        e, i = at
+        for old in [k for k in self.kept if k < e]:
             self._drop(old)
-        if g in self.kept and i > self.first[g]:
-            del self.kept[g][: i - self.first[g]]
-            self.first[g] = i
+        if e in self.kept and i > self.first[e]:
+            del self.kept[e][: i - self.first[e]]
+            self.first[e] = i
 
     def disable(self, why: str) -> None:
         """Keep nothing from now on (``why``: the reason a recovery gives)."""
@@ -82,13 +83,13 @@ class BatchReplay:
 
     def can_resume(self, at: Position) -> bool:
         """Whether every batch from ``at`` to the live iterator is kept."""
-        g, i = at
+        e, i = at
         if self.disabled:
             return False
-        for k in range(g, self.live_generation + 1):
-            if k not in self.kept or self.first[k] > (i if k == g else 0):
+        for k in range(e, self.live_epoch + 1):
+            if k not in self.kept or self.first[k] > (i if k == e else 0):
                 return False
-        return g <= self.live_generation + 1
+        return e <= self.live_epoch + 1
 
     def resume(self, at: Position) -> None:
         """The next epoch's iterator starts at ``at``."""
@@ -97,36 +98,36 @@ class BatchReplay:
     def iterate(self, inner: Iterable[Any]) -> Iterator[Any]:
         """One epoch's batches: after a recovery, the kept ones from the resume position, then the
         lost run's iterator goes on; otherwise a new iterator of ``inner``, recorded."""
-        g, start = self.resume_at or (self.current + 1, 0)
-        self.resume_at, self.current = None, g
-        return self._stream(inner, g, start)
+        e, start = self.resume_at or (self.current + 1, 0)
+        self.resume_at, self.current = None, e
+        return self._stream(inner, e, start)
 
-    def _stream(self, inner: Iterable[Any], g: int, start: int) -> Iterator[Any]:
-        if g in self.kept:
-            yield from self.kept[g][start - self.first[g] :]
-            if g != self.live_generation:
+    def _stream(self, inner: Iterable[Any], e: int, start: int) -> Iterator[Any]:
+        if e in self.kept:
+            yield from self.kept[e][start - self.first[e] :]
+            if e != self.live_epoch:
                 return  # an earlier epoch's: all kept
             source = self.live  # the lost run's; one that ran out stays out (the iterator protocol)
         else:
             source = iter(inner)
-            self.live, self.live_generation = source, g
-            self.kept[g], self.first[g] = [], 0
+            self.live, self.live_epoch = source, e
+            self.kept[e], self.first[e] = [], 0
         assert source is not None
         for batch in source:
-            self._keep(g, batch)
+            self._keep(e, batch)
             yield batch
 
-    def _keep(self, g: int, batch: Any) -> None:
-        self.kept.setdefault(g, []).append(batch)
-        self.first.setdefault(g, 0)
+    def _keep(self, e: int, batch: Any) -> None:
+        self.kept.setdefault(e, []).append(batch)
+        self.first.setdefault(e, 0)
         while sum(map(len, self.kept.values())) > self.limit:
             oldest = min(k for k, v in self.kept.items() if v)
             self.kept[oldest].pop(0)
             self.first[oldest] += 1
 
-    def _drop(self, g: int) -> None:
-        self.kept.pop(g, None)
-        self.first.pop(g, None)
+    def _drop(self, e: int) -> None:
+        self.kept.pop(e, None)
+        self.first.pop(e, None)
 
 
 class ReplayLoader:
@@ -261,14 +262,14 @@ class FitRecovery:
         )
         refused = "balance= gives each stage's layers, for as many stages as there were" if sizes else ""
         self.options = options
-        self.losses = Recovery(options, topology, refused, answers)
+        self.recovery = Recovery(options, topology, refused, answers)
         self.replay = BatchReplay(options.max_replay_batches)
         self.whole = WholeCheckpoints()
 
     def lost(self, err: WorkerLostError) -> None:
         """Count the loss (raising the run's end past a bound) and say so."""
-        self.losses.lost(err)
-        n, most = len(self.losses.losses), self.options.max_recoveries
+        self.recovery.lost(err)
+        n, most = len(self.recovery.losses), self.options.max_recoveries
         log.warning("%s -- recovering (%d of at most %d)", str(err).splitlines()[0], n, most)
 
     def saving(self, trainer: Any, path: Any) -> Callable[[], None] | None:
@@ -297,7 +298,7 @@ class FitRecovery:
         survivors' weights brought back)."""
         saved = self.whole.newest()
         if saved is None:
-            raise self.losses.gave_up(
+            raise self.recovery.gave_up(
                 "no whole checkpoint was written before the loss: save one every few steps, e.g. "
                 "ModelCheckpoint(every_n_train_steps=N)"
             )
@@ -306,7 +307,7 @@ class FitRecovery:
     def resume(self, err: WorkerLostError, saved: Saved, connect_timeout: float) -> Replacement:
         """After the lost run is torn down: where its stages go, with the batch replay set to start
         where ``saved`` (the checkpoint ``fit`` resumes from) stands."""
-        replacement = self.losses.place(err.address, connect_timeout)
+        replacement = self.recovery.place(err.address, connect_timeout)
         if self.replay.can_resume(saved.position):
             self.replay.resume(saved.position)
         elif self.replay.kept or self.replay.disabled:

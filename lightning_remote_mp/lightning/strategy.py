@@ -375,7 +375,7 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
             listen=self.listen,
         )
         if self._fit_recovery is not None:
-            self._fit_recovery.losses.placed()
+            self._fit_recovery.recovery.placed()
 
     # --- Lightning hooks ---------------------------------------------------------------
     @property
