@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from lightning_remote_mp.errors import TraceError
-from lightning_remote_mp.model.kv_cache import counting_cache, tracing_cache
+from lightning_remote_mp.model.kv_cache import counting_cache, is_counting_cache, tracing_cache
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ def step_cache(kwargs: dict[str, Any]) -> Any:
     """The counting cache a call of the module carries, if it is a step of ``generate`` on the stages."""
     for name in CACHE_KEYWORDS:
         cache = kwargs.get(name)
-        if cache is not None and hasattr(cache, "take_reorder"):
+        if is_counting_cache(cache):
             return cache
     return None
 

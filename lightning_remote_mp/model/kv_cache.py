@@ -162,38 +162,31 @@ OPERATORS = {"kv_cache": torch.ops.lrmp.kv_cache}
 
 # --- the caches transformers' code sees -----------------------------------------------------------
 @functools.cache
-def _cache_base() -> type:
+def _classes() -> tuple[type, type]:
+    """The two caches below, each a transformers ``DynamicCache``: made once, at the first use
+    (transformers is imported only by a run that generates)."""
     from transformers.cache_utils import DynamicCache
 
-    return DynamicCache
+    class TracingCache(DynamicCache):  # type: ignore[misc]
+        def __init__(self, length: Any, new: Any, layers: int) -> None:
+            super().__init__()
+            # Names of lrmp's own: DynamicCache has ``layers`` (its per-layer caches) of its own.
+            self._lrmp_length, self._lrmp_new, self._lrmp_layers = length, new, layers
 
-
-def tracing_cache(length: Any, new: Any, layers: int) -> Any:
-    """The cache a model is traced with for generation: ``update`` is ``lrmp::kv_cache``; ``length``
-    tokens in all (the attention mask's width, a symbolic size), ``new`` of them this step's."""
-
-    class TracingCache(_cache_base()):  # type: ignore[misc]
         def update(self, key_states: Any, value_states: Any, layer_idx: int, *args: Any, **kwargs: Any) -> Any:
-            return torch.ops.lrmp.kv_cache(key_states, value_states, layer_idx, length)
+            return torch.ops.lrmp.kv_cache(key_states, value_states, layer_idx, self._lrmp_length)
 
         def get_seq_length(self, layer_idx: int = 0) -> Any:
-            return length - new
+            return self._lrmp_length - self._lrmp_new
 
         def get_mask_sizes(self, query_length: Any, layer_idx: int = 0) -> tuple[Any, int]:
-            return length, 0
+            return self._lrmp_length, 0
 
         def __len__(self) -> int:
-            return layers
+            return self._lrmp_layers
 
-    return TracingCache()
-
-
-def counting_cache(capacity: int) -> Any:
-    """The cache ``generate()`` holds on the driver: how many tokens the stages' caches hold, and
-    the beam reordering to send with the next step (`take_reorder`)."""
-
-    class CountingCache(_cache_base()):  # type: ignore[misc]
-        def __init__(self) -> None:
+    class CountingCache(DynamicCache):  # type: ignore[misc]
+        def __init__(self, capacity: int) -> None:
             super().__init__()
             self.capacity = capacity
             self.tokens = 0
@@ -221,4 +214,21 @@ def counting_cache(capacity: int) -> Any:
         def crop(self, tokens_to_remove: int) -> None:
             raise LrmpError("a generation through lrmp's workers cannot drop cached tokens (assisted decoding)")
 
-    return CountingCache()
+    return TracingCache, CountingCache
+
+
+def tracing_cache(length: Any, new: Any, layers: int) -> Any:
+    """The cache a model is traced with for generation: ``update`` is ``lrmp::kv_cache``; ``length``
+    tokens in all (the attention mask's width, a symbolic size), ``new`` of them this step's."""
+    return _classes()[0](length, new, layers)
+
+
+def counting_cache(capacity: int) -> Any:
+    """The cache ``generate()`` holds on the driver: how many tokens the stages' caches hold, and
+    the beam reordering to send with the next step (`take_reorder`)."""
+    return _classes()[1](capacity)
+
+
+def is_counting_cache(cache: Any) -> bool:
+    """Whether ``cache`` is a `counting_cache` (without importing transformers for a call that has none)."""
+    return cache is not None and _classes.cache_info().currsize > 0 and isinstance(cache, _classes()[1])
