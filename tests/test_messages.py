@@ -81,6 +81,10 @@ GOOD = {"key": "net", "call": 1, "mb": 0, "from": 0, "x": torch.ones(1)}
         ({"requires_grad": {"x": "yes"}}, "'requires_grad' must map names to bools"),
         ({"autocast": {"enabled": True, "dtype": "float16"}}, "'autocast' must be"),
         ({"autocast": {"enabled": 1, "dtype": None}}, "'autocast' must be"),
+        # The schedule alone picks a stage's plan: it comes with the loss's output, under grad.
+        ({"schedule": "1f1b", "grad": True}, "'schedule' and 'loss_output' come together"),
+        ({"loss_output": 0, "grad": True}, "'schedule' and 'loss_output' come together"),
+        ({"schedule": "1f1b", "loss_output": 0}, "a 'schedule' is for a forward under grad"),
     ],
 )
 def test_a_malformed_forward_is_refused_naming_the_field(change, match):

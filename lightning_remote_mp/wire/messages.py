@@ -53,6 +53,7 @@ from lightning_remote_mp.wire.fields import (
     list_of,
     map_of,
     must,
+    refuse,
     true_only,
 )
 
@@ -153,6 +154,15 @@ class Forward(_Pipelined):
     generation: list[Any] | None = field(
         must(is_generation, "'generation' must be [id, capacity, rows or None]"), default=None, omit_none=True
     )
+
+    @classmethod
+    def _check(cls, values: dict[str, Any]) -> None:
+        # ``schedule`` alone says how the stage runs the call (`lightning_remote_mp.worker.runtime`):
+        # a schedule's list from the loss on the last stage; without it, GPipe's, or forwards alone.
+        if (values["schedule"] is None) != (values["loss_output"] is None):
+            raise refuse(cls.KIND, "'schedule' and 'loss_output' come together: where the schedule's backward starts")
+        if values["schedule"] is not None and (not values["grad"] or values["generation"] is not None):
+            raise refuse(cls.KIND, "a 'schedule' is for a forward under grad, not one without or a generation step")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -188,8 +188,8 @@ class StageRuntime:
         step's D's for a step of ``generate()``."""
         plan = self._plans.get(first.call)
         if plan is None:
-            early = first.loss_output is not None and first.schedule is not None and first.grad
-            name = first.schedule if early and first.schedule is not None else "gpipe"
+            early = first.schedule is not None  # with its loss_output, under grad (`Forward`'s check)
+            name = first.schedule or "gpipe"
             if len(self._plans) >= self.limit:
                 raise ProtocolError(f"stage {self.index}: more than {self.limit} calls run a schedule at once")
             m = first.microbatches
@@ -197,12 +197,11 @@ class StageRuntime:
                 name, actions = "decoding", schedule.decoding(self.stages, self.index, m)
             else:
                 actions = schedule.actions(name, self.stages, self.index, m, grad=first.grad, scale=early)
-            loss_output = first.loss_output if early else None
             plan = self._plans[first.call] = _Plan(
                 collections.deque(actions),
                 tuple(actions),
                 frozenset(a.kind for a in actions),
-                loss_output,
+                first.loss_output,
                 name,
                 first.microbatches,
                 dict(first.fence),
