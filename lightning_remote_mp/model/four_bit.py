@@ -36,7 +36,7 @@ import functools
 import json
 import math
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -269,18 +269,19 @@ def _scales(absmax: torch.Tensor, nested_absmax: Any, nested_quant_map: Any, off
     return head + offset
 
 
+#: A 4-bit weight's tensors, in the order the operator takes them (after ``x``): the packed values,
+#: ``absmax``, ``quant_map``, and double quantization's three (``None`` without it).
+STATE = ("packed", "absmax", "quant_map", "nested_absmax", "nested_quant_map", "offset")
+#: Where the operator takes the bias: after ``x`` and the weight's tensors (`_Linear4bit.backward`).
+_BIAS = 1 + len(STATE)
+
+
 def _dequantize(
-    packed: torch.Tensor,
-    absmax: torch.Tensor,
-    quant_map: torch.Tensor,
-    nested_absmax: Any,
-    nested_quant_map: Any,
-    offset: Any,
-    shape: Any,
-    blocksize: int,
-    dtype: torch.dtype,
-    scratch: bool = False,
+    state: Sequence[Any], shape: Any, blocksize: int, dtype: torch.dtype, scratch: bool = False
 ) -> torch.Tensor:
+    """The weight of ``shape`` that ``state`` (its tensors, as `STATE` orders them) stands for, in
+    ``dtype``."""
+    packed, absmax, quant_map, nested_absmax, nested_quant_map, offset = state
     # One lookup per byte in a 256-entry table of value pairs (its high and its low code), each pair
     # read as one 8-byte element: a flat gather, twice as fast as gathering rows of two floats. With
     # ``scratch``, into this thread's buffers (`_scratch`), which the caller uses before the next call.
@@ -324,17 +325,8 @@ def _scratch(kind: str, numel: int, dtype: torch.dtype, device: torch.device) ->
 
 def dequantize(parts: Mapping[str, torch.Tensor], fmt: Format, dtype: torch.dtype | None = None) -> torch.Tensor:
     """The weight a 4-bit group stands for, in ``dtype`` (its stored dtype by default)."""
-    return _dequantize(
-        parts[PACKED],
-        parts["absmax"],
-        parts["quant_map"],
-        parts.get("nested_absmax"),
-        parts.get("nested_quant_map"),
-        parts.get("offset"),
-        fmt.shape,
-        fmt.blocksize,
-        dtype or fmt.dtype,
-    )
+    state = [parts[PACKED], parts["absmax"], parts["quant_map"], *(parts.get(k) for k in STATE[3:])]
+    return _dequantize(state, fmt.shape, fmt.blocksize, dtype or fmt.dtype)
 
 
 # --- the operator workers run -------------------------------------------------------------------
@@ -347,16 +339,16 @@ _LIBRARY.define(
 )
 
 
-def _linear_4bit(x, packed, absmax, quant_map, nested_absmax, nested_quant_map, offset, bias, shape, blocksize, dtype):
-    """``F.linear(x, W, bias)`` for the 4-bit weight ``W`` (of ``shape``, stored as ``dtype``),
-    dequantized to ``x``'s dtype for the product, as bitsandbytes' ``matmul_4bit`` computes it."""
-    weight = _dequantize(
-        packed, absmax, quant_map, nested_absmax, nested_quant_map, offset, shape, blocksize, x.dtype, scratch=True
-    )
-    return torch.nn.functional.linear(x, weight, bias)
+def _linear_4bit(x: torch.Tensor, *args: Any) -> torch.Tensor:
+    """``F.linear(x, W, bias)`` for the 4-bit weight ``W`` (its tensors, `STATE`; then the bias, its
+    ``shape``, ``blocksize`` and stored ``dtype``), dequantized to ``x``'s dtype for the product, as
+    bitsandbytes' ``matmul_4bit`` computes it."""
+    *state, bias, shape, blocksize, _ = args
+    return torch.nn.functional.linear(x, _dequantize(state, shape, blocksize, x.dtype, scratch=True), bias)
 
 
-def _linear_4bit_meta(x, packed, absmax, quant_map, nested_absmax, nested_quant_map, offset, bias, shape, *_):
+def _linear_4bit_meta(x: torch.Tensor, *args: Any) -> torch.Tensor:
+    *_, shape, _, _ = args
     return x.new_empty((*x.shape[:-1], shape[0]))
 
 
@@ -365,8 +357,8 @@ class _Linear4bit(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, *rest: Any) -> torch.Tensor:
-        packed, absmax, quant_map, nested_absmax, nested_quant_map, offset, bias, shape, blocksize, dtype = rest
-        ctx.save_for_backward(packed, absmax, quant_map, nested_absmax, nested_quant_map, offset)
+        *state, bias, shape, blocksize, dtype = rest
+        ctx.save_for_backward(*state)
         ctx.shape, ctx.blocksize, ctx.dtype = shape, blocksize, dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
         with torch._C._AutoDispatchBelowAutograd():
@@ -374,17 +366,13 @@ class _Linear4bit(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        packed, absmax, quant_map, nested_absmax, nested_quant_map, offset = ctx.saved_tensors
         grad_x = grad_bias = None
         if ctx.needs_input_grad[0]:
-            weight = _dequantize(
-                packed, absmax, quant_map, nested_absmax, nested_quant_map, offset, ctx.shape, ctx.blocksize,
-                ctx.dtype, scratch=True,
-            )  # fmt: skip
+            weight = _dequantize(ctx.saved_tensors, ctx.shape, ctx.blocksize, ctx.dtype, scratch=True)
             grad_x = torch.matmul(grad, weight.to(grad.dtype))
-        if ctx.needs_input_grad[7]:
+        if ctx.needs_input_grad[_BIAS]:
             grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0, dtype=ctx.bias_dtype)
-        return grad_x, None, None, None, None, None, None, grad_bias, None, None, None
+        return grad_x, *(None,) * len(STATE), grad_bias, None, None, None
 
 
 _LIBRARY.impl("linear_4bit", _linear_4bit, "CompositeExplicitAutograd")
