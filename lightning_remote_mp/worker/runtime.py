@@ -102,6 +102,7 @@ class StageRuntime:
         self.route = route
         self.send = send
         self.index = route.index
+        self.where = f"stage {route.index}"  # what its errors begin with (torch's pipelining: log_prefix)
         self.stages = stages
         self.limit = limit
         self._inputs: dict[tuple[int, str, int], dict[int, Any]] = {}  # (call, kind, mb) -> parts arrived so far
@@ -117,15 +118,15 @@ class StageRuntime:
         with the other parts of it; all of them, once every expected sender's part is in."""
         expected = set(expected)
         if msg.sender not in expected:
-            raise ProtocolError(f"stage {self.index} expects no message from stage {msg.sender}")
+            raise ProtocolError(f"{self.where} expects no message from stage {msg.sender}")
         key = (msg.call, kind, msg.mb)
         parts = self._inputs.get(key)
         if parts is None:
             if len(self._inputs) >= self.limit:
-                raise ProtocolError(f"stage {self.index}: more than {self.limit} micro-batches in flight")
+                raise ProtocolError(f"{self.where}: more than {self.limit} micro-batches in flight")
             parts = self._inputs[key] = {}
         if msg.sender in parts:
-            raise ProtocolError(f"stage {self.index}: micro-batch {key} from stage {msg.sender} arrived twice")
+            raise ProtocolError(f"{self.where}: micro-batch {key} from stage {msg.sender} arrived twice")
         parts[msg.sender] = msg
         events = self.route.events
         if events is not None and msg.sent_at is not None:
@@ -177,10 +178,8 @@ class StageRuntime:
             return
         self._check_applicable(msg.call)
         if msg.action == SCALE:
-            raise ProtocolError(f"stage {self.index}: a loss scale (S) for call {msg.call}, which runs no S here")
-        raise ProtocolError(
-            f"stage {self.index}: backward of micro-batch {(msg.call, msg.mb)} without a forward under grad"
-        )
+            raise ProtocolError(f"{self.where}: a loss scale (S) for call {msg.call}, which runs no S here")
+        raise ProtocolError(f"{self.where}: backward of micro-batch {(msg.call, msg.mb)} without a forward under grad")
 
     def _plan_of(self, first: Forward) -> _Plan:
         """``first``'s call's plan: its stage's actions under the call's schedule (GPipe where the
@@ -191,7 +190,7 @@ class StageRuntime:
             early = first.schedule is not None  # with its loss_output, under grad (`Forward`'s check)
             name = first.schedule or "gpipe"
             if len(self._plans) >= self.limit:
-                raise ProtocolError(f"stage {self.index}: more than {self.limit} calls run a schedule at once")
+                raise ProtocolError(f"{self.where}: more than {self.limit} calls run a schedule at once")
             m = first.microbatches
             if first.generation is not None:
                 name, actions = "decoding", schedule.decoding(self.stages, self.index, m)
@@ -213,7 +212,7 @@ class StageRuntime:
         """A micro-batch of the call's plan, or a `ProtocolError` (it would wait in the plan forever)."""
         if not 0 <= msg.mb < plan.microbatches:
             raise ProtocolError(
-                f"stage {self.index}: micro-batch {msg.mb} of call {msg.call}, whose schedule has "
+                f"{self.where}: micro-batch {msg.mb} of call {msg.call}, whose schedule has "
                 f"{plan.microbatches} micro-batches"
             )
 
@@ -231,7 +230,7 @@ class StageRuntime:
             if plan is not None and plan.actions:  # the error reply quotes the list, the failing action marked
                 listing = schedule.format_row(plan.listing, plan.actions[0])
                 with contextlib.suppress(AttributeError):  # an exception type that takes no attributes
-                    err.lrmp_actions = f"stage {self.index}'s actions for call {call} ({plan.schedule}): {listing}"  # type: ignore[attr-defined]
+                    err.lrmp_actions = f"{self.where}'s actions for call {call} ({plan.schedule}): {listing}"  # type: ignore[attr-defined]
             raise
 
     def _run_actions(self, call: int) -> None:
@@ -287,7 +286,7 @@ class StageRuntime:
             except Exception as err:
                 # The micro-batches are reported done already and the driver may have moved on: the
                 # failure belongs to the next request that needs these gradients (step, clipping, zero_grad).
-                log.warning("stage %d: computing the deferred weight gradients failed: %s", self.index, err)
+                log.warning("%s: computing the deferred weight gradients failed: %s", self.where, err)
                 self.weights_failed = err
                 return
         if self.route.events is not None:
@@ -301,7 +300,7 @@ class StageRuntime:
         plan = self._plans.get(call)
         if plan is None or not plan.early:
             self._check_applicable(call)
-            raise ProtocolError(f"stage {self.index}: a loss gradient for call {call}, which ran no schedule here")
+            raise ProtocolError(f"{self.where}: a loss gradient for call {call}, which ran no schedule here")
         plan.loss_grad = (grad,)
         self._advance(call)  # applying it sends nothing
         return call in self._plans
@@ -317,11 +316,11 @@ class StageRuntime:
         if failed is not None:
             err = failed[0]
             raise LrmpError(
-                f"stage {self.index}: an action of call {call}'s schedule failed before its backward: "
+                f"{self.where}: an action of call {call}'s schedule failed before its backward: "
                 f"{type(err).__name__}: {err}"
             ) from err
         if call in self._released:
-            raise LrmpError(f"stage {self.index}: call {call} was released before its loss's gradient was applied")
+            raise LrmpError(f"{self.where}: call {call} was released before its loss's gradient was applied")
 
     def _apply(self, call: int, grad: torch.Tensor | None) -> None:
         if grad is None:  # the step did not differentiate the loss: no gradient, as with GPipe
@@ -333,12 +332,12 @@ class StageRuntime:
         if self.route.x_to == DRIVER:
             y, at = plan.outputs.pop(mb), plan.loss_output
             if not isinstance(y, tuple) or not 0 <= at < len(y):
-                raise ProtocolError(f"stage {self.index}: the model has no output {at} to start the backward at")
+                raise ProtocolError(f"{self.where}: the model has no output {at} to start the backward at")
             loss = y[at]
             grad_out: Any = tuple(torch.ones_like(t) if i == at else None for i, t in enumerate(y))
             if loss.numel() != 1 or not loss.is_floating_point():
                 raise LrmpError(
-                    f"stage {self.index}: the model's output {at}, where schedule={plan.schedule!r} starts the "
+                    f"{self.where}: the model's output {at}, where schedule={plan.schedule!r} starts the "
                     "backward, is no loss (one floating value per micro-batch): use schedule='gpipe' for this model"
                 )
             key, m = self.route.stage.key, plan.microbatches
@@ -362,7 +361,7 @@ class StageRuntime:
         """File the driver's gradient of an early call's loss (from the driver, or passed on by the
         next stage) for the call's S action."""
         if msg.mb in plan.scales:
-            raise ProtocolError(f"stage {self.index}: the gradient of micro-batch {(msg.call, msg.mb)} came twice")
+            raise ProtocolError(f"{self.where}: the gradient of micro-batch {(msg.call, msg.mb)} came twice")
         parts = self._collect(SCALE, self.route.targets, msg)
         if parts is not None:
             plan.scales[msg.mb] = parts
@@ -378,7 +377,7 @@ class StageRuntime:
         for mb, g in enumerate(grads):
             if (g is None) != (scale is None) or (g is not None and scale is not None and not torch.equal(g, scale)):
                 raise LrmpError(
-                    f"stage {self.index}: the loss's micro-batches got different gradients ({scale} and "
+                    f"{self.where}: the loss's micro-batches got different gradients ({scale} and "
                     f"{g} for micro-batch {mb} of call {call}); a schedule other than 'gpipe' needs one "
                     "for all of them (a loss that adds its micro-batches' sums): use schedule='gpipe'"
                 )
