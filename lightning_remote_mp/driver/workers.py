@@ -6,6 +6,7 @@ removed. The key files are read here, when the run sets up, never when the strat
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import subprocess
 import tempfile
@@ -103,7 +104,7 @@ class Workers:
         except BaseException:
             _remove(local, keys_dir)
             raise
-        return Starting(local, replicas, worker_keys, keys_dir)
+        return Starting(local, replicas, keys, worker_keys, keys_dir)
 
     def stop(self) -> None:
         """Stop the local workers and remove their keys (nothing for the hosts given)."""
@@ -120,13 +121,16 @@ def _remove(local: LocalWorkers | None, keys_dir: str | None) -> None:
             shutil.rmtree(keys_dir, ignore_errors=True)
 
 
+@dataclasses.dataclass
 class Starting:
-    """Local workers whose processes started (`Workers.start`) and may not serve yet."""
+    """Local workers whose processes started (`Workers.start`) and may not serve yet; ``keys``: the
+    driver's key pair they accept (``None`` without CURVE)."""
 
-    def __init__(
-        self, local: LocalWorkers, replicas: int, worker_keys: list[bytes] | None, keys_dir: str | None
-    ) -> None:
-        self.local, self.replicas, self.worker_keys, self.keys_dir = local, replicas, worker_keys, keys_dir
+    local: LocalWorkers
+    replicas: int
+    keys: KeyPair | None
+    worker_keys: list[bytes] | None
+    keys_dir: str | None
 
     def ready(self) -> Workers:
         """The workers, once each serves; if one cannot, all are stopped and their keys removed."""

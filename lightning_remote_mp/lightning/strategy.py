@@ -354,13 +354,12 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
         if self._session is None and self._starting is not None:
             starting, self._starting = self._starting, None
             self._workers = starting.ready()
-            self._connect()
+            self._connect(starting.keys)
         return self._session
 
-    def _connect(self) -> None:
-        """Begin the session with ``self._workers``."""
+    def _connect(self, keys: Any) -> None:
+        """Begin the session with ``self._workers``, as this driver's ``keys`` (`_keys`)."""
         assert self._workers is not None
-        keys, _ = self._keys(self.topology)
         self._session = DriverSession(
             self._workers.topology,
             heartbeat_timeout=self.heartbeat_timeout,
@@ -417,7 +416,7 @@ class RemoteModelParallelStrategy(SingleDeviceStrategy):
             keys, worker_keys = self._keys(self.topology)
             if self.topology is not None:
                 self._workers = Workers(self.topology, worker_keys)
-                self._connect()
+                self._connect(keys)
             else:
                 assert self.local_workers is not None
                 allow = allow_modules_for(modules, self.optimizers)

@@ -48,7 +48,7 @@ def _modes(module: nn.Module) -> tuple[str, ...]:
 def _runs_as(traced: TracedSequential, args: tuple, kwargs: dict, modes: tuple[str, ...]) -> dict | None:
     """``kwargs`` in ``traced``'s order if ``traced`` runs this call (its arguments, in these
     ``modes``), else ``None``."""
-    if not set(modes) <= set(getattr(traced, "trace_modes", modes)):
+    if not set(modes) <= set(traced.trace_modes):  # type: ignore[arg-type]
         return None
     ordered = _in_order(kwargs, traced.interface.in_spec)  # type: ignore[attr-defined]
     return ordered if traced.interface.in_spec == pytree.tree_structure((args, ordered)) else None  # type: ignore[attr-defined]

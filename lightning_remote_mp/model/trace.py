@@ -1,9 +1,9 @@
 """Splitting an unchanged ``nn.Module`` by tracing it: ``torch.export`` at its first call, then cut
 into pieces that workers run as `lightning_remote_mp.model.graph_layer.GraphLayer` layers, with no user code.
 
-1. `trace_module` exports the module twice, in train and in eval mode (code may branch on
-   ``self.training``; `lightning_remote_mp.model.export`); a step of ``generate()`` once, in the
-   mode it runs in.
+1. `trace_module` exports the module in each mode it is asked for: train and eval (code may branch
+   on ``self.training``; `lightning_remote_mp.model.export`), or the one a call runs in (a first
+   training step, a step of ``generate()``: `lightning_remote_mp.model.calls`).
 2. The graph is cut into *units* at module boundaries: each step belongs to the outermost module
    on its stack that is a leaf or an element of a ``ModuleList``/``Sequential`` (a block); steps of
    glue code join the next unit. Units that share a weight (tied embeddings) merge.

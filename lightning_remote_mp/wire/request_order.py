@@ -10,7 +10,7 @@ connection itself only sends and receives. It keeps:
 - **what is held**: quiet requests (`protocol.CARRIED_KINDS`: the optimizer's step, zero_grad,
   a release, a loss's gradient) posted to travel along the pipeline with the next call's
   micro-batches (`RequestOrder.hold`, `carry`), and those sent that way and not known to have run,
-  which whatever goes straight to the worker sends again first (`RequestOrder.ahead`);
+  which whatever goes straight to the worker sends again first (`RequestOrder.take_ahead`);
 - **what is not known to have run**: posted requests whose reply was not read, and the quiet ones,
   which no reply names: a micro-batch's ``fence`` names the last of them (`fence`), and a worker
   holds the micro-batch back until it has run it;
@@ -19,8 +19,7 @@ connection itself only sends and receives. It keeps:
   `confirm_before_sending`).
 
 >>> order = RequestOrder("tcp://127.0.0.1:5555")
->>> order.next_id(), order.last_id
-(1, 1)
+>>> order.last_id = 1  # a zero_grad went without waiting for its reply
 >>> order.awaits(1, "zero_grad"); order.unanswered_up_to
 1
 >>> order.ran_through(1); order.unanswered_up_to
@@ -78,12 +77,6 @@ class RequestOrder:
         before the driver acts on the assumption that it succeeded (steps its own layers, say)."""
         for confirm in list(self.before_send):
             confirm()
-
-    # --- ids -----------------------------------------------------------------------------------
-    def next_id(self) -> int:
-        """Give out the next request id."""
-        self.last_id += 1
-        return self.last_id
 
     def awaits(self, req_id: int, kind: str) -> None:
         """Request ``req_id`` (of ``kind``) went without waiting: its reply is read later, and a
@@ -165,7 +158,7 @@ class RequestOrder:
         """The worker has run the driver's requests up to ``req_id``: a call's answer came through
         the pipeline, and a micro-batch reaches a stage only once the requests its ``fence`` names
         have run there (`fence`). So the requests sent along the pipeline up to there are not sent
-        again (`ahead`), and the quiet ones are no longer waited for."""
+        again (`take_ahead`), and the quiet ones are no longer waited for."""
         if req_id > self._answered_through:
             self._answered_through = req_id
             self._ran_up_to(req_id + 1)
