@@ -15,19 +15,19 @@ W     backward of the weights: a micro-batch's deferred linear-layer  none: the 
       weight gradients (`lightning_remote_mp.worker.deferred_grads`)
 S     the loss's scale: an early call's weight gradients times the    the driver's gradient of the loss
       driver's gradient of the loss, added to ``.grad``               (`LossGrad`, or `Backward` naming S)
-Z     ``zero_grad``: the stage's gradients cleared                    the driver's `ZeroGrad`
-O     the optimizer's step on the stage's parameters                  the driver's `OptimStep`
 D     one decoding step of a generation: a micro-batch's new tokens   the previous stage's output
       through the stage's layers, with the stage's own key/value
       cache (generation runs a call of D's, as a forward runs F's)
 ====  ==============================================================  ==========================================
 
-(`Forward`, `Backward`: `lightning_remote_mp.wire.messages`; `LossGrad`, `ZeroGrad`, `OptimStep`:
+(`Forward`, `Backward`: `lightning_remote_mp.wire.messages`; `LossGrad`:
 `lightning_remote_mp.wire.requests`.) A call under grad whose backward starts at the driver ("late",
-GPipe) runs F, B and W of each micro-batch; one whose backward the last stage starts at the model's
-loss ("early", `Forward.loss_output`) ends with S, whose input is the driver's gradient of the loss. A call
-without grad runs F's alone. Z and O are the driver's requests, run in the order the driver sent
-them (`lightning_remote_mp.worker.order.Order`); a step's lists (`step`) show where they fall.
+GPipe) runs F, B and W of each micro-batch, its last stage's B once the driver's gradient came,
+after every forward had returned; one whose backward the last stage starts at the model's loss
+("early", `Forward.loss_output`) ends with S, whose input is the driver's gradient of the loss. A call
+without grad runs F's alone. A list is one call's: ``zero_grad`` and the optimizer's step are no
+actions of it (a step may follow several calls, as Lightning's loop decides) but the driver's
+requests, run in the order the driver sent them (`lightning_remote_mp.worker.order.Order`).
 
 The driver names a schedule; each worker builds its own stage's list from the name and the counts
 (`actions`), and runs it in order, each action once what it waits for has arrived
@@ -48,7 +48,7 @@ The driver names a schedule; each worker builds its own stage's list from the na
 
 >>> lists = build("1f1b", stages=2, microbatches=3)
 >>> [" ".join(map(str, row)) for row in lists]
-['0F0 0F1 0B0 0W0 0F2 0B1 0W1 0B2 0W2', '1F0 1B0 1W0 1F1 1B1 1W1 1F2 1B2 1W2']
+['0F0 0F1 0B0 0W0 0F2 0B1 0W1 0B2 0W2 0S', '1F0 1B0 1W0 1F1 1B1 1W1 1F2 1B2 1W2 1S']
 >>> validate(lists)
 >>> print(format_grid(lists))
 step  stage 0  stage 1
@@ -62,26 +62,20 @@ step  stage 0  stage 1
    7      0W1      1F2
    8               1B2
    9      0B2      1W2
-  10      0W2
+  10      0W2       1S
+  11       0S
 >>> [peak_in_flight(row) for row in lists], round(simulate(lists).bubble, 3)
 ([2, 1], 0.182)
 
-A training step of an early call, as a step without gradient accumulation runs it: ``zero_grad``
-once the forward has returned to the driver, the loss's scale, the step:
+The lists are an early call's (`actions`' ``scale``): the last stage starts each backward at the
+loss, and S comes last. A late call cannot run 1F1B: its last stage's first B waits for the
+driver's gradient, which comes once every forward has returned:
 
->>> print(format_grid(build("1f1b", stages=2, microbatches=2, scale=True, step=True)))
-step  stage 0  stage 1
-   0      0F0
-   1      0F1      1F0
-   2               1B0
-   3      0B0      1W0
-   4      0W0      1F1
-   5               1B1
-   6      0B1      1W1
-   7      0W1       1Z
-   8       0Z       1S
-   9       0S       1O
-  10       0O
+>>> try:
+...     validate(build("1f1b", stages=2, microbatches=2, scale=False))
+... except ScheduleError as err:
+...     print(str(err).splitlines()[0])
+the schedule waits forever: 0B0 waits for 0F0 and 1B0, 1B0 waits for 1F0 and 1F1
 """
 
 from __future__ import annotations
@@ -109,25 +103,21 @@ class Kind(Word):
     BACKWARD = "B"
     WEIGHTS = "W"
     SCALE = "S"
-    ZERO_GRAD = "Z"
-    STEP = "O"
     DECODE = "D"
 
 
 # The short names the package uses.
 FORWARD, BACKWARD, WEIGHTS, DECODE = Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHTS, Kind.DECODE
-SCALE, ZERO_GRAD, STEP = Kind.SCALE, Kind.ZERO_GRAD, Kind.STEP
+SCALE = Kind.SCALE
 #: What each kind of action does, by kind.
 KINDS: dict[Kind, str] = {
     FORWARD: "forward",
     BACKWARD: "backward of the input",
     WEIGHTS: "backward of the weights",
     SCALE: "the loss's scale",
-    ZERO_GRAD: "zero_grad",
-    STEP: "the optimizer's step",
     DECODE: "decoding step",
 }
-#: The kinds that run once per micro-batch (``2F0``); the others run once per call or step (``2S``).
+#: The kinds that run once per micro-batch (``2F0``); the other runs once per call (``2S``).
 PER_MICROBATCH: tuple[Kind, ...] = (FORWARD, BACKWARD, WEIGHTS, DECODE)
 
 
@@ -138,7 +128,7 @@ class ScheduleError(ConfigurationError):
 @dataclasses.dataclass(frozen=True)
 class Action:
     """Stage ``stage`` does ``kind`` (one of `KINDS`) to micro-batch ``mb``; ``mb`` is ``None`` for
-    a kind that runs once per call or step (`PER_MICROBATCH` says which)."""
+    a kind that runs once per call (`PER_MICROBATCH` says which)."""
 
     stage: int
     kind: Kind
@@ -202,23 +192,11 @@ def decoding(stages: int, stage: int, microbatches: int) -> list[Action]:
     return [Action(stage, DECODE, mb) for mb in range(microbatches)]
 
 
-def training_step(row: Sequence[Action]) -> list[Action]:
-    """A call's list as a training step without gradient accumulation runs it: `ZERO_GRAD` before
-    the first action that adds to ``.grad`` (the loss's scale where there is one: an early call's
-    B and W keep their gradients apart until then), and the optimizer's `STEP` last."""
-    stage = row[0].stage if row else 0
-    kinds = [a.kind for a in row]
-    writes = (SCALE,) if SCALE in kinds else (BACKWARD, WEIGHTS)
-    at = next((i for i, kind in enumerate(kinds) if kind in writes), len(row))
-    return [*row[:at], Action(stage, ZERO_GRAD), *row[at:], Action(stage, STEP)]
-
-
-def build(
-    schedule: str, stages: int, microbatches: int, *, scale: bool = False, step: bool = False
-) -> list[list[Action]]:
-    """Every stage's list (`actions`), stage 0 first; ``step``: each as a training step (`training_step`)."""
-    lists = [actions(schedule, stages, s, microbatches, scale=scale) for s in range(stages)]
-    return [training_step(row) for row in lists] if step else lists
+def build(schedule: str, stages: int, microbatches: int, *, scale: bool = True) -> list[list[Action]]:
+    """Every stage's list of a call under grad (`actions`), stage 0 first: an early call's, but
+    under GPipe, whose backward starts at the driver; ``scale`` says which where given."""
+    early = scale and schedule != "gpipe"
+    return [actions(schedule, stages, s, microbatches, scale=early) for s in range(stages)]
 
 
 _PRINTED = re.compile(rf"(\d+)([{''.join(KINDS)}])(\d*)")
@@ -235,18 +213,20 @@ def parse(text: str) -> Action:
     )
 
 
-def _depends(action: Action, stages: int, microbatches: int) -> list[Action]:
-    """What ``action`` waits for on any stage (its own stage's order aside)."""
+def _depends(action: Action, stages: int, microbatches: int, early: bool) -> list[Action]:
+    """What ``action`` waits for on any stage (its own stage's order aside); ``early``: the call's
+    backward starts at the loss on the last stage."""
     s, mb, kind = action.stage, action.mb, action.kind
+    returned = [Action(stages - 1, FORWARD, i) for i in range(microbatches)]  # the call's forward is back
     if kind in (FORWARD, DECODE):
         return [Action(s - 1, kind, mb)] if s > 0 else []
     if kind == BACKWARD:
-        later = [Action(s + 1, BACKWARD, mb)] if s < stages - 1 else []
-        return [Action(s, FORWARD, mb), *later]
+        if s < stages - 1:
+            return [Action(s, FORWARD, mb), Action(s + 1, BACKWARD, mb)]
+        return [Action(s, FORWARD, mb)] if early else returned  # late: the driver's gradient
     if kind == WEIGHTS:
         return [Action(s, BACKWARD, mb)]
-    # The driver sends these once the call's forward has returned: every micro-batch's last F.
-    return [Action(stages - 1, FORWARD, i) for i in range(microbatches)]
+    return returned  # S: the driver's gradient of the loss comes once the call's forward has returned
 
 
 @dataclasses.dataclass
@@ -270,10 +250,12 @@ def _microbatches(lists: Sequence[Sequence[Action]]) -> int:
 
 def simulate(lists: Sequence[Sequence[Action]], costs: Mapping[str, float] | None = None) -> Simulation:
     """Play each stage's list in order, each action starting once its stage is free and what it waits
-    for (`_depends`) has ended. ``costs``: seconds per kind (default 1 each). Raises `ScheduleError`
+    for (`_depends`) has ended. ``costs``: seconds per kind (default 1 each, but 0 for S, a
+    multiply-add of the gradients that F, B and W dwarf). Raises `ScheduleError`
     if the lists wait on each other forever."""
-    cost = {**dict.fromkeys(KINDS, 1.0), **(costs or {})}
+    cost = {**dict.fromkeys(KINDS, 1.0), SCALE: 0.0, **(costs or {})}
     stages, m = len(lists), _microbatches(lists)
+    early = any(a.kind == SCALE for row in lists for a in row)
     spans: dict[Action, tuple[float, float]] = {}
     cursor = [0] * stages
     free = [0.0] * stages
@@ -284,7 +266,7 @@ def simulate(lists: Sequence[Sequence[Action]], costs: Mapping[str, float] | Non
         for s, row in enumerate(lists):
             while cursor[s] < len(row):
                 action = row[cursor[s]]
-                deps = _depends(action, stages, m)
+                deps = _depends(action, stages, m, early)
                 if any(d not in spans for d in deps):
                     break
                 start = max([free[s], *(spans[d][1] for d in deps)])
@@ -297,7 +279,7 @@ def simulate(lists: Sequence[Sequence[Action]], costs: Mapping[str, float] | Non
                 progressed = True
         if not progressed:
             waiting = ", ".join(
-                f"{row[cursor[s]]} waits for {' and '.join(str(d) for d in _depends(row[cursor[s]], stages, m))}"
+                f"{row[cursor[s]]} waits for {' and '.join(str(d) for d in _depends(row[cursor[s]], stages, m, early))}"
                 for s, row in enumerate(lists)
                 if cursor[s] < len(row)
             )
@@ -311,9 +293,7 @@ def validate(lists: Sequence[Sequence[Action]]) -> None:
     - each action is one of `KINDS`, on its own stage's list, once;
     - every stage runs each micro-batch's actions, in order: a call under grad F, B and W; a call
       without grad F; a decoding step D, alone;
-    - the kinds that run once a call fall where they may: the loss's scale (S) after every B and W,
-      ``zero_grad`` (Z) before anything that adds to ``.grad`` (S where there is one, else B and W),
-      the optimizer's step (O) after every gradient and Z;
+    - the loss's scale (S), once a call, after every B and W;
     - the lists run to the end together (no action waits for one that never comes, `simulate`)."""
     m = _microbatches(lists)
     for s, row in enumerate(lists):
@@ -351,17 +331,9 @@ def _row_problem(s: int, row: Sequence[Action], m: int) -> str | None:
             return f"stage {s} never runs {Action(s, missing, mb)}"
         if len(each) > 1 and not seen[(FORWARD, mb)] < seen[(BACKWARD, mb)] < seen[(WEIGHTS, mb)]:
             return f"stage {s} runs micro-batch {mb} out of F, B, W order"
-    where = [a.kind for a in row]
-    at = {kind: seen[(kind, None)] for kind in (SCALE, ZERO_GRAD, STEP) if (kind, None) in seen}
-    gradients = [i for i, kind in enumerate(where) if kind in (BACKWARD, WEIGHTS)]
-    if SCALE in at and gradients and gradients[-1] > at[SCALE]:
+    gradients = [i for i, a in enumerate(row) if a.kind in (BACKWARD, WEIGHTS)]
+    if (SCALE, None) in seen and gradients and gradients[-1] > seen[(SCALE, None)]:
         return f"stage {s} runs {s}S before {row[gradients[-1]]}: the loss's scale multiplies every weight gradient"
-    adds = [at[SCALE]] if SCALE in at else gradients  # an early call's B and W keep theirs apart until S
-    if ZERO_GRAD in at and adds and adds[0] < at[ZERO_GRAD]:
-        return f"stage {s} runs {s}Z after {row[adds[0]]}, clearing the gradient it added"
-    before = [i for i, kind in enumerate(where) if kind in (BACKWARD, WEIGHTS, SCALE, ZERO_GRAD)]
-    if STEP in at and before and before[-1] > at[STEP]:
-        return f"stage {s} steps ({s}O) before {row[before[-1]]}: the step needs every gradient of the call"
     return None
 
 
@@ -380,8 +352,8 @@ def format_row(row: Sequence[Action], marked: Action, around: int = 8) -> str:
 
     >>> format_row(actions("gpipe", 2, 1, 2), Action(1, BACKWARD, 0))
     '1F0 1F1 [1B0] 1B1 1W0 1W1'
-    >>> format_row(training_step(actions("1f1b", 2, 0, 2, scale=True)), Action(0, SCALE), around=3)
-    '... 0B1 0W1 0Z [0S] 0O'
+    >>> format_row(actions("1f1b", 2, 0, 2, scale=True), Action(0, SCALE), around=2)
+    '... 0B1 0W1 [0S]'
     """
     at = list(row).index(marked) if marked in row else 0
     start, end = max(0, at - around), min(len(row), at + around + 1)
@@ -410,20 +382,18 @@ def format_grid(lists: Sequence[Sequence[Action]], spans: Mapping[Action, tuple[
 
 
 def checked(schedule: str, stages: int, microbatches: int) -> str:
-    """Build and `validate` ``schedule``'s lists, and describe them: what each stage holds at most,
-    the bubble of the call's F, B and W at equal costs, and the grid of a training step as the
-    driver runs it (`training_step`): under GPipe the backward starts at the driver; under the
-    others at the model's loss on the last stage, and the call ends with the loss's scale.
+    """Build and `validate` ``schedule``'s lists of a call under grad, and describe them: what each
+    stage holds at most, the bubble at equal costs, and the grid. Under GPipe the backward starts at
+    the driver; under the others at the model's loss on the last stage, and the call ends with the
+    loss's scale.
 
     >>> print(checked("1f1b", 2, 2).splitlines()[0])
     schedule '1f1b' over 2 stages, 2 micro-batches (a stage holds at most 2, 1 of them; bubble 25% at equal costs):
     """
     lists = build(schedule, stages, microbatches)
     validate(lists)
-    steps = build(schedule, stages, microbatches, scale=schedule != "gpipe", step=True)
-    validate(steps)
     peaks = ", ".join(str(peak_in_flight(row)) for row in lists)
     return (
         f"schedule {schedule!r} over {stages} stages, {microbatches} micro-batches (a stage holds at most {peaks} "
-        f"of them; bubble {100 * simulate(lists).bubble:.0f}% at equal costs):\n{format_grid(steps)}"
+        f"of them; bubble {100 * simulate(lists).bubble:.0f}% at equal costs):\n{format_grid(lists)}"
     )

@@ -30,9 +30,12 @@ def test_every_schedule_is_valid_and_runs_each_action_once(name, stages, microba
     lists = schedule.build(name, stages, microbatches)
     schedule.validate(lists)
     for s, row in enumerate(lists):
-        assert sorted((a.kind, a.mb) for a in row) == sorted((k, mb) for k in "FBW" for mb in range(microbatches)), (
-            f"stage {s}"
-        )
+        assert sorted((a.kind, a.mb) for a in row if a.mb is not None) == sorted(
+            (k, mb) for k in "FBW" for mb in range(microbatches)
+        ), f"stage {s}"
+        once = [str(a) for a in row if a.mb is None]
+        assert once == ([] if name == "gpipe" else [f"{s}S"]), once  # an early call ends with the loss's scale
+        assert name == "gpipe" or row[-1] == Action(s, schedule.SCALE)
 
 
 @pytest.mark.parametrize("stages,microbatches", [(2, 4), (4, 8), (4, 16), (3, 2)])
@@ -60,13 +63,15 @@ def test_actions_print_and_parse_as_torch_pipelining_writes_them():
 
 
 def test_every_kind_a_stage_runs_is_one_letter_of_the_schedule_that_prints_and_parses():
-    """F, B, W, the loss's scale, zero_grad, the optimizer's step and a decoding step: one vocabulary."""
-    assert list(schedule.KINDS) == ["F", "B", "W", "S", "Z", "O", "D"]
+    """F, B, W, the loss's scale and a decoding step: one vocabulary. zero_grad and the optimizer's
+    step are the driver's requests, no action of a call's list (a step may follow several calls)."""
+    assert list(schedule.KINDS) == ["F", "B", "W", "S", "D"]
     for kind in schedule.KINDS:
         action = Action(3, kind, 1 if kind in schedule.PER_MICROBATCH else None)
         assert schedule.parse(str(action)) == action
-    assert [str(Action(0, k)) for k in "SZO"] == ["0S", "0Z", "0O"] and str(Action(1, "D", 4)) == "1D4"
-    for text in ("2S0", "2F", "2O1", "2D"):  # a micro-batch where the kind runs once a call, or none where it needs one
+    assert str(Action(0, "S")) == "0S" and str(Action(1, "D", 4)) == "1D4"
+    # A micro-batch where the kind runs once a call, none where it needs one, and no action at all.
+    for text in ("2S0", "2F", "2Z", "2O", "2D"):
         with pytest.raises(ScheduleError, match=f"'{text}' is no action"):
             schedule.parse(text)
 
@@ -87,15 +92,9 @@ def _lists(*rows: str) -> list[list[Action]]:
             ("0F0 0B0 0W0 0F1 0B1 0W1", "1F0 1F1 1B0 1W0 1B1 1W1"),
             "waits forever: 0B0 waits for 0F0 and 1B0, 1F1 waits for 0F1",
         ),
-        # The kinds that run once a call or a step.
+        # The loss's scale, once a call.
         (("0F0 0B0 0S 0W0", "1F0 1B0 1W0 1S"), "stage 0 runs 0S before 0W0: the loss's scale multiplies every"),
         (("0F0 0S", "1F0 1S"), "stage 0 never runs 0B0"),
-        (("0F0 0Z 0B0 0W0 0S", "1F0 1B0 1W0 1S 1Z"), "stage 1 runs 1Z after 1S, clearing the gradient it added"),
-        (("0F0 0B0 0Z 0W0", "1F0 1Z 1B0 1W0"), "stage 0 runs 0Z after 0B0, clearing the gradient it added"),
-        (
-            ("0F0 0Z 0B0 0O 0W0", "1F0 1Z 1B0 1W0 1O"),
-            "stage 0 steps \\(0O\\) before 0W0: the step needs every gradient",
-        ),
         (("0D0 0F0", "1D0"), "stage 0 runs 0F0 in a decoding step's list, which runs D's alone"),
         (("0D0 0D1", "1D1"), "stage 1 never runs 1D0"),
         (("0D0", "1D0 1S"), "stage 1 runs 1S in a decoding step's list, which runs D's alone"),
@@ -108,24 +107,22 @@ def test_the_validator_names_what_is_wrong_and_draws_the_grid(rows, match):
 
 
 @pytest.mark.parametrize("name", schedule.SCHEDULES)
-@pytest.mark.parametrize("stages,microbatches", [(1, 1), (2, 1), (2, 4), (3, 2), (4, 8)])
-def test_a_training_step_places_zero_grad_the_loss_scale_and_the_step_where_they_may_run(name, stages, microbatches):
-    early = name != "gpipe"
-    lists = schedule.build(name, stages, microbatches, scale=early, step=True)
-    schedule.validate(lists)
-    for s, row in enumerate(lists):
-        once = [str(a) for a in row if a.mb is None]
-        assert once == ([f"{s}Z", f"{s}S", f"{s}O"] if early else [f"{s}Z", f"{s}O"]), once
-        assert str(row[-1]) == f"{s}O"
-    assert f"{stages - 1}O" in schedule.checked(name, stages, microbatches)  # the driver logs the step
+def test_the_grid_the_driver_logs_is_the_call_as_its_stages_run_it(name):
+    """Under GPipe the backward starts at the driver; under the others at the loss on the last
+    stage, and each stage's list ends with the loss's scale."""
+    text = schedule.checked(name, 2, 4)
+    assert ("1S" in text and "0S" in text) == (name != "gpipe"), text
+    assert "1B3" in text and "0W3" in text
 
 
 def test_a_backward_that_starts_at_the_driver_cannot_run_1f1b_and_the_validator_says_why():
     """Under 1F1B the last stage runs B0 before F1: a backward that waits for the driver's gradient
-    (which comes once every forward has returned, as zero_grad does) never could."""
-    with pytest.raises(ScheduleError, match="waits forever: .*1Z waits for 1F0 and 1F1"):
-        schedule.validate(schedule.build("1f1b", 2, 2, step=True))
-    schedule.validate(schedule.build("gpipe", 2, 2, step=True))
+    (which comes once every forward has returned) never could; GPipe's can, and 1F1B's that starts
+    at the loss on the last stage."""
+    with pytest.raises(ScheduleError, match="waits forever: .*1B0 waits for 1F0 and 1F1"):
+        schedule.validate(schedule.build("1f1b", 2, 2, scale=False))
+    schedule.validate(schedule.build("gpipe", 2, 2, scale=False))
+    schedule.validate(schedule.build("1f1b", 2, 2, scale=True))
 
 
 def test_a_decoding_step_runs_each_micro_batch_through_the_stages_in_turn():

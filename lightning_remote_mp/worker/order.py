@@ -8,10 +8,10 @@ request the driver sent after a loss's gradient (`requests.LossGrad`), until the
 part of that call's backward and applied it (`Order.park`): the optimizer's step on those
 gradients, and the next call's forward, come right behind it. `Order.run` runs each request in its
 turn: a micro-batch through its stage's `lightning_remote_mp.worker.runtime.StageRuntime`, which
-decides when each action runs. ``zero_grad`` (Z) and the optimizer's step (O) are actions of the
-schedule's vocabulary too, but of no call's list (a step may follow several calls);
-`schedule.training_step` draws where they fall. The driver's side of this order is
-`lightning_remote_mp.wire.transport.Connection`'s.
+decides when each action runs. ``zero_grad`` and the optimizer's step are requests, not actions of
+a call's list (`lightning_remote_mp.schedule`): a step may follow several calls, as Lightning's loop
+decides, so they run in their turn here. The driver's side of this order is
+`lightning_remote_mp.wire.request_order.RequestOrder`.
 
 What the message-saving parts buy, measured (`benchmarks/README.md`, sections 1h and 1j): carrying
 the driver's requests along the pipeline, the unwaited backward and `LossGrad` together 10-15% of a
