@@ -9,7 +9,7 @@ import torch
 from lightning_remote_mp.errors import ProtocolError
 from lightning_remote_mp.flow import DRIVER
 from lightning_remote_mp.wire import protocol
-from lightning_remote_mp.wire.messages import Backward, Forward
+from lightning_remote_mp.wire.messages import Backward, Forward, Generation
 
 
 def _through_the_wire(kind: str, body: dict) -> dict:
@@ -65,20 +65,21 @@ def test_a_backward_brings_the_gradients_of_the_losses_the_last_stage_computed()
 
 
 GOOD = {"key": "net", "call": 1, "mb": 0, "from": 0, "x": torch.ones(1)}
+GOOD_BACKWARD = {k: v for k, v in GOOD.items() if k != "x"}  # a field a backward has not: refused
 
 
 @pytest.mark.parametrize(
     "change, match",
     [
-        ({"key": 5}, "field 'key' must be a str, got int"),
-        ({"call": "1"}, "field 'call' must be an int, got str"),
-        ({"mb": True}, "field 'mb' must be an int, got bool"),
+        ({"key": 5}, "field 'key': expected a str, got an int"),
+        ({"call": "1"}, "field 'call': expected an int, got a str"),
+        ({"mb": True}, "field 'mb': expected an int, got a bool"),
         ({"from": None}, "field 'from' is missing"),
         ({"x": "tensor"}, "'x' must be a tensor or a tuple of tensors"),
         ({"x": (torch.ones(1), 3)}, "'x' must be a tensor or a tuple of tensors"),
-        ({"vars": {"a": 3}}, "'vars' must map names to tensors"),
-        ({"vars": [torch.ones(1)]}, "field 'vars' must be a dict"),
-        ({"requires_grad": {"x": "yes"}}, "'requires_grad' must map names to bools"),
+        ({"vars": {"a": 3}}, r"field 'vars\[...\]': expected a tensor, got int"),
+        ({"vars": [torch.ones(1)]}, "field 'vars': expected a dict, got a list"),
+        ({"requires_grad": {"x": "yes"}}, r"field 'requires_grad\[...\]': expected a bool or a list, got a str"),
         ({"autocast": {"enabled": True, "dtype": "float16"}}, "'autocast' must be"),
         ({"autocast": {"enabled": 1, "dtype": None}}, "'autocast' must be"),
         # The schedule alone picks a stage's plan: it comes with the loss's output, under grad.
@@ -96,9 +97,9 @@ def test_a_malformed_forward_is_refused_naming_the_field(change, match):
     "body, match",
     [
         ([1, 2], "the body must be a dict"),
-        ({**GOOD, "grad_out": [1.0]}, "'grad_out' must be a tensor, a tuple of tensors or None"),
-        ({**GOOD, "grads": {"a": "b"}}, "'grads' must map names to tensors"),
-        ({**GOOD, "action": "W"}, "field 'action' must be one of 'B', 'S', got 'W'"),
+        ({**GOOD_BACKWARD, "grad_out": [1.0]}, "'grad_out' must be a tensor, a tuple of tensors or None"),
+        ({**GOOD_BACKWARD, "grads": {"a": "b"}}, r"field 'grads\[...\]': expected a tensor, got str"),
+        ({**GOOD_BACKWARD, "action": "W"}, "field 'action' must be 'B' or 'S'"),
     ],
 )
 def test_a_malformed_backward_is_refused_naming_the_field(body, match):
@@ -159,7 +160,7 @@ def test_the_wire_format_of_pipelined_messages_is_pinned():
         "the driver's scale": Backward(key="net", call=3, mb=1, sender=-1, action="S", grad_out=t, microbatches=4),
         "scale": Backward(key="net", call=3, mb=1, sender=1, action="S", scale=torch.tensor(0.25), microbatches=4),
         # A step of generate(): the stage's cache of generation 7 (134 tokens), its rows reordered first.
-        "generation step": Forward(key="net", call=3, mb=1, sender=0, x=t, generation=[7, 134, [1, 0]]),
+        "generation step": Forward(key="net", call=3, mb=1, sender=0, x=t, generation=Generation(7, 134, [1, 0])),
     }
     got = {}
     for name, msg in messages.items():

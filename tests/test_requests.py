@@ -3,6 +3,8 @@ through the real codec, and a malformed body is refused naming the kind and the 
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import zmq
@@ -155,48 +157,124 @@ GOOD_SETUP = SETUP.body()
     [
         (Setup, [1, 2], "setup message: the body must be a dict"),
         (Setup, {"key": "net"}, "setup message: field 'stage' is missing"),
-        (Setup, {**GOOD_SETUP, "stage": "1"}, "setup message: field 'stage' must be an int, got str"),
+        (Setup, {**GOOD_SETUP, "stage": "1"}, re.escape("setup message: field 'stage': expected an int, got a str")),
         (Setup, {**GOOD_SETUP, "stages": None}, "setup message: field 'stages' is missing"),
-        (Setup, {**GOOD_SETUP, "stages": 0}, "setup message: field 'stages' must be at least 1, got 0"),
+        (Setup, {**GOOD_SETUP, "stages": 0}, re.escape("setup message: field 'stages': expected an int >= 1")),
         (Setup, {**GOOD_SETUP, "stages": 1}, "field 'stage' must be in \\[0, stages=1\\), got 1"),
-        (Setup, {**GOOD_SETUP, "entries": {}}, "setup message: field 'entries' must be a list, got dict"),
-        (Setup, {**GOOD_SETUP, "exports": ["a", 1]}, "field 'exports' must be a list of variable names; item 1"),
-        (Setup, {**GOOD_SETUP, "sources": [[0, "res"]]}, "field 'sources' must be a list of \\[stage, \\[variable"),
-        (Setup, {**GOOD_SETUP, "targets": [[True, []]]}, "field 'targets' must be a list of \\[stage"),
-        (Setup, {**GOOD_SETUP, "peers": {"0": "tcp://a:1"}}, "field 'peers' must map stage numbers to addresses"),
+        (
+            Setup,
+            {**GOOD_SETUP, "entries": {}},
+            re.escape("setup message: field 'entries': expected a list, got a dict"),
+        ),
+        (
+            Setup,
+            {**GOOD_SETUP, "exports": ["a", 1]},
+            re.escape("setup message: field 'exports[1]': expected a str, got an int"),
+        ),
+        (Setup, {**GOOD_SETUP, "sources": [[0, "res"]]}, r"field 'sources\[0\]\[1\]': expected a list, got a str"),
+        (Setup, {**GOOD_SETUP, "targets": [[True, []]]}, r"field 'targets\[0\]\[0\]': expected an int, got a bool"),
+        (
+            Setup,
+            {**GOOD_SETUP, "peers": {"0": "tcp://a:1"}},
+            re.escape("setup message: field 'peers': a key: expected an int, got a str"),
+        ),
         (Setup, {**GOOD_SETUP, "peer_keys": {5: PEER_KEY}}, "field 'peer_keys' must map stages in 'peers'"),
         (Setup, {**GOOD_SETUP, "peer_keys": {0: "short"}}, "field 'peer_keys' must map stages in 'peers' to 40-char"),
-        (Setup, {**GOOD_SETUP, "state": {"3.weight": b"\x80"}}, "field 'state' must map names to tensors"),
+        (
+            Setup,
+            {**GOOD_SETUP, "state": {"3.weight": b"\x80"}},
+            re.escape("setup message: field 'state[...]': expected a tensor, got bytes"),
+        ),
         (Setup, {**GOOD_SETUP, "state": None}, "'files', an 'init_seed', or the stage it 'borrows'"),
-        (Setup, {**GOOD_SETUP, "seed": -1}, "setup message: field 'seed' must be in \\[0, 2\\*\\*63\\)"),
-        (Setup, {**GOOD_SETUP, "split_backward": 1}, "field 'split_backward' must be a bool or 'auto', got 1"),
-        (Setup, {**GOOD_SETUP, "split_backward": "always"}, "field 'split_backward' must be a bool or 'auto', got 'a"),
-        (Setup, {**GOOD_SETUP, "code_digests": [1]}, "field 'code_digests' must be a dict, got list"),
-        (Setup, {**GOOD_SETUP, "code_digests": {1: 2}}, "field 'code_digests' must map module names to digests"),
-        (Setup, {**GOOD_SETUP, "frozen": 5}, "setup message: field 'frozen' must be a list, got int"),
-        (Release, {"calls": {"net": [1, "2"]}}, "release message: field 'calls' must map keys to lists of calls"),
+        (Setup, {**GOOD_SETUP, "seed": -1}, "setup message: field 'seed': expected an int >= 0"),
+        (
+            Setup,
+            {**GOOD_SETUP, "split_backward": 1},
+            re.escape("setup message: field 'split_backward': expected a bool or a str, got an int"),
+        ),
+        (
+            Setup,
+            {**GOOD_SETUP, "split_backward": "always"},
+            re.escape("setup message: field 'split_backward': invalid enum value 'always'"),
+        ),
+        (
+            Setup,
+            {**GOOD_SETUP, "code_digests": [1]},
+            re.escape("setup message: field 'code_digests': expected a dict, got a list"),
+        ),
+        (
+            Setup,
+            {**GOOD_SETUP, "code_digests": {1: 2}},
+            re.escape("setup message: field 'code_digests': a key: expected a str, got an int"),
+        ),
+        (Setup, {**GOOD_SETUP, "frozen": 5}, re.escape("setup message: field 'frozen': expected a list, got an int")),
+        (
+            Release,
+            {"calls": {"net": [1, "2"]}},
+            re.escape("release message: field 'calls[...][1]': expected an int, got a str"),
+        ),
         (GetState, [1], "get_state message: the body must be a dict"),
-        (LoadState, {"state": {"net": {"0.w": 3}}}, "load_state message: field 'state' must map keys to {name: tens"),
-        (Profile, {"entries": [], "repeats": "3"}, "profile message: field 'repeats' must be an int, got str"),
-        (OptimCreate, {"index": 0, "cls": 1}, "optim_create message: field 'cls' must be a str, got int"),
+        (
+            LoadState,
+            {"state": {"net": {"0.w": 3}}},
+            re.escape("load_state message: field 'state[...][...]': expected a tensor, got int"),
+        ),
+        (
+            Profile,
+            {"entries": [], "repeats": "3"},
+            re.escape("profile message: field 'repeats': expected an int or None, got a str"),
+        ),
+        (
+            OptimCreate,
+            {"index": 0, "cls": 1},
+            re.escape("optim_create message: field 'cls': expected a str, got an int"),
+        ),
         (
             OptimCreate,
             {"index": 0, "cls": "torch.optim.SGD", "defaults": {}, "groups": [{"lr": 0.1}]},
             "optim_create message: field 'groups' must be a list of hyperparameter dicts with a 'params' list",
         ),
-        (OptimStep, {"index": 0, "hparams": [{"lr": 0.1}, 3]}, "optim_step message: field 'hparams' must be a list"),
-        (ZeroGrad, {"index": 0, "set_to_none": "yes"}, "zero_grad message: field 'set_to_none' must be a bool"),
-        (GetOptimState, {"index": True}, "get_optim_state message: field 'index' must be an int, got bool"),
-        (LoadOptimState, {"index": 0, "state": {"w": 3}}, "load_optim_state message: field 'state' must map param"),
+        (
+            OptimStep,
+            {"index": 0, "hparams": [{"lr": 0.1}, 3]},
+            re.escape("optim_step message: field 'hparams[1]': expected a dict, got an int"),
+        ),
+        (
+            ZeroGrad,
+            {"index": 0, "set_to_none": "yes"},
+            re.escape("zero_grad message: field 'set_to_none': expected a bool, got a str"),
+        ),
+        (
+            GetOptimState,
+            {"index": True},
+            re.escape("get_optim_state message: field 'index': expected an int, got a bool"),
+        ),
+        (
+            LoadOptimState,
+            {"index": 0, "state": {"w": 3}},
+            re.escape("load_optim_state message: field 'state[...]': expected a dict, got an int"),
+        ),
         (Grads, {"index": 0, "op": "explode"}, "grads message: field 'op' must be one of 'norms', 'scale'"),
-        (Grads, {"index": 0, "op": "norms", "norm_type": True}, "grads message: field 'norm_type' must be a number"),
-        (Grads, {"index": 0, "op": "scale", "coef": 0.5}, "grads message: field 'coef' must be a Tensor, got float"),
+        (
+            Grads,
+            {"index": 0, "op": "norms", "norm_type": True},
+            re.escape("grads message: field 'norm_type': expected a float, got a bool"),
+        ),
+        (
+            Grads,
+            {"index": 0, "op": "scale", "coef": 0.5},
+            re.escape("grads message: field 'coef': expected a tensor, got float"),
+        ),
         (Grads, {"index": 0, "op": "scale", "coef": torch.ones(2)}, "'coef' must be a floating-point scalar tensor"),
         (Grads, {"index": 0, "op": "clamp"}, "grads message: field 'value' is missing"),
         (Grads, {"index": 0}, "grads message: field 'op' is missing"),
-        (Timeline, {"op": "rewind"}, "timeline message: field 'op' must be one of 'start', 'stop', 'fetch', 'clock'"),
-        (GroupInit, {"op": "leave"}, "group message: field 'op' must be one of 'init', got 'leave'"),
-        (GroupInit, {**GroupInit("h", 1, "p", 0, 1, "gloo", 1.0).body(), "port": "1"}, "field 'port' must be an int"),
+        (Timeline, {"op": "rewind"}, re.escape("timeline message: field 'op': invalid enum value 'rewind'")),
+        (GroupInit, {"op": "leave"}, re.escape("group message: field 'op': invalid value 'leave'")),
+        (
+            GroupInit,
+            {**GroupInit("h", 1, "p", 0, 1, "gloo", 1.0).body(), "port": "1"},
+            re.escape("group message: field 'port': expected an int, got a str"),
+        ),
     ],
 )
 def test_a_malformed_request_is_refused_naming_the_kind_and_the_field(cls, body, match):
@@ -361,5 +439,5 @@ def test_a_tensor_read_from_a_carried_request_owns_its_memory():
 @pytest.mark.parametrize("toward", [True, 1.0, torch.ones(2), 2])
 def test_a_carry_goes_one_stage_down_or_up_and_nothing_else(toward):
     body = {"key": "net", "call": 4, "from": 0, "toward": toward, "requests": {}}
-    with pytest.raises(ProtocolError, match="carry message: field 'toward' must be 1 or -1"):
+    with pytest.raises(ProtocolError, match="carry message: field 'toward': (expected an int|invalid enum value 2)"):
         Carry.from_body(_through_the_wire(protocol.CARRY, body))

@@ -13,7 +13,6 @@ HELLO on, and `close` says goodbye. What is placed on the workers, and how, is t
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
 import socket
@@ -208,7 +207,7 @@ class WorkerLinks:
             limits=self.conns[0].limits if self.conns else protocol.DEFAULT_LIMITS,
         )
         deadline = time.monotonic() + timeout
-        bodies = {id(c): dataclasses.replace(hello, seal_key=c.order.seal_key).body() for c in self.conns}
+        bodies = {id(c): hello.replace(seal_key=c.order.seal_key).body() for c in self.conns}
         pending = {id(c): (c, c.send(protocol.HELLO, bodies[id(c)])) for c in self.conns}
         replies: dict[int, dict[str, Any]] = {}
         looked_again: set[int] = set()  # busy workers already asked a second time

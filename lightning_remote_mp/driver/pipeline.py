@@ -37,7 +37,7 @@ from lightning_remote_mp.model.partition import Stage
 from lightning_remote_mp.model.spec import Keep
 from lightning_remote_mp.wire import protocol, request_order
 from lightning_remote_mp.wire.collect import gather
-from lightning_remote_mp.wire.messages import Backward, Forward
+from lightning_remote_mp.wire.messages import Backward, Forward, Generation
 from lightning_remote_mp.wire.requests import Fetch, Release
 from lightning_remote_mp.wire.transport import Connection, request_all
 
@@ -123,7 +123,7 @@ def _generation_steps(generation: tuple[int, int, torch.Tensor | None] | None, s
                     f"{start}-{start + size - 1} take rows from elsewhere), whose caches are on other stages' "
                     "micro-batches: use a number of micro-batches and replicas that divides the number of prompts"
                 )
-        out.append([ident, capacity, local])
+        out.append(Generation(ident, capacity, local))
         start += size
     return out
 

@@ -14,12 +14,14 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import hmac
-from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar
+from collections.abc import Sequence
+from typing import Any, ClassVar, Literal
+
+import msgspec
 
 from lightning_remote_mp.errors import ProtocolError
 from lightning_remote_mp.wire import protocol
-from lightning_remote_mp.wire.fields import INT, STR, Body, field, is_direction, must, refuse
+from lightning_remote_mp.wire.body import Body, refuse
 from lightning_remote_mp.wire.requests import LossGrad, OptimStep, Release, ZeroGrad
 
 #: The requests a `Carry` may bring, by kind (`protocol.CARRIED_KINDS`).
@@ -98,7 +100,7 @@ class Carried:
 def _carried(kind: str, name: str, value: Any) -> dict[int, tuple[Carried, ...]]:
     """``{stage: [[after, frames, seal], ...]}``, ids rising, each request's frames decoded and read
     as its kind's request (its seal is checked by the worker it is for: `Carried.sealed_by`). Read
-    here alone, as a pipelined message is in `lightning_remote_mp.wire.fields`: a stage reads one
+    here alone, as a pipelined message is in `lightning_remote_mp.wire.body`: a stage reads one
     with every call's micro-batches."""
     if not isinstance(value, dict):
         raise refuse(kind, f"field {name!r} must be a dict, got {type(value).__name__}")
@@ -143,8 +145,7 @@ def _carried(kind: str, name: str, value: Any) -> dict[int, tuple[Carried, ...]]
     return out
 
 
-@dataclasses.dataclass(frozen=True)
-class Carry(Body):
+class Carry(Body, frozen=True):
     """CARRY: the driver's quiet requests (`protocol.CARRIED_KINDS`: the optimizer's step,
     zero_grad, releases) for the stages of one pipeline, travelling with its micro-batches instead of one
     message per worker: the driver bundles one with a call's forward (to stage 0) or backward (to
@@ -164,11 +165,18 @@ class Carry(Body):
     """
 
     KIND: ClassVar[str] = protocol.CARRY
+    WRITE: ClassVar[dict[str, Any]] = {
+        "requests": lambda m: {stage: [c.wire() for c in entries] for stage, entries in m.items()}
+    }
 
-    key: str = field(STR)
-    call: int = field(INT)
-    sender: int = field(INT, wire="from")
-    toward: int = field(must(is_direction, "field 'toward' must be 1 or -1"))
-    requests: Mapping[int, Sequence[Carried]] = field(
-        _carried, write=lambda m: {stage: [c.wire() for c in entries] for stage, entries in m.items()}
-    )
+    key: str
+    call: int
+    sender: int = msgspec.field(name="from")
+    toward: Literal[1, -1]
+    requests: dict[int, Any]  # by stage, its `Carried` requests (as lists on the wire, read by `_carried`)
+
+    @classmethod
+    def from_body(cls, body: Any) -> Carry:  # type: ignore[override]
+        """A received body, checked, each request decoded and read as its kind's (`_carried`)."""
+        carry = super().from_body(body)
+        return carry.replace(requests=_carried(cls.KIND, "requests", carry.requests))

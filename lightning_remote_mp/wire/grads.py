@@ -9,76 +9,72 @@ GradClamp(index=0, value=0.5)
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, ClassVar
 
 import torch
 
 from lightning_remote_mp.wire import protocol
-from lightning_remote_mp.wire.fields import INT, TENSOR, Body, choice, field, number, refuse
-
-_INDEX = field(INT)  # the optimizer's position among the driver's optimizers
+from lightning_remote_mp.wire.body import Body, refuse
 
 
-def _grad_op(kind: str, name: str, value: Any) -> str:
-    return choice(list(_GRAD_OPS))(kind, name, value)
-
-
-@dataclasses.dataclass(frozen=True)
-class Grads(Body):
+class Grads(Body, frozen=True, tag_field="op"):
     """GRADS: one operation on the gradients of optimizer ``index``'s parameters, for clipping and
     replicas across workers. The operations are its subclasses (`GradNorms`, `GradScale`,
-    `GradClamp`, `GradAllreduce`), each named by its ``op``; `from_body` returns the one a body's
-    ``op`` names."""
+    `GradClamp`, `GradAllreduce`), each named by its ``op`` (its tag); `from_body` returns the one a
+    body's ``op`` names."""
 
     KIND: ClassVar[str] = protocol.GRADS
 
-    index: int = _INDEX
-    op: str = field(_grad_op, init=False, repr=False)
+    index: int
+
+    def body(self) -> dict[str, Any] | None:
+        written = super().body() or {}
+        return {"index": written.pop("index"), "op": type(self).OP, **written}
 
     @classmethod
     def from_body(cls, body: Any) -> Grads:  # type: ignore[override]
         """A received body, checked, as the operation it names; raises `ProtocolError` if it is malformed."""
         if cls is not Grads:
             return super().from_body(body)
-        return _GRAD_OPS[cls._read(body)["op"]].from_body(body)
+        if not isinstance(body, dict):
+            raise refuse(cls.KIND, "the body must be a dict")
+        op = body.get("op")
+        if op is None:
+            raise refuse(cls.KIND, "field 'op' is missing")
+        if op not in _GRAD_OPS:
+            raise refuse(cls.KIND, f"field 'op' must be one of {', '.join(map(repr, _GRAD_OPS))}, got {op!r:.40}")
+        return _GRAD_OPS[op].from_body(body)
 
 
-@dataclasses.dataclass(frozen=True)
-class GradNorms(Grads):
+class GradNorms(Grads, frozen=True, tag="norms"):
     """``op="norms"``: each gradient's ``norm_type`` norm (for ``clip_grad_norm_`` across stages)."""
 
-    op: str = field(_grad_op, default="norms", init=False, repr=False)
-    norm_type: float = field(number)
+    OP: ClassVar[str] = "norms"
+    norm_type: float
 
 
-def _coef(kind: str, name: str, value: Any) -> torch.Tensor:
-    if TENSOR(kind, name, value).dim() != 0 or not value.is_floating_point():
-        raise refuse(kind, f"field {name!r} must be a floating-point scalar tensor")
-    return value
-
-
-@dataclasses.dataclass(frozen=True)
-class GradScale(Grads):
+class GradScale(Grads, frozen=True, tag="scale"):
     """``op="scale"``: multiply every gradient by ``coef``, a scalar tensor (the clipping coefficient)."""
 
-    op: str = field(_grad_op, default="scale", init=False, repr=False)
-    coef: torch.Tensor = field(_coef)
+    OP: ClassVar[str] = "scale"
+    coef: torch.Tensor
+
+    def __post_init__(self) -> None:
+        if self.coef.dim() != 0 or not self.coef.is_floating_point():
+            raise ValueError("field 'coef' must be a floating-point scalar tensor")
 
 
-@dataclasses.dataclass(frozen=True)
-class GradClamp(Grads):
+class GradClamp(Grads, frozen=True, tag="clamp"):
     """``op="clamp"``: clamp every gradient to ``[-value, value]`` (``clip_grad_value_``)."""
 
-    op: str = field(_grad_op, default="clamp", init=False, repr=False)
-    value: float = field(number)
+    OP: ClassVar[str] = "clamp"
+    value: float
 
 
-@dataclasses.dataclass(frozen=True)
-class GradAllreduce(Grads):
+class GradAllreduce(Grads, frozen=True, tag="allreduce"):
     """``op="allreduce"``: sum the gradients over the stage's replicas (`GroupInit` joined them)."""
 
-    op: str = field(_grad_op, default="allreduce", init=False, repr=False)
+    OP: ClassVar[str] = "allreduce"
 
 
-_GRAD_OPS: dict[str, type[Grads]] = {c.op: c for c in (GradNorms, GradScale, GradClamp, GradAllreduce)}  # type: ignore[misc]
+_GRAD_OPS: dict[str, type[Grads]] = {c.OP: c for c in (GradNorms, GradScale, GradClamp, GradAllreduce)}  # type: ignore[attr-defined]

@@ -5,7 +5,7 @@ driver and the stages, built on one side and checked once on the other.
 `Forward` travels from the driver to stage 0, from stage to stage (the main value to the next
 stage, residual variables to the stages that import them) and, as a RESULT, from the last stage
 back to the driver. A `Backward` travels the other way, and stage 0's reaches the driver as DONE.
-Their fields are declared once (`lightning_remote_mp.wire.fields`): `from_body` is the only place a
+Their fields are declared once, as types (`lightning_remote_mp.wire.body`): `from_body` is the only place a
 received body is checked, and a malformed one raises `lightning_remote_mp.errors.ProtocolError`
 whoever sent it; nothing in it is executed.
 
@@ -16,64 +16,36 @@ whoever sent it; nothing in it is executed.
 >>> Forward.from_body({"key": "net", "call": "3"})
 Traceback (most recent call last):
 ...
-lightning_remote_mp.errors.ProtocolError: forward message: field 'call' must be an int, got str
+lightning_remote_mp.errors.ProtocolError: forward message: field 'call': expected an int, got a str
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, ClassVar
 
+import msgspec
 import torch
 
 from lightning_remote_mp.flow import is_main
-from lightning_remote_mp.schedule import BACKWARD, SCALE
+from lightning_remote_mp.schedule import BACKWARD, SCALE, SCHEDULES
 from lightning_remote_mp.wire import protocol
-from lightning_remote_mp.wire.fields import (
-    INT,
-    STR,
-    Body,
-    bool_or_list_or_none,
-    choice,
-    count,
-    field,
-    float_or_none,
-    is_autocast,
-    is_bool,
-    is_flag,
-    is_grad_out,
-    is_index,
-    is_int,
-    is_scalar,
-    is_schedule,
-    is_shape,
-    is_str,
-    is_tensor_or_none,
-    lenient,
-    list_of,
-    map_of,
-    must,
-    refuse,
-    true_only,
-)
+from lightning_remote_mp.wire.body import Body, Count, Index, plain
+
+#: A flag of ``requires_grad``: a bool per variable, and for the main value a bool or one per element.
+Flag = bool | list[bool]
 
 
-def _tensors() -> Any:
-    """A ``{name: tensor}`` field (values may be ``None`` where no gradient exists)."""
-    return field(map_of(is_str, is_tensor_or_none, "names to tensors"), default_factory=dict, write=dict)
+class Generation(msgspec.Struct, array_like=True, frozen=True):
+    """A step of a generation (`Forward.generation`), ``[id, capacity, rows]`` on the wire: its id,
+    how many tokens its cache holds, and before this step, beam search's new order of the
+    micro-batch's rows (or ``None``)."""
+
+    id: Index
+    capacity: int
+    rows: list[Index] | None = None
 
 
-def is_generation(value: Any) -> bool:
-    """A step of a generation: ``[id, capacity, reorder]``, its id, how many tokens its cache holds,
-    and before this step, beam search's new order of the micro-batch's rows (or ``None``)."""
-    if not (isinstance(value, list) and len(value) == 3 and is_index(value[0]) and type(value[1]) is int):
-        return False
-    rows = value[2]
-    return rows is None or (isinstance(rows, list) and all(type(r) is int and r >= 0 for r in rows))
-
-
-@dataclasses.dataclass(frozen=True)
-class _Pipelined(Body):
+class _Pipelined(Body, frozen=True):
     """What every pipelined message carries: whose micro-batch it is and who sent it.
 
     Attributes:
@@ -91,19 +63,16 @@ class _Pipelined(Body):
             it goes on, and each message costs both sides a send and a wake-up. Stages pass it on.
     """
 
-    key: str = field(STR)
-    call: int = field(INT)
-    mb: int = field(INT)
-    sender: int = field(INT, wire="from")
-    sent_at: float | None = field(lenient(float_or_none), default=None)
-    fence: dict[int, int] = field(
-        map_of(is_int, is_index, "stage numbers to request ids"), default_factory=dict, write=dict
-    )
-    microbatches: int = field(count, default=1)
+    key: str
+    call: int
+    mb: int
+    sender: int = msgspec.field(name="from")
+    sent_at: float | None = None
+    fence: dict[int, Index] = {}
+    microbatches: Count = 1
 
 
-@dataclasses.dataclass(frozen=True)
-class Forward(_Pipelined):
+class Forward(_Pipelined, frozen=True):
     """One micro-batch's forward input to a stage (or a stage's output, to the next or the driver).
 
     Attributes:
@@ -113,7 +82,7 @@ class Forward(_Pipelined):
         vars: the residual variables this receiver imports from the sender.
         requires_grad: which of ``x`` (key ``"x"``) and ``vars`` need a gradient back.
         grad: whether the forward runs under grad (the stages keep what backward needs).
-        autocast: the driver's autocast state (``{"enabled", "dtype"}``), or ``None``.
+        autocast: the driver's autocast state (``{"enabled": bool, "dtype": a torch dtype or None}``), or ``None``.
         modes: the driver-side layers' train/eval flags (`lightning_remote_mp.model.spec.Modes`).
         checkpoint: recompute this micro-batch's forward at backward.
         keep: for the model's output (the last stage's), which elements the last stage keeps
@@ -133,40 +102,58 @@ class Forward(_Pipelined):
     """
 
     KIND: ClassVar[str] = protocol.FORWARD
+    OMIT_NONE: ClassVar[frozenset[str]] = frozenset({"keep", "shapes", "schedule", "loss_output", "generation"})
+    WRITE: ClassVar[dict[str, Any]] = {
+        "vars": plain,
+        "requires_grad": plain,
+        "fence": plain,
+        "generation": lambda g: [g.id, g.capacity, g.rows],
+    }
 
-    x: Any = field(must(is_main, "'x' must be a tensor or a tuple of tensors"), default=None)
-    vars: dict[str, Any] = _tensors()
-    requires_grad: dict[str, Any] = field(map_of(is_str, is_flag, "names to bools"), default_factory=dict, write=dict)
-    grad: bool = field(lenient(true_only), default=False)
-    autocast: dict[str, Any] | None = field(
-        must(is_autocast, "'autocast' must be {'enabled': bool, 'dtype': a torch dtype}"), default=None
-    )
-    modes: bool | list[Any] | None = field(lenient(bool_or_list_or_none), default=None)
-    checkpoint: bool = field(lenient(true_only), default=False)
-    keep: list[bool] | None = field(list_of(is_bool, "bools"), default=None, omit_none=True)
-    shapes: dict[int, list[int]] | None = field(
-        map_of(is_int, is_shape, "output positions to shapes"), default=None, omit_none=True
-    )
-    schedule: str | None = field(must(is_schedule, "'schedule' must name a schedule"), default=None, omit_none=True)
-    loss_output: int | None = field(
-        must(is_index, "'loss_output' must be an output position"), default=None, omit_none=True
-    )
-    generation: list[Any] | None = field(
-        must(is_generation, "'generation' must be [id, capacity, rows or None]"), default=None, omit_none=True
-    )
+    x: Any = None
+    vars: dict[str, torch.Tensor | None] = {}
+    requires_grad: dict[str, Flag] = {}
+    grad: bool = False
+    autocast: dict[str, Any] | None = None
+    modes: bool | list[Any] | None = None
+    checkpoint: bool = False
+    keep: list[bool] | None = None
+    shapes: dict[int, list[Index]] | None = None
+    schedule: str | None = None
+    loss_output: Index | None = None
+    generation: Generation | None = None
 
-    @classmethod
-    def _check(cls, values: dict[str, Any]) -> None:
+    def __post_init__(self) -> None:
+        if self.x is not None and not is_main(self.x):
+            raise ValueError("field 'x' must be a tensor or a tuple of tensors")
+        if self.autocast is not None and not _is_autocast(self.autocast):
+            raise ValueError("field 'autocast' must be {'enabled': bool, 'dtype': a torch dtype or None}")
+        if self.schedule is not None and self.schedule not in SCHEDULES:
+            raise ValueError(f"field 'schedule' must name a schedule, one of {', '.join(SCHEDULES)}")
         # ``schedule`` alone says how the stage runs the call (`lightning_remote_mp.worker.runtime`):
         # a schedule's list from the loss on the last stage; without it, GPipe's, or forwards alone.
-        if (values["schedule"] is None) != (values["loss_output"] is None):
-            raise refuse(cls.KIND, "'schedule' and 'loss_output' come together: where the schedule's backward starts")
-        if values["schedule"] is not None and (not values["grad"] or values["generation"] is not None):
-            raise refuse(cls.KIND, "a 'schedule' is for a forward under grad, not one without or a generation step")
+        if (self.schedule is None) != (self.loss_output is None):
+            raise ValueError("'schedule' and 'loss_output' come together: where the schedule's backward starts")
+        if self.schedule is not None and (not self.grad or self.generation is not None):
+            raise ValueError("a 'schedule' is for a forward under grad, not one without or a generation step")
 
 
-@dataclasses.dataclass(frozen=True)
-class Backward(_Pipelined):
+def _is_autocast(value: dict[str, Any]) -> bool:
+    dtype = value.get("dtype")
+    return (
+        value.keys() <= {"enabled", "dtype"}
+        and type(value.get("enabled")) is bool
+        and (dtype is None or isinstance(dtype, torch.dtype))
+    )
+
+
+def _is_grad_out(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) or (
+        isinstance(value, tuple) and all(g is None or isinstance(g, torch.Tensor) for g in value)
+    )
+
+
+class Backward(_Pipelined, frozen=True):
     """One micro-batch's gradients, from a stage's consumers back to it (and from stage 0 to the driver).
 
     Attributes:
@@ -186,16 +173,22 @@ class Backward(_Pipelined):
     """
 
     KIND: ClassVar[str] = protocol.BACKWARD
+    OMIT_NONE: ClassVar[frozenset[str]] = frozenset({"loss_grads", "scale"})
+    WRITE: ClassVar[dict[str, Any]] = {"grads": plain, "loss_grads": plain, "fence": plain}
 
-    action: str = field(choice((BACKWARD, SCALE)), default=BACKWARD)
-    grad_out: Any = field(must(is_grad_out, "'grad_out' must be a tensor, a tuple of tensors or None"), default=None)
-    grads: dict[str, Any] = _tensors()
-    loss_grads: list[Any] | None = field(
-        list_of(is_tensor_or_none, "tensors or None"), default=None, omit_none=True, write=list
-    )
-    scale: torch.Tensor | None = field(
-        must(is_scalar, "'scale' must be a floating tensor of one value"), default=None, omit_none=True
-    )
+    action: str = BACKWARD
+    grad_out: Any = None
+    grads: dict[str, torch.Tensor | None] = {}
+    loss_grads: list[torch.Tensor | None] | None = None
+    scale: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.action not in (BACKWARD, SCALE):
+            raise ValueError(f"field 'action' must be {BACKWARD!r} or {SCALE!r}")
+        if self.grad_out is not None and not _is_grad_out(self.grad_out):
+            raise ValueError("field 'grad_out' must be a tensor, a tuple of tensors or None")
+        if self.scale is not None and not (self.scale.numel() == 1 and self.scale.is_floating_point()):
+            raise ValueError("field 'scale' must be a floating tensor of one value")
 
 
 def salvage(body: Any) -> tuple[int | None, dict[str, Any]]:

@@ -10,7 +10,7 @@ only the driver sends: placing a stage (`Setup`), the optimizer mirror (`OptimCr
 (`Release`, `Fetch`, `Sync`, `Profile`, `Timeline`, `GroupInit`), and the session's own: `Hello`,
 `Ping`, `Bye`. Each is built by the driver, becomes a body with ``body()``, and is checked once on
 the worker by ``from_body``, both made from the fields each declares
-(`lightning_remote_mp.wire.fields`): a malformed body raises `lightning_remote_mp.errors.ProtocolError`
+(`lightning_remote_mp.wire.body`): a malformed body raises `lightning_remote_mp.errors.ProtocolError`
 naming the kind and the field (except `Hello`'s, read leniently: see there). The worker reads
 every kind through one table (`lightning_remote_mp.worker.request.REQUESTS`), and nowhere else.
 Only the shape is checked here; what the fields mean (a layer entry, a class path, a weight's
@@ -22,100 +22,38 @@ ZeroGrad(index=0, set_to_none=True)
 >>> OptimStep.from_body({"index": 0, "hparams": {"lr": 0.1}})
 Traceback (most recent call last):
 ...
-lightning_remote_mp.errors.ProtocolError: optim_step message: field 'hparams' must be a list, got dict
+lightning_remote_mp.errors.ProtocolError: optim_step message: field 'hparams': expected a list, got a dict
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
+import msgspec
 import torch
 
-from lightning_remote_mp.flow import Routes, SplitBackward, is_split_backward
+from lightning_remote_mp.flow import Routes
 from lightning_remote_mp.wire import protocol
+from lightning_remote_mp.wire.body import Body, Count, each, plain
 from lightning_remote_mp.wire.compression import COMPRESSIONS
-from lightning_remote_mp.wire.fields import (
-    BOOL,
-    INT,
-    LIST,
-    STR,
-    Body,
-    anything,
-    choice,
-    count,
-    each,
-    field,
-    is_int,
-    is_int_list,
-    is_scalar,
-    is_str,
-    is_str_keyed,
-    is_tensor,
-    lenient,
-    list_of,
-    map_of,
-    must,
-    number,
-    refuse,
-)
 from lightning_remote_mp.wire.keys import is_z85_key
-from lightning_remote_mp.wire.state import (
-    is_file_source,
-    is_tensor_map,
-)
+from lightning_remote_mp.wire.state import FileSource, check_file_sources
+
+#: A stage's routes on the wire: ``[[stage, [variable names]], ...]`` (`Routes` once read).
+_Routes = tuple[tuple[int, tuple[str, ...]], ...]
+#: Two or more tensor names that are one tensor.
+_NameGroup = Annotated[list[str], msgspec.Meta(min_length=2)]
+_PEER_KEYS = "stages in 'peers' to 40-character Z85 keys"
 
 
-def _is_z85(value: Any) -> bool:
-    return isinstance(value, str) and is_z85_key(value)
-
-
-_INDEX = field(INT)  # the optimizer's position among the driver's optimizers, first in every optimizer request
+def _routes_written(routes: Routes) -> list[list[Any]]:
+    return [[k, list(v)] for k, v in routes]
 
 
 # --- stages ---------------------------------------------------------------------------------
 
 
-def _is_route(item: Any) -> bool:
-    return (
-        isinstance(item, list)
-        and len(item) == 2
-        and is_int(item[0])
-        and isinstance(item[1], list)
-        and all(map(is_str, item[1]))
-    )
-
-
-def _routes() -> Any:
-    """A stage's routes: ``[[stage, [variable names]], ...]`` on the wire, `Routes` here."""
-    return field(
-        list_of(_is_route, "[stage, [variable names]] pairs", read=lambda v: tuple((s, tuple(n)) for s, n in v)),
-        write=lambda routes: [[k, list(v)] for k, v in routes],
-    )
-
-
-def _split_backward(kind: str, name: str, value: Any) -> SplitBackward:
-    if not is_split_backward(value):
-        raise refuse(kind, f"field {name!r} must be a bool or 'auto', got {value!r:.40}")
-    return value
-
-
-def _seed(kind: str, name: str, value: Any) -> int:
-    if not 0 <= INT(kind, name, value) < 2**63:
-        raise refuse(kind, f"field {name!r} must be in [0, 2**63), got {value}")
-    return value
-
-
-_PEER_KEYS = "stages in 'peers' to 40-character Z85 keys"
-
-
-def _is_name_group(value: Any) -> bool:
-    return isinstance(value, list) and len(value) > 1 and all(map(is_str, value))
-
-
-@dataclasses.dataclass(frozen=True)
-class Setup(Body):
+class Setup(Body, frozen=True):
     """SETUP: build one stage of a SpecSequential on the worker, wire it to its peers, and give it
     its weights (``state``) or the seed to initialise them (``init_seed``).
 
@@ -152,56 +90,60 @@ class Setup(Body):
     """
 
     KIND: ClassVar[str] = protocol.SETUP
+    OMIT_NONE: ClassVar[frozenset[str]] = frozenset({"compression", "borrows", "programs"})
+    WRITE: ClassVar[dict[str, Any]] = {
+        "entries": plain,
+        "exports": plain,
+        "sources": _routes_written,
+        "targets": _routes_written,
+        "peers": plain,
+        "peer_keys": plain,
+        "state": plain,
+        "files": plain,
+        "code_digests": plain,
+        "frozen": plain,
+        "shared": each(plain),
+        "programs": plain,
+    }
 
-    key: str = field(STR)
-    stage: int = field(INT)
-    stages: int = field(count)
-    start: int = field(INT)
-    entries: Sequence[Any] = field(LIST, write=list)
-    exports: Sequence[str] = field(list_of(is_str, "variable names"), write=list)
-    sources: Routes = _routes()
-    targets: Routes = _routes()
-    peers: Mapping[int, str] = field(map_of(is_int, is_str, "stage numbers to addresses"), write=dict)
-    peer_keys: Mapping[int, str] = field(map_of(is_int, _is_z85, _PEER_KEYS), default_factory=dict, write=dict)
-    state: Mapping[str, torch.Tensor] | None = field(
-        map_of(is_str, is_tensor, "names to tensors"), default=None, write=dict
-    )
-    init_seed: int | None = field(INT, default=None)
-    files: Mapping[str, Sequence[Any]] = field(
-        map_of(is_str, is_file_source, "names to [path, name] or [path, name, how]"), default_factory=dict, write=dict
-    )
-    split_backward: SplitBackward = field(_split_backward, default=False)
-    code_digests: Mapping[str, str] = field(
-        map_of(is_str, is_str, "module names to digests"), default_factory=dict, write=dict
-    )
-    seed: int | None = field(_seed, default=None)
-    frozen: Sequence[str] = field(list_of(is_str, "parameter names"), default_factory=list, write=list)
-    shared: Sequence[Sequence[str]] = field(
-        list_of(_is_name_group, "lists of two or more tensor names"), default_factory=list, write=each(list)
-    )
-    deferred_batch_norm: bool = field(BOOL, default=False)
-    compression: str | None = field(choice(COMPRESSIONS[1:]), default=None, omit_none=True)
-    borrows: str | None = field(STR, default=None, omit_none=True)
-    programs: Mapping[str, Any] | None = field(
-        map_of(is_str, is_str_keyed, "digests to programs"), default=None, write=dict, omit_none=True
-    )
+    key: str
+    stage: int
+    stages: Count
+    start: int
+    entries: list[Any]
+    exports: list[str]
+    sources: _Routes
+    targets: _Routes
+    peers: dict[int, str]
+    peer_keys: dict[int, str] = {}
+    state: dict[str, torch.Tensor] | None = None
+    init_seed: int | None = None
+    files: dict[str, FileSource] = {}
+    split_backward: bool | Literal["auto"] = False
+    code_digests: dict[str, str] = {}
+    seed: Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)] | None = None
+    frozen: list[str] = []
+    shared: list[_NameGroup] = []
+    deferred_batch_norm: bool = False
+    compression: Literal[COMPRESSIONS[1:]] | None = None  # type: ignore[valid-type]
+    borrows: str | None = None
+    programs: dict[str, dict[str, Any]] | None = None
 
-    @classmethod
-    def _check(cls, values: dict[str, Any]) -> None:
-        if not 0 <= values["stage"] < values["stages"]:
-            raise refuse(cls.KIND, f"field 'stage' must be in [0, stages={values['stages']}), got {values['stage']}")
-        strangers = [k for k in values["peer_keys"] if k not in values["peers"]]
+    def __post_init__(self) -> None:
+        if not 0 <= self.stage < self.stages:
+            raise ValueError(f"field 'stage' must be in [0, stages={self.stages}), got {self.stage}")
+        strangers = [k for k, v in self.peer_keys.items() if k not in self.peers or not is_z85_key(v)]
         if strangers:
-            raise refuse(cls.KIND, f"field 'peer_keys' must map {_PEER_KEYS}; entry {strangers[0]!r:.40} does not")
-        given = [values["state"] is not None or bool(values["files"]), values["init_seed"] is not None]
-        if values["borrows"] is not None and any(given):
-            raise refuse(cls.KIND, "borrows another stage's tensors: it takes no 'state', 'files' or 'init_seed'")
-        if values["borrows"] is None and not any(given):
-            raise refuse(cls.KIND, "needs the stage's 'state', 'files', an 'init_seed', or the stage it 'borrows'")
+            raise ValueError(f"field 'peer_keys' must map {_PEER_KEYS}; entry {strangers[0]!r:.40} does not")
+        check_file_sources(self.files)
+        given = [self.state is not None or bool(self.files), self.init_seed is not None]
+        if self.borrows is not None and any(given):
+            raise ValueError("borrows another stage's tensors: it takes no 'state', 'files' or 'init_seed'")
+        if self.borrows is None and not any(given):
+            raise ValueError("needs the stage's 'state', 'files', an 'init_seed', or the stage it 'borrows'")
 
 
-@dataclasses.dataclass(frozen=True)
-class Release(Body):
+class Release(Body, frozen=True):
     """RELEASE: forget what the stages hold for these forward calls (the driver is done with them, or
     gave up on them); answered only if it fails (`protocol.QUIET_KINDS`). ``calls``: the calls, by
     SpecSequential key; ``outputs``: calls whose kept outputs alone the driver no longer reads
@@ -209,29 +151,24 @@ class Release(Body):
     keys free (``generate()`` returned or failed)."""
 
     KIND: ClassVar[str] = protocol.RELEASE
+    WRITE: ClassVar[dict[str, Any]] = {"calls": each(plain), "outputs": each(plain), "generations": each(plain)}
 
-    calls: Mapping[str, Sequence[int]] = field(map_of(is_str, is_int_list, "keys to lists of calls"), write=each(list))
-    outputs: Mapping[str, Sequence[int]] = field(
-        map_of(is_str, is_int_list, "keys to lists of calls"), default_factory=dict, write=each(list)
-    )
-    generations: Mapping[str, Sequence[int]] = field(
-        map_of(is_str, is_int_list, "keys to lists of generations"), default_factory=dict, write=each(list)
-    )
+    calls: dict[str, list[int]]
+    outputs: dict[str, list[int]] = {}
+    generations: dict[str, list[int]] = {}
 
 
-@dataclasses.dataclass(frozen=True)
-class Fetch(Body):
+class Fetch(Body, frozen=True):
     """FETCH: the outputs the last stage kept of call ``call`` of ``key`` (`messages.Forward.keep`), by
     micro-batch: what the driver reads of a model's outputs that did not travel with the result."""
 
     KIND: ClassVar[str] = protocol.FETCH
 
-    key: str = field(STR)
-    call: int = field(INT)
+    key: str
+    call: int
 
 
-@dataclasses.dataclass(frozen=True)
-class Loss(Body):
+class Loss(Body, frozen=True):
     """LOSS: a loss over an output the last stage kept (`Fetch`), computed there, micro-batch by
     micro-batch, so that the output (a language model's logits) never travels. The loss is a
     traced program like any traced layer's (`lightning_remote_mp.driver.losses`): the driver sends
@@ -253,58 +190,63 @@ class Loss(Body):
     """
 
     KIND: ClassVar[str] = protocol.LOSS
+    OMIT_NONE: ClassVar[frozenset[str]] = frozenset({"entries", "state"})
+    WRITE: ClassVar[dict[str, Any]] = {
+        "inputs": plain,
+        "targets": plain,
+        "whole": plain,
+        "entries": plain,
+        "state": plain,
+    }
 
-    key: str = field(STR)
-    call: int = field(INT)
-    position: int = field(INT)
-    program: int = field(INT)
-    inputs: Sequence[int] = field(list_of(is_int, "argument numbers"), write=list)
-    targets: Mapping[int, torch.Tensor] = field(map_of(is_int, is_tensor, "micro-batches to tensors"), write=dict)
-    whole: Sequence[torch.Tensor] = field(list_of(is_tensor, "tensors"), default_factory=list, write=list)
-    entries: Sequence[Any] | None = field(LIST, default=None, omit_none=True, write=list)
-    state: Sequence[Mapping[str, torch.Tensor]] | None = field(
-        list_of(is_tensor_map, "dicts of names to tensors"), default=None, omit_none=True, write=list
-    )
-    grad: bool = field(BOOL, default=False)
-    training: bool = field(BOOL, default=True)
-    differentiate: int = field(INT, default=0)
+    key: str
+    call: int
+    position: int
+    program: int
+    inputs: list[int]
+    targets: dict[int, torch.Tensor]
+    whole: list[torch.Tensor] = []
+    entries: list[Any] | None = None
+    state: list[dict[str, torch.Tensor]] | None = None
+    grad: bool = False
+    training: bool = True
+    differentiate: int = 0
 
-    @classmethod
-    def _check(cls, values: dict[str, Any]) -> None:
-        if (values["entries"] is None) != (values["state"] is None) or (
-            values["entries"] is not None and len(values["entries"]) != len(values["state"])
+    def __post_init__(self) -> None:
+        if (self.entries is None) != (self.state is None) or (
+            self.entries is not None and self.state is not None and len(self.entries) != len(self.state)
         ):
-            raise refuse(cls.KIND, "'entries' and 'state' come together, one state per entry")
+            raise ValueError("'entries' and 'state' come together, one state per entry")
 
 
-@dataclasses.dataclass(frozen=True)
-class Sync(Body):
+class Sync(Body, frozen=True):
     """SYNC: answered once every request sent before it has run, those answered only when they fail
     (`protocol.QUIET_KINDS`) included. It carries nothing."""
 
     KIND: ClassVar[str] = protocol.SYNC
 
 
-@dataclasses.dataclass(frozen=True)
-class Profile(Body):
+class Profile(Body, frozen=True):
     """PROFILE: time the forward plus backward of each layer of ``entries`` on the worker's device
     (``balance="time"``). ``repeats``: runs per layer (1 to 50), ``None`` for the worker's default."""
 
     KIND: ClassVar[str] = protocol.PROFILE
+    OMIT_NONE: ClassVar[frozenset[str]] = frozenset({"repeats"})
+    WRITE: ClassVar[dict[str, Any]] = {"entries": plain}
 
-    entries: Sequence[Any] = field(LIST, write=list)
-    repeats: int | None = field(INT, default=None, omit_none=True)
+    entries: list[Any]
+    repeats: int | None = None
 
 
 # --- the optimizer mirror -------------------------------------------------------------------
 
 
-def _is_group(value: Any) -> bool:
-    return is_str_keyed(value) and isinstance(value.get("params"), list) and all(map(is_str, value["params"]))
+def _is_group(value: dict[str, Any]) -> bool:
+    params = value.get("params")
+    return isinstance(params, list) and all(isinstance(p, str) for p in params)
 
 
-@dataclasses.dataclass(frozen=True)
-class OptimCreate(Body):
+class OptimCreate(Body, frozen=True):
     """OPTIM_CREATE: build the driver's optimizer ``index`` over the parameters this worker holds.
 
     Attributes:
@@ -318,70 +260,73 @@ class OptimCreate(Body):
     """
 
     KIND: ClassVar[str] = protocol.OPTIM_CREATE
+    WRITE: ClassVar[dict[str, Any]] = {"defaults": plain, "groups": each(plain), "copies": plain}
 
-    index: int = _INDEX
-    class_path: str = field(STR, wire="cls")
-    defaults: Mapping[str, Any] = field(map_of(is_str, anything, "hyperparameter names to values"), write=dict)
-    groups: Sequence[Mapping[str, Any]] = field(
-        list_of(_is_group, "hyperparameter dicts with a 'params' list of names"), write=each(dict)
-    )
-    copies: Sequence[str] = field(list_of(is_str, "parameter names"), default_factory=list, write=list)
+    index: int
+    class_path: str = msgspec.field(name="cls")
+    defaults: dict[str, Any]
+    groups: list[dict[str, Any]]
+    copies: list[str] = []
+
+    def __post_init__(self) -> None:
+        if not all(map(_is_group, self.groups)):
+            raise ValueError("field 'groups' must be a list of hyperparameter dicts with a 'params' list of names")
 
 
-@dataclasses.dataclass(frozen=True)
-class OptimStep(Body):
+class OptimStep(Body, frozen=True):
     """OPTIM_STEP: step optimizer ``index``, first setting each group's ``hparams`` (the driver's,
     as schedulers left them; one dict per group, without ``"params"``)."""
 
     KIND: ClassVar[str] = protocol.OPTIM_STEP
+    WRITE: ClassVar[dict[str, Any]] = {"hparams": each(plain)}
 
-    index: int = _INDEX
-    hparams: Sequence[Mapping[str, Any]] = field(list_of(is_str_keyed, "hyperparameter dicts"), write=each(dict))
+    index: int
+    hparams: list[dict[str, Any]]
     #: First sum the gradients over the stage's replicas and the copies of tied weights (as
     #: `GradAllreduce` does): they changed since they were last summed.
-    sync: bool = field(BOOL, default=False)
+    sync: bool = False
 
 
-@dataclasses.dataclass(frozen=True)
-class ZeroGrad(Body):
+class ZeroGrad(Body, frozen=True):
     """ZERO_GRAD: zero (or, with ``set_to_none``, drop) the gradients of optimizer ``index``'s parameters."""
 
     KIND: ClassVar[str] = protocol.ZERO_GRAD
 
-    index: int = _INDEX
-    set_to_none: bool = field(BOOL, default=True)
+    index: int
+    set_to_none: bool = True
 
 
-@dataclasses.dataclass(frozen=True)
-class LossGrad(Body):
+class LossGrad(Body, frozen=True):
     """LOSS_GRAD: the driver's gradient of the loss of call ``call`` of ``key``, whose backward the
     stages started on their own (`messages.Forward.loss_output`): each adds its weight gradients times
     ``grad`` to ``.grad`` once its part of the call has run, and runs none of the driver's later
     requests before (``None``: the step did not differentiate the loss; nothing is added)."""
 
     KIND: ClassVar[str] = protocol.LOSS_GRAD
+    OMIT_NONE: ClassVar[frozenset[str]] = frozenset({"grad"})
 
-    key: str = field(STR)
-    call: int = field(INT)
-    grad: torch.Tensor | None = field(
-        must(is_scalar, "'grad' must be a floating tensor of one value"), default=None, omit_none=True
-    )
+    key: str
+    call: int
+    grad: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.grad is not None and not (self.grad.numel() == 1 and self.grad.is_floating_point()):
+            raise ValueError("field 'grad' must be a floating tensor of one value")
 
 
 # --- observing and replicas -----------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class Timeline(Body):
+class Timeline(Body, frozen=True):
     """TIMELINE: ``start`` or ``stop`` recording the stages' events, ``fetch`` (and clear) them, or
     read the worker's ``clock``."""
 
     KIND: ClassVar[str] = protocol.TIMELINE
-    op: Literal["start", "stop", "fetch", "clock"] = field(choice(("start", "stop", "fetch", "clock")))
+
+    op: Literal["start", "stop", "fetch", "clock"]
 
 
-@dataclasses.dataclass(frozen=True)
-class GroupInit(Body):
+class GroupInit(Body, frozen=True, tag_field="op", tag="init"):
     """GROUP with ``op="init"``: join a torch.distributed process group through the driver's
     TCPStore at ``host:port`` (`lightning_remote_mp.worker.collective.GradGroup`): the group of this
     stage's replicas, which sum all its gradients, or with ``params``, the group of the stages that
@@ -394,16 +339,20 @@ class GroupInit(Body):
     """
 
     KIND: ClassVar[str] = protocol.GROUP
+    OMIT_NONE: ClassVar[frozenset[str]] = frozenset({"params"})
+    WRITE: ClassVar[dict[str, Any]] = {"params": plain}
 
-    op: str = field(choice(("init",)), default="init", init=False, repr=False)
-    host: str = field(STR)
-    port: int = field(INT)
-    prefix: str = field(STR)
-    rank: int = field(INT)
-    world: int = field(INT)
-    backend: str = field(STR)
-    timeout: float = field(number)
-    params: Sequence[str] | None = field(list_of(is_str, "parameter names"), default=None, write=list, omit_none=True)
+    host: str
+    port: int
+    prefix: str
+    rank: int
+    world: int
+    backend: str
+    timeout: float
+    params: list[str] | None = None
+
+    def body(self) -> dict[str, Any] | None:
+        return {"op": "init", **(super().body() or {})}
 
 
 #: Bytes of the key that seals the requests the driver sends a worker along the pipeline
@@ -414,9 +363,9 @@ SEAL_KEY_BYTES = 32
 # --- the session -----------------------------------------------------------------------------
 
 
-def _text(limit: int) -> Any:
+def _text(value: Any, limit: int) -> str:
     """A received string, shortened; anything else as ``"?"`` (never ``str()`` of what anyone sent)."""
-    return lenient(lambda value: value[:limit] if isinstance(value, str) else "?")
+    return value[:limit] if isinstance(value, str) else "?"
 
 
 def _sane_timeout(value: Any) -> float | None:
@@ -424,8 +373,11 @@ def _sane_timeout(value: Any) -> float | None:
     return float(value) if sane else None
 
 
-@dataclasses.dataclass(frozen=True)
-class Hello(Body):
+def _limits(value: Any) -> protocol.Limits:
+    return protocol.Limits.from_dict(value) if value is not None else protocol.DEFAULT_LIMITS
+
+
+class Hello(Body, frozen=True):
     """HELLO: a driver opens its session (or asks again, while another one is being dropped).
 
     Read leniently, on purpose: a driver of another lrmp version may send another body, and it must
@@ -437,39 +389,48 @@ class Hello(Body):
     """
 
     KIND: ClassVar[str] = protocol.HELLO
+    WRITE: ClassVar[dict[str, Any]] = {"limits": protocol.Limits.as_dict}
 
-    driver: str = field(_text(200), default="?")  # who: "host pid N", for logs and the busy message
+    driver: str = "?"  # who: "host pid N", for logs and the busy message
     #: What the driver speaks (``protocol`` on the wire); compared, never trusted.
-    protocol_version: Any = field(lenient(lambda v: v), wire="protocol", default=protocol.PROTOCOL_VERSION)
-    lrmp: str = field(_text(100), default="?")
-    torch: str = field(_text(100), default="?")
+    protocol_version: Any = msgspec.field(name="protocol", default=protocol.PROTOCOL_VERSION)
+    lrmp: str = "?"
+    torch: str = "?"
     #: The driver's: how long this worker's peers may keep it waiting.
-    heartbeat_timeout: float | None = field(lenient(_sane_timeout), default=None)
+    heartbeat_timeout: float | None = None
     #: What the driver accepts (`protocol.Limits.as_dict`): the worker's bundles of answers stay within it.
-    limits: protocol.Limits = field(
-        lenient(protocol.Limits.from_dict), default=protocol.DEFAULT_LIMITS, write=protocol.Limits.as_dict
-    )
+    limits: Any = protocol.DEFAULT_LIMITS
     #: This worker's key for the session: the driver seals with it what it sends the worker along the
     #: pipeline (`carry.Carried`), so that no other worker can forge or alter it. ``None``: none may come.
-    seal_key: bytes | None = field(
-        lenient(lambda v: v if isinstance(v, bytes) and len(v) == SEAL_KEY_BYTES else None), default=None
-    )
+    seal_key: bytes | None = None
 
     @classmethod
     def from_body(cls, body: Any) -> Hello:  # type: ignore[override]
         """A received body, read leniently (see the class); never raises."""
-        return super().from_body(body if isinstance(body, dict) else {})
+        got = body if isinstance(body, dict) else {}
+        key = got.get("seal_key")
+        try:
+            limits = _limits(got.get("limits"))
+        except Exception:  # another version's limits, or none that make sense: the defaults
+            limits = protocol.DEFAULT_LIMITS
+        return cls(
+            driver=_text(got.get("driver", "?"), 200),
+            protocol_version=got.get("protocol", protocol.PROTOCOL_VERSION),
+            lrmp=_text(got.get("lrmp", "?"), 100),
+            torch=_text(got.get("torch", "?"), 100),
+            heartbeat_timeout=_sane_timeout(got.get("heartbeat_timeout")),
+            limits=limits,
+            seal_key=key if isinstance(key, bytes) and len(key) == SEAL_KEY_BYTES else None,
+        )
 
 
-@dataclasses.dataclass(frozen=True)
-class Ping(Body):
+class Ping(Body, frozen=True):
     """PING: the driver's heartbeat. The session id in the header says it all; it carries nothing."""
 
     KIND: ClassVar[str] = protocol.PING
 
 
-@dataclasses.dataclass(frozen=True)
-class Bye(Body):
+class Bye(Body, frozen=True):
     """BYE: the driver ends its session. It carries nothing."""
 
     KIND: ClassVar[str] = protocol.BYE

@@ -22,8 +22,8 @@ import torch
 from lightning_remote_mp.errors import ProtocolError
 from lightning_remote_mp.flow import DRIVER
 from lightning_remote_mp.wire import protocol
+from lightning_remote_mp.wire.body import Body
 from lightning_remote_mp.wire.carry import Carry
-from lightning_remote_mp.wire.fields import Body
 from lightning_remote_mp.wire.grads import Grads
 from lightning_remote_mp.wire.messages import Backward, Forward, salvage
 from lightning_remote_mp.wire.requests import (

@@ -126,8 +126,7 @@ class RoutedStage:
             outgoing.append(
                 (
                     target,
-                    dataclasses.replace(
-                        first,
+                    first.replace(
                         sender=self.index,
                         x=y,
                         vars={n: out["exports"][n] for n in names},

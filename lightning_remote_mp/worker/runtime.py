@@ -389,7 +389,7 @@ class StageRuntime:
                 done = plan.to_driver.get(mb)
                 if done is not None:
                     grad = _times(done.grad_out, scale) if scale is not None else None
-                    out.append((DRIVER, dataclasses.replace(done, grad_out=grad)))
+                    out.append((DRIVER, done.replace(grad_out=grad)))
                 continue
             for source in self.route.sources:
                 out.append(

@@ -7,7 +7,6 @@ checkpoint entries without knowing the worker's internals.
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import logging
 import sys
@@ -25,7 +24,7 @@ from lightning_remote_mp.model.entries import normalize_entry
 from lightning_remote_mp.model.graph_layer import GraphLayer
 from lightning_remote_mp.model.program_table import untabled
 from lightning_remote_mp.wire import protocol
-from lightning_remote_mp.wire.fields import Body
+from lightning_remote_mp.wire.body import Body
 from lightning_remote_mp.wire.grads import GradAllreduce, GradClamp, GradNorms, Grads, GradScale
 from lightning_remote_mp.wire.messages import Backward, Forward
 from lightning_remote_mp.wire.requests import (
@@ -229,7 +228,7 @@ class WorkerSession:
                 (protocol.FORWARD, protocol.RESULT) if isinstance(msg, Forward) else (protocol.BACKWARD, protocol.DONE)
             )
             if self.events is not None:
-                msg = dataclasses.replace(msg, sent_at=time.time())
+                msg = msg.replace(sent_at=time.time())
             body, ready, about = msg.body(), None, None
             io = self.stages[msg.key].io
             if io is not None:  # a GPU stage: the message leaves once its tensors are copied off the device
