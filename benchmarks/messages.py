@@ -106,6 +106,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--base", help="another checkout of lrmp (its repository root), timed beside this one")
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--out", default=os.path.join(HERE, "results"), help="folder for messages.json")
     p.add_argument("--child", nargs=2, type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
@@ -117,6 +118,9 @@ def main(argv: list[str] | None = None) -> None:
     runs = {"this checkout": run(None, rounds, number)}
     if args.base:
         runs[f"at {os.path.basename(os.path.normpath(args.base))}"] = run(os.path.abspath(args.base), rounds, number)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "messages.json"), "w") as f:
+        json.dump(runs, f, indent=1)
     for name, r in runs.items():
         print(f"{name}: lrmp from {r.pop('from')}")
     for message in ("Forward", "Backward"):

@@ -50,6 +50,7 @@ SEPARATOR = re.compile(r"^\|(-+\|)+\s*$", re.M)
         "throughput.py",
         "transport.py",
         "protocol_cycle.py",
+        "messages.py",
         "memory.py",
         "tracing.py",
         "split_backward.py",
