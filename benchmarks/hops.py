@@ -183,7 +183,8 @@ def hot_and_cold(prompt: int, hidden: int) -> str:
     from lightning_remote_mp.worker.request import parse
 
     x = (torch.randn(1, 1, hidden), torch.ones(1, prompt + 1, dtype=torch.long), torch.tensor([[prompt]]))
-    body = Forward(key="model", call=7, mb=0, sender=0, x=x, modes=[False] * 12, generation=Generation(1, prompt + 8, None))
+    step = Generation(1, prompt + 8, None)
+    body = Forward(key="model", call=7, mb=0, sender=0, x=x, modes=[False] * 12, generation=step)
     frames = [zmq.Frame(bytes(f)) for f in protocol.encode(protocol.FORWARD, 9, "session", body.body())]
     junk = torch.ones(16 * 1024 * 1024)
 

@@ -82,6 +82,10 @@ GOOD_BACKWARD = {k: v for k, v in GOOD.items() if k != "x"}  # a field a backwar
         ({"requires_grad": {"x": "yes"}}, r"field 'requires_grad\[...\]': expected a bool or a list, got a str"),
         ({"autocast": {"enabled": True, "dtype": "float16"}}, "'autocast' must be"),
         ({"autocast": {"enabled": 1, "dtype": None}}, "'autocast' must be"),
+        # A step of generate(): exactly [id, capacity, rows or None].
+        ({"generation": [1, 2]}, "field 'generation': expected a list of at least length 3, got 2"),
+        ({"generation": [1, 2, None, 5]}, "field 'generation': expected a list of at most length 3, got 4"),
+        ({"generation": [-1, 2, None]}, r"field 'generation\[0\]': expected an int >= 0"),
         # The schedule alone picks a stage's plan: it comes with the loss's output, under grad.
         ({"schedule": "1f1b", "grad": True}, "'schedule' and 'loss_output' come together"),
         ({"loss_output": 0, "grad": True}, "'schedule' and 'loss_output' come together"),

@@ -268,6 +268,7 @@ GOOD_SETUP = SETUP.body()
         (Grads, {"index": 0, "op": "scale", "coef": torch.ones(2)}, "'coef' must be a floating-point scalar tensor"),
         (Grads, {"index": 0, "op": "clamp"}, "grads message: field 'value' is missing"),
         (Grads, {"index": 0}, "grads message: field 'op' is missing"),
+        (Grads, {"index": 0, "op": ["norms"]}, "grads message: field 'op' must be one of 'norms', 'scale'"),
         (Timeline, {"op": "rewind"}, re.escape("timeline message: field 'op': invalid enum value 'rewind'")),
         (GroupInit, {"op": "leave"}, re.escape("group message: field 'op': invalid value 'leave'")),
         (

@@ -410,7 +410,8 @@ def test_request_errors_keep_the_session(worker, connect):
     assert err["type"] == "SpecError" and "no stage 'nope'" in err["message"]
     # Every request kind is checked whole before it is acted on, even one with nothing to act on.
     err = client.error(protocol.ZERO_GRAD, {"index": 0, "set_to_none": "yes"})
-    assert err["type"] == "ProtocolError" and "zero_grad message: field 'set_to_none': expected a bool" in err["message"]
+    assert err["type"] == "ProtocolError"
+    assert "zero_grad message: field 'set_to_none': expected a bool" in err["message"]
     err = client.error(protocol.GRADS, {"index": 0, "op": "explode"})
     assert err["type"] == "ProtocolError" and "grads message: field 'op' must be one of" in err["message"]
     assert client.ok(protocol.GET_STATE) == {}

@@ -41,7 +41,7 @@ class Grads(Body, frozen=True, tag_field="op"):
         op = body.get("op")
         if op is None:
             raise refuse(cls.KIND, "field 'op' is missing")
-        if op not in _GRAD_OPS:
+        if not isinstance(op, str) or op not in _GRAD_OPS:
             raise refuse(cls.KIND, f"field 'op' must be one of {', '.join(map(repr, _GRAD_OPS))}, got {op!r:.40}")
         return _GRAD_OPS[op].from_body(body)
 

@@ -35,14 +35,14 @@ from lightning_remote_mp.wire.body import Body, Count, Index, plain
 Flag = bool | list[bool]
 
 
-class Generation(msgspec.Struct, array_like=True, frozen=True):
+class Generation(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=True):
     """A step of a generation (`Forward.generation`), ``[id, capacity, rows]`` on the wire: its id,
     how many tokens its cache holds, and before this step, beam search's new order of the
     micro-batch's rows (or ``None``)."""
 
     id: Index
     capacity: int
-    rows: list[Index] | None = None
+    rows: list[Index] | None
 
 
 class _Pipelined(Body, frozen=True):

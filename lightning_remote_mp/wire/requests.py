@@ -415,7 +415,7 @@ class Hello(Body, frozen=True):
             limits = protocol.DEFAULT_LIMITS
         return cls(
             driver=_text(got.get("driver", "?"), 200),
-            protocol_version=got.get("protocol", protocol.PROTOCOL_VERSION),
+            protocol_version=protocol.PROTOCOL_VERSION if got.get("protocol") is None else got["protocol"],
             lrmp=_text(got.get("lrmp", "?"), 100),
             torch=_text(got.get("torch", "?"), 100),
             heartbeat_timeout=_sane_timeout(got.get("heartbeat_timeout")),
