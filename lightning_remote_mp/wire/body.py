@@ -74,20 +74,20 @@ def _words(text: str) -> str:
 def _said(err: msgspec.ValidationError) -> str:
     """msgspec's refusal in the words of the rest of lrmp's: which field, and what was wrong."""
     text = _words(str(err))
-    missing = re.fullmatch(r"Object missing required field `([^`]*)`", text)
+    text = text[:1].lower() + text[1:]
+    missing = re.fullmatch(r"object missing required field `([^`]*)`", text)
     if missing:
         return f"field {missing[1]!r} is missing"
-    unknown = re.fullmatch(r"Object contains unknown field `([^`]*)`", text)
+    unknown = re.fullmatch(r"object contains unknown field `([^`]*)`", text)
     if unknown:
         return f"unknown field {unknown[1]!r:.60}"
     key = _KEY.match(text)
     if key:
-        return f"field {key[2]!r}: a key: {key[1][:1].lower() + key[1][1:]}"
+        return f"field {key[2]!r}: a key: {key[1]}"
     at = _AT.match(text)
     if at:
-        what = at[1][:1].lower() + at[1][1:]
-        return f"field {at[2]!r}: {what}" if at[2] else what
-    return text[:1].lower() + text[1:]
+        return f"field {at[2]!r}: {at[1]}" if at[2] else at[1]
+    return text
 
 
 def plain(value: Any) -> Any:
@@ -126,7 +126,7 @@ class Body(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         written = self._written()
         if not written:
             return None
-        out = {}
+        out: dict[str, Any] = {}
         for attr, wire, omit_none, write in written:
             value = getattr(self, attr)
             if value is None:
@@ -140,8 +140,6 @@ class Body(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def from_body(cls: type[_B], body: Any) -> _B:
         """A received body, checked; raises `ProtocolError` naming the kind and the field if it is
         malformed. A field that arrives as ``None`` takes its default."""
-        if isinstance(body, cls):
-            return body
         if body is None and not cls._written():
             return cls()
         if not isinstance(body, dict):

@@ -29,7 +29,7 @@ class Grads(Body, frozen=True, tag_field="op"):
 
     def body(self) -> dict[str, Any] | None:
         written = super().body() or {}
-        return {"index": written.pop("index"), "op": type(self).OP, **written}
+        return {"index": written.pop("index"), "op": self.__struct_config__.tag, **written}
 
     @classmethod
     def from_body(cls, body: Any) -> Grads:  # type: ignore[override]
@@ -49,14 +49,12 @@ class Grads(Body, frozen=True, tag_field="op"):
 class GradNorms(Grads, frozen=True, tag="norms"):
     """``op="norms"``: each gradient's ``norm_type`` norm (for ``clip_grad_norm_`` across stages)."""
 
-    OP: ClassVar[str] = "norms"
     norm_type: float
 
 
 class GradScale(Grads, frozen=True, tag="scale"):
     """``op="scale"``: multiply every gradient by ``coef``, a scalar tensor (the clipping coefficient)."""
 
-    OP: ClassVar[str] = "scale"
     coef: torch.Tensor
 
     def __post_init__(self) -> None:
@@ -67,14 +65,14 @@ class GradScale(Grads, frozen=True, tag="scale"):
 class GradClamp(Grads, frozen=True, tag="clamp"):
     """``op="clamp"``: clamp every gradient to ``[-value, value]`` (``clip_grad_value_``)."""
 
-    OP: ClassVar[str] = "clamp"
     value: float
 
 
 class GradAllreduce(Grads, frozen=True, tag="allreduce"):
     """``op="allreduce"``: sum the gradients over the stage's replicas (`GroupInit` joined them)."""
 
-    OP: ClassVar[str] = "allreduce"
 
-
-_GRAD_OPS: dict[str, type[Grads]] = {c.OP: c for c in (GradNorms, GradScale, GradClamp, GradAllreduce)}  # type: ignore[attr-defined]
+#: The operations, by their ``op`` (each's tag).
+_GRAD_OPS: dict[str, type[Grads]] = {
+    str(c.__struct_config__.tag): c for c in (GradNorms, GradScale, GradClamp, GradAllreduce)
+}

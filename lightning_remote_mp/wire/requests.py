@@ -352,7 +352,7 @@ class GroupInit(Body, frozen=True, tag_field="op", tag="init"):
     params: list[str] | None = None
 
     def body(self) -> dict[str, Any] | None:
-        return {"op": "init", **(super().body() or {})}
+        return {"op": self.__struct_config__.tag, **(super().body() or {})}
 
 
 #: Bytes of the key that seals the requests the driver sends a worker along the pipeline
