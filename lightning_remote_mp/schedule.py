@@ -217,16 +217,16 @@ def _depends(action: Action, stages: int, microbatches: int, early: bool) -> lis
     """What ``action`` waits for on any stage (its own stage's order aside); ``early``: the call's
     backward starts at the loss on the last stage."""
     s, mb, kind = action.stage, action.mb, action.kind
-    returned = [Action(stages - 1, FORWARD, i) for i in range(microbatches)]  # the call's forward is back
     if kind in (FORWARD, DECODE):
         return [Action(s - 1, kind, mb)] if s > 0 else []
-    if kind == BACKWARD:
-        if s < stages - 1:
-            return [Action(s, FORWARD, mb), Action(s + 1, BACKWARD, mb)]
-        return [Action(s, FORWARD, mb)] if early else returned  # late: the driver's gradient
     if kind == WEIGHTS:
         return [Action(s, BACKWARD, mb)]
-    return returned  # S: the driver's gradient of the loss comes once the call's forward has returned
+    if kind == BACKWARD and s < stages - 1:
+        return [Action(s, FORWARD, mb), Action(s + 1, BACKWARD, mb)]
+    if kind == BACKWARD and early:
+        return [Action(s, FORWARD, mb)]
+    # S, and a late call's last B: the driver's gradient comes once the call's forward has returned.
+    return [Action(stages - 1, FORWARD, i) for i in range(microbatches)]
 
 
 @dataclasses.dataclass
@@ -253,7 +253,7 @@ def simulate(lists: Sequence[Sequence[Action]], costs: Mapping[str, float] | Non
     for (`_depends`) has ended. ``costs``: seconds per kind (default 1 each, but 0 for S, a
     multiply-add of the gradients that F, B and W dwarf). Raises `ScheduleError`
     if the lists wait on each other forever."""
-    cost = {**dict.fromkeys(KINDS, 1.0), SCALE: 0.0, **(costs or {})}
+    cost: dict[str, float] = {**dict.fromkeys(KINDS, 1.0), SCALE: 0.0, **(costs or {})}
     stages, m = len(lists), _microbatches(lists)
     early = any(a.kind == SCALE for row in lists for a in row)
     spans: dict[Action, tuple[float, float]] = {}
