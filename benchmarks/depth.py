@@ -13,12 +13,15 @@ or the same Trainer in this process), then one validation that calls ``generate(
 - **first generate()**: the first call (the prefill's and the decode step's traces and placements);
 - **warm token**: the least time per new token of the two later calls.
 
+``--apart`` adds lrmp runs whose local workers are processes of their own, each importing torch,
+rather than forked by one server that imported it once (`lightning_remote_mp.worker.forkserver`).
 ``--base DIR`` adds the same lrmp runs with another checkout's lrmp (its root on the children's
 ``PYTHONPATH``: the driver and the workers import it), e.g. ``git worktree add /tmp/base 0f607a1``.
 The local runs compute with one torch thread, as each local worker does.
 
     python benchmarks/depth.py                              # 8, 20, 40, 80 layers (~3 min on 2 cores)
     python benchmarks/depth.py --base /tmp/base             # and another version beside it
+    python benchmarks/depth.py --layers 8 --apart           # and local workers started apart
     python benchmarks/depth.py --quick                      # 2 and 6 layers, smoke run
 """
 
@@ -86,6 +89,10 @@ def child(layers: int, variant: str, steps: int) -> dict:
     data = torch.utils.data.TensorDataset(torch.randint(0, 512, (2 * steps, 64)))
     train = torch.utils.data.DataLoader(data, batch_size=2)
     val = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randint(0, 512, (1, 64))), batch_size=1)
+    if variant == "apart":
+        from lightning_remote_mp.driver import launch
+
+        launch.FORKS = False  # each local worker a process of its own, importing torch itself
     strategy = "auto" if variant == "local" else RemoteModelParallelStrategy(split=["model"], microbatches=2)
     trainer = L.Trainer(
         strategy=strategy,
@@ -128,6 +135,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layers", type=int, nargs="+", default=[8, 20, 40, 80])
     p.add_argument("--base", help="another checkout of lrmp (its repository root), run beside this one")
+    p.add_argument("--apart", action="store_true", help="and lrmp with local workers started apart, not forked")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--quick", action="store_true", help="2 and 6 layers, 2 steps")
     p.add_argument("--out", default=os.path.join(HERE, "results"))
@@ -142,14 +150,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.quick:
         args.layers, args.steps = [2, 6], 2
-    variants = ["local", "lrmp"] + (["base"] if args.base else [])
+    variants = ["local", "lrmp"] + (["apart"] if args.apart else []) + (["base"] if args.base else [])
     results: dict[str, dict[str, dict]] = {}
     for layers in args.layers:
         for variant in variants:
             got = run_child(layers, variant, args.steps, args.base, timeout=900)
             results.setdefault(str(layers), {})[variant] = got
             print(f"{layers} layers, {variant}: " + ", ".join(f"{k} {v:.3f}" for k, v in got.items()), flush=True)
-    names = {"local": "local", "lrmp": "lrmp", "base": f"lrmp at {os.path.basename(args.base or '')}"}
+    names = {"local": "local", "lrmp": "lrmp", "apart": "lrmp, workers apart"}
+    names["base"] = f"lrmp at {os.path.basename(args.base or '')}"
     rows = []
     first = str(args.layers[0])
     for layers in map(str, args.layers):

@@ -15,6 +15,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from lightning_remote_mp.driver import launch
 from lightning_remote_mp.driver.launch import LocalWorkers
 from lightning_remote_mp.driver.session import DriverSession
 from lightning_remote_mp.model.spec import SpecSequential
@@ -116,3 +117,74 @@ def test_local_workers_leave_with_a_driver_killed_without_its_teardown():
         time.sleep(0.1)
     os.kill(worker, signal.SIGKILL)
     raise AssertionError("the local worker outlived its killed driver")
+
+
+def _ppid(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rpartition(")")[2].split()[1])
+
+
+def _gone(pid: int, seconds: float) -> bool:
+    import os
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+forks_only = pytest.mark.skipif(not launch.FORKS, reason="local workers are forked by one server on Linux only")
+
+
+@forks_only
+def test_a_killed_fork_server_takes_its_workers_and_the_driver_hears_of_it():
+    """The workers are forked by one process that imported torch once; if it is killed, they stop
+    (their parent is gone) and the driver sees every one of them ended, as it would their own ends."""
+    import os
+    import signal
+
+    workers = LocalWorkers(2, threads=1)
+    try:
+        workers.start()
+        server = _ppid(workers.procs[0].pid)
+        assert server != os.getpid() and _ppid(workers.procs[1].pid) == server
+        assert workers.why_dead(0) is None
+        os.kill(server, signal.SIGKILL)
+        assert all(p.wait(10) == -signal.SIGKILL for p in workers.procs)
+        assert "exited with code -9" in workers.why_dead(1)
+        assert all(_gone(p.pid, 10) for p in workers.procs), "a worker outlived its fork server"
+    finally:
+        workers.stop()
+
+
+@forks_only
+def test_a_killed_worker_is_reported_with_its_signal():
+    import os
+    import signal
+
+    workers = LocalWorkers(2, threads=1)
+    try:
+        workers.start()
+        os.kill(workers.procs[1].pid, signal.SIGKILL)
+        assert workers.procs[1].wait(10) == -signal.SIGKILL
+        assert workers.why_dead(1) == f"its process (pid {workers.procs[1].pid}) exited with code -9"
+        assert workers.why_dead(0) is None
+    finally:
+        workers.stop()
+
+
+def test_stop_right_after_launch_leaves_nothing_running():
+    """A driver that fails right after starting its workers (a model that cannot be traced) stops them
+    while they still import torch: stop() waits for nothing longer than the imports and leaves no process."""
+    workers = LocalWorkers(2, threads=1)
+    workers.launch()
+    procs = list(workers.procs)
+    start = time.monotonic()
+    workers.stop()
+    assert time.monotonic() - start < 30
+    assert all(p.poll() is not None for p in procs)
+    assert all(p.pid is None or _gone(p.pid, 5) for p in procs)

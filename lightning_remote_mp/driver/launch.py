@@ -1,8 +1,10 @@
 """Starting ``lrmp-worker`` processes on this machine: the zero-config default of the strategy.
 
-Each worker binds ``tcp://127.0.0.1:*`` and prints the port it got, so there is no port race.
-What a worker writes afterwards (its log, a layer's ``print``) reaches this process's stderr, each
-line prefixed with the worker's index and address.
+On Linux one process imports torch and the worker once and forks them all
+(`lightning_remote_mp.worker.forkserver`); elsewhere each is a process of its own. Each worker binds
+``tcp://127.0.0.1:*`` and prints the port it got, so there is no port race. What a worker writes
+afterwards (its log, a layer's ``print``) reaches this process's stderr, each line prefixed with the
+worker's index and address.
 
 >>> workers = LocalWorkers(1, threads=1)
 >>> addresses = workers.start()
@@ -15,13 +17,16 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Sequence
+from typing import IO
 
 from lightning_remote_mp.errors import ConfigurationError, WorkerStartError
 from lightning_remote_mp.wire.transport import why_ended
@@ -32,7 +37,114 @@ _READY = "lrmp-worker ready on "
 _LINE_CAP = 64 * 1024  # a longer "line" (a progress bar's \r updates, say) is relayed in pieces
 _TAIL_LINES = 20  # lines quoted when a worker fails to start
 _RELAY_JOIN = 1.0  # seconds given to a relay to pass on the last words of a worker that ended
+_SERVER_EXIT = 10.0  # seconds the fork server gets to stop its workers (it SIGKILLs them after 5) and exit
 _write_lock = threading.Lock()  # keeps lines of different workers whole on this process's stderr
+#: Whether local workers are forked by one server (`lightning_remote_mp.worker.forkserver`).
+FORKS = sys.platform.startswith("linux")
+
+
+class ForkedWorker:
+    """A worker the fork server started, with what of `subprocess.Popen` the driver uses: ``pid``
+    (``None`` until it is forked), ``stdout``, ``returncode``, `poll`, `wait`, `terminate`, `kill`.
+
+    Args:
+        index: the worker's index among those the server forks.
+        stdout: the read end of the pipe the worker writes its stdout and stderr to.
+    """
+
+    def __init__(self, index: int, stdout: IO[bytes]) -> None:
+        self.index = index
+        self.stdout = stdout
+        self.pid: int | None = None
+        self.returncode: int | None = None
+        self._ended = threading.Event()
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if not self._ended.wait(timeout):
+            raise subprocess.TimeoutExpired(f"lrmp-worker {self.index}", timeout or 0.0)
+        assert self.returncode is not None
+        return self.returncode
+
+    def terminate(self) -> None:
+        self._signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self._signal(signal.SIGKILL)
+
+    def _signal(self, sig: int) -> None:
+        if self.pid is not None and self.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+    def _ended_with(self, code: int) -> None:
+        if self.returncode is None:
+            self.returncode = code
+            self._ended.set()
+
+
+class ForkServer:
+    """The process that forks this machine's local workers (`lightning_remote_mp.worker.forkserver`)
+    on the flags ``argvs`` gives each, and its reports of them, read on a daemon thread.
+
+    Args:
+        argvs: each worker's ``lrmp-worker`` flags.
+        env: the server's environment (so the workers').
+    """
+
+    def __init__(self, argvs: Sequence[Sequence[str]], env: dict[str, str]) -> None:
+        pipes = [os.pipe() for _ in argvs]
+        spec = [{"argv": list(argv), "output": w} for argv, (_, w) in zip(argvs, pipes)]
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "lightning_remote_mp.worker.forkserver", json.dumps(spec)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                env=env,
+                pass_fds=[w for _, w in pipes],
+            )
+        except BaseException:
+            for r, _ in pipes:
+                os.close(r)
+            raise
+        finally:
+            for _, w in pipes:
+                os.close(w)
+        self.workers = [ForkedWorker(i, open(r, "rb")) for i, (r, _) in enumerate(pipes)]
+        self._reader = threading.Thread(target=self._read_reports, name="lrmp-fork-server", daemon=True)
+        self._reader.start()
+
+    def _read_reports(self) -> None:
+        stream = self.proc.stdout
+        assert stream is not None
+        with contextlib.suppress(OSError, ValueError):
+            for line in stream:
+                what, index, value = (line.decode("ascii", "replace").split() + ["", "", ""])[:3]
+                if index.isdigit() and int(index) < len(self.workers) and value.lstrip("-").isdigit():
+                    worker = self.workers[int(index)]
+                    if what == "forked":
+                        worker.pid = int(value)
+                    elif what == "ended":
+                        worker._ended_with(int(value))
+        code = self.proc.wait()
+        for worker in self.workers:  # the server ended: so did the workers it forked (--exit-with-parent)
+            worker._ended_with(code)
+
+    def stop(self, timeout: float) -> None:
+        """End the server's stdin: it SIGTERMs the workers left; SIGKILL it if it has not exited
+        ``timeout`` seconds later."""
+        with contextlib.suppress(OSError, ValueError):
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            log.warning("local workers' fork server (pid %d) still ran %.1f s later: killed it", self.proc.pid, timeout)
+            self.proc.kill()
+            self.proc.wait()
+        self._reader.join(_RELAY_JOIN)
 
 
 class WorkerOutput:
@@ -45,14 +157,15 @@ class WorkerOutput:
     keeps draining even when writing to this process's stderr fails.
 
     Args:
-        proc: a worker started with ``stdout=PIPE`` (``stderr=STDOUT`` to relay its log as well).
+        proc: a worker started with ``stdout=PIPE`` (``stderr=STDOUT`` to relay its log as well), or
+            forked by the fork server.
         index: the worker's index among those started together, for the prefix.
     """
 
-    def __init__(self, proc: subprocess.Popen, index: int = 0) -> None:
+    def __init__(self, proc: subprocess.Popen | ForkedWorker, index: int = 0) -> None:
         self.proc = proc
         self.address: str | None = None
-        self.prefix = f"[lrmp-worker {index} pid {proc.pid}] "
+        self.prefix = f"[lrmp-worker {index}] "
         self._index = index
         self._tail: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
         self._ready = threading.Event()  # set at the ready line, or when the output ends without it
@@ -74,7 +187,8 @@ class WorkerOutput:
             code = None
         why = f"exited with code {code}" if code is not None else "did not report ready in time"
         tail = "".join(f"\n  {line}" for line in self._tail) or " (no output)"
-        raise WorkerStartError(f"local lrmp-worker {self._index} (pid {self.proc.pid}) {why}; its last output:{tail}")
+        pid = f" (pid {self.proc.pid})" if self.proc.pid is not None else ""
+        raise WorkerStartError(f"local lrmp-worker {self._index}{pid} {why}; its last output:{tail}")
 
     def join(self, timeout: float) -> None:
         """Wait up to ``timeout`` seconds for the output to end (it ends when the worker exits)."""
@@ -158,9 +272,10 @@ class LocalWorkers:
         self.threads = threads or max(1, (os.cpu_count() or 1) // n)
         self.allow_modules = list(allow_modules)
         self.log_level = log_level
-        self.procs: list[subprocess.Popen[bytes]] = []
+        self.procs: list[subprocess.Popen[bytes] | ForkedWorker] = []
         self.outputs: list[WorkerOutput] = []
         self.addresses: list[str] = []
+        self._server: ForkServer | None = None
 
     def start(self, timeout: float = 120.0) -> list[str]:
         """Start the workers and wait until each serves: their addresses."""
@@ -173,16 +288,16 @@ class LocalWorkers:
         # Let the workers import what this process can (the user's layer modules, for example).
         env["PYTHONPATH"] = os.pathsep.join(p for p in [os.getcwd(), *sys.path] if p)
         env["PYTHONUNBUFFERED"] = "1"  # a layer's print reaches the driver when printed, not at exit
-        for i, device in enumerate(self.devices):
-            proc = subprocess.Popen(
-                self._command(i, device),
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=env,
-            )
-            self.procs.append(proc)
-            self.outputs.append(WorkerOutput(proc, i))
+        argvs = [self._flags(i, device) for i, device in enumerate(self.devices)]
+        if FORKS:
+            self._server = ForkServer(argvs, env)
+            self.procs = list(self._server.workers)
+        else:
+            for argv in argvs:
+                command = [sys.executable, "-m", "lightning_remote_mp.worker", *argv]
+                pipe, merged, none = subprocess.PIPE, subprocess.STDOUT, subprocess.DEVNULL
+                self.procs.append(subprocess.Popen(command, stdout=pipe, stderr=merged, stdin=none, env=env))
+        self.outputs = [WorkerOutput(proc, i) for i, proc in enumerate(self.procs)]
 
     def wait_ready(self, timeout: float = 120.0) -> list[str]:
         """The addresses of the workers `launch` started, once each serves (all stopped if one fails)."""
@@ -195,11 +310,8 @@ class LocalWorkers:
         log.info("started %d local lrmp-worker processes: %s", len(self.procs), ", ".join(self.addresses))
         return self.addresses
 
-    def _command(self, i: int, device: str) -> list[str]:
+    def _flags(self, i: int, device: str) -> list[str]:
         cmd = [
-            sys.executable,
-            "-m",
-            "lightning_remote_mp.worker",
             "--bind",
             "tcp://127.0.0.1:*",
             "--device",
@@ -235,11 +347,13 @@ class LocalWorkers:
             try:
                 p.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                log.warning(
-                    "local lrmp-worker (pid %d) did not exit within %.1f s of SIGTERM: killed it", p.pid, timeout
-                )
+                log.warning("local lrmp-worker (pid %s) did not exit %.1f s after SIGTERM: killed it", p.pid, timeout)
                 p.kill()
-                p.wait()
+                if self._server is None:
+                    p.wait()
+        if self._server is not None:  # it stops any worker it forks still, and reports each end
+            self._server.stop(_SERVER_EXIT)
+            self._server = None
         deadline = time.monotonic() + _RELAY_JOIN
         for out in self.outputs:
             out.join(max(0.0, deadline - time.monotonic()))

@@ -16,7 +16,6 @@ import contextlib
 import logging
 import os
 import socket
-import subprocess
 import time
 import uuid
 from collections.abc import Mapping, Sequence
@@ -39,6 +38,7 @@ from lightning_remote_mp.wire.transport import (
     DEFAULT_HEARTBEAT_TIMEOUT,
     Connection,
     Curve,
+    Process,
 )
 
 log = logging.getLogger(__name__)
@@ -75,7 +75,7 @@ class WorkerLinks:
         *,
         heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT,
         connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
-        processes: Mapping[str, subprocess.Popen] | None = None,
+        processes: Mapping[str, Process] | None = None,
         keys: KeyPair | None = None,
         worker_keys: Mapping[str, bytes] | None = None,
         limits: protocol.Limits = protocol.DEFAULT_LIMITS,

@@ -22,7 +22,6 @@ import contextlib
 import dataclasses
 import logging
 import math
-import subprocess
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -61,6 +60,7 @@ from lightning_remote_mp.wire.transport import (
     DEFAULT_CALL_TIMEOUT,
     DEFAULT_CONNECT_TIMEOUT,
     DEFAULT_HEARTBEAT_TIMEOUT,
+    Process,
     broadcast,
 )
 
@@ -100,7 +100,7 @@ class DriverSession(WorkerLinks):
         *,
         heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT,
         connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
-        processes: Mapping[str, subprocess.Popen] | None = None,
+        processes: Mapping[str, Process] | None = None,
         store_host: str | None = None,
         keys: KeyPair | None = None,
         worker_keys: Mapping[str, bytes] | None = None,

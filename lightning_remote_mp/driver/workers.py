@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
-import subprocess
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -17,6 +16,7 @@ from lightning_remote_mp.driver.launch import LocalWorkers
 from lightning_remote_mp.driver.options import CurveOptions, LocalWorkerOptions, Topology
 from lightning_remote_mp.wire import protocol
 from lightning_remote_mp.wire.keys import KeyPair, generate_keypair, load_keypair, load_public_key, write_public_key
+from lightning_remote_mp.wire.transport import Process
 
 
 def load_keys(curve: CurveOptions | None, topology: Topology | None) -> tuple[KeyPair | None, dict[str, bytes] | None]:
@@ -56,7 +56,7 @@ class Workers:
         self.keys_dir = keys_dir
 
     @property
-    def processes(self) -> dict[str, subprocess.Popen] | None:
+    def processes(self) -> dict[str, Process] | None:
         """The local workers' processes, by address (``None`` for the hosts given)."""
         return dict(zip(self.local.addresses, self.local.procs)) if self.local is not None else None
 

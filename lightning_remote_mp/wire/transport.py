@@ -12,10 +12,9 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
-import subprocess
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
@@ -71,7 +70,7 @@ class Connection:
         replica: int | None = None,
         heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT,
         limits: protocol.Limits = protocol.DEFAULT_LIMITS,
-        process: subprocess.Popen | None = None,
+        process: Process | None = None,
         curve: Curve | None = None,
         call_timeout: float | None = DEFAULT_CALL_TIMEOUT,
     ) -> None:
@@ -463,7 +462,17 @@ OVERDUE_CAUSES = (
 )
 
 
-def why_ended(process: subprocess.Popen) -> str | None:
+class Process(Protocol):
+    """A worker process this one started: a `subprocess.Popen`, or one the local workers' fork
+    server forked (`lightning_remote_mp.driver.launch.ForkedWorker`)."""
+
+    @property
+    def pid(self) -> int | None: ...
+
+    def poll(self) -> int | None: ...
+
+
+def why_ended(process: Process) -> str | None:
     """``None`` while a worker process this one started runs, else how it ended."""
     code = process.poll()
     return None if code is None else f"its process (pid {process.pid}) exited with code {code}"
