@@ -188,3 +188,25 @@ def test_stop_right_after_launch_leaves_nothing_running():
     assert time.monotonic() - start < 30
     assert all(p.poll() is not None for p in procs)
     assert all(p.pid is None or _gone(p.pid, 5) for p in procs)
+
+
+def test_forked_workers_compute_on_several_threads_as_locally():
+    """Forked workers compute on the threads they are given (torch's OpenMP pool is made after the
+    fork, on the serving thread), and as the same layers do in this process."""
+    torch.manual_seed(0)
+    wide = ("torch.nn.Linear", {"in_features": 512, "out_features": 512}, (256, 512))
+    net = SpecSequential([wide, wide])
+    local = SpecSequential([wide, wide])
+    local.load_state_dict(net.state_dict())
+    x = torch.randn(256, 512)
+    workers = LocalWorkers(2, threads=2)
+    try:
+        workers.start()
+        session = DriverSession(workers.addresses, call_timeout=60)
+        try:
+            session.place("net", net, balance=[1, 1])
+            torch.testing.assert_close(net(x), local(x))
+        finally:
+            session.close()
+    finally:
+        workers.stop()

@@ -40,7 +40,14 @@ STOP_GRACE = 5.0
 
 
 def _prepare() -> None:
-    """Import what every worker imports and pay torch's first-use imports, before forking."""
+    """Import what every worker imports and pay torch's first-use imports, before forking. The
+    server computes on one thread: a pool of OpenMP threads started here would hang a worker's
+    first parallel operation on its main thread (GNU OpenMP is not fork-safe: a product of two
+    2,000 x 2,000 matrices in a child forked after one on 2 threads never returned; the stages
+    compute on the serving thread, whose pool is its own)."""
+    import torch
+
+    torch.set_num_threads(1)
     from lightning_remote_mp.worker import cli  # noqa: F401 (torch, zmq, the server)
     from lightning_remote_mp.worker.server import _warm_up
 
