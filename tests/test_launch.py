@@ -125,13 +125,15 @@ def _ppid(pid: int) -> int:
 
 
 def _gone(pid: int, seconds: float) -> bool:
-    import os
-
+    """Whether process ``pid`` ended within ``seconds``: it is gone, or a zombie that whoever
+    adopted it has not reaped yet."""
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rpartition(")")[2].split()[0] == "Z":
+                    return True
+        except FileNotFoundError:
             return True
         time.sleep(0.05)
     return False
@@ -142,8 +144,8 @@ forks_only = pytest.mark.skipif(not launch.FORKS, reason="local workers are fork
 
 @forks_only
 def test_a_killed_fork_server_takes_its_workers_and_the_driver_hears_of_it():
-    """The workers are forked by one process that imported torch once; if it is killed, they stop
-    (their parent is gone) and the driver sees every one of them ended, as it would their own ends."""
+    """The workers are forked by one process that imported torch once; if it is killed, the kernel
+    kills them (PR_SET_PDEATHSIG), a stopped one too, and the driver sees every one of them ended."""
     import os
     import signal
 
@@ -153,6 +155,7 @@ def test_a_killed_fork_server_takes_its_workers_and_the_driver_hears_of_it():
         server = _ppid(workers.procs[0].pid)
         assert server != os.getpid() and _ppid(workers.procs[1].pid) == server
         assert workers.why_dead(0) is None
+        os.kill(workers.procs[0].pid, signal.SIGSTOP)
         os.kill(server, signal.SIGKILL)
         assert all(p.wait(10) == -signal.SIGKILL for p in workers.procs)
         assert "exited with code -9" in workers.why_dead(1)
@@ -210,3 +213,27 @@ def test_forked_workers_compute_on_several_threads_as_locally():
             session.close()
     finally:
         workers.stop()
+
+
+@forks_only
+def test_the_fork_server_runs_nothing_before_forking():
+    """Before it forks, the server imports and runs nothing: autograd's engine starts a thread per
+    device it counts (CUDA's) and refuses to run in a child forked after that, and CUDA cannot be
+    used in a child forked after it was initialized."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch\n"
+        "def refusing(name):\n"
+        "    def refuse(*a, **k): raise AssertionError(name + ' ran before the fork')\n"
+        "    return refuse\n"
+        "torch.autograd.backward, torch.Tensor.backward = refusing('backward'), refusing('Tensor.backward')\n"
+        "for name in ('is_available', 'device_count', 'init', '_lazy_init'):\n"
+        "    setattr(torch.cuda, name, refusing(name))\n"
+        "from lightning_remote_mp.worker import forkserver\n"
+        "forkserver._prepare()\n"
+        "import sys; assert 'torch._dynamo' in sys.modules and 'sympy' in sys.modules\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -46,6 +46,7 @@ FORKS = sys.platform.startswith("linux")
 class ForkedWorker:
     """A worker the fork server started, with what of `subprocess.Popen` the driver uses: ``pid``
     (``None`` until it is forked), ``stdout``, ``returncode``, `poll`, `wait`, `terminate`, `kill`.
+    Signals go through a pidfd, which names this process even once the server has reaped it.
 
     Args:
         index: the worker's index among those the server forks.
@@ -58,6 +59,8 @@ class ForkedWorker:
         self.pid: int | None = None
         self.returncode: int | None = None
         self._ended = threading.Event()
+        self._pidfd: int | None = None
+        self._lock = threading.Lock()  # the pidfd is closed on the reports' thread
 
     def poll(self) -> int | None:
         return self.returncode
@@ -75,14 +78,25 @@ class ForkedWorker:
         self._signal(signal.SIGKILL)
 
     def _signal(self, sig: int) -> None:
-        if self.pid is not None and self.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, sig)
+        with self._lock, contextlib.suppress(ProcessLookupError):
+            if self._pidfd is not None:
+                signal.pidfd_send_signal(self._pidfd, sig)
+
+    def _forked(self, pid: int) -> None:
+        with self._lock, contextlib.suppress(ProcessLookupError):
+            self.pid = pid
+            if self.returncode is None:
+                self._pidfd = os.pidfd_open(pid)
 
     def _ended_with(self, code: int) -> None:
-        if self.returncode is None:
+        with self._lock:
+            if self.returncode is not None:
+                return
+            if self._pidfd is not None:
+                os.close(self._pidfd)
+                self._pidfd = None
             self.returncode = code
-            self._ended.set()
+        self._ended.set()
 
 
 class ForkServer:
@@ -99,7 +113,7 @@ class ForkServer:
         spec = [{"argv": list(argv), "output": w} for argv, (_, w) in zip(argvs, pipes)]
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "lightning_remote_mp.worker.forkserver", json.dumps(spec)],
+                [sys.executable, "-m", "lightning_remote_mp.worker.forkserver"],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 env=env,
@@ -112,6 +126,10 @@ class ForkServer:
         finally:
             for _, w in pipes:
                 os.close(w)
+        assert self.proc.stdin is not None
+        with contextlib.suppress(OSError):  # it failed already: its workers' outputs end, saying why
+            self.proc.stdin.write(json.dumps(spec).encode() + b"\n")
+            self.proc.stdin.flush()
         self.workers = [ForkedWorker(i, open(r, "rb")) for i, (r, _) in enumerate(pipes)]
         self._reader = threading.Thread(target=self._read_reports, name="lrmp-fork-server", daemon=True)
         self._reader.start()
@@ -119,25 +137,29 @@ class ForkServer:
     def _read_reports(self) -> None:
         stream = self.proc.stdout
         assert stream is not None
-        with contextlib.suppress(OSError, ValueError):
+        with stream, contextlib.suppress(OSError, ValueError):
             for line in stream:
                 what, index, value = (line.decode("ascii", "replace").split() + ["", "", ""])[:3]
                 if index.isdigit() and int(index) < len(self.workers) and value.lstrip("-").isdigit():
                     worker = self.workers[int(index)]
                     if what == "forked":
-                        worker.pid = int(value)
+                        worker._forked(int(value))
                     elif what == "ended":
                         worker._ended_with(int(value))
         code = self.proc.wait()
-        for worker in self.workers:  # the server ended: so did the workers it forked (--exit-with-parent)
-            worker._ended_with(code)
+        for worker in self.workers:
+            # The server ended before these: the kernel SIGKILLed those it forked (PR_SET_PDEATHSIG).
+            worker._ended_with(-signal.SIGKILL if worker.pid is not None else code)
 
-    def stop(self, timeout: float) -> None:
-        """End the server's stdin: it SIGTERMs the workers left; SIGKILL it if it has not exited
-        ``timeout`` seconds later."""
+    def end_input(self) -> None:
+        """End the server's stdin: it SIGTERMs the workers left, and SIGKILLs them 5 s later."""
         with contextlib.suppress(OSError, ValueError):
             assert self.proc.stdin is not None
             self.proc.stdin.close()
+
+    def stop(self, timeout: float) -> None:
+        """`end_input`, and SIGKILL the server if it has not exited ``timeout`` seconds later."""
+        self.end_input()
         try:
             self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -342,8 +364,12 @@ class LocalWorkers:
         for p in self.procs:
             if p.poll() is None:
                 p.terminate()
+        if self._server is not None:
+            self._server.end_input()  # it SIGTERMs what it forks from now on
         deadline = time.monotonic() + timeout
         for p in self.procs:
+            if p.pid is None:
+                continue  # not forked yet: the server stops it once it is (below)
             try:
                 p.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
