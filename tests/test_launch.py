@@ -237,3 +237,35 @@ def test_the_fork_server_runs_nothing_before_forking():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_a_ctrl_c_in_the_driver_s_terminal_reaches_the_driver_alone():
+    """A terminal's ^C goes to its foreground process group: the driver's, not its local workers',
+    which keep serving until the driver, handling the interrupt, brings its weights back and stops
+    them (they used to die with it, the weights since the last sync lost)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    code = (
+        "from lightning_remote_mp.driver.launch import LocalWorkers; import time\n"
+        "w = LocalWorkers(2, threads=1); w.start(); print('ready', flush=True)\n"
+        "try:\n"
+        "    time.sleep(60)\n"
+        "except KeyboardInterrupt:\n"
+        "    time.sleep(1)  # what a worker interrupted too would take to end\n"
+        "    print('alive' if all(w.why_dead(i) is None for i in range(2)) else 'dead', flush=True)\n"
+        "    pids = [p.pid for p in w.procs]; w.stop(); print(*pids, flush=True)\n"
+    )
+    driver = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert driver.stdout.readline().strip() == "ready"
+        os.killpg(driver.pid, signal.SIGINT)  # what the terminal does
+        assert driver.stdout.readline().strip() == "alive"
+        pids = [int(p) for p in driver.stdout.readline().split()]
+        assert driver.wait(30) == 0
+        assert pids and all(_gone(pid, 10) for pid in pids)
+    finally:
+        if driver.poll() is None:
+            driver.kill()

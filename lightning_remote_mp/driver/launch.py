@@ -4,7 +4,8 @@ On Linux one process imports torch and the worker once and forks them all
 (`lightning_remote_mp.worker.forkserver`); elsewhere each is a process of its own. Each worker binds
 ``tcp://127.0.0.1:*`` and prints the port it got, so there is no port race. What a worker writes
 afterwards (its log, a layer's ``print``) reaches this process's stderr, each line prefixed with the
-worker's index and address.
+worker's index and address. The workers run in a session of their own: a ^C in this process's
+terminal reaches this process alone, whose teardown brings the weights back before it stops them.
 
 >>> workers = LocalWorkers(1, threads=1)
 >>> addresses = workers.start()
@@ -118,6 +119,7 @@ class ForkServer:
                 stdout=subprocess.PIPE,
                 env=env,
                 pass_fds=[w for _, w in pipes],
+                start_new_session=True,  # a ^C in this process's terminal is this process's to handle
             )
         except BaseException:
             for r, _ in pipes:
@@ -318,7 +320,10 @@ class LocalWorkers:
             for argv in argvs:
                 command = [sys.executable, "-m", "lightning_remote_mp.worker", *argv]
                 pipe, merged, none = subprocess.PIPE, subprocess.STDOUT, subprocess.DEVNULL
-                self.procs.append(subprocess.Popen(command, stdout=pipe, stderr=merged, stdin=none, env=env))
+                started = subprocess.Popen(
+                    command, stdout=pipe, stderr=merged, stdin=none, env=env, start_new_session=True
+                )
+                self.procs.append(started)
         self.outputs = [WorkerOutput(proc, i) for i, proc in enumerate(self.procs)]
 
     def wait_ready(self, timeout: float = 120.0) -> list[str]:

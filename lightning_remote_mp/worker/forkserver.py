@@ -17,7 +17,9 @@ starts it, but for the imports. The server reports on its stdout, a line each: `
 PID`` and ``ended INDEX CODE`` (``CODE`` as `subprocess.Popen.returncode` gives it). When its stdin
 ends (the driver stopped them, or died) it SIGTERMs the workers left, SIGKILLs those still there
 `STOP_GRACE` seconds later, and exits once every one has ended. A worker dies with the server: the
-kernel SIGKILLs it when the server ends (``PR_SET_PDEATHSIG``). If the imports fail, every worker's
+kernel SIGKILLs it when the server ends (``PR_SET_PDEATHSIG``). The server runs in a session of its
+own, and ignores SIGINT: a ^C in the driver's terminal reaches the driver alone, which brings the
+weights back from the workers before it stops them. If the imports fail, every worker's
 output gets the traceback, as each would have printed it, and the server exits with 1.
 
 Linux only (the driver starts workers apart elsewhere). Before forking the server imports and runs
@@ -73,6 +75,7 @@ def _fork(argv: list[str], output: int, others: list[int]) -> int:
     code = 1
     try:
         _die_with(server)
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # as in any Python process
         devnull = os.open(os.devnull, os.O_RDONLY)
         os.dup2(devnull, 0)
         os.dup2(output, 1)
@@ -121,6 +124,7 @@ def _stop_on_eof(pids: dict[int, int]) -> None:
 
 
 def main() -> int:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver stops the server, through its stdin
     spec = json.loads(_read_line() or b"[]")
     outputs = [int(worker["output"]) for worker in spec]
     try:
@@ -138,7 +142,6 @@ def main() -> int:
         pids[pid] = index
         os.close(outputs[index])
         _report(f"forked {index} {pid}")
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a ^C reaches the workers (and the driver), which stop them
     threading.Thread(target=_stop_on_eof, args=(pids,), name="stop-on-eof", daemon=True).start()
     while pids:
         try:
