@@ -7,7 +7,7 @@ machine) and warms up (`lightning_remote_mp.worker.server._warm_up`: 0.85 s, ``t
 sympy) beside the driver, which traces the model at the same time. Forked, the workers share one
 import, and the pages it filled until they write to them: ``benchmarks/depth.py --apart`` measures
 the first step both ways (docs/tracing.md, "Deep models"), and two idle forked workers and their
-server hold 256 MB of memory (proportional set size) against 468 MB for two started apart.
+server hold 287 MB of memory (proportional set size) against 495 MB for two started apart.
 
 The driver runs ``python -m lightning_remote_mp.worker.forkserver`` and writes one line of JSON to
 its stdin, a list with one ``{"argv": [lrmp-worker flags], "output": FD}`` a worker, FD the write end
