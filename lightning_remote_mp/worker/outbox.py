@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 import zmq
+import zmq.utils.monitor
 
 from lightning_remote_mp.errors import PeerUnreachableError
 from lightning_remote_mp.wire import protocol, sockets
@@ -31,6 +32,12 @@ from lightning_remote_mp.worker.request import error_body
 DEFAULT_PEER_TIMEOUT = 10.0
 #: Seconds between attempts to hand a held message to a peer that could not take it yet.
 PEER_RETRY = 0.01
+#: How long a peer whose connection closed may take to accept this worker's again before a message
+#: to it fails: a worker that stopped (killed, out of memory) closes its connections, and the next
+#: stage would otherwise wait its whole peer timeout for it (30 s per message with a driver's
+#: heartbeat_timeout of 30 s; the driver, bringing the weights back, waited for those). A network
+#: that only drops packets closes no connection: that waits the peer timeout as before.
+PEER_GONE_GRACE = 3.0
 #: How long a stopping outbox waits for its copy waiter.
 _STOP_GRACE = 0.5
 
@@ -116,6 +123,9 @@ class Outbox:
         self.driver_limits = protocol.DEFAULT_LIMITS  # what the session's driver accepts (its HELLO)
         self.peer_keys: dict[str, bytes] = {}  # address -> public key, announced by the driver
         self._peers: dict[str, zmq.Socket] = {}
+        # Each peer socket's connection events, and since when its connection is closed.
+        self._monitors: dict[str, zmq.Socket] = {}
+        self._closed_since: dict[str, float] = {}
         #: Messages waiting for their tensors' copies off the GPU, in order (a plain attribute: the
         #: serving loop reads it after every request). Never any on CPU.
         self.held: collections.deque[_Held] = collections.deque()
@@ -223,7 +233,26 @@ class Outbox:
                 held.give_up_at = now + self.peer_timeout
             if now > held.give_up_at:
                 raise self._unreachable(held.peer, held.kind) from None
+            closed = self._closed_for(held.peer, now)
+            if closed is not None and closed > PEER_GONE_GRACE:
+                raise PeerUnreachableError(
+                    f"could not hand a {held.kind} message to the worker at {held.peer}: its connection to this "
+                    f"worker closed {closed:.0f} s ago and it has not accepted a new one (has it stopped?)"
+                ) from None
             return False
+
+    def _closed_for(self, address: str, now: float) -> float | None:
+        """Seconds since the connection to the peer at ``address`` closed, ``None`` while it is open
+        (or was never made)."""
+        monitor = self._monitors.get(address)
+        while monitor is not None and monitor.poll(0):
+            event = zmq.utils.monitor.recv_monitor_message(monitor)["event"]
+            if event == zmq.EVENT_DISCONNECTED:
+                self._closed_since.setdefault(address, now)
+            elif event == zmq.EVENT_CONNECTED:
+                self._closed_since.pop(address, None)
+        since = self._closed_since.get(address)
+        return None if since is None else now - since
 
     def _report(self, err: Exception, about: dict[str, Any]) -> None:
         error = {**error_body(err), **about}
@@ -252,13 +281,17 @@ class Outbox:
             if address.startswith(RELAY + "/"):  # through the driver this worker dialed
                 route = RELAY + self.relay_via + address[len(RELAY) :]
             sock = self._peers[address] = sockets.dealer(route, curve=curve, immediate=True)
+            self._monitors[address] = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         return sock
 
     def close_peers(self) -> None:
         self.held.clear()  # the session's messages: its driver is gone
-        for sock in self._peers.values():
+        for address, sock in self._peers.items():
+            sock.disable_monitor()
+            self._monitors.pop(address).close(0)
             sock.close(0)
         self._peers.clear()
+        self._closed_since.clear()
         self.peer_keys.clear()
 
     def close(self) -> None:
