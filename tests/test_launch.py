@@ -250,8 +250,9 @@ def test_a_ctrl_c_in_the_driver_s_terminal_reaches_the_driver_alone():
 
     code = (
         "from lightning_remote_mp.driver.launch import LocalWorkers; import time\n"
-        "w = LocalWorkers(2, threads=1); w.start(); print('ready', flush=True)\n"
+        "w = LocalWorkers(2, threads=1); w.start()\n"
         "try:\n"
+        "    print('ready', flush=True)\n"
         "    time.sleep(60)\n"
         "except KeyboardInterrupt:\n"
         "    time.sleep(1)  # what a worker interrupted too would take to end\n"
