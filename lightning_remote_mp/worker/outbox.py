@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 import zmq
-import zmq.utils.monitor
+from zmq.utils.monitor import recv_monitor_message
 
 from lightning_remote_mp.errors import PeerUnreachableError
 from lightning_remote_mp.wire import protocol, sockets
@@ -237,16 +237,16 @@ class Outbox:
             if closed is not None and closed > PEER_GONE_GRACE:
                 raise PeerUnreachableError(
                     f"could not hand a {held.kind} message to the worker at {held.peer}: its connection to this "
-                    f"worker closed {closed:.0f} s ago and it has not accepted a new one (has it stopped?)"
+                    f"worker closed at least {closed:.0f} s ago and it has not accepted a new one (has it stopped?)"
                 ) from None
             return False
 
     def _closed_for(self, address: str, now: float) -> float | None:
-        """Seconds since the connection to the peer at ``address`` closed, ``None`` while it is open
-        (or was never made)."""
+        """Seconds since this outbox saw the connection to the peer at ``address`` closed (its events
+        are read here, when a message waits for the peer), ``None`` while it is open (or was never made)."""
         monitor = self._monitors.get(address)
         while monitor is not None and monitor.poll(0):
-            event = zmq.utils.monitor.recv_monitor_message(monitor)["event"]
+            event = recv_monitor_message(monitor)["event"]
             if event == zmq.EVENT_DISCONNECTED:
                 self._closed_since.setdefault(address, now)
             elif event == zmq.EVENT_CONNECTED:
