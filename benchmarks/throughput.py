@@ -17,6 +17,9 @@ Configurations (all in the same run, interleaved round by round, median over rou
     forward returns its MSE loss, traced (``split=["model"]``) and run with ``schedule="1f1b"``: the
     loss on the last stage, as torch.distributed.pipelining computes it, so a step costs the driver
     one message each way (the inputs and targets out, the losses back);
+(b'') ``lrmp-inside-pre m=M`` (``--lrmp-inside-pre-m``): (b') behind a Linear on the driver, whose
+    gradient needs the model's input's: the loss's gradient goes at once up the pipeline and stage 0
+    answers with the input's gradients (`requests.LossGrad.answer`);
 (c) ``torch <Schedule> m=M``: torch.distributed.pipelining, ``PipelineStage`` built by hand on each of
     two processes talking gloo over 127.0.0.1 (NCCL with ``--device cuda``), with ScheduleGPipe and
     Schedule1F1B.
@@ -153,6 +156,7 @@ def run_lrmp(
     split: bool | str = "auto",
     inside: bool = False,
     schedule: str = "1f1b",
+    pre: bool = False,
 ) -> tuple[float, list[float]]:
     """Wall seconds, and CPU seconds of the driver and of each worker, of the steps after the warm-up."""
     import lightning as L
@@ -190,6 +194,15 @@ def run_lrmp(
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
             return self.model(*batch)
 
+    class LitInsidePre(LitInside):
+        def __init__(self) -> None:
+            super().__init__()
+            self.pre = nn.Linear(cfg["width"], cfg["width"])
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            return self.model(self.pre(x), y)
+
     class StepTimer(Callback):
         def __init__(self) -> None:
             self.ends: list[float] = []
@@ -224,11 +237,12 @@ def run_lrmp(
     trainer = _common.timed_trainer(strategy, total, [timer])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer.fit(LitInside() if inside else LitMLP(), torch.utils.data.DataLoader(Repeat(total), batch_size=None))
+        module = (LitInsidePre() if pre else LitInside()) if inside else LitMLP()
+        trainer.fit(module, torch.utils.data.DataLoader(Repeat(total), batch_size=None))
     if len(timer.ends) != total:
         raise RuntimeError(f"lrmp m={m}: {len(timer.ends)} steps ran, expected {total}")
     (sent0, received0), (sent1, received1) = timer.messages
-    name = f"loss in the model, {schedule}, m={m}" if inside else f"m={m}"
+    name = f"loss in the model{', input grad' if pre else ''}, {schedule}, m={m}" if inside else f"m={m}"
     MESSAGES[name] = ((sent1 - sent0) / cfg["steps"], (received1 - received0) / cfg["steps"])
     return timer.ends[-1] - timer.ends[cfg["warmup"] - 1], [b - a for a, b in zip(*timer.cpu)]
 
@@ -367,6 +381,7 @@ def configurations(args: argparse.Namespace) -> list[tuple[str, str, int]]:
     configs += [("lrmp-nosplit", "", m) for m in args.lrmp_nosplit_m]
     configs += [("lrmp-split", "", m) for m in args.lrmp_split_m]
     configs += [("lrmp-inside", s, m) for s in args.lrmp_inside_schedules for m in args.lrmp_inside_m]
+    configs += [("lrmp-inside-pre", s, m) for s in args.lrmp_inside_schedules for m in args.lrmp_inside_pre_m]
     configs += [("torch", s, m) for s in args.schedules for m in args.torch_m]
     return configs
 
@@ -382,6 +397,8 @@ def label(kind: str, schedule: str, m: int) -> str:
         return f"(b) lrmp, m={m}, split_backward=True"
     if kind == "lrmp-inside":
         return f"(b') lrmp, loss in the model, {schedule.upper().replace('_', '-')}, m={m}"
+    if kind == "lrmp-inside-pre":
+        return f"(b'') lrmp, (b') + input grad, {schedule.upper().replace('_', '-')}, m={m}"
     return f"(c) torch {schedule}, m={m}"
 
 
@@ -400,6 +417,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--lrmp-inside-m", type=int, nargs="*", default=[], help="lrmp, the loss in the traced model, schedule='1f1b'"
     )
+    p.add_argument("--lrmp-inside-pre-m", type=int, nargs="*", default=[], help="(b') behind a Linear on the driver")
     p.add_argument(
         "--lrmp-inside-schedules",
         nargs="+",
@@ -480,9 +498,10 @@ def main(argv: list[str] | None = None) -> int:
                 if kind == "plain":
                     s, cpu_s = run_plain(cfg)
                 elif kind.startswith("lrmp"):
-                    split = {"lrmp": "auto", "lrmp-split": True, "lrmp-nosplit": False, "lrmp-inside": "auto"}[kind]
-                    inside = kind == "lrmp-inside"
-                    s, cpu_s = run_lrmp(cfg, addresses, pids, m, split, inside, schedule if inside else "1f1b")
+                    split = {"lrmp-split": True, "lrmp-nosplit": False}.get(kind, "auto")
+                    inside = kind.startswith("lrmp-inside")
+                    sched = schedule if inside else "1f1b"
+                    s, cpu_s = run_lrmp(cfg, addresses, pids, m, split, inside, sched, kind == "lrmp-inside-pre")
                 else:
                     assert pipeline is not None
                     s, cpu_s = pipeline.run(schedule, m, args.warmup, args.steps)

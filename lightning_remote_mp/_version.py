@@ -4,4 +4,4 @@ from here without importing anything."""
 
 # 0.MINOR.PATCH before 1.0: MINOR is the wire protocol's version, PATCH counts releases that keep it
 # (the policy is at the top of CHANGELOG.md, whose newest heading names this version).
-__version__ = "0.17.3"
+__version__ = "0.18.0"

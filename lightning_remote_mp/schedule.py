@@ -9,12 +9,12 @@ micro-batch):
 kind  what the stage does                                             its input
 ====  ==============================================================  ==========================================
 F     forward of a micro-batch                                        the previous stage's output (`Forward`)
-B     backward of the input: the gradient the previous stage waits    the next stages' gradients (`Backward`
-      for (an early call's last stage starts it at the loss, as 1)    naming B), or the driver's
+B     backward of the input: the gradient the previous stage waits    the next stages' gradients (`Backward`),
+      for (an early call's last stage starts it at the loss, as 1)    or the driver's
 W     backward of the weights: a micro-batch's deferred linear-layer  none: the stage's own B
       weight gradients (`lightning_remote_mp.worker.deferred_grads`)
 S     the loss's scale: an early call's weight gradients times the    the driver's gradient of the loss
-      driver's gradient of the loss, added to ``.grad``               (`LossGrad`, or `Backward` naming S)
+      driver's gradient of the loss, added to ``.grad``               (`LossGrad`)
 D     one decoding step of a generation: a micro-batch's new tokens   the previous stage's output
       through the stage's layers, with the stage's own key/value
       cache (generation runs a call of D's, as a forward runs F's)
@@ -96,8 +96,7 @@ SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "zero_bubble")
 
 class Kind(Word):
     """Every kind of action a stage runs, by its letter (the module docstring's table says each one's
-    input). A kind is a ``str``: it compares, hashes and prints as its letter, and travels as one
-    (`lightning_remote_mp.wire.messages.Backward.action`)."""
+    input). A kind is a ``str``: it compares, hashes and prints as its letter."""
 
     FORWARD = "F"
     BACKWARD = "B"

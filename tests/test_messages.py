@@ -103,7 +103,8 @@ def test_a_malformed_forward_is_refused_naming_the_field(change, match):
         ([1, 2], "the body must be a dict"),
         ({**GOOD_BACKWARD, "grad_out": [1.0]}, "'grad_out' must be a tensor, a tuple of tensors or None"),
         ({**GOOD_BACKWARD, "grads": {"a": "b"}}, r"field 'grads\[...\]': expected a tensor, got str"),
-        ({**GOOD_BACKWARD, "action": "W"}, "field 'action' must be 'B' or 'S'"),
+        # protocol 17's S input (a loss scale between stages), from a worker that should have been refused:
+        ({**GOOD_BACKWARD, "action": "S"}, "backward message: unknown field 'action'"),
     ],
 )
 def test_a_malformed_backward_is_refused_naming_the_field(body, match):
@@ -126,12 +127,10 @@ def test_the_fence_travels_and_a_malformed_one_is_refused():
 # sha256 of a forward and a backward message's frames: a change here changes what older workers
 # receive. Bump protocol.PROTOCOL_VERSION with it (and say so in the CHANGELOG), then update these.
 PIPELINED_GOLDEN = {
-    "forward": "bc6c9fade86e3c46",
-    "backward": "aa18ca4852cbc4c0",
-    "scheduled forward": "9b90d5e0a54e1284",
-    "the driver's scale": "32ac92e2c0f579de",
-    "scale": "e35da1c55533fd14",
-    "generation step": "678671dbb9534912",
+    "forward": "b6d2de4982bba75e",
+    "backward": "692b17988651573c",
+    "scheduled forward": "cae81fdca735ba0c",
+    "generation step": "1d883aca4e429a82",
 }
 
 
@@ -159,10 +158,8 @@ def test_the_wire_format_of_pipelined_messages_is_pinned():
             key="net", call=3, mb=1, sender=1, grad_out=t, grads={"r": None}, fence={0: 2}, microbatches=4
         ),
         # What a schedule adds (`lightning_remote_mp.schedule`): the forward names it and the loss's
-        # output; the driver's gradient of the loss follows as the input of each stage's S action.
+        # output; the driver's gradient of the loss follows as each stage's `requests.LossGrad`.
         "scheduled forward": Forward(key="net", call=3, mb=1, sender=0, x=t, grad=True, schedule="1f1b", loss_output=0),
-        "the driver's scale": Backward(key="net", call=3, mb=1, sender=-1, action="S", grad_out=t, microbatches=4),
-        "scale": Backward(key="net", call=3, mb=1, sender=1, action="S", scale=torch.tensor(0.25), microbatches=4),
         # A step of generate(): the stage's cache of generation 7 (134 tokens), its rows reordered first.
         "generation step": Forward(key="net", call=3, mb=1, sender=0, x=t, generation=Generation(7, 134, [1, 0])),
     }

@@ -283,18 +283,23 @@ class _Steps(L.LightningModule):
         return torch.optim.Adam(self.parameters(), lr=0.1)
 
 
-@pytest.mark.parametrize("where", [0, 3], ids=["stage 0", "last stage"])
-def test_a_backward_that_fails_on_a_stage_under_1f1b_is_raised_and_no_stage_steps(where, pool):
+@pytest.mark.parametrize(
+    "where, replicas", [(0, 1), (3, 1), (0, 2), (3, 2)], ids=["stage 0", "last stage", "stage 0 x2", "last stage x2"]
+)
+def test_a_backward_that_fails_on_a_stage_under_1f1b_is_raised_and_no_stage_steps(where, replicas, pool):
     """The stages run the backward from the loss on their own and the driver does not wait for it:
     its failure on one stage is raised by the driver's next message, naming the call, and no stage
     steps on the gradients (the other stage's step waits behind the failed one's loss gradient, or
-    never leaves it), so the weights brought back are the first ones, as locally."""
+    never leaves it), so the weights brought back are the first ones, as locally. With replicas,
+    whose step sums over workers, the loss's gradient goes at once up the pipeline instead, and the
+    driver waits for stage 0's answer before the step: none is sent."""
     torch.manual_seed(0)
     local = _Steps(_Heaviside(where))
     remote = copy.deepcopy(local)
     with pytest.raises(RuntimeError, match="heaviside"):
         trainer(None, 1).fit(local, _regression_data())
-    strategy = scheduled(pool[:2], "1f1b", microbatches=1)  # the loss comes back before the backward fails
+    hosts = pool[:2] if replicas == 1 else [pool[:2], pool[2:4]]
+    strategy = scheduled(hosts, "1f1b", microbatches=1)  # the loss comes back before the backward fails
     with pytest.raises(LrmpError) as info:
         trainer(strategy, 1).fit(remote, _regression_data())
     text = str(info.value)
@@ -313,6 +318,34 @@ class AlsoReadsTheLogits(H.FineTune):
 def test_a_step_that_differentiates_another_output_under_1f1b_is_refused_with_the_way_out(pool):
     with pytest.raises(LrmpError, match=r"also depends on .*schedule='gpipe'"):
         trainer(scheduled(pool[:2], "1f1b"), 1).fit(AlsoReadsTheLogits(H.llama(), "lm"), H.padded_data())
+
+
+class _WithCount(torch.nn.Module):
+    """`Residual`'s loss, and a float count of the targets above zero: an output without a graph."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = Residual()
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.net(x, y), (y > 0).sum().float()
+
+
+class _ReadsTheCount(_Steps):
+    def training_step(self, batch, batch_idx):
+        loss, count = self.model(*batch)
+        return loss + 0.01 * count
+
+
+def test_a_step_that_also_reads_an_output_without_a_graph_trains_under_1f1b_as_locally(pool):
+    """The count passes no gradient on, locally as remotely: no refusal (the last stage's results
+    say which outputs have a graph), and the same weights."""
+    torch.manual_seed(0)
+    local = _ReadsTheCount(_WithCount())
+    remote = copy.deepcopy(local)
+    trainer(None, 2).fit(local, _regression_data())
+    trainer(scheduled(pool[:2], "1f1b", microbatches=2), 2).fit(remote, _regression_data())
+    assert_same_weights(local, remote, 1e-5)
 
 
 class SpecNet(L.LightningModule):
@@ -434,8 +467,9 @@ def test_a_step_costs_the_driver_one_message_each_way_under_1f1b_and_two_under_g
     results and the DONEs. Under 1F1B the stages run the backward from the model's loss on their
     own, and the loss's gradient goes with the next forward (`LossGrad`): the driver sends the
     forward and receives the losses, nothing else. Not where the step sums a tied embedding's
-    gradient over the stages: there the driver confirms the backward before the step, as under
-    GPipe. Before carried requests a step cost 8 messages out (2 zero_grads, 2 sums, 2 steps besides)."""
+    gradient over the stages: there the loss's gradient goes at once, up from the last stage, and
+    the driver waits for stage 0's answer before the step, as under GPipe; in no more requests than
+    deferred. Before carried requests a step cost 8 messages out (2 zero_grads, 2 sums, 2 steps besides)."""
     counts = {}
     for name, tied, m in [("gpipe", True, 4), ("1f1b", True, 4), ("1f1b", False, 4)]:
         messages = _Messages()
@@ -448,7 +482,8 @@ def test_a_step_costs_the_driver_one_message_each_way_under_1f1b_and_two_under_g
     # Requests in those messages. GPipe: each micro-batch's forward and backward, and the two quiet
     # requests that go straight (stage 0's step, stage 1's zero_grad); the other two travel along the
     # pipeline, and the call's answer shows they ran there, so they are not sent straight as well (they
-    # were: 2m + 4). Deferred: each micro-batch's forward, and stage 0's zero_grad, loss gradient and step.
+    # were: 2m + 4). 1F1B: each micro-batch's forward, and stage 0's zero_grad and step; and stage 0's
+    # loss gradient, deferred, or the last stage's, in the message that sends them up the pipeline.
     assert all(
-        {q for _, _, q in c} == {m + 3 if k in deferred else 2 * m + 2} for k, c in counts.items() for m in [k[2]]
+        {q for _, _, q in c} == {m + 3 if k[0] == "1f1b" else 2 * m + 2} for k, c in counts.items() for m in [k[2]]
     ), counts

@@ -1,38 +1,52 @@
-"""The loss's gradient of a call whose backward the stages ran on their own, sent with the driver's
-next message instead of as a backward through the pipeline.
+"""The loss's gradient of a call whose backward the stages ran on their own: one number, the input
+of every stage's S action, sent with the driver's next message where it may wait.
 
 Under 1F1B or zero-bubble, when the model returns its own loss, the last stage starts each
 micro-batch's backward at that loss with its gradient taken as 1, and every stage keeps the weight
 gradients this gives apart from ``.grad`` (`lightning_remote_mp.worker.runtime`). The driver's
 ``backward()`` then only has one number to tell each stage: the loss's real gradient (Lightning's
-``1 / accumulate_grad_batches``, a loss scale). `DeferredLossGrads.post` posts it to every stage as
-a quiet request (`lightning_remote_mp.wire.requests.LossGrad`) that goes with the next message, in
-front of the optimizer's step, so a step costs the driver its forward and its losses, nothing else.
+``1 / accumulate_grad_batches``, a loss scale; `DeferredLossGrads.value`, which refuses a step that
+differentiated more than the loss). `DeferredLossGrads.post` posts it to every stage as a quiet
+request (`lightning_remote_mp.wire.requests.LossGrad`) that goes with the next message, in front of
+the optimizer's step, so a step costs the driver its forward and its losses, nothing else.
 
 A stage applies it once its part of the call has run, and runs nothing the driver sent after it
 before then (`lightning_remote_mp.worker.order.Order`). Stage 0 passes the other stages' requests on only
 once it applied its own, and a stage that could not apply it refuses the step. The next forward's
 results prove it applied everywhere (their fences name it); any other message confirms it first
-(`confirm`). Where the step sums gradients over workers (replicas, a tied weight on several
-stages), a failure could leave the sum waiting for a worker that refuses the step: there the
-driver waits for the backward as under GPipe (`enabled` is false).
+(`confirm`). Two cases do not wait for the next message. Where the step sums gradients over
+workers (replicas, a tied weight on several stages), a failure could leave the sum waiting for a
+worker that refuses the step (`enabled` is false); and where the driver wants the gradient of the
+model's input back. There the driver sends the gradients at once, up the pipeline from the last
+stage, and stage 0, the last to apply its own, answers with each micro-batch's input gradients
+(DONE), which the driver waits for as for a backward under GPipe
+(`lightning_remote_mp.driver.pipeline.RemoteSpec.confirm`).
 
-What it buys, measured (`benchmarks/README.md`, section 1h): without it (the gradient going as the
-backward's ``scale``), the small model with its loss inside under 1F1B trains 19% slower at m=1 and
+What deferring buys, measured (`benchmarks/README.md`, section 1h): without it (the gradient going
+as a backward through the pipeline), the small model with its loss inside under 1F1B trains 19% slower at m=1 and
 12% slower at m=4.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
 
+from lightning_remote_mp.errors import LrmpError
 from lightning_remote_mp.wire import protocol
 from lightning_remote_mp.wire.collect import gather
 from lightning_remote_mp.wire.requests import LossGrad
 from lightning_remote_mp.wire.transport import Connection
+
+
+def _late_read(key: str, what: str) -> str:
+    return (
+        f"{key}: the step's loss also depends on {what}, but with a schedule other than 'gpipe' the last stage "
+        "runs the backward from the loss alone, as soon as each micro-batch's forward is done: use "
+        "schedule='gpipe' for this model, or differentiate only the loss"
+    )
 
 
 class HeldStage(Protocol):
@@ -95,31 +109,65 @@ class DeferredLossGrads:
         #: module placed on its workers (the driver session clears it otherwise).
         self.enabled = len(spec.replicas) == 1
 
-    def post(self, call: int, sizes: list[list[int]], grad_y: Any, flat: list[int]) -> bool:
-        """Post the loss's gradient of ``call`` (an early call: the stages ran its backward from the
-        loss) to every stage that had a share of it, if it is one number that only the loss brings
-        (``grad_y``: the outputs' gradients). Returns whether it did; if not, the backward goes
-        through the pipeline as before (`lightning_remote_mp.wire.messages.Backward`)."""
+    def value(
+        self,
+        call: int,
+        grad_y: Any,
+        flat: list[int],
+        graph: Sequence[bool],
+        loss_grads: Mapping[Any, Sequence[torch.Tensor | None]],
+    ) -> torch.Tensor | None:
+        """The one number the backward of ``call`` (an early call: the stages ran it from the loss,
+        taken as 1) brings its stages: the gradient of the model's loss (``grad_y``: the outputs'
+        gradients, ``flat``: the micro-batches' sizes), the same for every micro-batch; ``None``
+        where the step did not differentiate the loss. A step that differentiated more (an output
+        with a graph on the last stage, ``graph``, or a loss the last stage computed, ``loss_grads``)
+        is refused: the backward that ran there did not include it."""
         spec, seed = self.spec, self.spec.loss
-        if not self.enabled or seed is None or not isinstance(grad_y, tuple) or not flat:
-            return False
-        chunks = spec.grad_chunks(grad_y, flat)
-        value = chunks[0][seed]
-        for chunk in chunks:
-            g = chunk[seed]
-            others = (o for i, o in enumerate(chunk) if i not in (seed, spec.loss_count))
-            if any(o is not None for o in others) or (g is None) != (value is None):
-                return False  # another output's gradient too: the stages say what that means
-            if g is not None and (g.numel() != 1 or not g.is_floating_point() or not torch.equal(g, value)):
-                return False
-        grad = value.detach().reshape(()).float().cpu() if value is not None else None
+        assert seed is not None
+        if any(g is not None for grads in loss_grads.values() for g in grads):
+            raise LrmpError(_late_read(spec.key, "a loss computed over one of its other outputs"))
+        value: torch.Tensor | None = None
+        for mb, chunk in enumerate(spec.grad_chunks(grad_y if isinstance(grad_y, tuple) else (grad_y,), flat)):
+            # An output without a graph there (a count of tokens) passes no gradient on, as locally.
+            others = [i for i, g in enumerate(chunk) if g is not None and i not in (seed, spec.loss_count)]
+            others = [i for i in others if i < len(graph) and graph[i]]
+            if others:
+                raise LrmpError(_late_read(spec.key, f"its output {others[0]}"))
+            g = chunk[seed] if seed < len(chunk) else None
+            if g is not None and (g.numel() != 1 or not g.is_floating_point()):
+                raise LrmpError(
+                    f"{spec.key}: the gradient of the model's loss (output {seed}) of micro-batch {mb} of call {call} "
+                    f"is not one floating value (shape {tuple(g.shape)}, {g.dtype}): a schedule other than 'gpipe' "
+                    "starts the backward at a loss of one value per micro-batch: use schedule='gpipe'"
+                )
+            if mb == 0:
+                value = g
+            elif (g is None) != (value is None) or (g is not None and value is not None and not torch.equal(g, value)):
+                raise LrmpError(
+                    f"{spec.key}: the loss's micro-batches got different gradients ({value} and {g} for micro-batch "
+                    f"{mb} of call {call}); a schedule other than 'gpipe' needs one for all of them (a loss that adds "
+                    "its micro-batches' sums): use schedule='gpipe'"
+                )
+        return value.detach().reshape(()).float().cpu() if value is not None else None
+
+    def post(self, call: int, sizes: list[list[int]], grad: torch.Tensor | None, *, defer: bool) -> bool:
+        """Post ``grad``, the loss's gradient of ``call`` (`value`), to every stage that had a share
+        of the call. Deferred where it may be (`enabled`) and ``defer`` (no input gradient is
+        wanted back): it goes with the next message down the pipeline, and returns true. Else the
+        driver sends it now, up the pipeline from the last stage (each stage passes the rest on once
+        it applied its own), and stage 0 answers with each micro-batch's input gradients (DONE),
+        once all of them applied it: returns false."""
+        spec = self.spec
+        defer = defer and self.enabled
         marks = [(c, c.order.last_id) for c in spec.conns]
         for r, row in enumerate(spec.replicas):
-            for rs in row if sizes[r] else ():
-                rs.conn.carry(LossGrad(spec.key, call, grad))
-        self.calls[call] = marks
-        spec.confirm_before_sending(True)
-        return True
+            for rs in (row if defer else row[::-1]) if sizes[r] else ():
+                rs.conn.carry(LossGrad(spec.key, call, grad, answer=not defer and rs is row[0]))
+        if defer:
+            self.calls[call] = marks
+            spec.confirm_before_sending(True)
+        return defer
 
     @staticmethod
     def what(call: int) -> str:

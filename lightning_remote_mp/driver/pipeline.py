@@ -92,6 +92,7 @@ class _Call:
     sizes: list[list[int]]  # per replica, the micro-batch sizes along dim 0 (empty: no share)
     x_grad: bool | list[bool]
     early: bool = False  # its backward started at the model's loss on the last stage (a schedule's)
+    graph: list[bool] = dataclasses.field(default_factory=list)  # early: which outputs have a graph there
 
 
 def _autocast_state(device_type: str) -> dict[str, Any] | None:
@@ -103,6 +104,11 @@ def _autocast_state(device_type: str) -> dict[str, Any] | None:
 def _any_of(grads: list[torch.Tensor | None] | None) -> list[torch.Tensor | None] | None:
     """``grads``, unless none of them is a tensor."""
     return grads if grads and any(g is not None for g in grads) else None
+
+
+def _flags(flag: Any) -> list[bool]:
+    """A result's `messages.Forward.requires_grad` of its output: one flag per element."""
+    return [bool(f) for f in flag] if isinstance(flag, list) else [bool(flag)]
 
 
 def _generation_steps(generation: tuple[int, int, torch.Tensor | None] | None, sizes: Sequence[int]) -> list[Any]:
@@ -488,7 +494,8 @@ class RemoteSpec:
         elif self.keep is not None and n > 0:
             self.keep = self.keep.learned(outputs, n)
         if grad:
-            self._calls[call] = _Call(sizes=sizes, x_grad=x_needs_grad, early=early)
+            graph = [any(flags) for flags in zip(*(_flags(m.requires_grad.get("x")) for m in results.values()))]
+            self._calls[call] = _Call(sizes=sizes, x_grad=x_needs_grad, early=early, graph=graph)
         return _to(y, device), call
 
     def _check_plan(self, microbatches: int) -> None:
@@ -529,8 +536,12 @@ class RemoteSpec:
             grads = iter(grad_y.split(flat, dim=0) if grad_y is not None else [None] * len(flat))
         loss_grads = self.losses.grads_for(call)
         x_grad = any(record.x_grad) if isinstance(record.x_grad, list) else record.x_grad
-        if record.early and not x_grad and not loss_grads and self.loss_grads.post(call, record.sizes, grad_y, flat):
-            return None
+        if record.early:
+            # The stages ran the backward from the loss: what is left is one number for them all, which
+            # goes with the next message (deferred), or now up the pipeline, stage 0 answering the driver.
+            grad = self.loss_grads.value(call, grad_y, flat, record.graph, loss_grads)
+            if self.loss_grads.post(call, record.sizes, grad, defer=not x_grad):
+                return None
         fences: dict[int, dict[int, int]] = {}
         try:
             for r, row in enumerate(record.sizes):
@@ -539,14 +550,12 @@ class RemoteSpec:
                 backwards = [
                     Backward(
                         **self._from_driver(call, mb, len(row), fence),
-                        # an early call's backward ran on the stages: this brings its S action's input
-                        action=schedule.SCALE if record.early else schedule.BACKWARD,
                         grad_out=next(grads),
                         loss_grads=_any_of(loss_grads.get((r, mb))),
                     ).body()
-                    for mb in range(len(row))
+                    for mb in range(len(row) if not record.early else 0)
                 ]
-                if backwards:
+                if row:  # an early call's: its loss gradients alone, carried up from the last stage
                     self.replicas[r][-1].conn.send_all(
                         protocol.BACKWARD, backwards, self.compression, lead=carry, link=False
                     )

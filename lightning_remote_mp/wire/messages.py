@@ -27,7 +27,7 @@ import msgspec
 import torch
 
 from lightning_remote_mp.flow import is_main
-from lightning_remote_mp.schedule import BACKWARD, SCALE, SCHEDULES
+from lightning_remote_mp.schedule import SCHEDULES
 from lightning_remote_mp.wire import protocol
 from lightning_remote_mp.wire.body import Body, Count, Index, plain
 
@@ -96,7 +96,7 @@ class Forward(_Pipelined, frozen=True):
         loss_output: the position of the model's output that is the loss (a sum over the micro-batch):
             the last stage runs each micro-batch's backward as soon as its forward is done, with
             the loss's gradient taken as 1 (an "early" call); the driver's backward then brings the
-            real gradient, the input of the call's S action (`Backward.action`). Stages pass it on.
+            real gradient, the input of the call's S action (`requests.LossGrad`). Stages pass it on.
         generation: a step of ``generate()`` (`Generation`): the forward writes its keys and values
             to the stage's cache of that generation and micro-batch. Stages pass it on.
     """
@@ -158,37 +158,25 @@ class Backward(_Pipelined, frozen=True):
 
     Attributes:
         key, call, mb, sender, sent_at, fence, microbatches: see `_Pipelined`.
-        action: the action whose input this is (`lightning_remote_mp.schedule`): ``"B"``, the
-            backward of the micro-batch (the gradients of what the stage sent on); or ``"S"``, an
-            early call's loss scale (`Forward.loss_output`): the driver's gradient of the loss, in
-            ``grad_out`` (from the driver) or ``scale`` (from the next stage).
         grad_out: the gradient of the main value the sender received from this stage (``None``
             when it needs none; a tuple for a traced model's tuple).
         grads: the gradients of the residual variables the sender imported from this stage.
         loss_grads: from the driver to the last stage: for each loss the stage computed over this
             micro-batch's kept outputs (`requests.Loss`, in their order), the gradient of its
             value, or ``None`` for a loss the step does not differentiate.
-        scale: an S input between stages: the gradient the driver's backward brought for the loss;
-            each stage adds its weight gradients times ``scale`` to ``.grad``.
     """
 
     KIND: ClassVar[str] = protocol.BACKWARD
-    OMIT_NONE: ClassVar[frozenset[str]] = frozenset({"loss_grads", "scale"})
+    OMIT_NONE: ClassVar[frozenset[str]] = frozenset({"loss_grads"})
     WRITE: ClassVar[dict[str, Any]] = {"grads": plain, "loss_grads": plain, "fence": plain}
 
-    action: str = BACKWARD
     grad_out: Any = None
     grads: dict[str, torch.Tensor | None] = {}
     loss_grads: list[torch.Tensor | None] | None = None
-    scale: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
-        if self.action not in (BACKWARD, SCALE):
-            raise ValueError(f"field 'action' must be {BACKWARD!r} or {SCALE!r}")
         if self.grad_out is not None and not _is_grad_out(self.grad_out):
             raise ValueError("field 'grad_out' must be a tensor, a tuple of tensors or None")
-        if self.scale is not None and not (self.scale.numel() == 1 and self.scale.is_floating_point()):
-            raise ValueError("field 'scale' must be a floating tensor of one value")
 
 
 def salvage(body: Any) -> tuple[int | None, dict[str, Any]]:

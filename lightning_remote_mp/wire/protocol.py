@@ -43,7 +43,7 @@ from lightning_remote_mp.errors import ConfigurationError, LimitExceeded, Protoc
 from lightning_remote_mp.flow import Word
 from lightning_remote_mp.wire.compression import compress, compressible, decompressed
 
-PROTOCOL_VERSION = 17
+PROTOCOL_VERSION = 18
 
 
 class Kind(Word):

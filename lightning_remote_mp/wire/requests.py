@@ -298,9 +298,12 @@ class ZeroGrad(Body, frozen=True):
 
 class LossGrad(Body, frozen=True):
     """LOSS_GRAD: the driver's gradient of the loss of call ``call`` of ``key``, whose backward the
-    stages started on their own (`messages.Forward.loss_output`): each adds its weight gradients times
-    ``grad`` to ``.grad`` once its part of the call has run, and runs none of the driver's later
-    requests before (``None``: the step did not differentiate the loss; nothing is added)."""
+    stages started on their own (`messages.Forward.loss_output`), the input of each stage's S action
+    (`lightning_remote_mp.schedule`): each adds its weight gradients times ``grad`` to ``.grad`` once
+    its part of the call has run, and runs none of the driver's later requests before (``None``: the
+    step did not differentiate the loss; nothing is added). With ``answer``, the stage fed by the
+    driver then sends it each micro-batch's DONE (`messages.Backward`): the gradients of its
+    inputs, times ``grad``."""
 
     KIND: ClassVar[str] = protocol.LOSS_GRAD
     OMIT_NONE: ClassVar[frozenset[str]] = frozenset({"grad"})
@@ -308,6 +311,7 @@ class LossGrad(Body, frozen=True):
     key: str
     call: int
     grad: torch.Tensor | None = None
+    answer: bool = False
 
     def __post_init__(self) -> None:
         if self.grad is not None and not (self.grad.numel() == 1 and self.grad.is_floating_point()):

@@ -230,7 +230,7 @@ class Order:
         """Apply the driver's gradient of a call's loss (`StageRuntime.loss_grad`), or wait for the
         call's actions here first: then no later request of the driver's runs before it (`park`)."""
         try:
-            waits = self._runtimes[msg.key].loss_grad(msg.call, msg.grad)
+            waits = self._runtimes[msg.key].loss_grad(msg)
         except Exception as err:
             self.no_step = f"the loss's gradient of call {msg.call} of {msg.key!r} was not applied here: {err}"
             raise

@@ -4,13 +4,14 @@ Every forward call, GPipe's included, and without grad too, runs its stage's lis
 `lightning_remote_mp.schedule`, where every kind of action is defined: F, B and W of each
 micro-batch in the list's order (`StageRuntime`, one per stage). A message brings one input of an
 action and says which (a `Forward` an F's, or a D's for a step of ``generate()``,
-`Forward.generation`; a `Backward` a B's or an S's, `Backward.action`); inputs are buffered by
+`Forward.generation`; a `Backward` a B's; the driver's `LossGrad` an S's); inputs are buffered by
 (call, kind, micro-batch), and an action runs when it is next on its list and every input it waits
 for is in (the previous stage's output and the residual variables of others, or the next stages'
 gradients). `lightning_remote_mp.worker.route.RoutedStage` runs it. Under 1F1B and zero-bubble with
 the loss inside the model, the last stage starts each micro-batch's backward at the loss, taken as
-1 (an "early" call); the driver's real gradient of the loss follows, the input of the call's last
-action (S, `schedule.SCALE`), which adds the weight gradients times it to ``.grad``. A decoding step
+1 (an "early" call); the driver's real gradient of the loss follows (`LossGrad`), the input of the
+call's last action (S, `schedule.SCALE`), which adds the weight gradients times it to ``.grad``, and
+on stage 0, where the driver asks, sends it the input's gradients times it. A decoding step
 runs D's alone, each inside the stage's key/value cache of its generation and micro-batch
 (`lightning_remote_mp.worker.caches`). Releasing a call drops what waits for it.
 
@@ -35,6 +36,7 @@ from lightning_remote_mp.errors import LrmpError, ProtocolError, SpecError
 from lightning_remote_mp.flow import DRIVER
 from lightning_remote_mp.schedule import BACKWARD, DECODE, FORWARD, SCALE, WEIGHTS
 from lightning_remote_mp.wire.messages import Backward, Forward
+from lightning_remote_mp.wire.requests import LossGrad
 from lightning_remote_mp.worker.route import Outgoing, RoutedStage
 
 if TYPE_CHECKING:
@@ -61,23 +63,12 @@ class _Plan:
     outputs: dict[int, Any] = dataclasses.field(default_factory=dict)  # last stage: outputs, for the loss
     filings: dict[int, int] = dataclasses.field(default_factory=dict)  # per micro-batch, its backward's number
     to_driver: dict[int, Backward] = dataclasses.field(default_factory=dict)  # stage 0: input gradients, as 1
-    differentiable: list[bool] = dataclasses.field(default_factory=list)  # last stage: which outputs have a graph
-    # The driver's gradient of an early call's loss, for its S action: one value for the call (a
-    # `requests.LossGrad`), or per micro-batch the messages that bring it from each stage this one feeds.
-    loss_grad: tuple[torch.Tensor | None, ...] = ()
-    scales: dict[int, dict[int, Backward]] = dataclasses.field(default_factory=dict)
+    loss_grad: LossGrad | None = None  # the driver's gradient of an early call's loss: its S action's input
 
     @property
     def early(self) -> bool:
         """The backward starts at the loss on the last stage, before the driver's gradient comes."""
         return self.loss_output is not None
-
-
-_LATE_READ = (
-    "the step's loss also depends on {what}, but with a schedule other than 'gpipe' the last stage "
-    "runs the backward from the loss alone, as soon as each micro-batch's forward is done: use "
-    "schedule='gpipe' for this model, or differentiate only the loss"
-)
 
 
 def _times(grad: Any, scale: torch.Tensor) -> Any:
@@ -114,7 +105,7 @@ class StageRuntime:
         self.weights_failed: Exception | None = None
 
     def _collect(self, kind: str, expected: Iterable[int], msg: _M) -> dict[int, _M] | None:
-        """File ``msg``, an input of a ``kind`` action (`FORWARD`, `BACKWARD`, `SCALE`) of its micro-batch,
+        """File ``msg``, an input of a ``kind`` action (`FORWARD`, `BACKWARD`, `DECODE`) of its micro-batch,
         with the other parts of it; all of them, once every expected sender's part is in."""
         expected = set(expected)
         if msg.sender not in expected:
@@ -153,32 +144,26 @@ class StageRuntime:
         self._advance(first.call)
 
     def backward(self, msg: Backward) -> None:
-        """File a backward's input, for the action it names (`Backward.action`: a B's gradients, or
-        an early call's S), and run what may run now."""
+        """File a B action's input (the gradients of what this stage sent on) and run what may run now."""
         if msg.call in self._released:
             return  # a late message of a call the driver gave up on
         plan = self._plans.get(msg.call)
-        if plan is None or msg.action not in plan.kinds:
+        if plan is None or BACKWARD not in plan.kinds:
             self._unplanned(msg)
             return
         self._check_mb(msg, plan)
-        if msg.action == SCALE:
-            self._scale(msg, plan)
-            return
         parts = self._collect(BACKWARD, self.route.targets, msg)
         if parts is not None:
             plan.ready[(BACKWARD, msg.mb)] = parts
             self._advance(msg.call)
 
     def _unplanned(self, msg: Backward) -> None:
-        """A backward's input for an action the call does not run here (now): dropped where it is a
-        B's of an early call that failed (the driver heard of the failure from it), else an error."""
+        """A backward's input for a call that runs no B here (now): dropped where the call is an
+        early one that failed (the driver heard of the failure from it), else an error."""
         failed = self._failed.get(msg.call)
-        if failed is not None and failed[1] and msg.action == BACKWARD:
+        if failed is not None and failed[1]:
             return
         self._check_applicable(msg.call)
-        if msg.action == SCALE:
-            raise ProtocolError(f"{self.where}: a loss scale (S) for call {msg.call}, which runs no S here")
         raise ProtocolError(f"{self.where}: backward of micro-batch {(msg.call, msg.mb)} without a forward under grad")
 
     def _plan_of(self, first: Forward) -> _Plan:
@@ -219,7 +204,7 @@ class StageRuntime:
     def _advance(self, call: int) -> None:
         """Run ``call``'s actions in the plan's order for as long as the next one has what it waits for.
         A failure is kept for the call: its actions may run after the driver's forward has returned,
-        so the driver's backward learns of it (`_scale`) rather than waiting for a gradient that never comes."""
+        so the driver's backward learns of it (`loss_grad`) rather than waiting for a gradient that never comes."""
         try:
             self._run_actions(call)
         except Exception as err:
@@ -243,12 +228,9 @@ class StageRuntime:
             if action.kind == WEIGHTS:
                 self._weights(call, action.mb, plan)
             elif action.kind == SCALE:
-                if plan.loss_grad:  # the driver's `LossGrad`: nothing to pass on
-                    self._apply(call, plan.loss_grad[0])
-                elif len(plan.scales) == plan.microbatches:
-                    out = self._scaled(call, plan)
-                else:
+                if plan.loss_grad is None:
                     break
+                out = self._scaled(call, plan, plan.loss_grad)
             else:
                 parts = plan.ready.pop((action.kind, action.mb), None)
                 if parts is None:
@@ -293,16 +275,23 @@ class StageRuntime:
             mb = mb if plan.early else -1
             self.route.events.span("weights", self.route.stage.key, self.index, call, mb, started, time.time())
 
-    def loss_grad(self, call: int, grad: torch.Tensor | None) -> bool:
-        """The driver's gradient of ``call``'s loss, straight from the driver (`requests.LossGrad`):
-        the input of the call's S action, which runs once the call's other actions have. Returns
-        whether it waits for them."""
+    def loss_grad(self, msg: LossGrad) -> bool:
+        """The driver's gradient of ``msg.call``'s loss (`LossGrad`): the input of the call's S
+        action, which runs once the call's other actions have. Returns whether it waits for them."""
+        call = msg.call
         plan = self._plans.get(call)
         if plan is None or not plan.early:
             self._check_applicable(call)
             raise ProtocolError(f"{self.where}: a loss gradient for call {call}, which ran no schedule here")
-        plan.loss_grad = (grad,)
-        self._advance(call)  # applying it sends nothing
+        if plan.loss_grad is not None:
+            raise ProtocolError(f"{self.where}: the loss gradient of call {call} came twice")
+        if msg.answer and self.route.x_from != DRIVER:
+            raise ProtocolError(
+                f"{self.where}: the loss gradient of call {call} asks for the input gradients of a stage "
+                "the driver does not feed"
+            )
+        plan.loss_grad = msg
+        self._advance(call)
         return call in self._plans
 
     def loss_grad_waits(self, call: int) -> bool:
@@ -349,82 +338,24 @@ class StageRuntime:
             grad_out = first.grad_out
         grad_x, grad_imports, needs = self.route.run_backward(call, mb, grad_out, parts, early=True)
         plan.filings[mb] = self.route.stage.filing
-        if self.route.x_to == DRIVER:
-            plan.differentiable = list(self.route.stage.differentiable)
         outgoing = self.route.gradients(first, grad_x, grad_imports, needs)
         if self.route.x_from == DRIVER:  # stage 0: the input's gradient waits for the driver's scale
             plan.to_driver[mb] = next(m for target, m in outgoing if target == DRIVER and isinstance(m, Backward))
             outgoing = [(t, m) for t, m in outgoing if t != DRIVER]
         return outgoing
 
-    def _scale(self, msg: Backward, plan: _Plan) -> None:
-        """File the driver's gradient of an early call's loss (from the driver, or passed on by the
-        next stage) for the call's S action."""
-        if msg.mb in plan.scales:
-            raise ProtocolError(f"{self.where}: the gradient of micro-batch {(msg.call, msg.mb)} came twice")
-        parts = self._collect(SCALE, self.route.targets, msg)
-        if parts is not None:
-            plan.scales[msg.mb] = parts
-            self._advance(msg.call)
-
-    def _scaled(self, call: int, plan: _Plan) -> list[Outgoing]:
-        """The S action of an early call whose driver's gradient came per micro-batch (from each
-        stage this one feeds): add the weight gradients times it to ``.grad``, and pass it on
-        (stage 0: the input's gradients, times it, to the driver)."""
-        waiting = plan.scales
-        grads = [self._scale_of(parts[self.route.x_to], plan) for _, parts in sorted(waiting.items())]
-        scale = grads[0]
-        for mb, g in enumerate(grads):
-            if (g is None) != (scale is None) or (g is not None and scale is not None and not torch.equal(g, scale)):
-                raise LrmpError(
-                    f"{self.where}: the loss's micro-batches got different gradients ({scale} and "
-                    f"{g} for micro-batch {mb} of call {call}); a schedule other than 'gpipe' needs one "
-                    "for all of them (a loss that adds its micro-batches' sums): use schedule='gpipe'"
-                )
-        self._apply(call, scale)
-        out: list[Outgoing] = []
-        for mb, parts in sorted(waiting.items()):
-            first = parts[self.route.x_to]
-            if self.route.x_from == DRIVER:
-                done = plan.to_driver.get(mb)
-                if done is not None:
-                    grad = _times(done.grad_out, scale) if scale is not None else None
-                    out.append((DRIVER, done.replace(grad_out=grad)))
-                continue
-            for source in self.route.sources:
-                out.append(
-                    (
-                        source,
-                        Backward(
-                            key=self.route.stage.key,
-                            call=call,
-                            mb=mb,
-                            sender=self.index,
-                            action=SCALE,
-                            scale=scale,
-                            fence=first.fence,
-                            microbatches=first.microbatches,
-                        ),
-                    )
-                )
-        return out
-
-    def _scale_of(self, msg: Backward, plan: _Plan) -> torch.Tensor | None:
-        """The loss's gradient a scale message brings: from the next stage, ``scale``; from the
-        driver, the output's gradient at the loss's position, and nothing at the others."""
-        if msg.sender != DRIVER:
-            return msg.scale  # None: the step did not differentiate the loss
-        if msg.loss_grads and any(g is not None for g in msg.loss_grads):
-            raise LrmpError(_LATE_READ.format(what="a loss computed over one of its other outputs"))
-        loss_output = plan.loss_output
-        grads = msg.grad_out if isinstance(msg.grad_out, tuple) else (msg.grad_out,)
-        graph = plan.differentiable
-        # A gradient for an output without a graph here (a count of tokens) goes nowhere, as in `stage.backward`.
-        others = [i for i, g in enumerate(grads) if g is not None and i != loss_output and i < len(graph) and graph[i]]
-        if others:
-            raise LrmpError(_LATE_READ.format(what=f"its output {others[0]}"))
-        g = grads[loss_output] if loss_output < len(grads) else None
-        return g.detach().reshape(()).float() if g is not None else None
+    def _scaled(self, call: int, plan: _Plan, msg: LossGrad) -> list[Outgoing]:
+        """The S action: add the weight gradients times the driver's gradient of the loss to
+        ``.grad``; where the driver asks (`LossGrad.answer`, stage 0), send it each micro-batch's
+        input gradients, times that gradient too."""
+        self._apply(call, msg.grad)
+        if not msg.answer:
+            return []
+        scale = msg.grad
+        return [
+            (DRIVER, done.replace(grad_out=_times(done.grad_out, scale) if scale is not None else None))
+            for _, done in sorted(plan.to_driver.items())
+        ]
 
     def release(self, calls: Iterable[int]) -> None:
         """Drop everything of these calls: the driver gave up on them, or is done with them."""

@@ -154,7 +154,6 @@ class StageExecutor:
         # Per call whose backward runs early: each trainable parameter's own gradient, by id.
         self._early: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
         self.filing = 0  # the number of the last backward that filed deferred weight gradients
-        self.differentiable: list[bool] = []  # which outputs of the last backward's forward had a graph
         self._modes: Any = None  # the train/eval flags last applied
         min_macs = auto_min_macs(device) if split_backward == "auto" else 0
         self.deferred = DeferredWeightGrads(self.layers, min_macs) if split_backward else None
@@ -440,7 +439,6 @@ class StageExecutor:
         assert saved.y is not None
         outputs, grads = [], []
         pairs = _pairs(saved.y, grad_y)
-        self.differentiable = [y.requires_grad for y, _ in pairs]
         for t, g in [*pairs, *((saved.exports.get(n), g) for n, g in grad_exports.items())]:
             if t is not None and g is not None and t.requires_grad:
                 outputs.append(t)
