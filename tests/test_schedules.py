@@ -163,6 +163,13 @@ def test_every_schedule_trains_a_traced_lm_with_labels_as_locally(name, pool):
     assert_same_losses(local.val_losses, remote.val_losses, TOL)
 
 
+def test_a_tied_lm_over_three_stages_trains_under_zero_bubble_as_locally(pool):
+    """The step sums the tied embedding's gradient over stages 0 and 2, so the loss's gradient goes
+    at once up the pipeline: stage 2 applies its own and passes the rest on, stage 1 passes stage 0's
+    on only once it applied its own (its W's come late under zero-bubble), and stage 0 answers."""
+    remote_equals_local(lambda: H.FineTune(H.llama(num_hidden_layers=3), "lm"), scheduled(pool[:3], "zero_bubble"))
+
+
 @pytest.mark.parametrize("name", ["1f1b", "zero_bubble"])
 def test_three_stages_with_values_that_skip_a_stage_and_lora_train_as_locally(name, pool):
     """Llama's rotary tables are made on stage 0 and read by every layer: they cross stage 1 to

@@ -116,13 +116,16 @@ class DeferredLossGrads:
         flat: list[int],
         graph: Sequence[bool],
         loss_grads: Mapping[Any, Sequence[torch.Tensor | None]],
+        *,
+        guessed: bool = False,
     ) -> torch.Tensor | None:
         """The one number the backward of ``call`` (an early call: the stages ran it from the loss,
         taken as 1) brings its stages: the gradient of the model's loss (``grad_y``: the outputs'
         gradients, ``flat``: the micro-batches' sizes), the same for every micro-batch; ``None``
         where the step did not differentiate the loss. A step that differentiated more (an output
         with a graph on the last stage, ``graph``, or a loss the last stage computed, ``loss_grads``)
-        is refused: the backward that ran there did not include it."""
+        is refused: the backward that ran there did not include it. ``guessed``: every micro-batch
+        was recomputed, so ``graph`` is the last stage's guess (any floating output, where it trains)."""
         spec, seed = self.spec, self.spec.loss
         assert seed is not None
         if any(g is not None for grads in loss_grads.values() for g in grads):
@@ -133,7 +136,13 @@ class DeferredLossGrads:
             others = [i for i, g in enumerate(chunk) if g is not None and i not in (seed, spec.loss_count)]
             others = [i for i in others if i < len(graph) and graph[i]]
             if others:
-                raise LrmpError(_late_read(spec.key, f"its output {others[0]}"))
+                what = f"its output {others[0]}" + (
+                    " (which has a graph there, or may: with checkpoint='always' the last stage cannot tell before "
+                    "its backward, and takes any floating output of a stage that trains to have one)"
+                    if guessed
+                    else ""
+                )
+                raise LrmpError(_late_read(spec.key, what))
             g = chunk[seed] if seed < len(chunk) else None
             if g is not None and (g.numel() != 1 or not g.is_floating_point()):
                 raise LrmpError(
@@ -160,6 +169,8 @@ class DeferredLossGrads:
         once all of them applied it: returns false."""
         spec = self.spec
         defer = defer and self.enabled
+        if not defer and self.calls:  # their SYNC would take this call's gradients along, and its answers
+            self.confirm()
         marks = [(c, c.order.last_id) for c in spec.conns]
         for r, row in enumerate(spec.replicas):
             for rs in (row if defer else row[::-1]) if sizes[r] else ():

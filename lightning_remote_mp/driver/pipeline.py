@@ -93,6 +93,7 @@ class _Call:
     x_grad: bool | list[bool]
     early: bool = False  # its backward started at the model's loss on the last stage (a schedule's)
     graph: list[bool] = dataclasses.field(default_factory=list)  # early: which outputs have a graph there
+    guessed: bool = False  # ``graph`` is the last stage's guess: every micro-batch was recomputed
 
 
 def _autocast_state(device_type: str) -> dict[str, Any] | None:
@@ -494,8 +495,11 @@ class RemoteSpec:
         elif self.keep is not None and n > 0:
             self.keep = self.keep.learned(outputs, n)
         if grad:
-            graph = [any(flags) for flags in zip(*(_flags(m.requires_grad.get("x")) for m in results.values()))]
-            self._calls[call] = _Call(sizes=sizes, x_grad=x_needs_grad, early=early, graph=graph)
+            # A recomputed micro-batch's flags are a guess (`Stage.forward`): the others', where there are any.
+            exact = [m for (r, mb), m in results.items() if not self._recomputed(mb, len(sizes[r]))]
+            flags = [_flags(m.requires_grad.get("x")) for m in exact or results.values()]
+            graph = [any(f) for f in zip(*flags)]
+            self._calls[call] = _Call(sizes, x_needs_grad, early, graph, guessed=not exact)
         return _to(y, device), call
 
     def _check_plan(self, microbatches: int) -> None:
@@ -539,9 +543,13 @@ class RemoteSpec:
         if record.early:
             # The stages ran the backward from the loss: what is left is one number for them all, which
             # goes with the next message (deferred), or now up the pipeline, stage 0 answering the driver.
-            grad = self.loss_grads.value(call, grad_y, flat, record.graph, loss_grads)
-            if self.loss_grads.post(call, record.sizes, grad, defer=not x_grad):
-                return None
+            try:
+                grad = self.loss_grads.value(call, grad_y, flat, record.graph, loss_grads, guessed=record.guessed)
+                if self.loss_grads.post(call, record.sizes, grad, defer=not x_grad):
+                    return None
+            except BaseException:
+                self.abandon(call)
+                raise
         fences: dict[int, dict[int, int]] = {}
         try:
             for r, row in enumerate(record.sizes):

@@ -83,6 +83,8 @@ class Order:
         self.driver_ran = 0  # the id of the driver's last request run here (they run in order)
         self._held_back: list[tuple[int, str, Any]] = []  # peers' micro-batches waiting for a driver request
         self._carried: list[Carried] = []  # the driver's requests that came along the pipeline, not run yet
+        # Carries held until this stage's loss gradient has run: (its request id, the next stage, the carry).
+        self._onward: list[tuple[int, str, Carry]] = []
         self._runtimes = runtimes
         self._waiting: tuple[int, str, int] | None = None  # a loss gradient's (request id, stage key, call)
         self._parked: list[Any] = []  # the driver's requests after it, in the order they came
@@ -162,6 +164,8 @@ class Order:
         if self._held_back:
             ready += [task for wanted, _, task in self._held_back if wanted <= self.driver_ran]
             self._held_back = [held for held in self._held_back if held[0] > self.driver_ran]
+        if self._onward:
+            self._pass_on()
         return ready
 
     # --- the driver's requests that came along the pipeline ------------------------------------
@@ -188,11 +192,17 @@ class Order:
 
     def _carry(self, msg: Carry) -> Any:
         """Pass the driver's requests for the stages further ``msg.toward`` on to the next stage that
-        way, then keep this stage's own to run in their turn (`next_carried`). They go on first, so
+        way, and keep this stage's own to run in their turn (`next_carried`). Where they bring this
+        stage a loss gradient (`LossGrad`), the rest go on once it is applied (`_pass_on`), and not
+        at all if it could not be: no stage beyond then steps on gradients this one lacks, and where
+        stage 0 answers the driver once it applied its own (`LossGrad.answer`), its answer proves
+        that every stage before it in the carry's way applied theirs. Else they go on at once, so
         that every stage gets its own at once: a step whose stages sum tied gradients together
         (`lightning_remote_mp.worker.collective.GradGroup`) would otherwise wait on itself."""
         here = self._runtimes[msg.key].index
-        if self.no_step is not None:  # the stages beyond must not step on gradients this one lacks
+        mine = list(msg.requests.get(here, ()))
+        gate = next((c.id for c in mine if isinstance(c.request, LossGrad) and c.id > self.driver_ran), None)
+        if self.no_step is not None and gate is None:  # the stages beyond must not step on gradients this one lacks
             log.warning(
                 "stage %d: the driver's requests for stages %s are not passed on: %s",
                 here,
@@ -200,7 +210,7 @@ class Order:
                 self.no_step,
             )
             return NO_REPLY
-        for c in msg.requests.get(here, ()):
+        for c in mine:
             if not c.sealed_by(self._seal_key, self._session):
                 came = "from the driver" if msg.sender == DRIVER else f"from stage {msg.sender}"
                 raise PermissionError(
@@ -220,10 +230,30 @@ class Order:
                 raise ProtocolError(
                     f"stage {here} has no stage {here + msg.toward} to pass the driver's requests on to"
                 )
-            assert self._outbox is not None
-            self._outbox.to_peer(onward, CARRY, Carry(msg.key, msg.call, here, msg.toward, rest).body())
-        self.keep_carried(list(msg.requests.get(here, ())), f"stage {here}")
+            carry = Carry(msg.key, msg.call, here, msg.toward, rest)
+            if gate is None:
+                assert self._outbox is not None
+                self._outbox.to_peer(onward, CARRY, carry.body())
+            elif len(self._onward) >= MAX_WAITING:
+                raise ProtocolError(f"stage {here}: more than {MAX_WAITING} carries wait for loss gradients here")
+            else:
+                self._onward.append((gate, onward, carry))
+        self.keep_carried(mine, f"stage {here}")
         return NO_REPLY
+
+    def _pass_on(self) -> None:
+        """Send on the carries whose loss gradient has run here (`_carry`): dropped, with what
+        they bring the stages beyond, where it could not be applied."""
+        due = [held for held in self._onward if held[0] <= self.driver_ran]
+        self._onward = [held for held in self._onward if held[0] > self.driver_ran]
+        for _, onward, carry in due:
+            if self.no_step is not None:
+                log.warning(
+                    "the driver's requests for stages %s are not passed on: %s", sorted(carry.requests), self.no_step
+                )
+                continue
+            assert self._outbox is not None
+            self._outbox.to_peer(onward, CARRY, carry.body())
 
     # --- requests behind a loss's gradient -----------------------------------------------------
     def _loss_grad(self, req_id: int, msg: LossGrad) -> Any:
