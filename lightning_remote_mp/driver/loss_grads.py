@@ -11,8 +11,8 @@ request (`lightning_remote_mp.wire.requests.LossGrad`) that goes with the next m
 the optimizer's step, so a step costs the driver its forward and its losses, nothing else.
 
 A stage applies it once its part of the call has run, and runs nothing the driver sent after it
-before then (`lightning_remote_mp.worker.order.Order`). Stage 0 passes the other stages' requests on only
-once it applied its own, and a stage that could not apply it refuses the step. The next forward's
+before then (`lightning_remote_mp.worker.order.Order`). Each stage passes the later stages' requests on
+only once it applied its own, and a stage that could not apply it refuses the step. The next forward's
 results prove it applied everywhere (their fences name it); any other message confirms it first
 (`confirm`). Two cases do not wait for the next message. Where the step sums gradients over
 workers (replicas, a tied weight on several stages), a failure could leave the sum waiting for a
