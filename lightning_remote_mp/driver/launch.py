@@ -317,13 +317,17 @@ class LocalWorkers:
             self._server = ForkServer(argvs, env)
             self.procs = list(self._server.workers)
         else:
-            for argv in argvs:
-                command = [sys.executable, "-m", "lightning_remote_mp.worker", *argv]
-                pipe, merged, none = subprocess.PIPE, subprocess.STDOUT, subprocess.DEVNULL
-                started = subprocess.Popen(
-                    command, stdout=pipe, stderr=merged, stdin=none, env=env, start_new_session=True
+            self.procs = [
+                subprocess.Popen(
+                    [sys.executable, "-m", "lightning_remote_mp.worker", *argv],
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    env=env,
+                    start_new_session=True,  # a ^C in this process's terminal is this process's to handle
                 )
-                self.procs.append(started)
+                for argv in argvs
+            ]
         self.outputs = [WorkerOutput(proc, i) for i, proc in enumerate(self.procs)]
 
     def wait_ready(self, timeout: float = 120.0) -> list[str]:

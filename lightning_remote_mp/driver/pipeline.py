@@ -20,7 +20,7 @@ import dataclasses
 import itertools
 import logging
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -494,12 +494,13 @@ class RemoteSpec:
             y = tuple(kept.get(i, t) for i, t in enumerate(y)) if isinstance(y, tuple) else kept[0]
         elif self.keep is not None and n > 0:
             self.keep = self.keep.learned(outputs, n)
-        if grad:
+        if early:
             # A recomputed micro-batch's flags are a guess (`Stage.forward`): the others', where there are any.
             exact = [m for (r, mb), m in results.items() if not self._recomputed(mb, len(sizes[r]))]
             flags = [_flags(m.requires_grad.get("x")) for m in exact or results.values()]
-            graph = [any(f) for f in zip(*flags)]
-            self._calls[call] = _Call(sizes, x_needs_grad, early, graph, guessed=not exact)
+            self._calls[call] = _Call(sizes, x_needs_grad, early, [any(f) for f in zip(*flags)], guessed=not exact)
+        elif grad:
+            self._calls[call] = _Call(sizes, x_needs_grad)
         return _to(y, device), call
 
     def _check_plan(self, microbatches: int) -> None:
@@ -534,10 +535,6 @@ class RemoteSpec:
         record = self._calls.pop(call)
         self.backwards += 1
         flat = [m for row in record.sizes for m in row]
-        if isinstance(grad_y, tuple):
-            grads = iter(self.grad_chunks(grad_y, flat))
-        else:
-            grads = iter(grad_y.split(flat, dim=0) if grad_y is not None else [None] * len(flat))
         loss_grads = self.losses.grads_for(call)
         x_grad = any(record.x_grad) if isinstance(record.x_grad, list) else record.x_grad
         if record.early:
@@ -550,6 +547,11 @@ class RemoteSpec:
             except BaseException:
                 self.abandon(call)
                 raise
+            grads: Iterator[Any] = iter(())  # no backward messages: the loss gradients are the stages' (`post`)
+        elif isinstance(grad_y, tuple):
+            grads = iter(self.grad_chunks(grad_y, flat))
+        else:
+            grads = iter(grad_y.split(flat, dim=0) if grad_y is not None else [None] * len(flat))
         fences: dict[int, dict[int, int]] = {}
         try:
             for r, row in enumerate(record.sizes):
@@ -561,7 +563,7 @@ class RemoteSpec:
                         grad_out=next(grads),
                         loss_grads=_any_of(loss_grads.get((r, mb))),
                     ).body()
-                    for mb in range(len(row) if not record.early else 0)
+                    for mb in range(0 if record.early else len(row))
                 ]
                 if row:  # an early call's: its loss gradients alone, carried up from the last stage
                     self.replicas[r][-1].conn.send_all(

@@ -230,26 +230,25 @@ class Order:
                 raise ProtocolError(
                     f"stage {here} has no stage {here + msg.toward} to pass the driver's requests on to"
                 )
-            carry = Carry(msg.key, msg.call, here, msg.toward, rest)
-            if gate is None:
-                assert self._outbox is not None
-                self._outbox.to_peer(onward, CARRY, carry.body())
-            elif len(self._onward) >= MAX_WAITING:
+            if len(self._onward) >= MAX_WAITING:
                 raise ProtocolError(f"stage {here}: more than {MAX_WAITING} carries wait for loss gradients here")
-            else:
-                self._onward.append((gate, onward, carry))
+            self._onward.append((gate or 0, onward, Carry(msg.key, msg.call, here, msg.toward, rest)))
         self.keep_carried(mine, f"stage {here}")
+        self._pass_on()
         return NO_REPLY
 
     def _pass_on(self) -> None:
-        """Send on the carries whose loss gradient has run here (`_carry`): dropped, with what
-        they bring the stages beyond, where it could not be applied."""
+        """Send on the carries whose loss gradient has run here, or that wait for none (`_carry`):
+        dropped, with what they bring the stages beyond, where it could not be applied."""
         due = [held for held in self._onward if held[0] <= self.driver_ran]
         self._onward = [held for held in self._onward if held[0] > self.driver_ran]
         for _, onward, carry in due:
             if self.no_step is not None:
                 log.warning(
-                    "the driver's requests for stages %s are not passed on: %s", sorted(carry.requests), self.no_step
+                    "stage %d: the driver's requests for stages %s are not passed on: %s",
+                    carry.sender,
+                    sorted(carry.requests),
+                    self.no_step,
                 )
                 continue
             assert self._outbox is not None
